@@ -1,0 +1,30 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+#
+#   make demo   set up, then a trainer pushes new weights into a served tiny model
+#   make test   set up, lint, then every test (the slow end-to-end ones included)
+
+VENV := .venv
+PY := $(VENV)/bin/python
+FORK_PY = $(shell git ls-files '*.py')
+PYTEST_ARGS ?=
+
+.PHONY: setup lint test test-fast demo
+
+setup:
+	bash tools/fork/setup_env.sh
+
+lint: setup
+	$(VENV)/bin/ruff check $(FORK_PY)
+	$(VENV)/bin/ruff format --check $(FORK_PY)
+	$(VENV)/bin/mypy $(FORK_PY)
+	$(PY) tools/fork/check_spdx.py $(shell git ls-files)
+
+test: lint
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) examples/rl/rlhf_ipc_cpu_demo.py

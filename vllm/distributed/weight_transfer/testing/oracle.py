@@ -1,0 +1,148 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The correctness oracle for weight transfer: after a sync, vLLM's greedy tokens
+and their logprobs must equal a Hugging Face forward pass of the trainer's weights.
+
+`hf_greedy` runs the reference (a plain full-sequence forward per step, no KV
+cache, log-softmax in float32); `vllm_greedy` and `completions_greedy` collect the
+same thing from an `LLM` or an OpenAI-compatible server; `assert_same_greedy`
+compares them with a message that shows the first divergence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+# Prompts as token ids: the oracle does not depend on any tokenizer.
+DEFAULT_PROMPTS: tuple[tuple[int, ...], ...] = (
+    (1, 17, 93, 255, 41, 8),
+    (1, 300, 12, 77, 640, 5, 19),
+)
+DEFAULT_MAX_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class GreedyResult:
+    """Per prompt: the generated token ids and the logprob of each."""
+
+    tokens: tuple[tuple[int, ...], ...]
+    logprobs: tuple[tuple[float, ...], ...]
+
+
+def hf_greedy(
+    model: torch.nn.Module,
+    prompts: tuple[tuple[int, ...], ...] | list[list[int]] = DEFAULT_PROMPTS,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+) -> GreedyResult:
+    import torch
+
+    tokens, logprobs = [], []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            out_t: list[int] = []
+            out_l: list[float] = []
+            for _ in range(max_tokens):
+                logits = model(torch.tensor([ids])).logits[0, -1].float()
+                lp = torch.log_softmax(logits, dim=-1)
+                nxt = int(torch.argmax(logits))
+                out_t.append(nxt)
+                out_l.append(float(lp[nxt]))
+                ids.append(nxt)
+            tokens.append(tuple(out_t))
+            logprobs.append(tuple(out_l))
+    return GreedyResult(tuple(tokens), tuple(logprobs))
+
+
+def vllm_greedy(
+    llm: Any,
+    prompts: tuple[tuple[int, ...], ...] | list[list[int]] = DEFAULT_PROMPTS,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+) -> GreedyResult:
+    """Greedy generation through an offline `vllm.LLM`."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0
+    )
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+        params,
+        use_tqdm=False,
+    )
+    tokens, logprobs = [], []
+    for out in outs:
+        comp = out.outputs[0]
+        ids = tuple(comp.token_ids)
+        tokens.append(ids)
+        logprobs.append(
+            tuple(float(step[tok].logprob) for tok, step in zip(ids, comp.logprobs))
+        )
+    return GreedyResult(tuple(tokens), tuple(logprobs))
+
+
+def completions_greedy(
+    base_url: str,
+    model: str,
+    prompts: tuple[tuple[int, ...], ...] | list[list[int]] = DEFAULT_PROMPTS,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    timeout: float = 60.0,
+) -> GreedyResult:
+    """Greedy generation through a server's ``/v1/completions`` route."""
+    import requests
+
+    tokens, logprobs = [], []
+    for prompt in prompts:
+        resp = requests.post(
+            f"{base_url.rstrip('/')}/v1/completions",
+            json={
+                "model": model,
+                "prompt": list(prompt),
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "logprobs": 0,
+                "return_token_ids": True,
+            },
+            timeout=timeout,
+        )
+        resp.raise_for_status()
+        choice = resp.json()["choices"][0]
+        tokens.append(tuple(choice["token_ids"]))
+        logprobs.append(tuple(choice["logprobs"]["token_logprobs"]))
+    return GreedyResult(tuple(tokens), tuple(logprobs))
+
+
+def assert_same_greedy(
+    actual: GreedyResult,
+    expected: GreedyResult,
+    *,
+    atol: float = 1e-3,
+    what: str = "vLLM",
+) -> None:
+    """Tokens must be identical; logprobs within ``atol`` of the reference."""
+    for i, (got, want) in enumerate(zip(actual.tokens, expected.tokens, strict=True)):
+        if got != want:
+            raise AssertionError(
+                f"{what} greedy tokens differ from the HF oracle for prompt {i}: "
+                f"got {list(got)}, expected {list(want)}"
+            )
+    for i, (got_lp, want_lp) in enumerate(
+        zip(actual.logprobs, expected.logprobs, strict=True)
+    ):
+        for j, (g, w) in enumerate(zip(got_lp, want_lp, strict=True)):
+            if abs(g - w) > atol:
+                raise AssertionError(
+                    f"{what} logprob of prompt {i} step {j} is {g:.6f}, the HF "
+                    f"oracle says {w:.6f} (|diff| {abs(g - w):.2e} > atol {atol})"
+                )
+
+
+def logprob_atol(dtype: str) -> float:
+    """Tolerance for logprobs of two different kernels on the same weights."""
+    return 5e-3 if dtype == "float32" else 6e-2
