@@ -200,9 +200,7 @@ def write_git_exclude(unpacked: list[str]) -> None:
     exclude.write_text((text + "\n" if text else "") + "\n".join(lines) + "\n")
 
 
-def requirements(
-    metadata: str, device: str
-) -> tuple[list[str], dict[str, list[str]]]:
+def requirements(metadata: str, device: str) -> tuple[list[str], dict[str, list[str]]]:
     """Upstream's requirements, split into install_requires and extras."""
     base: list[str] = []
     extras: dict[str, list[str]] = {}

@@ -97,7 +97,9 @@ def test_trainer_init_dispatches_on_init_info_backend():
     try:
         info = EchoInitInfo(rank=0)
         engine = WeightTransferTrainerFactory.trainer_init(
-            info, client="client", source=None
+            info,
+            client="client",  # type: ignore[arg-type]
+            source=None,
         )
         assert isinstance(engine, EchoTrainer)
         assert calls == [(info, "client", None)]
@@ -107,7 +109,10 @@ def test_trainer_init_dispatches_on_init_info_backend():
 
 def test_trainer_init_rejects_objects_without_a_backend():
     with pytest.raises(TypeError, match="TrainerInitInfo subclass"):
-        WeightTransferTrainerFactory.trainer_init(object(), client=None)
+        WeightTransferTrainerFactory.trainer_init(
+            object(),  # type: ignore[arg-type]
+            client=None,  # type: ignore[arg-type]
+        )
 
 
 def test_config_accepts_builtin_and_plugin_names():

@@ -40,6 +40,7 @@ def test_installed_distribution_is_named_vllm():
 @pytest.mark.parametrize("module", tracked_fork_modules())
 def test_fork_module_is_imported_from_the_repo(module):
     mod = importlib.import_module(module)
+    assert mod.__file__ is not None
     path = Path(mod.__file__).resolve()
     assert path.is_relative_to(REPO / "vllm"), f"{module} imported from {path}"
 

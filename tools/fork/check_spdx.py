@@ -21,7 +21,8 @@ def main(paths: list[str]) -> int:
     bad = [
         p
         for p in paths
-        if Path(p).suffix in CHECKED_SUFFIXES and Path(p).is_file()
+        if Path(p).suffix in CHECKED_SUFFIXES
+        and Path(p).is_file()
         and missing_header(Path(p))
     ]
     for p in bad:

@@ -81,7 +81,10 @@ def vllm_greedy(
         ids = tuple(comp.token_ids)
         tokens.append(ids)
         logprobs.append(
-            tuple(float(step[tok].logprob) for tok, step in zip(ids, comp.logprobs))
+            tuple(
+                float(step[tok].logprob)
+                for tok, step in zip(ids, comp.logprobs, strict=True)
+            )
         )
     return GreedyResult(tuple(tokens), tuple(logprobs))
 

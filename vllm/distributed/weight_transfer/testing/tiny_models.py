@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -81,7 +81,7 @@ def default_cache_dir() -> Path:
 
 def hf_config(spec: TinyModelSpec):
     """The transformers config object for ``spec``."""
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -172,7 +172,9 @@ def build_tokenizer(vocab_size: int):
     )
 
 
-def build_tiny_model(spec: TinyModelSpec | None = None, root: Path | None = None) -> Path:
+def build_tiny_model(
+    spec: TinyModelSpec | None = None, root: Path | None = None
+) -> Path:
     """Return the folder of ``spec``'s model, generating it on first use."""
     spec = spec or TinyModelSpec()
     root = Path(root) if root is not None else default_cache_dir()
