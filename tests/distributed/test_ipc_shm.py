@@ -1,0 +1,97 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The CPU data plane: a shared-memory segment written by one process is read,
+byte for byte, by another; mappings outlive the unlink; nothing is left in
+/dev/shm."""
+
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from vllm.distributed.weight_transfer.ipc_dataplane import (
+    BufferImporter,
+    allocate_buffer,
+    export_tensor,
+)
+from vllm.distributed.weight_transfer.ipc_wire import ShmHandle, cpu_device_key
+from vllm.distributed.weight_transfer.shm_buffer import (
+    SHM_DIR,
+    MappedSegment,
+    SharedMemoryBuffer,
+)
+
+
+def _read_in_child(handle_dict, queue):
+    seg = MappedSegment(ShmHandle(**handle_dict))
+    assert seg.tensor is not None
+    queue.put(seg.tensor.clone().tolist())
+    seg.close()
+
+
+def test_bytes_written_by_the_trainer_are_read_by_another_process():
+    with SharedMemoryBuffer(64) as buf:
+        assert buf.tensor is not None
+        buf.tensor.copy_(torch.arange(64, dtype=torch.uint8))
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        proc = ctx.Process(
+            target=_read_in_child,
+            args=({"name": buf.name, "nbytes": buf.nbytes}, queue),
+        )
+        proc.start()
+        got = queue.get(timeout=60)
+        proc.join(timeout=60)
+    assert got == list(range(64))
+    assert proc.exitcode == 0
+
+
+def test_close_unlinks_and_a_mapping_outlives_the_unlink():
+    buf = SharedMemoryBuffer(16)
+    assert buf.tensor is not None
+    buf.tensor.fill_(7)
+    reader = MappedSegment(buf.handle)
+    buf.close()
+    buf.close()  # idempotent
+    assert not os.path.exists(os.path.join(SHM_DIR, buf.name))
+    assert reader.tensor is not None
+    assert reader.tensor.tolist() == [7] * 16
+    reader.close()
+
+
+def test_segments_are_private_to_the_owner():
+    with SharedMemoryBuffer(8) as buf:
+        mode = os.stat(os.path.join(SHM_DIR, buf.name)).st_mode & 0o777
+    assert mode == 0o600
+
+
+def test_missing_or_short_segment_is_a_clear_error():
+    with pytest.raises(ValueError, match="does not exist on this host"):
+        MappedSegment(ShmHandle(name="vllm-wt-missing-0", nbytes=8))
+    with (
+        SharedMemoryBuffer(8) as buf,
+        pytest.raises(ValueError, match="has 8 bytes but the handle claims 64"),
+    ):
+        MappedSegment(ShmHandle(name=buf.name, nbytes=64))
+
+
+def test_exported_tensor_is_viewed_with_its_dtype_and_shape_by_the_importer():
+    src = torch.randn(3, 5, dtype=torch.float32).to(torch.bfloat16)
+    exported = export_tensor(src)
+    importer = BufferImporter(torch.device("cpu"), local_rank=0)
+    handle = importer.select({cpu_device_key(0): exported.handle}, "ipc_handles")
+    raw = importer.open(handle)
+    assert importer.open(handle) is raw  # mapped once
+    view = raw.view(torch.bfloat16).view(3, 5)
+    assert torch.equal(view, src)
+    assert raw.untyped_storage().data_ptr() in importer.storage_ptrs()
+    del raw, view
+    importer.close()
+    exported.close()
+
+
+def test_allocated_buffer_of_zero_bytes_is_valid():
+    buf = allocate_buffer(0, torch.device("cpu"))
+    assert buf.handle.nbytes == 0
+    buf.close()

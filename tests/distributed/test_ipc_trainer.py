@@ -1,0 +1,246 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The ipc trainer engine against a loopback worker (no vLLM engine): bytes
+arrive intact in both modes, chunks are flushed before the next tensor is
+materialized, and a source that disagrees with its metadata is rejected naming
+the tensor, with the server told to abort."""
+
+import gc
+import json
+import os
+import weakref
+
+import pytest
+import torch
+
+from vllm.distributed.weight_transfer import (
+    ModuleSource,
+    ParamMeta,
+    WeightSource,
+    WeightTransferTrainerFactory,
+)
+from vllm.distributed.weight_transfer.ipc_dataplane import BufferImporter
+from vllm.distributed.weight_transfer.ipc_engine import (
+    IPCTrainerInitInfo,
+    IPCTrainerWeightTransferEngine,
+)
+from vllm.distributed.weight_transfer.ipc_wire import IPCWeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.shm_buffer import SHM_DIR
+
+
+class LoopbackClient:
+    """Plays the worker: parses each update from JSON and copies its tensors."""
+
+    def __init__(self, events=None):
+        self.events = events if events is not None else []
+        self.calls = []
+        self.received = {}
+        self.init_info = None
+
+    def init_weight_transfer_engine(self, init_info):
+        self.init_info = init_info
+        self.calls.append("init")
+
+    def start_weight_update(self):
+        self.calls.append("start")
+
+    def update_weights(self, update_info):
+        if "abort" in update_info:
+            self.calls.append("abort")
+            return
+        self.calls.append("update")
+        info = IPCWeightTransferUpdateInfo.from_dict(
+            json.loads(json.dumps(update_info))
+        )
+        self.events.append(("update", tuple(info.names)))
+        importer = BufferImporter(torch.device("cpu"), local_rank=0)
+        handles = [importer.select(b, "ipc_handles") for b in info.buffers()]
+        buffers = [importer.open(h) for h in handles]
+        for v in info.views():
+            raw = buffers[v.buffer][v.offset : v.offset + v.nbytes]
+            self.received[v.name] = raw.view(v.dtype).view(v.shape).clone()
+        del buffers, raw
+        importer.close()
+
+    def finish_weight_update(self, weight_version=None):
+        self.calls.append(
+            "finish" if weight_version is None else f"finish:{weight_version}"
+        )
+
+
+class RecordingSource(WeightSource):
+    """Yields fresh copies of ``tensors`` and records when each is made."""
+
+    def __init__(self, tensors, events, meta_override=None, yield_override=None):
+        self.tensors = tensors
+        self.events = events
+        self.meta_override = meta_override or {}
+        self.yield_override = yield_override
+        self.alive = []
+
+    def metadata(self):
+        metas = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
+        return [self.meta_override.get(m.name, m) for m in metas]
+
+    def __iter__(self):
+        items = self.yield_override or list(self.tensors.items())
+        for name, t in items:
+            gc.collect()
+            live = [r for r in self.alive if r() is not None]
+            self.events.append(("materialize", name, len(live)))
+            fresh = t.clone()
+            self.alive.append(weakref.ref(fresh))
+            yield name, fresh
+            del fresh
+
+
+def model_tensors(n=6):
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for i in range(n):
+        dtype = torch.bfloat16 if i % 2 else torch.float32
+        out[f"layers.{i}.weight"] = torch.randn(8, 4 + i, generator=gen).to(dtype)
+    out["norm.weight"] = torch.randn(3, generator=gen)
+    return out
+
+
+def shm_files():
+    return {f for f in os.listdir(SHM_DIR) if f.startswith(f"vllm-wt-{os.getpid()}-")}
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_every_tensor_arrives_bit_exact(packed):
+    tensors = model_tensors()
+    events: list = []
+    client = LoopbackClient(events)
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed=packed, packed_buffer_size_bytes=300),
+        client=client,
+        source=RecordingSource(tensors, events),
+    )
+    engine.send_weights(weight_version="v1")
+    assert client.init_info == {"packed": packed}
+    assert client.calls[0] == "init" and client.calls[1] == "start"
+    assert client.calls[-1] == "finish:v1"
+    assert engine.last_plan is not None
+    assert client.calls.count("update") == len(engine.last_plan.chunks) > 1
+    assert list(client.received) == list(tensors)
+    for name, t in tensors.items():
+        assert torch.equal(client.received[name], t), name
+    assert shm_files() == set()
+
+
+def test_a_chunk_is_sent_before_the_next_tensor_is_materialized():
+    tensors = model_tensors(8)
+    events: list = []
+    client = LoopbackClient(events)
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=400),
+        client=client,
+        source=RecordingSource(tensors, events),
+    )
+    engine.send_weights()
+    plan = engine.last_plan
+    assert plan is not None
+    expected: list[tuple] = []
+    for chunk in plan.chunks:
+        expected += [("materialize", n) for n in chunk.names]
+        expected.append(("update", tuple(chunk.names)))
+    assert [e[:2] for e in events] == expected
+    # at most the tensor being copied is alive when the next one is requested
+    assert max(e[2] for e in events if e[0] == "materialize") == 0
+
+
+def test_drop_in_upstream_call_works_through_the_factory():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    client = LoopbackClient()
+    WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed=True),
+        client=client,
+        source=ModuleSource(model),
+    ).send_weights()
+    for name, p in model.named_parameters():
+        assert torch.equal(client.received[name], p.detach())
+    assert client.calls == ["init", "start", "update", "finish"]
+
+
+def test_trainer_init_needs_a_source():
+    with pytest.raises(ValueError, match="needs source="):
+        IPCTrainerWeightTransferEngine.trainer_init(
+            IPCTrainerInitInfo(rank=0), client=LoopbackClient()
+        )
+
+
+def test_init_info_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="packed_buffer_size_bytes must be positive"):
+        IPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=0)
+    with pytest.raises(ValueError, match="timeout_s must be positive"):
+        IPCTrainerInitInfo(rank=0, timeout_s=0)
+
+
+def _bad_sources(tensors):
+    names = list(tensors)
+    items = list(tensors.items())
+    t0 = tensors[names[0]]
+    return {
+        "name": (
+            None,
+            [("wrong.name", t0)] + items[1:],
+            r"yielded 'wrong.name' where metadata\(\) announced 'layers.0.weight'",
+        ),
+        "order": (
+            None,
+            [items[1], items[0]] + items[2:],
+            "yielded 'layers.1.weight' where metadata.. announced 'layers.0.weight'",
+        ),
+        "shape": (
+            {names[0]: ParamMeta(names[0], t0.dtype, (4, 8))},
+            None,
+            r"'layers.0.weight' with shape \[8, 4\] but metadata\(\) says \[4, 8\]",
+        ),
+        "dtype": (
+            {names[0]: ParamMeta(names[0], torch.float16, tuple(t0.shape))},
+            None,
+            r"'layers.0.weight' as float32 but metadata\(\) says float16",
+        ),
+        "too_few": (None, items[:-1], "stopped before 'norm.weight'"),
+        "too_many": (None, items + [("extra", t0)], "yielded 'extra' after the"),
+    }
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize(
+    "case", ["name", "order", "shape", "dtype", "too_few", "too_many"]
+)
+def test_source_disagreeing_with_metadata_is_rejected_and_aborted(case, packed):
+    tensors = model_tensors(3)
+    meta_override, yield_override, match = _bad_sources(tensors)[case]
+    client = LoopbackClient()
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed=packed),
+        client=client,
+        source=RecordingSource(tensors, [], meta_override, yield_override),
+    )
+    with pytest.raises(ValueError, match=match):
+        engine.send_weights()
+    assert client.calls[-2:] == ["abort", "finish"]
+    assert shm_files() == set()
+
+
+def test_server_failure_is_raised_and_the_update_aborted():
+    class FailingClient(LoopbackClient):
+        def update_weights(self, update_info):
+            if "abort" in update_info:
+                return super().update_weights(update_info)
+            raise RuntimeError("worker said no")
+
+    client = FailingClient()
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0),
+        client=client,
+        source=RecordingSource(model_tensors(2), []),
+    )
+    with pytest.raises(RuntimeError, match="worker said no"):
+        engine.send_weights()
+    assert client.calls[-2:] == ["abort", "finish"]
+    assert shm_files() == set()

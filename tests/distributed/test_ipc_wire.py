@@ -1,0 +1,241 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The ipc wire format: JSON round trips, and every malformed message rejected
+with a ValueError naming the field, before any weight is touched."""
+
+import json
+
+import pytest
+import torch
+
+from vllm.distributed.weight_transfer.ipc_dataplane import BufferImporter
+from vllm.distributed.weight_transfer.ipc_wire import (
+    CudaIpcHandle,
+    IPCWeightTransferInitInfo,
+    IPCWeightTransferUpdateInfo,
+    ShmHandle,
+    abort_reason,
+    cpu_device_key,
+    select_cpu_key,
+)
+
+KEY = cpu_device_key(0)
+SHM = {"kind": "shm", "name": "vllm-wt-1-abc", "nbytes": 1024}
+
+
+def packed(**overrides):
+    msg = {
+        "names": ["a.weight", "b.weight"],
+        "dtype_names": ["float32", "bfloat16"],
+        "shapes": [[2, 3], [4]],
+        "tensor_sizes": [24, 8],
+        "offsets": [0, 64],
+        "ipc_handles": {KEY: dict(SHM)},
+    }
+    msg.update(overrides)
+    return msg
+
+
+def unpacked(**overrides):
+    msg = {
+        "names": ["a.weight", "b.weight"],
+        "dtype_names": ["float32", "bfloat16"],
+        "shapes": [[2, 3], [4]],
+        "ipc_handles": [
+            {KEY: {"kind": "shm", "name": "vllm-wt-1-a", "nbytes": 24}},
+            {KEY: {"kind": "shm", "name": "vllm-wt-1-b", "nbytes": 8}},
+        ],
+    }
+    msg.update(overrides)
+    return msg
+
+
+def test_packed_message_round_trips_through_json():
+    info = IPCWeightTransferUpdateInfo.from_dict(packed())
+    assert info.packed
+    wire = json.loads(json.dumps(info.to_dict()))
+    again = IPCWeightTransferUpdateInfo.from_dict(wire)
+    assert again.to_dict() == info.to_dict()
+    views = again.views()
+    assert [(v.name, v.dtype, v.shape, v.offset, v.nbytes) for v in views] == [
+        ("a.weight", torch.float32, (2, 3), 0, 24),
+        ("b.weight", torch.bfloat16, (4,), 64, 8),
+    ]
+    assert isinstance(again.buffers()[0][KEY], ShmHandle)
+
+
+def test_packed_offsets_default_to_back_to_back():
+    info = IPCWeightTransferUpdateInfo.from_dict(packed(offsets=None))
+    assert [v.offset for v in info.views()] == [0, 24]
+
+
+def test_unpacked_message_round_trips_through_json():
+    info = IPCWeightTransferUpdateInfo.from_dict(unpacked())
+    assert not info.packed
+    again = IPCWeightTransferUpdateInfo.from_dict(
+        json.loads(json.dumps(info.to_dict()))
+    )
+    assert [v.buffer for v in again.views()] == [0, 1]
+
+
+def test_cuda_handle_round_trips_through_json():
+    h = {
+        "kind": "cuda",
+        "nbytes": 32,
+        "device": 0,
+        "storage_handle": "AAEC",
+        "storage_size_bytes": 64,
+        "storage_offset_bytes": 0,
+        "tensor_offset": 0,
+        "ref_counter_handle": "AwQ=",
+        "ref_counter_offset": 0,
+        "event_handle": None,
+        "event_sync_required": True,
+    }
+    info = IPCWeightTransferUpdateInfo.from_dict(
+        packed(ipc_handles={"GPU-1": h}, offsets=None)
+    )
+    handle = info.buffers()[0]["GPU-1"]
+    assert isinstance(handle, CudaIpcHandle)
+    assert handle.to_dict() == h
+
+
+@pytest.mark.parametrize(
+    ("message", "match"),
+    [
+        (packed(extra=1), r"update_info has unknown field\(s\) \['extra'\]"),
+        ({"names": [], "shapes": []}, r"missing field\(s\) \['dtype_names'\]"),
+        (packed(ipc_handles=None), "update_info.ipc_handles is missing"),
+        (packed(ipc_handles_pickled="gASV"), "ipc_handles_pickled is not accepted"),
+        (packed(dtype_names=["float32"]), "dtype_names has 1 entries but names has 2"),
+        (packed(shapes=[[2, 3]]), "shapes has 1 entries but names has 2"),
+        (packed(tensor_sizes=[24]), "tensor_sizes has 1 entries but names has 2"),
+        (packed(offsets=[0]), "offsets has 1 entries but names has 2"),
+        (packed(names=["a", "a"]), "lists 'a' more than once"),
+        (packed(names="a"), "names must be a list of strings"),
+        (packed(dtype_names=["float32", "float99"]), r"dtype_names\[1\].*float99"),
+        (packed(dtype_names=["float32", "Tensor"]), "not a torch dtype name"),
+        (packed(shapes=[[2, -3], [4]]), r"shapes\[0\].*non-negative"),
+        (packed(tensor_sizes=[24, 9]), r"tensor_sizes\[1\] \('b.weight'\) is 9"),
+        (packed(tensor_sizes=None), "tensor_sizes is required for a packed update"),
+        (packed(offsets=[0, 20]), r"offsets\[1\].*inside the previous tensor"),
+        (packed(offsets=[0, 25]), r"offsets\[1\].*not a multiple"),
+        (packed(offsets=[0, -64]), r"offsets\[1\].*integer >= 0"),
+        (
+            packed(ipc_handles={KEY: {**SHM, "nbytes": 70}}),
+            "covers 70 bytes but the tensors need 72",
+        ),
+        (packed(ipc_handles={}), "non-empty object"),
+        (packed(ipc_handles={KEY: ["rebuild", "args"]}), "must be a handle object"),
+        (packed(ipc_handles={KEY: {"kind": "tcp"}}), r"kind is 'tcp'"),
+        (
+            packed(ipc_handles={KEY: {**SHM, "name": "/etc/passwd"}}),
+            "not a segment of this backend",
+        ),
+        (
+            packed(ipc_handles={KEY: {**SHM, "path": "x"}}),
+            r"unknown field\(s\) \['path'\]",
+        ),
+        (packed(ipc_handles={KEY: {"kind": "shm", "name": "vllm-wt-x"}}), "missing"),
+        (packed(ipc_handles=3), "must be an object .packed. or a list"),
+        (
+            unpacked(ipc_handles=[{KEY: SHM}]),
+            "ipc_handles has 1 entries but names has 2",
+        ),
+        (unpacked(offsets=[0, 0]), "offsets is only valid for a packed update"),
+        (
+            unpacked(
+                ipc_handles=[
+                    {KEY: {"kind": "shm", "name": "vllm-wt-1-a", "nbytes": 23}},
+                    {KEY: {"kind": "shm", "name": "vllm-wt-1-b", "nbytes": 8}},
+                ]
+            ),
+            r"ipc_handles\[0\].*covers 23 bytes but the tensor needs 24",
+        ),
+    ],
+)
+def test_malformed_update_is_rejected_naming_the_field(message, match):
+    with pytest.raises(ValueError, match=match):
+        IPCWeightTransferUpdateInfo.from_dict(message)
+
+
+def test_update_must_be_an_object():
+    with pytest.raises(ValueError, match="update_info must be an object"):
+        IPCWeightTransferUpdateInfo.from_dict([packed()])
+
+
+def test_cuda_handle_outside_its_storage_is_rejected():
+    h = {
+        "kind": "cuda",
+        "nbytes": 32,
+        "device": 0,
+        "storage_handle": "AAEC",
+        "storage_size_bytes": 16,
+        "storage_offset_bytes": 0,
+        "tensor_offset": 0,
+        "ref_counter_handle": "AwQ=",
+        "ref_counter_offset": 0,
+        "event_handle": None,
+        "event_sync_required": True,
+    }
+    with pytest.raises(ValueError, match="16-byte storage"):
+        IPCWeightTransferUpdateInfo.from_dict(packed(ipc_handles={"GPU-1": h}))
+    with pytest.raises(ValueError, match="storage_handle is not valid base64"):
+        IPCWeightTransferUpdateInfo.from_dict(
+            packed(ipc_handles={"GPU-1": {**h, "storage_handle": "**", "nbytes": 1}})
+        )
+
+
+def test_init_info_rejects_unknown_and_mistyped_fields():
+    assert IPCWeightTransferInitInfo.from_dict({"packed": True}).packed
+    assert not IPCWeightTransferInitInfo.from_dict({}).packed
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['buffer'\]"):
+        IPCWeightTransferInitInfo.from_dict({"packed": True, "buffer": 1})
+    with pytest.raises(ValueError, match="packed must be a bool"):
+        IPCWeightTransferInitInfo.from_dict({"packed": "yes"})
+
+
+def test_abort_message():
+    assert abort_reason(packed()) is None
+    assert abort_reason({"abort": "trainer died"}) == "trainer died"
+    with pytest.raises(ValueError, match="must be the only field"):
+        abort_reason({"abort": "x", "names": []})
+
+
+def test_cpu_worker_selects_its_trainer_rank_modulo_the_rank_count():
+    keys = [cpu_device_key(0, "h"), cpu_device_key(1, "h"), cpu_device_key(0, "other")]
+    assert select_cpu_key(keys, 0, "h") == "cpu:h:0"
+    assert select_cpu_key(keys, 1, "h") == "cpu:h:1"
+    assert select_cpu_key(keys, 3, "h") == "cpu:h:1"
+    assert select_cpu_key(keys, 0, "nohost") is None
+    with pytest.raises(ValueError, match=r"trainer ranks \[0, 2\]"):
+        select_cpu_key(["cpu:h:0", "cpu:h:2"], 0, "h")
+
+
+def test_worker_rejects_a_handle_for_a_device_it_does_not_have():
+    info = IPCWeightTransferUpdateInfo.from_dict(
+        packed(ipc_handles={"cpu:elsewhere:0": dict(SHM)})
+    )
+    importer = BufferImporter(torch.device("cpu"), local_rank=0)
+    with pytest.raises(ValueError, match="no shared-memory handle for this host"):
+        importer.select(info.buffers()[0], "update_info.ipc_handles")
+    cuda_only = {
+        KEY: {
+            "kind": "cuda",
+            "nbytes": 128,
+            "device": 0,
+            "storage_handle": "AAEC",
+            "storage_size_bytes": 128,
+            "storage_offset_bytes": 0,
+            "tensor_offset": 0,
+            "ref_counter_handle": "AwQ=",
+            "ref_counter_offset": 0,
+            "event_handle": None,
+            "event_sync_required": False,
+        }
+    }
+    info = IPCWeightTransferUpdateInfo.from_dict(packed(ipc_handles=cuda_only))
+    with pytest.raises(
+        ValueError, match="is a 'cuda' handle but this worker runs on cpu"
+    ):
+        importer.select(info.buffers()[0], "update_info.ipc_handles")

@@ -1,0 +1,225 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The sync clients: the HTTP client against a local stdlib server (routes,
+plain-JSON bodies, errors carrying the server's message, timeouts), the Ray client
+against a stand-in ``ray`` module (fan-out, timeouts), the offline adapter."""
+
+import json
+import sys
+import threading
+import time
+import types
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import requests
+
+from vllm.distributed.weight_transfer.base import (
+    VLLMWeightSyncClient,
+    WeightTransferInitRequest,
+    WeightTransferUpdateRequest,
+)
+from vllm.distributed.weight_transfer.clients import (
+    HTTPVLLMWeightSyncClient,
+    OfflineLLMWeightSyncClient,
+    RayVLLMWeightSyncClient,
+)
+from vllm.distributed.weight_transfer.ipc_wire import IPCWeightTransferUpdateInfo
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        body = json.loads(raw) if raw else None
+        self.server.requests.append((self.path, body))  # type: ignore[attr-defined]
+        info = body.get("update_info") if isinstance(body, dict) else None
+        if isinstance(info, dict) and info.get("names") == ["bad"]:
+            self._reply(500, {"error": "update_info.names: 'bad' is not a weight"})
+            return
+        if self.path == "/start_weight_update" and self.server.slow:  # type: ignore[attr-defined]
+            time.sleep(1.0)
+        self._reply(200, {"message": "ok"})
+
+    def _reply(self, status, payload):
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    srv.requests = []  # type: ignore[attr-defined]
+    srv.slow = False  # type: ignore[attr-defined]
+    srv.handle_error = lambda *args: None  # type: ignore[method-assign]
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def update_info():
+    return IPCWeightTransferUpdateInfo.from_dict(
+        {
+            "names": ["w"],
+            "dtype_names": ["float32"],
+            "shapes": [[2]],
+            "tensor_sizes": [8],
+            "ipc_handles": {
+                "cpu:h:0": {"kind": "shm", "name": "vllm-wt-1", "nbytes": 8}
+            },
+        }
+    )
+
+
+def test_http_client_posts_each_route_with_plain_json(server):
+    client = HTTPVLLMWeightSyncClient(f"http://127.0.0.1:{server.server_port}/")
+    assert isinstance(client, VLLMWeightSyncClient)
+    client.init_weight_transfer_engine({"packed": True})
+    client.start_weight_update()
+    client.update_weights(update_info())
+    client.update_weights([update_info().to_dict(), update_info().to_dict()])
+    client.finish_weight_update()
+    client.finish_weight_update(weight_version="step-3")
+    client.shutdown_weight_transfer_engine()
+    paths = [p for p, _ in server.requests]
+    assert paths == [
+        "/init_weight_transfer_engine",
+        "/start_weight_update",
+        "/update_weights",
+        "/update_weights",
+        "/finish_weight_update",
+        "/finish_weight_update",
+        "/shutdown_weight_transfer_engine",
+    ]
+    bodies = [b for _, b in server.requests]
+    assert bodies[0] == {"init_info": {"packed": True}}
+    assert bodies[1] is None
+    assert bodies[2] == {"update_info": update_info().to_dict()}
+    assert "ipc_handles_pickled" not in json.dumps(bodies)
+    assert len(bodies[3]["update_info"]) == 2
+    assert bodies[4] is None
+    assert bodies[5] == {"weight_version": "step-3"}
+
+
+def test_http_error_carries_the_server_message(server):
+    client = HTTPVLLMWeightSyncClient(f"http://127.0.0.1:{server.server_port}")
+    bad = {"names": ["bad"], "dtype_names": [], "shapes": []}
+    with pytest.raises(requests.HTTPError, match="HTTP 500.*'bad' is not a weight"):
+        client.update_weights(bad)
+
+
+def test_http_client_refuses_non_json_payloads(server):
+    client = HTTPVLLMWeightSyncClient(f"http://127.0.0.1:{server.server_port}")
+    with pytest.raises(TypeError, match="must be plain JSON"):
+        client.update_weights({"ipc_handles": {"gpu": (b"raw", object())}})
+    assert server.requests == []
+
+
+def test_http_client_times_out(server):
+    server.slow = True
+    client = HTTPVLLMWeightSyncClient(
+        f"http://127.0.0.1:{server.server_port}", timeout=0.2
+    )
+    with pytest.raises(TimeoutError, match="no answer within 0.2s"):
+        client.start_weight_update()
+
+
+class _Method:
+    def __init__(self, actor, name):
+        self.actor, self.name = actor, name
+
+    def remote(self, *args, **kwargs):
+        self.actor.calls.append((self.name, args, kwargs))
+        return ("ref", self.actor.delay)
+
+
+class _Actor:
+    def __init__(self, delay=0.0):
+        self.calls = []
+        self.delay = delay
+
+    def __getattr__(self, name):
+        return _Method(self, name)
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    ray = types.ModuleType("ray")
+
+    class GetTimeoutError(Exception):
+        pass
+
+    errors = types.SimpleNamespace(GetTimeoutError=GetTimeoutError)
+    ray.exceptions = errors  # type: ignore[attr-defined]
+
+    def get(refs, timeout=None):
+        if timeout is not None and any(d > timeout for _, d in refs):
+            raise GetTimeoutError("timed out")
+        return [None] * len(refs)
+
+    ray.get = get  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    return ray
+
+
+def test_ray_client_fans_out_to_every_actor(fake_ray):
+    actors = [_Actor(), _Actor()]
+    client = RayVLLMWeightSyncClient(actors)  # type: ignore[arg-type]
+    client.init_weight_transfer_engine({"packed": True})
+    client.start_weight_update()
+    client.update_weights(update_info())
+    client.finish_weight_update(weight_version="v2")
+    for actor in actors:
+        names = [c[0] for c in actor.calls]
+        assert names == [
+            "init_weight_transfer_engine",
+            "start_weight_update",
+            "update_weights",
+            "finish_weight_update",
+        ]
+        init_req = actor.calls[0][1][0]
+        assert isinstance(init_req, WeightTransferInitRequest)
+        assert init_req.init_info == {"packed": True}
+        upd_req = actor.calls[2][1][0]
+        assert isinstance(upd_req, WeightTransferUpdateRequest)
+        assert upd_req.update_info == update_info().to_dict()
+        assert actor.calls[3][2] == {"weight_version": "v2"}
+
+
+def test_ray_client_accepts_one_handle_and_times_out(fake_ray):
+    client = RayVLLMWeightSyncClient(_Actor(delay=5.0), timeout=1.0)  # type: ignore[arg-type]
+    with pytest.raises(TimeoutError, match="start_weight_update did not complete"):
+        client.start_weight_update()
+    with pytest.raises(ValueError, match="at least one actor"):
+        RayVLLMWeightSyncClient([])
+
+
+def test_offline_client_wraps_requests_for_llm():
+    class FakeLLM:
+        def __init__(self):
+            self.calls = []
+
+        def __getattr__(self, name):
+            return lambda *a, **k: self.calls.append((name, a, k))
+
+    llm = FakeLLM()
+    client = OfflineLLMWeightSyncClient(llm)
+    client.init_weight_transfer_engine({"packed": False})
+    client.update_weights(update_info())
+    client.finish_weight_update("v")
+    assert llm.calls[0] == (
+        "init_weight_transfer_engine",
+        ({"init_info": {"packed": False}},),
+        {},
+    )
+    assert llm.calls[1][1][0] == {"update_info": update_info().to_dict()}
+    assert llm.calls[2] == ("finish_weight_update", (), {"weight_version": "v"})

@@ -1,0 +1,182 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Trainer-side clients of the inference engine's weight-sync control plane.
+
+A trainer engine drives ``init -> start -> update* -> finish`` through any object
+with the four methods of ``VLLMWeightSyncClient``. Three are provided:
+
+* ``HTTPVLLMWeightSyncClient(base_url, timeout=300)``: the RL routes of
+  ``vllm serve`` (``VLLM_SERVER_DEV_MODE=1``). Bodies are plain JSON; nothing
+  is pickled, so the server needs no ``VLLM_ALLOW_INSECURE_SERIALIZATION``. A
+  failed call raises ``requests.HTTPError`` carrying the server's message;
+  every call is bounded by ``timeout`` seconds.
+* ``RayVLLMWeightSyncClient(handle | [handles], timeout=300)``: ``LLM`` or
+  ``AsyncLLM`` Ray actors. Each call fans out to every actor and waits for all
+  of them, at most ``timeout`` seconds (``None``: no limit).
+* ``OfflineLLMWeightSyncClient(llm)``: an ``LLM`` in the trainer's own process.
+
+Update payloads are dicts (or a list of dicts, one per worker); objects with a
+``to_dict()`` method, such as ``IPCWeightTransferUpdateInfo``, are converted.
+``requests`` and ``ray`` are imported on first use.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferInitRequest,
+    WeightTransferUpdatePayload,
+    WeightTransferUpdateRequest,
+)
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def _plain(payload: Any) -> Any:
+    if isinstance(payload, list):
+        return [_plain(p) for p in payload]
+    to_dict = getattr(payload, "to_dict", None)
+    return to_dict() if callable(to_dict) else payload
+
+
+class HTTPVLLMWeightSyncClient:
+    """Drives a ``vllm serve`` process over its RL HTTP routes."""
+
+    def __init__(self, base_url: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+
+    def _post(self, route: str, body: dict[str, Any] | None = None) -> Any:
+        import requests
+
+        url = f"{self.base_url}/{route}"
+        data = None
+        if body is not None:
+            try:
+                data = json.dumps(body)
+            except (TypeError, ValueError) as e:
+                raise TypeError(
+                    f"POST {route}: the body is not JSON-serializable ({e}); "
+                    "weight-transfer payloads must be plain JSON"
+                ) from e
+        try:
+            response = requests.post(
+                url,
+                data=data,
+                headers={"Content-Type": "application/json"} if data else None,
+                timeout=self.timeout,
+            )
+        except requests.Timeout as e:
+            raise TimeoutError(
+                f"POST {url} got no answer within {self.timeout}s; raise "
+                "HTTPVLLMWeightSyncClient(timeout=...) for larger models"
+            ) from e
+        if not response.ok:
+            raise requests.HTTPError(
+                f"POST {url} failed with HTTP {response.status_code}: "
+                f"{response.text[:2000]}",
+                response=response,
+            )
+        return response.json() if response.content else None
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._post("init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._post("start_weight_update")
+
+    def start_draft_weight_update(self) -> None:
+        self._post("start_draft_weight_update")
+
+    def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
+        self._post("update_weights", {"update_info": _plain(update_info)})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        body = None if weight_version is None else {"weight_version": weight_version}
+        self._post("finish_weight_update", body)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._post("shutdown_weight_transfer_engine")
+
+
+class RayVLLMWeightSyncClient:
+    """Drives one or more ``LLM`` / ``AsyncLLM`` Ray actors as one unit."""
+
+    def __init__(
+        self,
+        handle: ActorHandle | list[ActorHandle],
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self.handles = list(handle) if isinstance(handle, list) else [handle]
+        if not self.handles:
+            raise ValueError("RayVLLMWeightSyncClient needs at least one actor")
+        self.timeout = timeout
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> None:
+        import ray
+
+        refs = [getattr(h, method).remote(*args, **kwargs) for h in self.handles]
+        try:
+            ray.get(refs, timeout=self.timeout)
+        except ray.exceptions.GetTimeoutError as e:
+            raise TimeoutError(
+                f"{method} did not complete on all {len(refs)} actor(s) within "
+                f"{self.timeout}s"
+            ) from e
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._call(
+            "init_weight_transfer_engine",
+            WeightTransferInitRequest(init_info=init_info),
+        )
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def start_draft_weight_update(self) -> None:
+        self._call("start_draft_weight_update")
+
+    def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
+        self._call(
+            "update_weights",
+            WeightTransferUpdateRequest(update_info=_plain(update_info)),
+        )
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        if weight_version is None:
+            self._call("finish_weight_update")
+        else:
+            self._call("finish_weight_update", weight_version=weight_version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._call("shutdown_weight_transfer_engine")
+
+
+class OfflineLLMWeightSyncClient:
+    """Drives an offline ``vllm.LLM`` living in the trainer's process."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def start_draft_weight_update(self) -> None:
+        self.llm.start_draft_weight_update()
+
+    def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
+        self.llm.update_weights({"update_info": _plain(update_info)})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version=weight_version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()

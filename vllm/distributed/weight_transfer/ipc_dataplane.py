@@ -1,0 +1,200 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The two data planes of the ``ipc`` backend behind one small interface.
+
+Trainer side, ``allocate_buffer`` / ``export_tensor`` return an
+``ExportedBuffer``: a flat uint8 tensor the trainer writes into, the JSON
+handle a worker needs to read it, and ``close()``. The data plane follows the
+device of the source tensors: CUDA tensors go through CUDA IPC
+(``cuda_ipc_buffer``), CPU tensors through POSIX shared memory
+(``shm_buffer``).
+
+Worker side, ``BufferImporter`` picks this worker's handle out of a
+``{device_key: handle}`` map (see ``ipc_wire`` for the keys), maps each buffer
+once per update and releases every mapping in ``close()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm.distributed.weight_transfer.ipc_wire import (
+    CPU_KEY_PREFIX,
+    BufferHandle,
+    CudaIpcHandle,
+    ShmHandle,
+    cpu_device_key,
+    select_cpu_key,
+)
+
+
+def device_key(device: torch.device, trainer_rank: int) -> str:
+    """The key under which a trainer rank publishes buffers on ``device``."""
+    if device.type == "cuda":
+        from vllm.distributed.weight_transfer.cuda_ipc_buffer import (
+            physical_gpu_uuid,
+        )
+
+        index = device.index if device.index is not None else 0
+        return physical_gpu_uuid(index)
+    if device.type == "cpu":
+        return cpu_device_key(trainer_rank)
+    raise ValueError(
+        f"the ipc backend moves CPU or CUDA tensors, got a tensor on {device}"
+    )
+
+
+@dataclass
+class ExportedBuffer:
+    """A trainer-side buffer: write into ``tensor``; publish ``handle``."""
+
+    tensor: torch.Tensor | None
+    handle: BufferHandle
+    _owner: Any = None  # SharedMemoryBuffer, or the exported CUDA tensor
+
+    def close(self) -> None:
+        self.tensor = None
+        owner, self._owner = self._owner, None
+        close = getattr(owner, "close", None)
+        if callable(close):
+            close()
+
+
+def allocate_buffer(nbytes: int, device: torch.device) -> ExportedBuffer:
+    """A new exported byte buffer of ``nbytes`` on ``device``."""
+    if device.type == "cuda":
+        from vllm.distributed.weight_transfer.cuda_ipc_buffer import (
+            export_cuda_bytes,
+        )
+
+        tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        return ExportedBuffer(tensor, export_cuda_bytes(tensor), tensor)
+    if device.type == "cpu":
+        from vllm.distributed.weight_transfer.shm_buffer import SharedMemoryBuffer
+
+        shm = SharedMemoryBuffer(nbytes)
+        return ExportedBuffer(shm.tensor, shm.handle, shm)
+    raise ValueError(f"the ipc backend cannot export memory on {device}")
+
+
+def export_tensor(tensor: torch.Tensor) -> ExportedBuffer:
+    """Export one tensor's bytes: zero-copy on CUDA, one copy into shm on CPU."""
+    tensor = tensor.detach()
+    if tensor.is_cuda:
+        from vllm.distributed.weight_transfer.cuda_ipc_buffer import (
+            export_cuda_bytes,
+        )
+
+        tensor = tensor.contiguous()
+        return ExportedBuffer(None, export_cuda_bytes(tensor), tensor)
+    buffer = allocate_buffer(tensor.numel() * tensor.element_size(), tensor.device)
+    assert buffer.tensor is not None
+    if tensor.numel():
+        buffer.tensor.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+    buffer.tensor = None
+    return buffer
+
+
+def release_exported_cuda_memory() -> None:
+    """Let CUDA reclaim exported buffers every importer has released."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.ipc_collect()
+
+
+class BufferImporter:
+    """Worker side: selects, maps and caches the buffers of one update."""
+
+    def __init__(self, device: torch.device, local_rank: int) -> None:
+        self.device = device
+        self.local_rank = local_rank
+        self._open: dict[tuple, Any] = {}
+        self._gpu_uuid: str | None = None
+
+    def select(self, handles: dict[str, BufferHandle], where: str) -> BufferHandle:
+        """This worker's handle in ``handles``; ``ValueError`` if it has none."""
+        if self.device.type == "cuda":
+            if self._gpu_uuid is None:
+                from vllm.distributed.weight_transfer.cuda_ipc_buffer import (
+                    physical_gpu_uuid,
+                )
+
+                index = self.device.index if self.device.index is not None else 0
+                self._gpu_uuid = physical_gpu_uuid(index)
+            key: str | None = self._gpu_uuid
+            expected: type = CudaIpcHandle
+            if key not in handles:
+                raise ValueError(
+                    f"{where} has no handle for this worker's GPU {key} (keys: "
+                    f"{sorted(handles)}); a trainer rank on this GPU must take "
+                    "part in the send"
+                )
+        elif self.device.type == "cpu":
+            key = select_cpu_key(list(handles), self.local_rank)
+            expected = ShmHandle
+            if key is None:
+                raise ValueError(
+                    f"{where} has no shared-memory handle for this host (keys: "
+                    f"{sorted(handles)}); CPU transfers need the trainer on the "
+                    f"same host, under a '{CPU_KEY_PREFIX}<hostname>:<rank>' key"
+                )
+        else:
+            raise ValueError(f"the ipc backend cannot import into {self.device}")
+        assert key is not None
+        handle = handles[key]
+        if not isinstance(handle, expected):
+            raise ValueError(
+                f"{where}[{key!r}] is a {handle.kind!r} handle but this worker "
+                f"runs on {self.device.type}"
+            )
+        return handle
+
+    def open(self, handle: BufferHandle) -> torch.Tensor:
+        """The buffer as a flat uint8 tensor, mapped once until ``close()``."""
+        if isinstance(handle, ShmHandle):
+            key: tuple = ("shm", handle.name, handle.nbytes)
+        else:
+            key = (
+                "cuda",
+                handle.storage_handle,
+                handle.storage_offset_bytes,
+                handle.tensor_offset,
+                handle.nbytes,
+            )
+        entry = self._open.get(key)
+        if entry is None:
+            entry = self._map(handle)
+            self._open[key] = entry
+        tensor = entry if isinstance(entry, torch.Tensor) else entry.tensor
+        assert tensor is not None
+        return tensor
+
+    def _map(self, handle: BufferHandle) -> Any:
+        if isinstance(handle, ShmHandle):
+            from vllm.distributed.weight_transfer.shm_buffer import MappedSegment
+
+            return MappedSegment(handle)
+        from vllm.distributed.weight_transfer.cuda_ipc_buffer import (
+            import_cuda_bytes,
+        )
+
+        index = self.device.index if self.device.index is not None else 0
+        return import_cuda_bytes(handle, index)
+
+    def storage_ptrs(self) -> set[int]:
+        """Data pointers of every mapped buffer (to find views into them)."""
+        ptrs = set()
+        for entry in self._open.values():
+            tensor = entry if isinstance(entry, torch.Tensor) else entry.tensor
+            if tensor is not None and tensor.numel():
+                ptrs.add(tensor.untyped_storage().data_ptr())
+        return ptrs
+
+    def close(self) -> None:
+        entries, self._open = self._open, {}
+        for entry in entries.values():
+            if not isinstance(entry, torch.Tensor):
+                entry.close()
+        del entries

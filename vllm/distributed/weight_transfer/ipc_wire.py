@@ -1,0 +1,518 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Wire messages of the ``ipc`` weight-transfer backend.
+
+Everything here is plain JSON: the trainer builds these objects, sends
+``to_dict()`` over HTTP, Ray or ``LLM.update_weights``, and the worker rebuilds
+them with ``from_dict``. Nothing is ever pickled. Every check runs in
+``__post_init__``, so a message that reaches the worker engine is either fully
+valid or rejected with a ``ValueError`` naming the field, before any weight is
+touched.
+
+Init message (``/init_weight_transfer_engine``)::
+
+    {"packed": bool}
+
+Update message (``/update_weights``), one per chunk::
+
+    {
+      "names":       [str, ...],            # checkpoint names, unique
+      "dtype_names": ["bfloat16", ...],     # torch dtype names
+      "shapes":      [[int, ...], ...],
+      "tensor_sizes": [int, ...] | null,    # bytes per tensor; required if packed
+      "offsets":     [int, ...] | null,     # byte offset per tensor in the packed
+                                            # buffer; null = back to back
+      "ipc_handles": {device_key: handle}          # packed: one buffer
+                   | [{device_key: handle}, ...]   # unpacked: one per tensor
+    }
+
+A *handle* names one exported byte buffer and is one of::
+
+    {"kind": "shm", "name": "vllm-wt-...", "nbytes": int}
+    {"kind": "cuda", "nbytes": int, "device": int, "storage_handle": b64, ...}
+
+A *device key* says which worker may read a handle. CUDA buffers are keyed by
+the physical GPU UUID (``str(torch.cuda.get_device_properties(i).uuid)``), so a
+worker reads the buffer of the trainer rank on its own GPU. CPU buffers are
+keyed ``"cpu:<hostname>:<trainer rank>"``: shared memory is visible to every
+process on the host, and the worker with local rank ``l`` reads the buffer of
+trainer rank ``l mod R``, where ``R`` is the number of CPU keys for its host
+(colocated trainer rank ``r`` pairs with worker local rank ``r``; a single
+trainer process serves every worker).
+
+``{"abort": "<reason>"}`` is the one other update message: the trainer sends
+it when it fails after ``start_weight_update``; the worker then puts every layer
+that has not completed back on its previous weights.
+
+The upstream field ``ipc_handles_pickled`` is recognised only to reject it with
+an explanation.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import re
+import socket
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+# Prefix of every shared-memory segment this backend creates (under /dev/shm).
+SHM_NAME_PREFIX = "vllm-wt-"
+_SHM_NAME_RE = re.compile(r"^vllm-wt-[A-Za-z0-9_.-]{1,200}$")
+
+CPU_KEY_PREFIX = "cpu:"
+
+# An update message ``{"abort": reason}`` closes the open update without
+# changing any weight that has not been fully loaded yet.
+ABORT_FIELD = "abort"
+
+
+# ---------------------------------------------------------------------------
+# dtypes
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: object, where: str) -> torch.dtype:
+    """The torch dtype called ``name``; ``ValueError`` naming ``where`` if none."""
+    if isinstance(name, str) and not name.startswith("_"):
+        dtype = getattr(torch, name, None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    raise ValueError(f"{where} is {name!r}, which is not a torch dtype name")
+
+
+def tensor_nbytes(dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+# ---------------------------------------------------------------------------
+# device keys
+
+
+def cpu_device_key(trainer_rank: int, hostname: str | None = None) -> str:
+    """Key of trainer rank ``trainer_rank``'s shared-memory buffers."""
+    return f"{CPU_KEY_PREFIX}{hostname or socket.gethostname()}:{trainer_rank}"
+
+
+def select_cpu_key(
+    keys: list[str], local_rank: int, hostname: str | None = None
+) -> str | None:
+    """The CPU key a worker with ``local_rank`` on ``hostname`` reads, or None.
+
+    Keys of this host must be ranks ``0..R-1``; the worker reads ``local_rank mod R``.
+    """
+    prefix = f"{CPU_KEY_PREFIX}{hostname or socket.gethostname()}:"
+    ranks = sorted(int(k[len(prefix) :]) for k in keys if k.startswith(prefix))
+    if not ranks:
+        return None
+    if ranks != list(range(len(ranks))):
+        raise ValueError(
+            f"update_info.ipc_handles has CPU keys for trainer ranks {ranks} on "
+            f"this host; expected ranks 0..{len(ranks) - 1}"
+        )
+    return f"{prefix}{local_rank % len(ranks)}"
+
+
+# ---------------------------------------------------------------------------
+# buffer handles
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(value: object, where: str) -> bytes:
+    if not isinstance(value, str):
+        raise ValueError(f"{where} must be a base64 string, got {type(value).__name__}")
+    try:
+        return base64.b64decode(value, validate=True)
+    except binascii.Error as e:
+        raise ValueError(f"{where} is not valid base64: {e}") from e
+
+
+def _int(value: object, where: str, *, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{where} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_keys(d: dict, allowed: set[str], required: set[str], where: str) -> None:
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise ValueError(
+            f"{where} has unknown field(s) {unknown}; allowed: {sorted(allowed)}"
+        )
+    missing = sorted(required - set(d))
+    if missing:
+        raise ValueError(f"{where} is missing field(s) {missing}")
+
+
+@dataclass(frozen=True)
+class ShmHandle:
+    """A shared-memory segment ``/dev/shm/<name>`` of ``nbytes`` bytes."""
+
+    kind: ClassVar[str] = "shm"
+    name: str
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _SHM_NAME_RE.match(self.name):
+            raise ValueError(
+                f"shm handle name {self.name!r} is not a segment of this backend "
+                f"(expected {SHM_NAME_PREFIX}<letters, digits, _ . ->)"
+            )
+        _int(self.nbytes, "shm handle nbytes")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name, "nbytes": self.nbytes}
+
+
+@dataclass(frozen=True)
+class CudaIpcHandle:
+    """A CUDA allocation exported with ``torch.multiprocessing.reductions``.
+
+    The fields are ``reduce_tensor``'s rebuild arguments for a flat uint8 tensor
+    of ``nbytes`` bytes, with the binary ones base64-encoded. ``device`` is the
+    exporter's device index; the importer substitutes its own.
+    """
+
+    kind: ClassVar[str] = "cuda"
+    nbytes: int
+    device: int
+    storage_handle: str
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    tensor_offset: int
+    ref_counter_handle: str
+    ref_counter_offset: int
+    event_handle: str | None
+    event_sync_required: bool
+
+    def __post_init__(self) -> None:
+        for name in (
+            "nbytes",
+            "device",
+            "storage_size_bytes",
+            "storage_offset_bytes",
+            "tensor_offset",
+            "ref_counter_offset",
+        ):
+            _int(getattr(self, name), f"cuda handle {name}")
+        _unb64(self.storage_handle, "cuda handle storage_handle")
+        _unb64(self.ref_counter_handle, "cuda handle ref_counter_handle")
+        if self.event_handle is not None:
+            _unb64(self.event_handle, "cuda handle event_handle")
+        if not isinstance(self.event_sync_required, bool):
+            raise ValueError("cuda handle event_sync_required must be a bool")
+        if self.tensor_offset + self.nbytes > self.storage_size_bytes:
+            raise ValueError(
+                f"cuda handle covers bytes [{self.tensor_offset}, "
+                f"{self.tensor_offset + self.nbytes}) of a "
+                f"{self.storage_size_bytes}-byte storage"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind}
+        out.update({f.name: getattr(self, f.name) for f in fields(self)})
+        return out
+
+
+BufferHandle = ShmHandle | CudaIpcHandle
+_HANDLE_TYPES: dict[str, type[ShmHandle] | type[CudaIpcHandle]] = {
+    "shm": ShmHandle,
+    "cuda": CudaIpcHandle,
+}
+
+
+def handle_from_dict(d: object, where: str) -> BufferHandle:
+    """Parse one handle object; ``ValueError`` naming ``where`` if malformed."""
+    if isinstance(d, ShmHandle | CudaIpcHandle):
+        return d
+    if not isinstance(d, dict):
+        raise ValueError(
+            f"{where} must be a handle object with a 'kind' field, got "
+            f"{type(d).__name__} (pickled or raw torch handles are not accepted)"
+        )
+    kind = d.get("kind")
+    cls = _HANDLE_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ValueError(
+            f"{where}.kind is {kind!r}; expected one of {sorted(_HANDLE_TYPES)}"
+        )
+    body = {k: v for k, v in d.items() if k != "kind"}
+    names = {f.name for f in fields(cls)}
+    _check_keys(body, names, names, where)
+    try:
+        return cls(**body)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
+
+
+def _handle_map(d: object, where: str) -> dict[str, BufferHandle]:
+    if not isinstance(d, dict) or not d:
+        raise ValueError(
+            f"{where} must be a non-empty object mapping device keys to handles, "
+            f"got {d!r:.80}"
+        )
+    out: dict[str, BufferHandle] = {}
+    for key, handle in d.items():
+        if not isinstance(key, str):
+            raise ValueError(f"{where} has a non-string device key {key!r}")
+        out[key] = handle_from_dict(handle, f"{where}[{key!r}]")
+    return out
+
+
+# ---------------------------------------------------------------------------
+# messages
+
+
+def abort_reason(d: object) -> str | None:
+    """The reason of an abort message, or None for any other message."""
+    if not isinstance(d, dict) or ABORT_FIELD not in d:
+        return None
+    if set(d) != {ABORT_FIELD} or not isinstance(d[ABORT_FIELD], str):
+        raise ValueError(
+            f"update_info.{ABORT_FIELD} must be the only field and a string, got "
+            f"fields {sorted(d)}"
+        )
+    return d[ABORT_FIELD]
+
+
+@dataclass
+class IPCWeightTransferInitInfo(WeightTransferInitInfo):
+    """Worker-side init message. ``packed`` must agree with every update's form."""
+
+    packed: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.packed, bool):
+            raise ValueError(f"init_info.packed must be a bool, got {self.packed!r}")
+
+    @classmethod
+    def from_dict(cls, d: object) -> IPCWeightTransferInitInfo:
+        if not isinstance(d, dict):
+            raise ValueError(f"init_info must be an object, got {type(d).__name__}")
+        _check_keys(d, {"packed"}, set(), "init_info")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class TensorView:
+    """Where one tensor of an update lies: in which buffer, at which offset."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    buffer: int  # index into IPCWeightTransferUpdateInfo.buffers()
+    offset: int
+    nbytes: int
+
+
+_UPDATE_REQUIRED = {"names", "dtype_names", "shapes"}
+
+
+@dataclass
+class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    """One chunk of an update. See the module docstring for the JSON form.
+
+    After construction ``ipc_handles`` holds typed handles (``ShmHandle`` /
+    ``CudaIpcHandle``) and every size and offset has been checked.
+    """
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    ipc_handles: dict[str, Any] | list[dict[str, Any]] | None = None
+    ipc_handles_pickled: str | None = None
+    tensor_sizes: list[int] | None = None
+    offsets: list[int] | None = None
+
+    @classmethod
+    def from_dict(cls, d: object) -> IPCWeightTransferUpdateInfo:
+        if not isinstance(d, dict):
+            raise ValueError(f"update_info must be an object, got {type(d).__name__}")
+        allowed = {f.name for f in fields(cls) if f.init}
+        _check_keys(d, allowed, _UPDATE_REQUIRED, "update_info")
+        return cls(**d)
+
+    def __post_init__(self) -> None:
+        if self.ipc_handles_pickled is not None:
+            raise ValueError(
+                "update_info.ipc_handles_pickled is not accepted: this backend "
+                "never unpickles. Send `ipc_handles` as JSON handle objects, as "
+                "IPCTrainerWeightTransferEngine does."
+            )
+        if self.ipc_handles is None:
+            raise ValueError("update_info.ipc_handles is missing")
+        names = self.names
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError("update_info.names must be a list of strings")
+        n = len(names)
+        if len(set(names)) != n:
+            dup = next(x for i, x in enumerate(names) if x in names[:i])
+            raise ValueError(f"update_info.names lists {dup!r} more than once")
+        for attr in ("dtype_names", "shapes", "tensor_sizes", "offsets"):
+            value = getattr(self, attr)
+            if value is None:
+                continue
+            if not isinstance(value, list) or len(value) != n:
+                got = len(value) if isinstance(value, list) else type(value).__name__
+                raise ValueError(
+                    f"update_info.{attr} has {got} entries but names has {n}"
+                )
+        dtypes = [
+            dtype_from_name(d, f"update_info.dtype_names[{i}] ({names[i]!r})")
+            for i, d in enumerate(self.dtype_names)
+        ]
+        shapes: list[tuple[int, ...]] = []
+        for i, shape in enumerate(self.shapes):
+            if not isinstance(shape, list | tuple) or not all(
+                isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
+            ):
+                raise ValueError(
+                    f"update_info.shapes[{i}] ({names[i]!r}) must be a list of "
+                    f"non-negative integers, got {shape!r}"
+                )
+            shapes.append(tuple(shape))
+        sizes = [tensor_nbytes(d, s) for d, s in zip(dtypes, shapes, strict=True)]
+        if self.tensor_sizes is not None:
+            for i, (got, want) in enumerate(zip(self.tensor_sizes, sizes, strict=True)):
+                if got != want:
+                    raise ValueError(
+                        f"update_info.tensor_sizes[{i}] ({names[i]!r}) is {got!r} "
+                        f"bytes but a {self.dtype_names[i]} tensor of shape "
+                        f"{list(shapes[i])} has {want}"
+                    )
+
+        if isinstance(self.ipc_handles, dict):
+            self._init_packed(names, dtypes, shapes, sizes)
+        elif isinstance(self.ipc_handles, list):
+            self._init_unpacked(names, dtypes, shapes, sizes)
+        else:
+            raise ValueError(
+                "update_info.ipc_handles must be an object (packed) or a list "
+                f"(unpacked), got {type(self.ipc_handles).__name__}"
+            )
+
+    def _init_packed(self, names, dtypes, shapes, sizes) -> None:
+        if self.tensor_sizes is None:
+            raise ValueError("update_info.tensor_sizes is required for a packed update")
+        handles = _handle_map(self.ipc_handles, "update_info.ipc_handles")
+        self.ipc_handles = handles
+        if self.offsets is None:
+            offsets, cursor = [], 0
+            for size in sizes:
+                offsets.append(cursor)
+                cursor += size
+        else:
+            offsets = [
+                _int(o, f"update_info.offsets[{i}] ({names[i]!r})")
+                for i, o in enumerate(self.offsets)
+            ]
+        end = 0
+        for i, (off, size, dtype) in enumerate(
+            zip(offsets, sizes, dtypes, strict=True)
+        ):
+            if off < end:
+                raise ValueError(
+                    f"update_info.offsets[{i}] ({names[i]!r}) is {off}, inside the "
+                    f"previous tensor (which ends at byte {end})"
+                )
+            if off % dtype.itemsize:
+                raise ValueError(
+                    f"update_info.offsets[{i}] ({names[i]!r}) is {off}, not a "
+                    f"multiple of the {dtype_name(dtype)} item size {dtype.itemsize}"
+                )
+            end = off + size
+        for key, handle in handles.items():
+            if handle.nbytes < end:
+                raise ValueError(
+                    f"update_info.ipc_handles[{key!r}] covers {handle.nbytes} bytes "
+                    f"but the tensors need {end}"
+                )
+        self._views = [
+            TensorView(nm, dt, sh, 0, off, size)
+            for nm, dt, sh, off, size in zip(
+                names, dtypes, shapes, offsets, sizes, strict=True
+            )
+        ]
+
+    def _init_unpacked(self, names, dtypes, shapes, sizes) -> None:
+        assert isinstance(self.ipc_handles, list)
+        if self.offsets is not None:
+            raise ValueError(
+                "update_info.offsets is only valid for a packed update "
+                "(ipc_handles as one object)"
+            )
+        if len(self.ipc_handles) != len(names):
+            raise ValueError(
+                f"update_info.ipc_handles has {len(self.ipc_handles)} entries but "
+                f"names has {len(names)}"
+            )
+        handles = [
+            _handle_map(h, f"update_info.ipc_handles[{i}] ({names[i]!r})")
+            for i, h in enumerate(self.ipc_handles)
+        ]
+        for i, (hmap, size) in enumerate(zip(handles, sizes, strict=True)):
+            for key, handle in hmap.items():
+                if handle.nbytes < size:
+                    raise ValueError(
+                        f"update_info.ipc_handles[{i}][{key!r}] ({names[i]!r}) "
+                        f"covers {handle.nbytes} bytes but the tensor needs {size}"
+                    )
+        self.ipc_handles = handles
+        self._views = [
+            TensorView(nm, dt, sh, i, 0, size)
+            for i, (nm, dt, sh, size) in enumerate(
+                zip(names, dtypes, shapes, sizes, strict=True)
+            )
+        ]
+
+    @property
+    def packed(self) -> bool:
+        return isinstance(self.ipc_handles, dict)
+
+    def buffers(self) -> list[dict[str, BufferHandle]]:
+        """Per buffer, its handles by device key (one buffer when packed)."""
+        if isinstance(self.ipc_handles, dict):
+            return [self.ipc_handles]
+        assert isinstance(self.ipc_handles, list)
+        return self.ipc_handles
+
+    def views(self) -> list[TensorView]:
+        return list(self._views)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (what clients send)."""
+        handles: Any
+        if isinstance(self.ipc_handles, dict):
+            handles = {k: h.to_dict() for k, h in self.ipc_handles.items()}
+        else:
+            assert isinstance(self.ipc_handles, list)
+            handles = [
+                {k: h.to_dict() for k, h in hmap.items()} for hmap in self.ipc_handles
+            ]
+        out: dict[str, Any] = {
+            "names": list(self.names),
+            "dtype_names": list(self.dtype_names),
+            "shapes": [list(s) for s in self.shapes],
+            "ipc_handles": handles,
+        }
+        if self.tensor_sizes is not None:
+            out["tensor_sizes"] = list(self.tensor_sizes)
+        if self.offsets is not None:
+            out["offsets"] = list(self.offsets)
+        return out
