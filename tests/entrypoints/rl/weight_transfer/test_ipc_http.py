@@ -1,0 +1,212 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""End to end over HTTP: a trainer in this process updates a real ``vllm serve``
+through the ``ipc`` backend, and the served greedy output equals a Hugging Face
+forward pass of the trainer's weights after every update.
+
+One server per module (start-up costs ~30 s on CPU). The tests run in file
+order and each one first puts the trainer model into the state it checks, so
+the server's weights always follow the trainer's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from vllm.distributed.weight_transfer.base import ModuleSource
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+from vllm.distributed.weight_transfer.testing import (
+    GreedyResult,
+    TinyModelSpec,
+    assert_same_greedy,
+    build_tiny_model,
+    completions_greedy,
+    hf_greedy,
+    load_hf_model,
+    logprob_atol,
+    randomize_weights_,
+)
+from vllm.distributed.weight_transfer.testing.server import ServerProcess, serve
+
+pytestmark = pytest.mark.slow
+
+ATOL = logprob_atol("float32")
+
+
+def served_greedy(server: ServerProcess) -> GreedyResult:
+    return completions_greedy(server.base_url, server.model)
+
+
+def post(server: ServerProcess, route: str, body: dict | None = None):
+    return requests.post(f"{server.base_url}/{route}", json=body, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path):
+    with serve(tiny_model_dir, weight_transfer_backend="ipc") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def trainer_model(tiny_model_dir: Path):
+    return load_hf_model(tiny_model_dir, "float32")
+
+
+@pytest.fixture(scope="module")
+def trainer(server: ServerProcess, trainer_model):
+    client = HTTPVLLMWeightSyncClient(server.base_url, timeout=120)
+    return WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed=True),
+        client=client,
+        source=ModuleSource(trainer_model),
+    )
+
+
+def test_server_serves_the_checkpoint_before_any_update(server, tiny_model_dir):
+    expected = hf_greedy(load_hf_model(tiny_model_dir, "float32"))
+    assert_same_greedy(served_greedy(server), expected, atol=ATOL)
+
+
+def test_send_weights_serves_the_trainers_new_weights(server, trainer, trainer_model):
+    before = served_greedy(server)
+    randomize_weights_(trainer_model, seed=1)
+    expected = hf_greedy(trainer_model)
+    assert expected.tokens != before.tokens, "seed 1 should change the greedy output"
+
+    trainer.send_weights()
+
+    assert_same_greedy(served_greedy(server), expected, atol=ATOL)
+
+
+def test_second_update_after_in_place_optimizer_like_step(
+    server, trainer, trainer_model
+):
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for _, p in sorted(trainer_model.named_parameters()):
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    expected = hf_greedy(trainer_model)
+
+    trainer.send_weights()
+
+    assert_same_greedy(served_greedy(server), expected, atol=ATOL)
+
+
+def test_finish_stamps_the_weight_version(server, trainer):
+    trainer.send_weights(weight_version="step-3")
+    assert requests.get(f"{server.base_url}/weight_info").json() == {
+        "weight_version": "step-3"
+    }
+
+    assert post(server, "update_weight_version", {"new_version": "step-3b"}).ok
+    assert requests.get(f"{server.base_url}/weight_info").json() == {
+        "weight_version": "step-3b"
+    }
+
+
+def test_server_runs_without_insecure_serialization(server):
+    pids = server.group_pids()
+    assert server.pid in pids
+    for pid in pids:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        names = {entry.split(b"=", 1)[0] for entry in environ}
+        assert b"VLLM_ALLOW_INSECURE_SERIALIZATION" not in names, pid
+        assert b"VLLM_SERVER_DEV_MODE" in names, pid
+
+
+BAD_UPDATES = {
+    # What upstream's HTTP client sends: refused, this backend never unpickles.
+    "pickled_handles": {
+        "names": ["model.norm.weight"],
+        "dtype_names": ["float32"],
+        "shapes": [[128]],
+        "ipc_handles_pickled": "gASVAAAAAAAAAAB9lC4=",
+        "tensor_sizes": [512],
+    },
+    # Fields disagree: three shapes for one name.
+    "inconsistent_lengths": {
+        "names": ["model.norm.weight"],
+        "dtype_names": ["float32"],
+        "shapes": [[128], [128], [128]],
+        "ipc_handles": {"cpu:x:0": {"kind": "shm", "name": "vllm-wt-x", "nbytes": 8}},
+        "tensor_sizes": [512],
+    },
+    # Well-formed, but the shared-memory segment does not exist.
+    "missing_segment": {
+        "names": ["model.norm.weight"],
+        "dtype_names": ["float32"],
+        "shapes": [[128]],
+        "ipc_handles": {
+            "cpu:{host}:0": {
+                "kind": "shm",
+                "name": "vllm-wt-does-not-exist",
+                "nbytes": 512,
+            }
+        },
+        "tensor_sizes": [512],
+        "offsets": [0],
+    },
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_UPDATES))
+def test_bad_update_is_refused_and_the_server_keeps_serving(
+    server, trainer, trainer_model, case
+):
+    import socket
+
+    expected = hf_greedy(trainer_model)  # what the server holds now
+    update_info = BAD_UPDATES[case]
+    handles = update_info.get("ipc_handles")
+    if isinstance(handles, dict):
+        host = socket.gethostname()
+        update_info = {
+            **update_info,
+            "ipc_handles": {k.format(host=host): v for k, v in handles.items()},
+        }
+
+    assert post(server, "start_weight_update").ok
+    response = post(server, "update_weights", {"update_info": update_info})
+    assert not response.ok, response.text
+    if case == "pickled_handles":
+        assert "ipc_handles_pickled" in response.text
+    # The failed update closed the session; finishing is allowed to fail.
+    post(server, "finish_weight_update")
+
+    assert server.is_alive()
+    assert_same_greedy(served_greedy(server), expected, atol=ATOL)
+
+
+def test_update_after_failures_succeeds(server, trainer, trainer_model):
+    randomize_weights_(trainer_model, seed=4)
+    expected = hf_greedy(trainer_model)
+
+    trainer.send_weights()
+
+    assert_same_greedy(served_greedy(server), expected, atol=ATOL)
+
+
+def test_moe_tensor_parallel_update():
+    """Qwen3-MoE at TP=2: experts travel under checkpoint names, each TP worker
+    reads the same shared-memory buffer and keeps its shard."""
+    from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
+
+    model_dir = build_tiny_model(TinyModelSpec(arch="qwen3_moe"))
+    model = load_hf_model(model_dir, "float32")
+    with serve(model_dir, tensor_parallel_size=2) as moe_server:
+        assert_same_greedy(served_greedy(moe_server), hf_greedy(model), atol=ATOL)
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            IPCTrainerInitInfo(rank=0, packed=True),
+            client=HTTPVLLMWeightSyncClient(moe_server.base_url, timeout=120),
+            source=CheckpointNamesSource(model),
+        )
+        for seed in (5, 6):
+            randomize_weights_(model, seed=seed)
+            trainer.send_weights()
+            assert_same_greedy(served_greedy(moe_server), hf_greedy(model), atol=ATOL)

@@ -1,0 +1,268 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Start a real ``vllm serve`` for tests, examples and benchmarks.
+
+``serve(model_dir, ...)`` is a context manager that launches
+``vllm serve <model_dir>`` on 127.0.0.1 at a free port, waits until ``/health``
+answers and yields a ``ServerProcess`` (``base_url``, ``model``, ``pid``,
+``log_tail()``). On exit it terminates the server's whole process group (API
+server, engine core, workers), escalating to SIGKILL, whatever happened inside
+the block.
+
+Defaults suit a small CPU machine: ``--dtype float32 --enforce-eager
+--max-model-len 256 --max-num-seqs 4 --seed 0`` and ``VLLM_CPU_KVCACHE_SPACE=1``.
+The RL routes (``/init_weight_transfer_engine``, ``/update_weights``, ...) need
+``VLLM_SERVER_DEV_MODE=1``, which is always set. ``tensor_parallel_size=2``
+also sets ``VLLM_CPU_OMP_THREADS_BIND="0|1"`` unless the caller chose a
+binding, because the CPU default binds per NUMA node.
+
+``VLLM_ALLOW_INSECURE_SERIALIZATION`` is removed from the inherited environment
+(pass it in ``env`` to keep it): the fork's weight-transfer routes carry no
+pickle, and a test of that must not pass by accident.
+
+A server that exits during start-up or is not healthy within
+``startup_timeout_s`` raises ``ServerStartError`` with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_STARTUP_TIMEOUT_S = 300.0
+_STOP_GRACE_S = 20.0
+_LOG_TAIL_LINES = 60
+_DROPPED_ENV = ("VLLM_ALLOW_INSECURE_SERIALIZATION",)
+
+
+class ServerStartError(RuntimeError):
+    """``vllm serve`` died or did not become healthy during start-up."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def vllm_command() -> list[str]:
+    """The ``vllm`` CLI of the running interpreter's environment."""
+    script = Path(sys.executable).parent / "vllm"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
+def serve_args(
+    model_dir: str | os.PathLike[str],
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    weight_transfer_backend: str | None = "ipc",
+    dtype: str = "float32",
+    max_model_len: int = 256,
+    max_num_seqs: int = 4,
+    tensor_parallel_size: int = 1,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """The argument list after ``vllm`` for one server."""
+    args = [
+        "serve",
+        str(model_dir),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--enforce-eager",
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--seed",
+        "0",
+    ]
+    if tensor_parallel_size != 1:
+        args += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    if weight_transfer_backend is not None:
+        args += [
+            "--weight-transfer-config",
+            f'{{"backend": "{weight_transfer_backend}"}}',
+        ]
+    return args + list(extra_args)
+
+
+def server_env(
+    tensor_parallel_size: int = 1, env: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The server's environment: inherited, minus ``_DROPPED_ENV``, plus the
+    settings in the module docstring, plus ``env`` (which wins)."""
+    out = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV}
+    out["VLLM_SERVER_DEV_MODE"] = "1"
+    out.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    out.setdefault("HF_HUB_OFFLINE", "1")
+    out.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if tensor_parallel_size > 1:
+        out.setdefault(
+            "VLLM_CPU_OMP_THREADS_BIND",
+            "|".join(str(i) for i in range(tensor_parallel_size)),
+        )
+    out.update(env or {})
+    return out
+
+
+@dataclass
+class ServerProcess:
+    """A running ``vllm serve``; see the module docstring."""
+
+    base_url: str
+    model: str
+    process: subprocess.Popen
+    log_path: Path
+    command: list[str]
+    env: dict[str, str] = field(repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as e:
+            return f"<log {self.log_path} unreadable: {e}>"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
+
+    def group_pids(self) -> list[int]:
+        """Pids of every live process in the server's process group."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            # Fields after the parenthesised command: state, ppid, pgrp, ...
+            state, _, pgrp = stat.rsplit(")", 1)[1].split()[:3]
+            if int(pgrp) == self.pid and state != "Z":
+                pids.append(int(entry.name))
+        return sorted(pids)
+
+    def wait_healthy(self, timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> None:
+        """Block until ``/health`` answers 200; ``ServerStartError`` otherwise."""
+        import requests
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise ServerStartError(
+                    f"vllm serve exited with code {code} before it became healthy "
+                    f"(command: {' '.join(self.command)}); last log lines:\n"
+                    f"{self.log_tail()}"
+                )
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(f"{self.base_url}/health", timeout=5).ok:
+                    return
+            if time.monotonic() > deadline:
+                raise ServerStartError(
+                    f"vllm serve at {self.base_url} was not healthy after "
+                    f"{timeout_s:.0f}s (raise startup_timeout_s on a busy machine); "
+                    f"last log lines:\n{self.log_tail()}"
+                )
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """Terminate the whole process group: SIGTERM, then SIGKILL."""
+        for sig, grace in ((signal.SIGTERM, _STOP_GRACE_S), (signal.SIGKILL, 10.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, sig)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                self.process.poll()
+                if not self.group_pids():
+                    return
+                time.sleep(0.2)
+        self.process.wait(timeout=5)
+
+
+@contextlib.contextmanager
+def serve(
+    model_dir: str | os.PathLike[str],
+    *,
+    weight_transfer_backend: str | None = "ipc",
+    dtype: str = "float32",
+    max_model_len: int = 256,
+    max_num_seqs: int = 4,
+    tensor_parallel_size: int = 1,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    log_path: str | os.PathLike[str] | None = None,
+) -> Iterator[ServerProcess]:
+    """Run ``vllm serve model_dir`` for the duration of the block.
+
+    The log goes to ``log_path`` (kept) or to a temporary file that is deleted
+    when the block exits without an error.
+    """
+    port = free_port()
+    command = vllm_command() + serve_args(
+        model_dir,
+        port,
+        weight_transfer_backend=weight_transfer_backend,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        tensor_parallel_size=tensor_parallel_size,
+        extra_args=extra_args,
+    )
+    full_env = server_env(tensor_parallel_size, env)
+    tmp_dir = None
+    if log_path is None:
+        tmp_dir = Path(tempfile.mkdtemp(prefix="vllm-serve-"))
+        path = tmp_dir / "server.log"
+    else:
+        path = Path(log_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+    failed = True
+    with open(path, "wb") as log:
+        process = subprocess.Popen(
+            command,
+            env=full_env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, killed as one
+        )
+    server = ServerProcess(
+        base_url=f"http://127.0.0.1:{port}",
+        model=str(model_dir),
+        process=process,
+        log_path=path,
+        command=command,
+        env=full_env,
+    )
+    try:
+        server.wait_healthy(startup_timeout_s)
+        yield server
+        failed = False
+    finally:
+        server.stop()
+        if tmp_dir is not None and not failed:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
