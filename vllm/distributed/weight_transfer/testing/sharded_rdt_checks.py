@@ -1,0 +1,456 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Run the sharded_rdt planner against real vLLM model classes on CPU.
+
+`run_planner_checks(tp_size, cases)` starts ``tp_size`` processes that form a
+real tensor-parallel group (gloo), build each tiny model with vLLM's own model
+loader, and check the planner on it. This needs no engine, scheduler or KV
+cache, so a case costs about a second once vLLM is imported. Each rank returns a
+plain `CaseReport` per case; tests assert on those.
+
+What a case checks, on one rank:
+
+* the bake leaves every parameter and buffer object, its value and its
+  ``weight_loader`` exactly as before (twice, with equal digests);
+* landing the replayed plan fills the checkpoint-format parameters exactly as
+  ``model.load_weights`` of the same tensors does. Both run inside the same
+  meta-restored session with every tensor pre-filled with a sentinel, so a
+  region either path misses shows up. (On CPU, kernel formats live in oneDNN
+  handles rather than parameters, and the processing that produces them is the
+  same code on the same input, so the checkpoint format is where the two paths
+  can differ.)
+* how many bytes ``load_weights`` fills, against the plan's byte count;
+* baking without one QKV input reports ``qkv_proj`` as partly covered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm.distributed.weight_transfer.testing.tiny_models import (
+    TinyModelSpec,
+    build_tiny_model,
+)
+
+_SENTINEL_FLOAT = -1234.5
+_SENTINEL_INT = 77
+
+
+@dataclass(frozen=True)
+class PlannerCase:
+    """One model to check: the tiny model of ``arch`` served in ``dtype``."""
+
+    arch: str
+    dtype: str
+
+
+@dataclass
+class CaseReport:
+    arch: str
+    dtype: str
+    rank: int
+    tp_size: int
+    digest: str = ""
+    second_digest: str = ""
+    bake_seconds: float = 0.0
+    restore_mismatches: list[str] = field(default_factory=list)
+    landing_mismatches: list[str] = field(default_factory=list)
+    compared_tensors: int = 0
+    plan_nbytes: int = 0
+    filled_nbytes: int = 0
+    bytes_by_source: dict[str, int] = field(default_factory=dict)
+    full_bytes_by_source: dict[str, int] = field(default_factory=dict)
+    unused_names: list[str] = field(default_factory=list)
+    partial_modules: list[str] = field(default_factory=list)
+    incomplete_error: str = ""
+    dump: str = ""
+    error: str = ""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_planner_checks(
+    tp_size: int, cases: Sequence[PlannerCase], timeout_s: float = 400.0
+) -> list[list[CaseReport]]:
+    """Reports per rank, then per case (``result[rank][case]``)."""
+    import multiprocessing
+
+    folders = [str(build_tiny_model(TinyModelSpec(arch=c.arch))) for c in cases]  # type: ignore[arg-type]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, tp_size, port, list(cases), folders, queue),
+            daemon=True,
+        )
+        for rank in range(tp_size)
+    ]
+    for proc in procs:
+        proc.start()
+    results: dict[int, list[dict[str, Any]]] = {}
+    try:
+        for _ in procs:
+            rank, payload = queue.get(timeout=timeout_s)
+            results[rank] = payload
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    return [[CaseReport(**r) for r in results[rank]] for rank in range(tp_size)]
+
+
+def _rank_main(
+    rank: int,
+    tp_size: int,
+    port: int,
+    cases: list[PlannerCase],
+    folders: list[str],
+    queue: Any,
+) -> None:
+    reports: list[dict[str, Any]] = []
+    try:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # The CPU communicator names its shared-memory segments after this id,
+        # which a CPU worker sets; one id per group keeps runs apart.
+        os.environ["VLLM_DIST_IDENT"] = f"sharded-rdt-checks-{port}"
+        torch.set_num_threads(1)
+        # vLLM creates the expert-parallel group only for an MoE config.
+        moe = [f for c, f in zip(cases, folders, strict=True) if "moe" in c.arch]
+        _init_distributed(rank, tp_size, port, (moe or folders)[0])
+        for case, folder in zip(cases, folders, strict=True):
+            report = CaseReport(case.arch, case.dtype, rank, tp_size)
+            try:
+                _check_case(report, folder, tp_size)
+            except Exception:
+                report.error = traceback.format_exc()
+            reports.append(dataclasses.asdict(report))
+    except Exception:
+        reports = [
+            dataclasses.asdict(
+                CaseReport(c.arch, c.dtype, rank, tp_size, error=traceback.format_exc())
+            )
+            for c in cases
+        ]
+    finally:
+        _shutdown_distributed()
+    queue.put((rank, reports))
+
+
+def _shutdown_distributed() -> None:
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+    )
+
+    try:
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    except Exception:  # teardown of a group that failed to start
+        traceback.print_exc()
+
+
+def _init_distributed(rank: int, tp_size: int, port: int, folder: str) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import (
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
+    # CPU workers make accelerator calls no-ops; model loading relies on it.
+    _set_torch_accelerator_to_noop()
+    with set_current_vllm_config(_engine_config(folder, "float32", tp_size)):
+        init_distributed_environment(
+            world_size=tp_size,
+            rank=rank,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            local_rank=rank,
+            backend="gloo",
+        )
+        initialize_model_parallel(tensor_model_parallel_size=tp_size)
+
+
+def _engine_config(folder: str, dtype: str, tp_size: int):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        model=folder,
+        dtype=dtype,  # type: ignore[arg-type]
+        tensor_parallel_size=tp_size,
+        enforce_eager=True,
+        max_model_len=256,
+        max_num_seqs=4,
+        seed=0,
+        skip_tokenizer_init=True,
+    ).create_engine_config()
+
+
+def _build_model(folder: str, dtype: str, tp_size: int):
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model
+
+    config = _engine_config(folder, dtype, tp_size)
+    with set_current_vllm_config(config):
+        model = get_model(vllm_config=config)
+    return model, config
+
+
+def checkpoint_tensors(
+    folder: str, dtype: torch.dtype, seed: int
+) -> dict[str, torch.Tensor]:
+    """Fresh seeded values for every tensor of the folder's checkpoint, in the
+    order a trainer would list them: embeddings, layers, then the rest."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+
+    def order(name: str) -> int:
+        if "embed" in name:
+            return 0
+        return 1 if any(part.isdigit() for part in name.split(".")) else 2
+
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        name: torch.randn(shapes[name], generator=gen).to(dtype)
+        for name in sorted(shapes, key=order)
+    }
+
+
+def _resident_state(model: torch.nn.Module) -> dict[str, tuple[Any, ...]]:
+    state: dict[str, tuple[Any, ...]] = {}
+    for module_name, module in model.named_modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                key = f"{module_name}.{name}"
+                if tensor is None:
+                    state[key] = (None,)
+                    continue
+                state[key] = (
+                    tensor,
+                    tensor.detach().clone(),
+                    vars(tensor).get("weight_loader"),
+                )
+    return state
+
+
+def _state_mismatches(
+    before: dict[str, tuple[Any, ...]], after: dict[str, tuple[Any, ...]]
+) -> list[str]:
+    problems = [f"{k}: slot added or removed" for k in before.keys() ^ after.keys()]
+    for key in before.keys() & after.keys():
+        old, new = before[key], after[key]
+        if old[0] is None or new[0] is None:
+            if old[0] is not new[0]:
+                problems.append(f"{key}: None-ness changed")
+            continue
+        if old[0] is not new[0]:
+            problems.append(f"{key}: different tensor object")
+        if not torch.equal(old[1], new[1]):
+            problems.append(f"{key}: value changed")
+        if old[2] is not new[2]:
+            problems.append(f"{key}: weight_loader changed")
+    return sorted(problems)
+
+
+def load_checkpoint_format(
+    model: torch.nn.Module, fill: Callable[[], None]
+) -> dict[str, torch.Tensor]:
+    """Run ``fill`` against sentinel-filled checkpoint-format parameters (the
+    ones layerwise reload materializes) and return a copy of all of them; the
+    model is restored afterwards."""
+    from vllm.distributed.weight_transfer.sharded_rdt_bake import (
+        checkpoint_format_session,
+    )
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        _get_original_loader,
+    )
+    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad(), checkpoint_format_session(model):
+        filled: dict[str, torch.Tensor] = {}
+        for module_name, module in model.named_modules():
+            for name, tensor in list(module.named_parameters(recurse=False)) + list(
+                module.named_buffers(recurse=False)
+            ):
+                if not tensor.is_meta:
+                    continue
+                real = materialize_meta_tensor(tensor)
+                real.fill_(
+                    _SENTINEL_FLOAT if real.is_floating_point() else _SENTINEL_INT
+                )
+                real.weight_loader = _get_original_loader(tensor)  # type: ignore[attr-defined]
+                setattr(module, name, real)
+                filled[f"{module_name}.{name}"] = real
+        fill()
+        for key, tensor in filled.items():
+            out[key] = tensor.detach().clone()
+    return out
+
+
+def _filled_nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    total = 0
+    for tensor in tensors.values():
+        sentinel = _SENTINEL_FLOAT if tensor.is_floating_point() else _SENTINEL_INT
+        total += int((tensor != sentinel).sum()) * tensor.element_size()
+    return total
+
+
+def _check_case(report: CaseReport, folder: str, tp_size: int) -> None:
+    import time
+
+    from vllm.distributed.weight_transfer.base import ParamMeta
+    from vllm.distributed.weight_transfer.sharded_rdt_bake import (
+        IncompletePlanError,
+        bake_worker_plan,
+    )
+    from vllm.distributed.weight_transfer.sharded_rdt_landing import land_copies
+    from vllm.distributed.weight_transfer.sharded_rdt_ops import replay_slice
+
+    dtype = getattr(torch, report.dtype)
+    model, config = _build_model(folder, report.dtype, tp_size)
+    checkpoint = checkpoint_tensors(folder, dtype, seed=1234)
+    metas = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in checkpoint.items()]
+    worker = f"{report.arch}/{report.dtype}/tp{report.rank}of{tp_size}"
+
+    before = _resident_state(model)
+    started = time.perf_counter()
+    plan = bake_worker_plan(model, metas, worker=worker, vllm_config=config)
+    report.bake_seconds = time.perf_counter() - started
+    report.restore_mismatches = _state_mismatches(before, _resident_state(model))
+    report.second_digest = bake_worker_plan(
+        model, metas, worker=worker, vllm_config=config
+    ).digest()
+    report.digest = plan.digest()
+    report.dump = plan.dump()
+    report.plan_nbytes = plan.nbytes
+    report.bytes_by_source = plan.bytes_by_source()
+    report.full_bytes_by_source = {
+        n: t.numel() * t.element_size() for n, t in checkpoint.items()
+    }
+    report.unused_names = list(plan.unused_names)
+
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(config):
+        loaded = load_checkpoint_format(
+            model,
+            lambda: model.load_weights(iter(checkpoint.items())),
+        )
+        landed = load_checkpoint_format(
+            model,
+            lambda: land_copies(
+                model,
+                (
+                    (c, replay_slice(checkpoint[c.slice.source], c.slice))
+                    for c in plan.copies
+                ),
+            ),
+        )
+    report.compared_tensors = len(loaded)
+    report.landing_mismatches = sorted(
+        key
+        for key in loaded.keys() | landed.keys()
+        if key not in loaded
+        or key not in landed
+        or not torch.equal(loaded[key].view(-1), landed[key].view(-1))
+    )
+    report.filled_nbytes = _filled_nbytes(loaded)
+
+    dropped = "model.layers.0.self_attn.k_proj.weight"
+    partial_metas = [m for m in metas if m.name != dropped]
+    partial_plan = bake_worker_plan(
+        model, partial_metas, worker=worker, vllm_config=config, allow_partial=True
+    )
+    report.partial_modules = [p.describe() for p in partial_plan.partial_modules]
+    try:
+        bake_worker_plan(model, partial_metas, worker=worker, vllm_config=config)
+    except IncompletePlanError as err:
+        report.incomplete_error = str(err)
+    report.restore_mismatches += _state_mismatches(before, _resident_state(model))
+
+
+# Worker-side steps for a real engine, sent with ``LLM.collective_rpc`` (which
+# needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 to ship a function). Each receives
+# the worker and returns plain data.
+
+
+def _worker_checkpoint(worker: Any, seed: int | None) -> dict[str, torch.Tensor]:
+    """The engine's own checkpoint (``seed=None``) or seeded fresh values of
+    the same names and shapes, in the engine's dtype."""
+    model_config = worker.vllm_config.model_config
+    folder = model_config.model
+    if seed is not None:
+        return checkpoint_tensors(folder, model_config.dtype, seed)
+    from safetensors.torch import load_file
+
+    loaded = load_file(os.path.join(folder, "model.safetensors"))
+    order = checkpoint_tensors(folder, model_config.dtype, 0)
+    return {name: loaded[name].to(model_config.dtype) for name in order}
+
+
+def worker_bake(worker: Any) -> dict[str, Any]:
+    """Bake this worker's plan, keep it on the worker, and report on it."""
+    from vllm.distributed.weight_transfer.base import ParamMeta
+    from vllm.distributed.weight_transfer.sharded_rdt_bake import bake_worker_plan
+
+    model = worker.model_runner.model
+    checkpoint = _worker_checkpoint(worker, seed=None)
+    metas = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in checkpoint.items()]
+    before = _resident_state(model)
+    plan = bake_worker_plan(
+        model, metas, worker=f"rank{worker.rank}", vllm_config=worker.vllm_config
+    )
+    worker.sharded_rdt_test_plan = plan
+    return {
+        "digest": plan.digest(),
+        "nbytes": plan.nbytes,
+        "restore_mismatches": _state_mismatches(before, _resident_state(model)),
+    }
+
+
+def worker_update(worker: Any, seed: int | None, via_plan: bool) -> None:
+    """One weight update inside a layerwise reload: either by landing the baked
+    plan's replayed slices group by group, or by ``model.load_weights`` of the
+    same tensors (the reference)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.weight_transfer.sharded_rdt_landing import land_group
+    from vllm.distributed.weight_transfer.sharded_rdt_ops import replay_slice
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    model = worker.model_runner.model
+    checkpoint = _worker_checkpoint(worker, seed)
+    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+        initialize_layerwise_reload(model)
+        if via_plan:
+            for group in worker.sharded_rdt_test_plan.groups:
+                land_group(
+                    model,
+                    group,
+                    (
+                        replay_slice(checkpoint[c.slice.source], c.slice)
+                        for c in group.copies
+                    ),
+                )
+        else:
+            model.load_weights(iter(checkpoint.items()))
+        finalize_layerwise_reload(model, worker.vllm_config.model_config)
