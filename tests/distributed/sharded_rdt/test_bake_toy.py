@@ -189,3 +189,63 @@ def test_bake_refuses_to_run_during_a_weight_update():
     initialize_layerwise_reload(model)
     with pytest.raises(RuntimeError, match="weight update is in progress"):
         bake_worker_plan(model, _metas(CHECKPOINT), worker="tp0/1")
+
+
+class PostTransformed(nn.Module):
+    """Loads the checkpoint tensor, then rewrites the parameter from itself, as
+    ``composed_weight_loader`` does (e.g. Mamba's ``A = -exp(A_log)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = _param(3)
+
+        def loader(param, loaded):
+            param.data.copy_(loaded)
+            param.data.copy_(-torch.exp(param))
+
+        self.weight.weight_loader = loader
+
+
+class PaddedFill(nn.Module):
+    """Copies the checkpoint rows, then zero-fills the padding rows after them,
+    like a vocab-padded embedding."""
+
+    def __init__(self, padded_rows: int):
+        super().__init__()
+        self.weight = _param(3 + padded_rows, 2)
+
+        def loader(param, loaded):
+            param[: loaded.shape[0]].data.copy_(loaded)
+            param[loaded.shape[0] :].data.fill_(0)
+
+        self.weight.weight_loader = loader
+
+
+class Single(nn.Module):
+    def __init__(self, child: nn.Module):
+        super().__init__()
+        self.child = child
+        record_metadata_for_reloading(self)
+
+    def load_weights(self, weights):
+        for _, tensor in weights:
+            self.child.weight.weight_loader(self.child.weight, tensor)
+
+
+def test_loader_that_rewrites_the_parameter_is_unplannable():
+    with pytest.raises(UnplannableLoaderError) as err:
+        bake_worker_plan(
+            Single(PostTransformed()),
+            [ParamMeta("A_log", torch.float32, (3,))],
+            worker="tp0/1",
+        )
+    assert "Tensor.copy_" in str(err.value)
+    assert "loading child.weight from 'A_log'" in str(err.value)
+
+
+def test_padding_fill_is_unplannable_only_when_there_is_padding():
+    meta = [ParamMeta("embed", torch.float32, (3, 2))]
+    plan = bake_worker_plan(Single(PaddedFill(0)), meta, worker="tp0/1")
+    assert plan.nbytes == 24
+    with pytest.raises(UnplannableLoaderError, match="Tensor.fill_"):
+        bake_worker_plan(Single(PaddedFill(2)), meta, worker="tp0/1")

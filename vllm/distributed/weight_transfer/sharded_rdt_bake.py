@@ -15,6 +15,8 @@ worker keeps (tensor-parallel slicing, QKV and gate/up fusion, expert placement)
 3. ``model.load_weights`` runs over one `LazyWeight` per checkpoint name. Every
    ``copy_`` a loader ends in is recorded as a `SliceCopy`: the source name and
    view-op chain, and the destination region (offset, shape, stride, dtype).
+   Any other write a loader makes to a parameter (a post-transform, a fill)
+   ends the bake with `UnplannableLoaderError`.
 4. The session puts the resident tensors, loaders and layerwise state back exactly
    as they were; nothing resident is written.
 5. `build_plan` groups the copies; modules only partly covered and names no loader
@@ -34,9 +36,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from vllm.distributed.weight_transfer.base import ParamMeta
-from vllm.distributed.weight_transfer.sharded_rdt_lazy import CopyRecorder, LazyWeight
+from vllm.distributed.weight_transfer.sharded_rdt_lazy import (
+    CopyRecorder,
+    LazyWeight,
+    UnplannableLoaderError,
+)
 from vllm.distributed.weight_transfer.sharded_rdt_plan import (
     ParamCoverage,
     PartialModule,
@@ -193,6 +200,53 @@ def _install_recording_loaders(model: torch.nn.Module, recorder: CopyRecorder) -
                 )
 
 
+# In-place methods that change no element values.
+_NON_WRITING_INPLACE = frozenset({"requires_grad_", "share_memory_", "retain_grad"})
+
+
+class _LoaderWriteGuard(TorchFunctionMode):
+    """Refuses writes a plan cannot reproduce, made while a loader runs.
+
+    A plan lands only slices of checkpoint tensors. A loader that also writes
+    values from anywhere else (``param.copy_(fn(param))`` post-transforms,
+    ``fill_`` of padding rows, in-place arithmetic) would be silently dropped by
+    the plan, so such writes end the bake instead. Writes to empty regions,
+    such as filling absent padding, change nothing and pass.
+    """
+
+    def __init__(self, recorder: CopyRecorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.recorder.target is not None and args:
+            dest = args[0]
+            name = getattr(func, "__name__", "")
+            writes = func is torch.Tensor.copy_ or (
+                name.endswith("_")
+                and not name.startswith("_")
+                and name not in _NON_WRITING_INPLACE
+            )
+            if (
+                writes
+                and isinstance(dest, torch.Tensor)
+                and not isinstance(dest, LazyWeight)
+                and dest.numel() > 0
+            ):
+                src = args[1] if len(args) > 1 else kwargs.get("src")
+                if not (func is torch.Tensor.copy_ and isinstance(src, LazyWeight)):
+                    raise UnplannableLoaderError(
+                        f"the weight loader writes values that are not a slice of "
+                        f"a checkpoint tensor (Tensor.{name} into "
+                        f"{tuple(dest.shape)} elements) while "
+                        f"{self.recorder.describe_target()}; a sharded_rdt plan "
+                        "only moves checkpoint slices. Load this model with a "
+                        "backend that sends whole tensors."
+                    )
+        return func(*args, **kwargs)
+
+
 def _attributing_loader(
     loader: Callable[..., Any],
     recorder: CopyRecorder,
@@ -202,12 +256,16 @@ def _attributing_loader(
     # signature (MoE ``return_success``) still see the original parameters.
     @functools.wraps(loader)
     def recording_loader(*args: Any, **kwargs: Any) -> Any:
-        outer = recorder.target
+        outer = (recorder.target, recorder.source)
         recorder.target = target
+        recorder.source = next(
+            (a.source for a in (*args, *kwargs.values()) if isinstance(a, LazyWeight)),
+            None,
+        )
         try:
             return loader(*args, **kwargs)
         finally:
-            recorder.target = outer
+            recorder.target, recorder.source = outer
 
     return recording_loader
 
@@ -290,9 +348,11 @@ def bake_worker_plan(
         config_context = set_current_vllm_config(vllm_config)
     with config_context, torch.no_grad(), checkpoint_format_session(model):
         _install_recording_loaders(model, recorder)
+        guard = _LoaderWriteGuard(recorder)
         load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
         load_weights = model.load_weights  # type: ignore[assignment]
-        load_weights(_lazy_item(meta, device, recorder) for meta in weights)
+        with guard:
+            load_weights(_lazy_item(meta, device, recorder) for meta in weights)
         partial = _coverage(model, recorder.copies)
     plan = build_plan(
         worker=worker,

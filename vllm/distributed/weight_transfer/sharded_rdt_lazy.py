@@ -123,12 +123,15 @@ class CopyRecorder:
 
     copies: list[SliceCopy] = field(default_factory=list)
     target: tuple[str, str, torch.Tensor] | None = None
+    # The checkpoint tensor handed to the running loader, for error messages.
+    source: str | None = None
 
     def describe_target(self) -> str:
         if self.target is None:
             return "outside any parameter's weight_loader"
         module, param, _ = self.target
-        return f"loading {module + '.' if module else ''}{param}"
+        text = f"loading {module + '.' if module else ''}{param}"
+        return text if self.source is None else f"{text} from {self.source!r}"
 
     def record_copy(self, dest: torch.Tensor, src: LazyWeight) -> torch.Tensor:
         if self.target is None:
