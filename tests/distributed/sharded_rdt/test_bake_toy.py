@@ -7,6 +7,8 @@ reproduces load_weights, the model comes back exactly, and what cannot be
 planned is reported by name.
 """
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -228,8 +230,9 @@ class Single(nn.Module):
         record_metadata_for_reloading(self)
 
     def load_weights(self, weights):
+        param: Any = self.child.weight
         for _, tensor in weights:
-            self.child.weight.weight_loader(self.child.weight, tensor)
+            param.weight_loader(param, tensor)
 
 
 def test_loader_that_rewrites_the_parameter_is_unplannable():
