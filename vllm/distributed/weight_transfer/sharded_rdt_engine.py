@@ -1,0 +1,421 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Worker side of the ``sharded_rdt`` backend: each inference worker pulls only
+the slices of the trainer's tensors its own weight loaders keep.
+
+``init_weight_transfer_engine``:
+    1. bake: dry-run the model's loaders over the trainer's metadata
+       (`sharded_rdt_bake.bake_worker_plan`) -> a `WorkerPlan`;
+    2. chunk: route each slice to a producer (`RdtRouter`) and pack per
+       (group, producer) (`sharded_rdt_chunks.build_pull_plan`);
+    3. connect a transport to every producer and register the chunks there;
+       allocate ``num_rdt_buffers`` receive buffers of the largest chunk.
+``start_weight_update``: open a layerwise-reload session.
+``update_weights``: pull every chunk in group order (a background thread keeps
+    up to ``num_rdt_buffers`` pulls ahead) and land each one
+    (`sharded_rdt_reload.ChunkLander`); a layer is processed as soon as its
+    last slice has landed. Returns when all of it is in place, so
+    ``defers_processing`` is False and ``drain_pending`` has nothing to wait for.
+``finish_weight_update``: close the session (layers that got nothing keep
+    their weights). Any failure aborts the session, which restores every layer
+    not yet completed, and tells the producers.
+
+No step needs an accelerator or vLLM's Ray executor: under the default (mp)
+executor the bytes move over direct NIXL agents (``transport="nixl"``); under
+the Ray executor with Ray producer actors, over Ray Direct Transport.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.config.weight_transfer import WeightTransferConfig
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightTransferEngine
+from vllm.distributed.weight_transfer.layerwise_session import LayerwiseReloadSession
+from vllm.distributed.weight_transfer.sharded_rdt_bake import bake_worker_plan
+from vllm.distributed.weight_transfer.sharded_rdt_chunks import (
+    PullPlan,
+    build_pull_plan,
+)
+from vllm.distributed.weight_transfer.sharded_rdt_common import (
+    RdtRouter,
+    ShardedRDTWeightTransferInitInfo,
+    ShardedRDTWeightTransferUpdateInfo,
+    buffer_alloc_bytes,
+    check_ray_rdt_version,
+)
+from vllm.distributed.weight_transfer.sharded_rdt_ops import dtype_from_name
+from vllm.distributed.weight_transfer.sharded_rdt_plan import WorkerPlan
+from vllm.distributed.weight_transfer.sharded_rdt_reload import (
+    ChunkLander,
+    deferred_modules,
+)
+from vllm.distributed.weight_transfer.sharded_rdt_transport import (
+    ConsumerTransport,
+    InProcessTransport,
+    ProducerLink,
+)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+__all__ = [
+    "ShardedRDTWeightTransferEngine",
+    "ShardedRDTWeightTransferInitInfo",
+    "ShardedRDTWeightTransferUpdateInfo",
+]
+
+
+def choose_transport(info: ShardedRDTWeightTransferInitInfo, executor: Any) -> str:
+    """The transport a worker uses: the init info's, or for "auto" RDT under
+    vLLM's Ray executor when the trainer spawned Ray producers, else NIXL."""
+    if info.transport != "auto":
+        return info.transport
+    if executor == "ray" and info.trainer_actor_names:
+        return "rdt"
+    if info.producer_endpoints:
+        if all(e.get("transport") == "inprocess" for e in info.producer_endpoints):
+            return "inprocess"
+        return "nixl"
+    if info.trainer_actor_names:
+        return "rdt"
+    raise ValueError(
+        "sharded_rdt init_info names no producers (trainer_actor_names and "
+        "producer_endpoints are empty); pass the trainer's "
+        "get_worker_init_payload()"
+    )
+
+
+def make_consumer_transport(
+    name: str, info: ShardedRDTWeightTransferInitInfo, consumer_id: int
+) -> ConsumerTransport:
+    if name == "inprocess":
+        return InProcessTransport()
+    if name == "nixl":
+        from vllm.distributed.weight_transfer.sharded_rdt_nixl import (
+            NixlConsumerTransport,
+        )
+
+        return NixlConsumerTransport(consumer_id, info.stall_timeout_s)
+    if name == "rdt":
+        from vllm.distributed.weight_transfer.sharded_rdt_ray import (
+            RdtConsumerTransport,
+        )
+
+        return RdtConsumerTransport(
+            consumer_id,
+            namespace=info.trainer_actor_namespace,
+            produce_method_name=info.produce_method_name,
+            stall_timeout_s=info.stall_timeout_s,
+        )
+    raise ValueError(f"unknown sharded_rdt transport {name!r}")
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class ShardedRDTWeightTransferEngine(
+    WeightTransferEngine[
+        ShardedRDTWeightTransferInitInfo, ShardedRDTWeightTransferUpdateInfo
+    ]
+):
+    """See the module docstring."""
+
+    init_info_cls = ShardedRDTWeightTransferInitInfo
+    update_info_cls = ShardedRDTWeightTransferUpdateInfo
+    supports_draft_weight_update = False
+    defers_processing = False
+
+    def __init__(
+        self,
+        config: WeightTransferConfig,
+        vllm_config: VllmConfig,
+        device: torch.device,
+        model: torch.nn.Module,
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.consumer_id: int | None = None
+        self.transport_name: str | None = None
+        self.plan: WorkerPlan | None = None
+        self.pulls: PullPlan | None = None
+        self.stall_timeout_s = 300.0
+        self._transport: ConsumerTransport | None = None
+        self._links: list[ProducerLink] = []
+        self._buffers: list[torch.Tensor] = []
+        self._lander: ChunkLander | None = None
+        self._session: LayerwiseReloadSession | None = None
+        # What the last update_weights pulled and landed (JSON-safe).
+        self.last_receipt: dict[str, Any] | None = None
+
+    # -- parsing -------------------------------------------------------------
+
+    def parse_init_info(
+        self, init_dict: dict[str, Any]
+    ) -> ShardedRDTWeightTransferInitInfo:
+        return ShardedRDTWeightTransferInitInfo.from_dict(init_dict)
+
+    def parse_update_info(
+        self, update_dict: dict[str, Any]
+    ) -> ShardedRDTWeightTransferUpdateInfo:
+        return ShardedRDTWeightTransferUpdateInfo.from_dict(update_dict)
+
+    # -- init ----------------------------------------------------------------
+
+    def init_transfer_engine(self, init_info: ShardedRDTWeightTransferInitInfo) -> None:
+        parallel = self.parallel_config
+        if getattr(parallel, "enable_eplb", False):
+            raise RuntimeError(
+                "sharded_rdt does not support EPLB: expert placement changes at "
+                "runtime while the plan is baked once; disable enable_eplb"
+            )
+        if not init_info.names:
+            raise ValueError("sharded_rdt init_info.names is empty")
+        transport_name = choose_transport(
+            init_info, parallel.distributed_executor_backend
+        )
+        if transport_name == "rdt":
+            check_ray_rdt_version()
+        self._release()
+
+        num_consumers = init_info.num_consumers or parallel.world_size_across_dp
+        num_replicas = max(1, init_info.num_replicas)
+        workers_per_replica = max(1, num_consumers // num_replicas)
+        local_index = (
+            getattr(parallel, "data_parallel_index", 0) * parallel.world_size
+            + parallel.rank
+        )
+        consumer_id = init_info.replica_rank * workers_per_replica + local_index
+        metas = [
+            ParamMeta(name, dtype_from_name(d), tuple(shape))
+            for name, d, shape in zip(
+                init_info.names, init_info.dtype_names, init_info.shapes, strict=True
+            )
+        ]
+        started = time.perf_counter()
+        plan = bake_worker_plan(
+            self.model,
+            metas,
+            worker=f"consumer {consumer_id}",
+            vllm_config=self.vllm_config,
+            device=self.device,
+        )
+        deferred = deferred_modules(self.model, plan)
+        if deferred:
+            raise NotImplementedError(
+                f"sharded_rdt cannot land weights of attention layers whose "
+                f"processing is deferred to the end of a reload: {deferred[:3]}"
+            )
+        router = RdtRouter(
+            init_info.num_producers,
+            num_consumers,
+            owner_sets=init_info.owner_sets,
+            name_owner_class=init_info.name_owner_class,
+            names=init_info.names,
+            group_lens=init_info.group_lens,
+            workers_per_replica=workers_per_replica if num_replicas > 1 else 0,
+        )
+        pulls = build_pull_plan(plan, router, consumer_id)
+
+        transport = make_consumer_transport(transport_name, init_info, consumer_id)
+        endpoints: list[Any] = (
+            list(init_info.trainer_actor_names)
+            if transport_name == "rdt"
+            else list(init_info.producer_endpoints)
+        )
+        links: list[ProducerLink] = []
+        try:
+            for p, endpoint in enumerate(endpoints):
+                link = transport.connect(p, endpoint)
+                links.append(link)
+                link.register(consumer_id, pulls.for_producer(p), pulls.digest(p))
+            presize = int(init_info.buffer_presize_gb * (1 << 30))
+            size = buffer_alloc_bytes(pulls.max_chunk_bytes, presize)
+            buffers = (
+                [
+                    transport.receive_buffer(size, self.device)
+                    for _ in range(init_info.num_rdt_buffers)
+                ]
+                if pulls.max_chunk_bytes
+                else []
+            )
+        except BaseException:
+            for link in links:
+                link.close()
+            transport.close()
+            raise
+        self.consumer_id = consumer_id
+        self.transport_name = transport_name
+        self.stall_timeout_s = init_info.stall_timeout_s
+        self.plan = plan
+        self.pulls = pulls
+        self._transport = transport
+        self._links = links
+        self._buffers = buffers
+        self._lander = ChunkLander(self.model, plan, pulls)
+        logger.info(
+            "sharded_rdt consumer %d: %s transport, %d chunks from %d producers, "
+            "%d bytes per sync, %d receive buffers of %d bytes; ready in %.2f s",
+            consumer_id,
+            transport_name,
+            len(pulls.chunks),
+            len(endpoints),
+            pulls.payload_bytes,
+            len(buffers),
+            size,
+            time.perf_counter() - started,
+        )
+
+    # -- updates -------------------------------------------------------------
+
+    def start_weight_update(self) -> None:
+        if self._session is not None and self._session.is_open:
+            self._session.abort()
+        session = LayerwiseReloadSession(self.model, self.model_config)
+        session.start()
+        self._session = session
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # Overrides the base class, which synchronizes an accelerator this
+        # engine may not have; every pull has landed when this returns.
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException as e:
+            self._abort(f"{type(e).__name__}: {e}")
+            raise
+
+    def receive_weights(self, update_info: ShardedRDTWeightTransferUpdateInfo) -> None:
+        if self.pulls is None or self._lander is None:
+            raise RuntimeError(
+                "sharded_rdt update_weights before init_weight_transfer_engine"
+            )
+        if self._session is None or not self._session.is_open:
+            raise RuntimeError(
+                "sharded_rdt update_weights needs an open update; call "
+                "start_weight_update first"
+            )
+        started = time.perf_counter()
+        lander = self._lander
+        lander.begin()
+        pulled = self._run_pulls(lander)
+        elapsed = time.perf_counter() - started
+        self.last_receipt = {
+            "consumer_id": self.consumer_id,
+            "transport": self.transport_name,
+            "chunks": len(self.pulls.chunks),
+            "bytes": sum(pulled.values()),
+            "bytes_by_producer": {str(p): n for p, n in sorted(pulled.items())},
+            "planned_bytes": self.pulls.payload_bytes,
+            "modules_processed": len(lander.processed),
+            "seconds": elapsed,
+        }
+        logger.info(
+            "sharded_rdt consumer %s pulled %d bytes in %d chunks and processed "
+            "%d modules in %.3f s",
+            self.consumer_id,
+            self.last_receipt["bytes"],
+            len(self.pulls.chunks),
+            len(lander.processed),
+            elapsed,
+        )
+
+    def drain_pending(self) -> None:
+        """Nothing is queued once update_weights returns."""
+
+    def finish_weight_update(self) -> None:
+        session, self._session = self._session, None
+        if session is not None and session.is_open:
+            session.finish()
+
+    def shutdown(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            session.abort()
+        self._release()
+
+    # -- internals -----------------------------------------------------------
+
+    def _run_pulls(self, lander: ChunkLander) -> dict[int, int]:
+        """Pull every chunk in order on a background thread, at most one per
+        receive buffer ahead, and land each one here as it arrives."""
+        assert self.pulls is not None
+        chunks = self.pulls.chunks
+        pulled: dict[int, int] = {}
+        if not chunks:
+            return pulled
+        free = threading.Semaphore(len(self._buffers))
+        ready: queue.Queue[tuple[int, torch.Tensor] | _Failed] = queue.Queue()
+        stop = threading.Event()
+
+        def puller() -> None:
+            try:
+                for i, chunk in enumerate(chunks):
+                    while not free.acquire(timeout=0.5):
+                        if stop.is_set():
+                            return
+                    if stop.is_set():
+                        return
+                    into = self._buffers[i % len(self._buffers)][: chunk.nbytes]
+                    self._links[chunk.producer].pull(chunk, into)
+                    ready.put((i, into))
+            except BaseException as e:
+                ready.put(_Failed(e))
+
+        thread = threading.Thread(target=puller, name="sharded-rdt-pull", daemon=True)
+        thread.start()
+        try:
+            for _ in chunks:
+                try:
+                    item = ready.get(timeout=self.stall_timeout_s)
+                except queue.Empty:
+                    raise TimeoutError(
+                        f"sharded_rdt consumer {self.consumer_id}: no chunk arrived "
+                        f"for {self.stall_timeout_s:.1f}s; a producer most likely "
+                        "died or stalled"
+                    ) from None
+                if isinstance(item, _Failed):
+                    raise item.error
+                i, data = item
+                lander.land(i, data)
+                pulled[chunks[i].producer] = (
+                    pulled.get(chunks[i].producer, 0) + chunks[i].payload_bytes
+                )
+                free.release()
+        finally:
+            stop.set()
+            thread.join(timeout=1.0)
+        return pulled
+
+    def _abort(self, reason: str) -> None:
+        session, self._session = self._session, None
+        try:
+            if session is not None:
+                session.abort()
+        finally:
+            for link in self._links:
+                try:
+                    link.abort(reason)
+                except Exception as e:  # the producer may be the one that died
+                    logger.debug("sharded_rdt abort not delivered: %s", e)
+
+    def _release(self) -> None:
+        for link in self._links:
+            try:
+                link.close()
+            except Exception as e:
+                logger.debug("sharded_rdt link close failed: %s", e)
+        if self._transport is not None:
+            self._transport.close()
+        self._links = []
+        self._buffers = []
+        self._transport = None
+        self._lander = None
+        self.plan = None
+        self.pulls = None

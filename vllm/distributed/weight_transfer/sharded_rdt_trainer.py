@@ -1,0 +1,461 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Trainer side of the ``sharded_rdt`` backend.
+
+Every trainer rank runs a `Producer` for the gather groups it holds and serves
+it through a transport server; inference workers pull from the producers.
+
+``trainer_init`` (every rank):
+    1. metadata from the `WeightSource`, gather groups (`layerwise_groups`);
+    2. ownership: each rank's ``held_names()`` (None = all), exchanged among
+       trainer ranks and checked (same metadata everywhere, no orphan names);
+    3. this rank's producer and its server (direct NIXL agent + control socket,
+       a Ray actor for Ray Direct Transport, or in-process);
+    4. endpoints exchanged; the sender (rank 0) sends the worker init info
+       (`get_worker_init_payload`) with ``client.init_weight_transfer_engine``.
+``send_weights(live_consumer_ids=None)`` (every rank):
+    the sender drives start -> update -> finish on the inference side, with
+    ``update_weights`` running concurrently with its own gather loop; every
+    rank runs the gather loop: for each held group, wait for a credit (at most
+    ``gather_lookahead + 1`` groups resident), take the group from
+    ``source.iter_groups()`` and publish it; then wait until every live
+    consumer has read it all. Failures are exchanged so every rank raises.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import uuid
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Self
+
+import torch
+
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+    layerwise_groups,
+)
+from vllm.distributed.weight_transfer.sharded_rdt_common import (
+    DEFAULT_GATHER_LOOKAHEAD,
+    DEFAULT_NUM_RDT_BUFFERS,
+    DEFAULT_STALL_TIMEOUT_S,
+    PRODUCE_METHOD_NAME,
+    TRANSPORTS,
+    ShardedRDTWeightTransferInitInfo,
+)
+from vllm.distributed.weight_transfer.sharded_rdt_ops import dtype_name
+from vllm.distributed.weight_transfer.sharded_rdt_producer import Producer
+from vllm.distributed.weight_transfer.sharded_rdt_transport import (
+    InProcessServer,
+    ProducerServer,
+)
+from vllm.distributed.weight_transfer.trainer_group import (
+    TrainerGroup,
+    make_trainer_group,
+)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+__all__ = [
+    "DEFAULT_GATHER_LOOKAHEAD",
+    "DEFAULT_STALL_TIMEOUT_S",
+    "PRODUCE_METHOD_NAME",
+    "ShardedRDTTrainerInitInfo",
+    "ShardedRDTTrainerWeightTransferEngine",
+]
+
+
+@dataclass
+class ShardedRDTTrainerInitInfo(TrainerInitInfo):
+    """Trainer-side settings (upstream's names), plus fork fields:
+    ``transport`` ("auto" = direct NIXL producers, "rdt" = Ray actors,
+    "inprocess" = tests), ``producer_host`` (address workers reach this rank's
+    control socket at; default 127.0.0.1 for one node), ``serve_device`` (where
+    serve buffers live; default CPU) and ``process_group`` (the trainer ranks'
+    group; default all ranks of torch.distributed)."""
+
+    backend: ClassVar[str] = "sharded_rdt"
+    num_consumers: int
+    workers_per_replica: int = 0
+    trainer_actor_namespace: str | None = None
+    num_rdt_buffers: int = DEFAULT_NUM_RDT_BUFFERS
+    buffer_presize_gb: float = 0.0
+    gather_lookahead: int = DEFAULT_GATHER_LOOKAHEAD
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+    transport: str = "auto"
+    producer_host: str | None = None
+    serve_device: str | None = None
+    process_group: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.num_consumers < 1:
+            raise ValueError(
+                f"ShardedRDTTrainerInitInfo.num_consumers is {self.num_consumers}; "
+                "pass the number of inference workers (DP x TP x PP) in the fleet"
+            )
+        if self.workers_per_replica < 0 or (
+            self.workers_per_replica and self.num_consumers % self.workers_per_replica
+        ):
+            raise ValueError(
+                f"workers_per_replica={self.workers_per_replica} must be 0 or "
+                f"divide num_consumers={self.num_consumers}"
+            )
+        if self.num_rdt_buffers < 1 or self.gather_lookahead < 0:
+            raise ValueError(
+                f"num_rdt_buffers={self.num_rdt_buffers} must be >= 1 and "
+                f"gather_lookahead={self.gather_lookahead} >= 0"
+            )
+        if self.stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s is {self.stall_timeout_s}; need > 0")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"transport is {self.transport!r}; expected one of {list(TRANSPORTS)}"
+            )
+
+
+def metadata_digest(metas: list[ParamMeta]) -> str:
+    text = "\n".join(f"{m.name}|{dtype_name(m.dtype)}|{list(m.shape)}" for m in metas)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def ownership_table(
+    names: list[str], held_by_rank: dict[int, list[str] | None]
+) -> tuple[list[list[int]], list[int]]:
+    """``(owner_sets, name_owner_class)`` from each rank's held names (None =
+    all); both empty when every rank holds everything."""
+    if all(h is None for h in held_by_rank.values()):
+        return [], []
+    index = {n: i for i, n in enumerate(names)}
+    owners: list[list[int]] = [[] for _ in names]
+    for rank in sorted(held_by_rank):
+        held = held_by_rank[rank]
+        for name in names if held is None else held:
+            owners[index[name]].append(rank)
+    orphans = [n for n, o in zip(names, owners, strict=True) if not o]
+    if orphans:
+        raise ValueError(
+            f"{len(orphans)} parameter(s) are held by no trainer rank, first "
+            f"{orphans[0]!r}; every name in metadata() must be in some rank's "
+            "held_names()"
+        )
+    classes: dict[tuple[int, ...], int] = {}
+    name_owner_class = [classes.setdefault(tuple(o), len(classes)) for o in owners]
+    return [list(s) for s in classes], name_owner_class
+
+
+class ShardedRDTTrainerWeightTransferEngine(
+    TrainerWeightTransferEngine[ShardedRDTTrainerInitInfo]
+):
+    """See the module docstring."""
+
+    init_info_cls = ShardedRDTTrainerInitInfo
+
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+        is_sender: bool = True,
+        init_info: ShardedRDTTrainerInitInfo,
+    ) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.init_info = init_info
+        self.rank = init_info.rank
+        self._group: TrainerGroup | None = None
+        self._metas: list[ParamMeta] = []
+        self._groups: list[list[str]] = []
+        self._held: frozenset[str] = frozenset()
+        self._owned: list[int] = []
+        self._owner_sets: list[list[int]] = []
+        self._name_owner_class: list[int] = []
+        self._server: ProducerServer | None = None
+        self._endpoints: list[dict[str, Any]] = []
+        self._ready = False
+
+    # -- init ----------------------------------------------------------------
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info: ShardedRDTTrainerInitInfo,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+    ) -> Self:
+        if source is None:
+            raise ValueError(
+                "sharded_rdt needs source= (a WeightSource such as "
+                "ModuleSource(model)) at trainer_init"
+            )
+        engine = cls(
+            client=client,
+            source=source,
+            is_sender=init_info.is_sender,
+            init_info=init_info,
+        )
+        engine._init(source)
+        return engine
+
+    def _init(self, source: WeightSource) -> None:
+        info = self.init_info
+        group = make_trainer_group(info.rank, info.process_group, info.stall_timeout_s)
+        self._group = group
+        error: str | None = None
+        payload: tuple[str, list[str] | None] | None = None
+        try:
+            payload = self._read_source(source)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        gathered = group.exchange(payload, error, "sharded_rdt trainer_init")
+        digests = {r: p[0] for r, p in gathered.items()}
+        if len(set(digests.values())) != 1:
+            raise ValueError(
+                f"WeightSource.metadata() differs across trainer ranks (digests "
+                f"{digests}); every rank must describe the whole model"
+            )
+        names = [m.name for m in self._metas]
+        self._owner_sets, self._name_owner_class = ownership_table(
+            names, {r: p[1] for r, p in gathered.items()}
+        )
+
+        error = None
+        endpoint: dict[str, Any] | None = None
+        try:
+            self._server = self._start_server()
+            endpoint = self._server.endpoint()
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        endpoints = group.exchange(endpoint, error, "sharded_rdt producer start")
+        self._endpoints = [endpoints[r] for r in sorted(endpoints)]
+
+        error = None
+        if self.is_sender:
+            try:
+                self.client.init_weight_transfer_engine(self.get_worker_init_payload())
+            except Exception as e:
+                error = f"init_weight_transfer_engine: {e}"
+                if group.world_size == 1:
+                    raise
+        group.exchange(None, error, "init_weight_transfer_engine")
+        self._ready = True
+
+    def _read_source(self, source: WeightSource) -> tuple[str, list[str] | None]:
+        metas = list(source.metadata())
+        names = [m.name for m in metas]
+        groups = layerwise_groups(names)
+        if [n for g in groups for n in g] != names:
+            raise ValueError(
+                "sharded_rdt needs metadata() in group-contiguous order (each "
+                "layer's names together, layers ascending, as layerwise_groups "
+                "orders them)"
+            )
+        held_raw = source.held_names()
+        held: list[str] | None = None
+        if held_raw is not None:
+            held_set = set(held_raw)
+            unknown = sorted(held_set - set(names))
+            if unknown:
+                raise ValueError(
+                    f"held_names() lists {len(unknown)} name(s) not in metadata(), "
+                    f"first {unknown[0]!r}"
+                )
+            if not held_set:
+                raise ValueError(
+                    f"held_names() of trainer rank {self.rank} is empty; a rank "
+                    "that holds nothing should return None only if it holds all"
+                )
+            held = [n for n in names if n in held_set]
+        self._metas = metas
+        self._groups = groups
+        self._held = frozenset(names if held is None else held)
+        self._owned = [
+            gi for gi, g in enumerate(groups) if any(n in self._held for n in g)
+        ]
+        return metadata_digest(metas), held
+
+    def _start_server(self) -> ProducerServer:
+        info = self.init_info
+        names = [m.name for m in self._metas]
+        kwargs: dict[str, Any] = dict(
+            rank=self.rank,
+            names=names,
+            group_lens=[len(g) for g in self._groups],
+            served_names=self._held,
+            num_slots=info.num_rdt_buffers,
+            gather_lookahead=info.gather_lookahead,
+            stall_timeout_s=info.stall_timeout_s,
+            workers_per_replica=info.workers_per_replica,
+            buffer_presize_bytes=int(info.buffer_presize_gb * (1 << 30)),
+            device=info.serve_device or "cpu",
+        )
+        if info.transport == "inprocess":
+            return InProcessServer(Producer(**kwargs))
+        if info.transport == "rdt":
+            from vllm.distributed.weight_transfer.sharded_rdt_ray import (
+                RdtProducerServer,
+            )
+
+            return RdtProducerServer(
+                kwargs,
+                name=f"vllm_rdt_producer_{uuid.uuid4().hex[:12]}_rk{self.rank}",
+                namespace=info.trainer_actor_namespace,
+                max_concurrency=info.num_consumers * info.num_rdt_buffers + 4,
+            )
+        from vllm.distributed.weight_transfer.sharded_rdt_nixl import (
+            NixlProducerServer,
+        )
+
+        return NixlProducerServer(kwargs, host=info.producer_host or "127.0.0.1")
+
+    def get_worker_init_payload(self) -> dict[str, Any]:
+        """The worker init info (a JSON-safe dict) for
+        ``init_weight_transfer_engine``; a restarted inference engine rejoins
+        with it. Needs no collective."""
+        if not self._endpoints:
+            raise RuntimeError("get_worker_init_payload before trainer_init")
+        info = self.init_info
+        rdt = info.transport == "rdt"
+        return ShardedRDTWeightTransferInitInfo(
+            trainer_actor_names=[e["actor_name"] for e in self._endpoints]
+            if rdt
+            else [],
+            trainer_actor_namespace=info.trainer_actor_namespace,
+            produce_method_name=PRODUCE_METHOD_NAME,
+            names=[m.name for m in self._metas],
+            dtype_names=[dtype_name(m.dtype) for m in self._metas],
+            shapes=[list(m.shape) for m in self._metas],
+            group_lens=[len(g) for g in self._groups],
+            owner_sets=self._owner_sets,
+            name_owner_class=self._name_owner_class,
+            num_consumers=info.num_consumers,
+            num_rdt_buffers=info.num_rdt_buffers,
+            buffer_presize_gb=info.buffer_presize_gb,
+            transport="rdt" if rdt else "auto",
+            producer_endpoints=[] if rdt else list(self._endpoints),
+            stall_timeout_s=info.stall_timeout_s,
+        ).to_dict()
+
+    # -- send ----------------------------------------------------------------
+
+    def send_weights(self, live_consumer_ids: Collection[int] | None = None) -> None:
+        """Serve one full sync; see the module docstring. ``live_consumer_ids``
+        (default: all) are the workers that pull this time; the others (dead or
+        restarting) are not waited for."""
+        if not self._ready or self._group is None or self._server is None:
+            raise RuntimeError("send_weights before trainer_init")
+        n = self.init_info.num_consumers
+        if live_consumer_ids is None:
+            live = list(range(n))
+        else:
+            live = sorted(set(live_consumer_ids))
+            bad = [c for c in live if not 0 <= c < n]
+            if bad:
+                raise ValueError(f"live_consumer_ids {bad} are outside 0..{n - 1}")
+            if len(live) < n:
+                logger.warning(
+                    "sharded_rdt sync with %d of %d consumers live: %s",
+                    len(live),
+                    n,
+                    live,
+                )
+        group = self._group
+        group.exchange(None, self._call("start_weight_update"), "start_weight_update")
+
+        pool = concurrent.futures.ThreadPoolExecutor(1) if self.is_sender else None
+        future = (
+            pool.submit(self.client.update_weights, {}) if pool is not None else None
+        )
+        error: str | None = None
+        try:
+            self._gather(live, future)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        if future is not None:
+            try:
+                future.result()
+            except Exception as e:
+                error = error or f"update_weights: {e}"
+        if pool is not None:
+            pool.shutdown(wait=False)
+        group.exchange(None, error, "sharded_rdt send_weights")
+        group.exchange(None, self._call("finish_weight_update"), "finish_weight_update")
+
+    def _call(self, method: str) -> str | None:
+        if not self.is_sender:
+            return None
+        try:
+            getattr(self.client, method)()
+        except Exception as e:
+            if self._group is not None and self._group.world_size == 1:
+                raise
+            return f"{method}: {e}"
+        return None
+
+    def _gather(
+        self, live: list[int], future: concurrent.futures.Future[Any] | None
+    ) -> None:
+        assert self._server is not None and self.source is not None
+        server = self._server
+        try:
+            server.begin_sync(live)
+            batches = self.source.iter_groups()
+            for gi in self._owned:
+                server.wait_credit()
+                if future is not None and future.done():
+                    future.result()
+                try:
+                    names, tensors = next(batches)
+                except StopIteration:
+                    raise RuntimeError(
+                        f"WeightSource.iter_groups() ended before group {gi}"
+                    ) from None
+                if list(names) != self._groups[gi]:
+                    raise RuntimeError(
+                        f"WeightSource.iter_groups() yielded {list(names)[:3]}... "
+                        f"where group {gi} is {self._groups[gi][:3]}...; "
+                        "iteration must follow groups() in metadata order"
+                    )
+                server.publish(gi, self._held_tensors(gi, names, tensors))
+            server.end_sync()
+        except BaseException as e:
+            server.fail(f"trainer rank {self.rank}: {type(e).__name__}: {e}")
+            raise
+
+    def _held_tensors(
+        self, gi: int, names: list[str], tensors: list[Any]
+    ) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in zip(names, tensors, strict=True):
+            held = name in self._held
+            if held and not isinstance(tensor, torch.Tensor):
+                raise RuntimeError(
+                    f"WeightSource yielded {type(tensor).__name__} for {name!r}, "
+                    f"which trainer rank {self.rank} holds (group {gi})"
+                )
+            if not held and tensor is not None:
+                raise RuntimeError(
+                    f"WeightSource yielded a tensor for {name!r}, which "
+                    f"held_names() of trainer rank {self.rank} excludes; yield "
+                    "None for names this rank does not hold"
+                )
+            if held:
+                out[name] = tensor.detach()
+        return out
+
+    @property
+    def producer(self) -> Any:
+        """This rank's producer (a local object or a Ray actor proxy)."""
+        return None if self._server is None else self._server.producer
+
+    def shutdown(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        self._ready = False
