@@ -80,7 +80,7 @@ def test_exported_tensor_is_viewed_with_its_dtype_and_shape_by_the_importer():
     src = torch.randn(3, 5, dtype=torch.float32).to(torch.bfloat16)
     exported = export_tensor(src)
     importer = BufferImporter(torch.device("cpu"), local_rank=0)
-    handle = importer.select({cpu_device_key(0): exported.handle}, "ipc_handles")
+    _, handle = importer.select({cpu_device_key(0): exported.handle}, "ipc_handles")
     raw = importer.open(handle)
     assert importer.open(handle) is raw  # mapped once
     view = raw.view(torch.bfloat16).view(3, 5)

@@ -54,7 +54,7 @@ class LoopbackClient:
         )
         self.events.append(("update", tuple(info.names)))
         importer = BufferImporter(torch.device("cpu"), local_rank=0)
-        handles = [importer.select(b, "ipc_handles") for b in info.buffers()]
+        handles = [importer.select(b, "ipc_handles")[1] for b in info.buffers()]
         buffers = [importer.open(h) for h in handles]
         for v in info.views():
             raw = buffers[v.buffer][v.offset : v.offset + v.nbytes]

@@ -113,8 +113,11 @@ class BufferImporter:
         self._open: dict[tuple, Any] = {}
         self._gpu_uuid: str | None = None
 
-    def select(self, handles: dict[str, BufferHandle], where: str) -> BufferHandle:
-        """This worker's handle in ``handles``; ``ValueError`` if it has none."""
+    def select(
+        self, handles: dict[str, BufferHandle], where: str
+    ) -> tuple[str, BufferHandle]:
+        """This worker's ``(device key, handle)`` in ``handles``; ``ValueError``
+        if it has none."""
         if self.device.type == "cuda":
             if self._gpu_uuid is None:
                 from vllm.distributed.weight_transfer.cuda_ipc_buffer import (
@@ -149,7 +152,7 @@ class BufferImporter:
                 f"{where}[{key!r}] is a {handle.kind!r} handle but this worker "
                 f"runs on {self.device.type}"
             )
-        return handle
+        return key, handle
 
     def open(self, handle: BufferHandle) -> torch.Tensor:
         """The buffer as a flat uint8 tensor, mapped once until ``close()``."""

@@ -283,16 +283,24 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         self.last_plan = plan
         error = self._call_server("start_weight_update")
         self.group.exchange(None, error, "start_weight_update")
+        buffers: list[ExportedBuffer] = []
         try:
-            self._send_chunks(plan, metas)
-        except BaseException as e:
-            self._abort_on_server(f"trainer rank {self.rank}: {e}")
-            raise
-        if weight_version is None:
-            error = self._call_server("finish_weight_update")
-        else:
-            error = self._call_server("finish_weight_update", weight_version)
-        self.group.exchange(None, error, "finish_weight_update")
+            try:
+                self._send_chunks(plan, metas, buffers)
+            except BaseException as e:
+                self._abort_on_server(f"trainer rank {self.rank}: {e}")
+                raise
+            if weight_version is None:
+                error = self._call_server("finish_weight_update")
+            else:
+                error = self._call_server("finish_weight_update", weight_version)
+            self.group.exchange(None, error, "finish_weight_update")
+        finally:
+            # Workers release their mappings at finish; only then is the packed
+            # buffer dropped, so CUDA can reclaim it at once.
+            for buffer in buffers:
+                buffer.close()
+            release_exported_cuda_memory()
 
     def _call_server(self, method: str, *args: Any) -> str | None:
         """Run a client call on the sender; return its failure as text so every
@@ -322,21 +330,22 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
             except Exception as e:  # the server may have aborted on its own
                 logger.debug("ipc abort: %s raised %s", method, e)
 
-    def _send_chunks(self, plan: TransferPlan, metas: list[ParamMeta]) -> None:
+    def _send_chunks(
+        self,
+        plan: TransferPlan,
+        metas: list[ParamMeta],
+        buffers: list[ExportedBuffer],
+    ) -> None:
+        """Send every chunk; the packed buffer, once made, is put in ``buffers``."""
         assert self.source is not None
         cursor = _SourceCursor(self.source, metas)
         buffer: ExportedBuffer | None = None
-        try:
-            for chunk in plan.chunks:
-                if plan.packed:
-                    buffer = self._send_packed_chunk(plan, chunk, cursor, buffer)
-                else:
-                    self._send_unpacked_chunk(chunk, cursor)
-            cursor.finish()
-        finally:
-            if buffer is not None:
-                buffer.close()
-            release_exported_cuda_memory()
+        for chunk in plan.chunks:
+            if plan.packed:
+                buffer = self._send_packed_chunk(plan, chunk, cursor, buffer, buffers)
+            else:
+                self._send_unpacked_chunk(chunk, cursor)
+        cursor.finish()
 
     def _send_packed_chunk(
         self,
@@ -344,6 +353,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         chunk: Chunk,
         cursor: _SourceCursor,
         buffer: ExportedBuffer | None,
+        owned: list[ExportedBuffer],
     ) -> ExportedBuffer | None:
         error: str | None = None
         device: torch.device | None = None
@@ -352,6 +362,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
                 tensor = cursor.next()
                 if buffer is None:
                     buffer = allocate_buffer(plan.buffer_nbytes, tensor.device)
+                    owned.append(buffer)
                 assert buffer.tensor is not None
                 device = buffer.tensor.device
                 if slot.nbytes:
@@ -451,6 +462,9 @@ class IPCWeightTransferEngine(
         self.packed = False
         self._session: LayerwiseReloadSession | None = None
         self._importer: BufferImporter | None = None
+        # Device keys this worker read in the current or last update
+        # (diagnostics: which trainer rank's buffers fed this worker).
+        self.last_update_keys: set[str] = set()
 
     # -- parsing ---------------------------------------------------------------
 
@@ -471,6 +485,7 @@ class IPCWeightTransferEngine(
         if self._session is not None and self._session.is_open:
             self._session.abort()
         self._release()
+        self.last_update_keys = set()
         session = LayerwiseReloadSession(self.model, self.model_config)
         session.start()
         self._session = session
@@ -500,10 +515,12 @@ class IPCWeightTransferEngine(
                 f"but init_weight_transfer_engine set packed={self.packed}"
             )
         importer = self._get_importer()
-        handles = [
+        selected = [
             importer.select(hmap, f"update_info.ipc_handles{suffix}")
             for suffix, hmap in _indexed(update_info)
         ]
+        handles = [handle for _, handle in selected]
+        self.last_update_keys.update(key for key, _ in selected)
         buffers = [importer.open(h) for h in handles]
         weights = []
         for view in update_info.views():

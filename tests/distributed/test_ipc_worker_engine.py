@@ -1,0 +1,165 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The ipc worker engine and its layerwise session on a small torch model (no
+vLLM engine): weights land in the update target (the draft model too), a
+failure restores every layer that did not complete, buffered weights never
+alias the transfer buffer, and nothing is mapped after finish."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm.distributed.weight_transfer import ModuleSource
+from vllm.distributed.weight_transfer.ipc_engine import (
+    IPCTrainerInitInfo,
+    IPCTrainerWeightTransferEngine,
+    IPCWeightTransferEngine,
+)
+from vllm.distributed.weight_transfer.ipc_wire import cpu_device_key
+from vllm.distributed.weight_transfer.layerwise_session import LayerwiseReloadSession
+
+
+class TinyNet(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = torch.nn.Linear(4, 6)
+        self.b = torch.nn.Linear(6, 3)
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            param = params[name]
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                param.data.copy_(tensor)
+            else:
+                loader(param, tensor)
+        return set(params)
+
+
+def reload_ready(seed: int) -> TinyNet:
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+
+    net = TinyNet(seed)
+    record_metadata_for_reloading(net)
+    return net
+
+
+def make_engine(model: torch.nn.Module) -> IPCWeightTransferEngine:
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(), model_config=SimpleNamespace(dtype=None)
+    )
+    return IPCWeightTransferEngine(
+        SimpleNamespace(backend="ipc"),  # type: ignore[arg-type]
+        vllm_config,  # type: ignore[arg-type]
+        torch.device("cpu"),
+        model,
+    )
+
+
+class EngineClient:
+    """Drives a worker engine directly, like the worker's RPC handlers."""
+
+    def __init__(self, engine: IPCWeightTransferEngine) -> None:
+        self.engine = engine
+
+    def init_weight_transfer_engine(self, init_info):
+        self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
+
+    def start_weight_update(self):
+        self.engine.start_weight_update()
+
+    def update_weights(self, update_info):
+        self.engine.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version=None):
+        self.engine.finish_weight_update()
+
+
+def state(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_update_lands_every_weight_and_releases_every_mapping(packed):
+    target, trainer = reload_ready(0), TinyNet(1)
+    engine = make_engine(target)
+    IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed=packed, packed_buffer_size_bytes=64),
+        client=EngineClient(engine),
+        source=ModuleSource(trainer),
+    ).send_weights()
+    for name, want in state(trainer).items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name
+    assert engine._importer is None or engine._importer._open == {}
+    assert engine.last_update_keys == {cpu_device_key(0)}
+
+
+def test_draft_target_receives_the_update_and_the_default_model_does_not():
+    default, draft, trainer = reload_ready(0), reload_ready(2), TinyNet(1)
+    before = state(default)
+    engine = make_engine(default)
+    engine.set_weight_update_target(draft, SimpleNamespace(dtype=None))
+    IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0),
+        client=EngineClient(engine),
+        source=ModuleSource(trainer),
+    ).send_weights()
+    engine.reset_weight_update_target()
+    for name, want in state(trainer).items():
+        assert torch.equal(dict(draft.named_parameters())[name], want), name
+    for name, want in before.items():
+        assert torch.equal(dict(default.named_parameters())[name], want), name
+
+
+def test_failed_update_restores_layers_that_did_not_complete():
+    target = reload_ready(0)
+    before = state(target)
+    engine = make_engine(target)
+    engine.start_weight_update()
+    assert dict(target.named_parameters())["a.weight"].is_meta
+    with pytest.raises(ValueError, match="ipc_handles is missing"):
+        engine.update_weights(
+            {"names": ["a.weight", "a.bias"], "dtype_names": ["float32"], "shapes": []}
+        )
+    for name, want in before.items():
+        param = dict(target.named_parameters())[name]
+        assert not param.is_meta and torch.equal(param, want), name
+    # a new update can start afterwards
+    engine.start_weight_update()
+    engine.finish_weight_update()
+    for name, want in before.items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name
+
+
+def test_abort_message_restores_and_finish_is_then_a_no_op():
+    target = reload_ready(0)
+    before = state(target)
+    engine = make_engine(target)
+    engine.start_weight_update()
+    engine.update_weights({"abort": "trainer rank 1 died"})
+    engine.finish_weight_update()
+    for name, want in before.items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name
+
+
+def test_buffered_weights_of_incomplete_layers_are_copied_out_of_the_buffer():
+    target = reload_ready(0)
+    session = LayerwiseReloadSession(target, SimpleNamespace(dtype=None))
+    session.start()
+    buffer = torch.arange(24, dtype=torch.float32)
+    weight = buffer.view(6, 4)  # layer a gets only its weight: stays buffered
+    session.load(
+        [("a.weight", weight)], foreign_storages={buffer.untyped_storage().data_ptr()}
+    )
+    buffer.zero_()  # the sender reuses its buffer
+    session.load([("a.bias", torch.ones(6))])
+    session.finish()
+    assert torch.equal(
+        target.a.weight, torch.arange(24, dtype=torch.float32).view(6, 4)
+    )
+    assert torch.equal(target.a.bias, torch.ones(6))
