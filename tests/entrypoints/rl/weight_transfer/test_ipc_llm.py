@@ -188,9 +188,12 @@ def test_before_any_update_vllm_serves_the_checkpoint(rig):
 
 
 def test_pushing_unchanged_weights_leaves_the_output_unchanged(rig):
-    # Guards the reload path itself (CPU MoE experts must be re-prepacked).
+    # Guards the reload path itself: CPU MoE experts must be prepacked again
+    # after every reload, or pushing the very weights vLLM holds changes its
+    # output. The first push establishes a state the oracle agrees with.
     randomize_weights_(rig.trainer_model, seed=5)
     rig.push()
+    rig.assert_serves()
     before = rig.greedy()
     rig.push()
     after = rig.greedy()
