@@ -1,0 +1,166 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Payload checksums computed on the device that holds the bytes.
+
+``payload_checksum(buf)`` digests a flat ``uint8`` tensor, on CPU or CUDA,
+with torch ops on the tensor's own device: no byte leaves the device, and only
+two integers come back to the host, once per call. The trainer checksums each
+chunk it publishes, the worker checksums what it received, and the two strings
+must be equal.
+
+Definition (algorithm ``"ws1"``). Pad the ``n`` bytes with zeros to a multiple
+of four and read them as little-endian signed 32-bit words ``w_0 .. w_{m-1}``
+(the byte order of x86, little-endian ARM and CUDA devices). With the prime
+``P = 2**31 - 1``::
+
+    A = sum(w_j)             mod P
+    B = sum((j + 1) * w_j)   mod P
+    checksum = f"ws1:{n}:{A:08x}{B:08x}"
+
+Every intermediate is an exact integer (no float rounding, no integer
+overflow), so the result is independent of device, reduction order and
+chunking. Guarantees:
+
+* any change confined to one byte is detected: it changes ``w_j`` by
+  ``2**(8k) * c`` with ``0 < |c| <= 511``, which ``P`` cannot divide, so ``A``
+  changes;
+* ``B`` weights each word by its position, so swapped or shifted words
+  (a chunk copied to the wrong offset) are detected as well;
+* the length is part of the string, so padding never collides.
+
+It is an error-detecting code for transport faults (a stale or overwritten
+buffer, a wrong offset, a bad copy), not a cryptographic hash.
+
+Memory: the words are processed ``chunk_bytes`` at a time through one float64
+scratch of twice the chunk; per-row partial sums add about 1/64 of the buffer
+size (16 bytes per 4 KiB row, plus the final reduction's temporaries).
+
+Throughput (``benchmarks/weight_transfer/bench_payload_checksum.py``), against
+a ``copy_`` of the same buffer on the same device:
+
+* CPU, one thread, 256 MiB, 4 MiB chunks: about 3.3-3.6 GB/s against
+  5-6 GB/s for the copy (about 1.6-1.9x the copy's time).
+* H200, 1 GiB, 64 MiB chunks: about 540 GB/s against about 2 TB/s for the
+  copy (3.7x); a 64 MiB buffer takes about 0.35 ms. CUDA and CPU results for
+  the same bytes are equal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ALGORITHM = "ws1"
+_P = 2**31 - 1
+# One matrix product reads the scratch once (best on accelerators); CPU BLAS
+# is faster with a sum and a matrix-vector product.
+_FUSED_ROW_SUMS = {"cpu": False}
+# Words per row. A row's position-weighted sum stays below 2**31 * 2**10 *
+# 2**10 = 2**51, so float64 sums and products over a row are exact.
+_ROW_WORDS = 1024
+_ROW_BYTES = 4 * _ROW_WORDS
+# Bytes processed per pass. On CPU a 4 MiB chunk keeps the float64 scratch
+# (8 MiB) cache-friendly; on an accelerator larger chunks mean fewer launches.
+CPU_CHUNK_BYTES = 4 * 1024 * 1024
+DEVICE_CHUNK_BYTES = 64 * 1024 * 1024
+
+
+def payload_checksum(buf: torch.Tensor, *, chunk_bytes: int | None = None) -> str:
+    """The ``ws1`` checksum of the bytes of ``buf`` (a 1-D contiguous uint8 tensor).
+
+    Runs on ``buf.device``; synchronizes with it once, at the end.
+    ``chunk_bytes`` defaults to 4 MiB on CPU and 64 MiB elsewhere.
+    """
+    if chunk_bytes is None:
+        chunk_bytes = (
+            CPU_CHUNK_BYTES if buf.device.type == "cpu" else DEVICE_CHUNK_BYTES
+        )
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+        raise ValueError(
+            f"payload_checksum needs a 1-D contiguous uint8 tensor, got dtype "
+            f"{buf.dtype}, shape {tuple(buf.shape)}, contiguous={buf.is_contiguous()}; "
+            "pass tensor.contiguous().view(-1).view(torch.uint8)"
+        )
+    if chunk_bytes <= 0 or chunk_bytes % _ROW_BYTES:
+        raise ValueError(
+            f"chunk_bytes is {chunk_bytes}; it must be a positive multiple of "
+            f"{_ROW_BYTES}"
+        )
+    n = buf.numel()
+    device = buf.device
+    # Column 0 sums a row, column 1 weights each word by its position in it.
+    weights = torch.stack(
+        [
+            torch.ones(_ROW_WORDS, dtype=torch.float64, device=device),
+            torch.arange(1, _ROW_WORDS + 1, dtype=torch.float64, device=device),
+        ],
+        dim=1,
+    )
+    fused = _FUSED_ROW_SUMS.get(device.type, True)
+    # One float64 scratch, reused for every chunk: fresh allocations per chunk
+    # would pay page faults on every pass.
+    scratch = torch.empty(
+        (min(chunk_bytes, _round_up(n)) // _ROW_BYTES, _ROW_WORDS),
+        dtype=torch.float64,
+        device=device,
+    )
+    # Per-row [sum, position-weighted sum]: 16 bytes per 4 KiB row. Filling it
+    # takes one or two kernels per chunk; the modular reduction runs once.
+    row_sums = torch.empty(
+        (_round_up(n) // _ROW_BYTES, 2), dtype=torch.float64, device=device
+    )
+    for start in range(0, n, chunk_bytes):
+        words = _as_word_rows(buf[start : start + chunk_bytes])
+        first = start // _ROW_BYTES
+        rows = scratch[: words.shape[0]]
+        rows.copy_(words)
+        out = row_sums[first : first + rows.shape[0]]
+        if fused:
+            torch.mm(rows, weights, out=out)
+        else:
+            out[:, 0] = rows.sum(dim=1)
+            out[:, 1] = torch.mv(rows, weights[:, 1])
+    del scratch
+    sums = row_sums.to(torch.int64)  # exact: every value is below 2**51
+    row_a = torch.remainder(sums[:, 0], _P)
+    # Row r starts at word r * _ROW_WORDS, so its words contribute
+    # row_b + r * _ROW_WORDS * row_a to B.
+    offset = torch.remainder(
+        torch.arange(sums.shape[0], dtype=torch.int64, device=device) * _ROW_WORDS, _P
+    )
+    term_b = torch.remainder(sums[:, 1], _P) + torch.remainder(offset * row_a, _P)
+    acc_a = torch.remainder(row_a.sum(), _P)
+    acc_b = torch.remainder(term_b.sum(), _P)
+    a, b = torch.stack([acc_a, acc_b]).tolist()
+    return f"{ALGORITHM}:{n}:{a:08x}{b:08x}"
+
+
+def tensor_checksum(t: torch.Tensor, *, chunk_bytes: int | None = None) -> str:
+    """``payload_checksum`` of the bytes of a contiguous tensor of any dtype."""
+    if not t.is_contiguous():
+        raise ValueError(
+            f"tensor_checksum needs a contiguous tensor (shape {tuple(t.shape)}, "
+            f"stride {t.stride()}); checksum the buffer it was copied into"
+        )
+    flat = t.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return payload_checksum(flat, chunk_bytes=chunk_bytes)
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _ROW_BYTES) * _ROW_BYTES
+
+
+def _as_word_rows(chunk: torch.Tensor) -> torch.Tensor:
+    """``chunk`` as an int32 ``[rows, _ROW_WORDS]`` view, zero-padded at the end.
+
+    Full, 4-byte-aligned chunks are viewed in place; a short last chunk or a
+    misaligned slice is copied into a padded scratch buffer of at most one chunk.
+    """
+    n = chunk.numel()
+    aligned = chunk.data_ptr() % 4 == 0
+    if aligned and n % _ROW_BYTES == 0:
+        return chunk.view(torch.int32).view(-1, _ROW_WORDS)
+    scratch = torch.zeros(_round_up(n), dtype=torch.uint8, device=chunk.device)
+    scratch[:n].copy_(chunk)
+    return scratch.view(torch.int32).view(-1, _ROW_WORDS)
