@@ -1,0 +1,325 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Publication wire data and the checks on both ends of an update."""
+
+import json
+
+import pytest
+import torch
+
+from vllm.distributed.weight_transfer.base import ParamMeta
+from vllm.distributed.weight_transfer.publication import (
+    PUBLICATION_FIELD,
+    ChecksumMismatch,
+    IncompleteUpdate,
+    Manifest,
+    ManifestEntry,
+    ManifestMismatch,
+    PublicationHeader,
+    Receipt,
+    ReceiptError,
+    attach_publication,
+    coverage_digest,
+    pop_publication,
+)
+from vllm.distributed.weight_transfer.verification import (
+    ManifestChecker,
+    verify_receipts,
+)
+
+METAS = [
+    ParamMeta("embed.weight", torch.bfloat16, (8, 4)),
+    ParamMeta("layers.0.w", torch.float32, (4, 4)),
+    ParamMeta("layers.1.w", torch.float32, (4,)),
+]
+
+
+def manifest() -> Manifest:
+    return Manifest.from_params(METAS)
+
+
+def header(**kw) -> PublicationHeader:
+    args = dict(
+        backend="ipc",
+        model_version=3,
+        manifest=manifest(),
+        trainer_devices=["cpu:host:0"],
+    )
+    args.update(kw)
+    return PublicationHeader.create(**args)
+
+
+def land_all(checker: ManifestChecker) -> None:
+    for m in METAS:
+        entry = checker.admit(m.name, m.dtype, m.shape)
+        checker.landed(m.name, entry.nbytes)
+
+
+# -- manifest -----------------------------------------------------------------
+
+
+def test_manifest_counts_bytes_from_dtype_and_shape():
+    m = manifest()
+    assert m.count == 3
+    assert m.total_bytes == 8 * 4 * 2 + 16 * 4 + 4 * 4
+    assert m.by_name["embed.weight"].dtype == "bfloat16"
+
+
+def test_manifest_digest_depends_on_order_dtype_and_shape():
+    base = manifest().digest
+    assert Manifest.from_params(list(reversed(METAS))).digest != base
+    changed = [METAS[0], ParamMeta("layers.0.w", torch.float16, (4, 4)), METAS[2]]
+    assert Manifest.from_params(changed).digest != base
+    reshaped = [METAS[0], ParamMeta("layers.0.w", torch.float32, (2, 8)), METAS[2]]
+    assert Manifest.from_params(reshaped).digest != base
+    assert manifest().digest == base
+
+
+def test_manifest_round_trips_through_json():
+    m = manifest()
+    again = Manifest.from_dict(json.loads(json.dumps(m.to_dict())))
+    assert again == m and again.digest == m.digest
+
+
+def test_manifest_from_dict_rejects_tampered_entries():
+    d = manifest().to_dict()
+    d["entries"][1][2] = [4, 5]
+    d["entries"][1][3] = 80
+    with pytest.raises(ManifestMismatch, match="altered in transit"):
+        Manifest.from_dict(d)
+
+
+def test_manifest_rejects_duplicate_names():
+    with pytest.raises(ValueError, match="not unique.*'a'"):
+        Manifest.from_params([ParamMeta("a", torch.float32, (1,))] * 2)
+
+
+def test_manifest_entry_rejects_inconsistent_byte_count():
+    with pytest.raises(ValueError, match="nbytes 7 but float32 \\[2\\] is 8 bytes"):
+        ManifestEntry("x", "float32", (2,), 7)
+
+
+def test_manifest_entry_rejects_unknown_dtype():
+    with pytest.raises(ValueError, match="'float99', which is not a torch dtype"):
+        ManifestEntry("x", "float99", (2,), 8)
+
+
+# -- header -------------------------------------------------------------------
+
+
+def test_header_round_trips_with_and_without_manifest():
+    h = header(checksum="ws1", receipt_channel="shm", receipt_dir="/dev/shm/x")
+    again = PublicationHeader.from_dict(json.loads(json.dumps(h.to_dict())))
+    assert again == h and again.manifest == h.manifest
+    slim = h.without_manifest()
+    assert "manifest" not in slim.to_dict()
+    assert PublicationHeader.from_dict(slim.to_dict()) == h
+
+
+def test_header_rejects_manifest_it_does_not_announce():
+    d = header().to_dict()
+    d["manifest"] = Manifest.from_params(METAS[:2]).to_dict()
+    with pytest.raises(ManifestMismatch, match="disagree on the model's structure"):
+        PublicationHeader.from_dict(d)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"model_version": -1}, "model_version must be an integer >= 0"),
+        ({"trainer_devices": ["a", "b"]}, "has 2 entries but trainer_world_size is 1"),
+        ({"scope": "most"}, "scope is 'most'"),
+        ({"checksum": "md5"}, "checksum is 'md5'"),
+        ({"receipt_channel": "shm"}, "receipt_dir must be set exactly when"),
+        ({"publication_id": "x"}, "publication_id 'x'"),
+        ({"payload_bytes": 1}, "a full update carries the whole manifest"),
+        ({"extra": 1}, "unknown field\\(s\\) \\['extra'\\]"),
+    ],
+)
+def test_header_validation_names_the_field(change, message):
+    d = header().to_dict()
+    d.update(change)
+    with pytest.raises(ValueError, match=message):
+        PublicationHeader.from_dict(d)
+
+
+def test_attach_and_pop_leave_the_backend_payload_unchanged():
+    h = header()
+    info = {"names": ["a"], "packed": True}
+    sent = attach_publication(info, h)
+    assert PUBLICATION_FIELD not in info
+    got, rest = pop_publication(json.loads(json.dumps(sent)))
+    assert got == h and rest == info
+    assert pop_publication(info) == (None, info)
+
+
+# -- worker-side checker -----------------------------------------------------
+
+
+def test_full_update_lands_and_receipt_attests_everything():
+    h = header()
+    checker = ManifestChecker(h, manifest())
+    land_all(checker)
+    r = checker.receipt(worker_rank=1, worker_device="cpu:host:1", timings={"load": 1})
+    assert (r.tensors_landed, r.bytes_landed, r.complete) == (3, h.manifest_bytes, True)
+    assert r.coverage == manifest().full_coverage_digest()
+    assert Receipt.from_dict(json.loads(json.dumps(r.to_dict()))) == r
+
+
+@pytest.mark.parametrize(
+    "name, dtype, shape, message",
+    [
+        ("layers.9.w", torch.float32, (4,), "'layers.9.w' is not in publication"),
+        ("layers.0.w", torch.float16, (4, 4), "arrives as float16 but .* float32"),
+        ("layers.0.w", torch.float32, (4, 5), "shape \\[4, 5\\] but .* \\[4, 4\\]"),
+    ],
+)
+def test_checker_rejects_mismatch_before_landing(name, dtype, shape, message):
+    checker = ManifestChecker(header(), manifest())
+    with pytest.raises(ManifestMismatch, match=message):
+        checker.admit(name, dtype, shape)
+    assert checker.bytes_landed == 0
+
+
+def test_checker_rejects_a_tensor_sent_twice():
+    checker = ManifestChecker(header(), manifest())
+    checker.admit("layers.1.w", torch.float32, (4,))
+    with pytest.raises(ManifestMismatch, match="arrives a second time"):
+        checker.admit("layers.1.w", torch.float32, (4,))
+
+
+def test_checker_refuses_a_manifest_the_header_does_not_announce():
+    with pytest.raises(ManifestMismatch, match="disagree"):
+        ManifestChecker(header(), Manifest.from_params(METAS[:2]))
+
+
+def test_landed_requires_admission():
+    checker = ManifestChecker(header(), manifest())
+    with pytest.raises(ManifestMismatch, match="call admit first"):
+        checker.landed("layers.1.w", 16)
+
+
+def test_incomplete_full_update_has_no_receipt():
+    checker = ManifestChecker(header(), manifest())
+    checker.admit("layers.1.w", torch.float32, (4,))
+    checker.landed("layers.1.w", 16)
+    with pytest.raises(IncompleteUpdate, match="2 of 3 tensors incomplete"):
+        checker.receipt(0, "cpu:host:0")
+
+
+def test_partial_update_attests_what_landed():
+    checker = ManifestChecker(header(scope="partial", payload_bytes=16), manifest())
+    checker.admit("layers.1.w", torch.float32, (4,))
+    checker.landed("layers.1.w", 16)
+    r = checker.receipt(0, "cpu:host:0")
+    assert not r.complete and r.bytes_landed == 16
+    assert r.coverage == coverage_digest([("layers.1.w", 16)])
+
+
+def test_sliced_plan_tracks_bytes_per_name():
+    h = header()
+    plan = {"embed.weight": 32, "layers.0.w": 32}
+    checker = ManifestChecker(h, manifest(), expected=plan)
+    checker.admit_slice("embed.weight", torch.bfloat16, 32)
+    checker.landed("embed.weight", 32)
+    checker.admit_slice("layers.0.w", torch.float32, 16)
+    with pytest.raises(ManifestMismatch, match="add up to 48 bytes"):
+        checker.admit_slice("layers.0.w", torch.float32, 32)
+    with pytest.raises(ManifestMismatch, match="whose plan does not include it"):
+        checker.admit_slice("layers.1.w", torch.float32, 16)
+    checker.landed("layers.0.w", 16)
+    checker.admit_slice("layers.0.w", torch.float32, 16)
+    checker.landed("layers.0.w", 16)
+    r = checker.receipt(2, "cuda:GPU-x")
+    assert r.complete and r.expected_bytes == 64 and r.tensors_landed == 2
+
+
+def test_checksum_mismatch_names_the_chunk():
+    checker = ManifestChecker(header(checksum="ws1"), manifest())
+    checker.verify_checksum("chunk 0", "ws1:4:a", "ws1:4:a")
+    with pytest.raises(ChecksumMismatch, match="chunk 3 .* changed in transit"):
+        checker.verify_checksum("chunk 3", "ws1:4:a", "ws1:4:b")
+    assert checker.checksums_verified == 1
+
+
+# -- trainer-side verification -----------------------------------------------
+
+
+def receipts_for(h: PublicationHeader, ranks) -> list[Receipt]:
+    out = []
+    for rank in ranks:
+        checker = ManifestChecker(h, manifest())
+        land_all(checker)
+        out.append(checker.receipt(rank, f"cpu:host:{rank}"))
+    return out
+
+
+def test_verify_accepts_every_worker_attesting_everything():
+    h = header()
+    v = verify_receipts(h, receipts_for(h, [0, 1]), expected_workers=[0, 1])
+    assert v.workers == (0, 1) and v.bytes_landed == 2 * h.manifest_bytes
+
+
+def test_verify_lists_missing_and_unexpected_workers():
+    h = header()
+    with pytest.raises(ReceiptError, match="no receipt from worker\\(s\\) \\[2\\]"):
+        verify_receipts(h, receipts_for(h, [0, 1]), expected_workers=[0, 1, 2])
+    with pytest.raises(ReceiptError, match="unexpected worker\\(s\\) \\[5\\]"):
+        verify_receipts(h, receipts_for(h, [0, 5]), expected_workers=[0])
+
+
+def test_verify_rejects_a_receipt_of_another_publication():
+    h = header()
+    other = header()
+    with pytest.raises(
+        ReceiptError, match=f"attests publication {other.publication_id}"
+    ):
+        verify_receipts(h, receipts_for(other, [0]), expected_workers=[0])
+
+
+def test_verify_rejects_short_full_delivery_and_reports_worker_errors():
+    h = header(scope="partial", payload_bytes=16)
+    checker = ManifestChecker(h, manifest())
+    checker.admit("layers.1.w", torch.float32, (4,))
+    checker.landed("layers.1.w", 16)
+    partial = checker.receipt(0, "cpu:host:0")
+    full = header()
+    short = Receipt.from_dict(
+        {**partial.to_dict(), "publication_id": full.publication_id, "scope": "full"}
+    )
+    failed = Receipt.failure(full, 1, "cpu:host:1", "boom")
+    with pytest.raises(ReceiptError) as e:
+        verify_receipts(full, [short, failed], expected_workers=[0, 1])
+    assert "worker 0 (cpu:host:0) landed 1 tensors / 16 bytes" in str(e.value)
+    assert "worker 1 (cpu:host:1) failed: boom" in str(e.value)
+
+
+def test_verify_partial_pins_what_was_sent():
+    h = header(scope="partial", payload_bytes=16)
+    checker = ManifestChecker(h, manifest())
+    checker.admit("layers.1.w", torch.float32, (4,))
+    checker.landed("layers.1.w", 16)
+    r = checker.receipt(0, "cpu:host:0")
+    verify_receipts(
+        h, [r], [0], expected_coverage=coverage_digest([("layers.1.w", 16)])
+    )
+    with pytest.raises(ReceiptError, match="coverage digest differs"):
+        verify_receipts(h, [r], [0], expected_coverage=coverage_digest([("a", 1)]))
+
+
+def test_verify_requires_checksums_when_they_were_sent():
+    h = header(checksum="ws1")
+    with pytest.raises(ReceiptError, match="verified no checksums"):
+        verify_receipts(h, receipts_for(h, [0]), expected_workers=[0])
+
+
+def test_verify_sliced_delivery_requires_complete_plans():
+    h = header()
+    checker = ManifestChecker(h, manifest(), expected={"layers.1.w": 16})
+    checker.admit_slice("layers.1.w", torch.float32, 16)
+    checker.landed("layers.1.w", 16)
+    good = checker.receipt(0, "cuda:GPU-a")
+    verify_receipts(h, [good], [0], delivery="sliced")
+    short = Receipt.from_dict({**good.to_dict(), "complete": False, "bytes_landed": 0})
+    with pytest.raises(ReceiptError, match="incomplete: 0 of 16 planned bytes"):
+        verify_receipts(h, [short], [0], delivery="sliced")

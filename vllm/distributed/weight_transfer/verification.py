@@ -1,0 +1,336 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Checks on both ends of a publication.
+
+Worker side: ``ManifestChecker`` admits every arriving tensor or slice against
+the publication's manifest before it touches a weight, counts what landed and
+writes the ``Receipt`` at finish. Trainer side: ``verify_receipts`` accepts a
+publication only when every expected worker attests all of it. The data types
+live in ``publication``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from vllm.distributed.weight_transfer.publication import (
+    ChecksumMismatch,
+    IncompleteUpdate,
+    Manifest,
+    ManifestEntry,
+    ManifestMismatch,
+    PublicationHeader,
+    Receipt,
+    ReceiptError,
+    check_int,
+    coverage_digest,
+    dtype_name,
+    some_names,
+)
+
+Delivery = Literal["full", "sliced"]
+
+
+# ---------------------------------------------------------------------------
+# worker side: check before landing
+
+
+class ManifestChecker:
+    """Checks every arriving tensor or slice of one publication on one worker.
+
+    Call ``admit`` (whole tensors) or ``admit_slice`` (part of a tensor) before
+    the bytes touch a weight; both raise ``ManifestMismatch`` naming the tensor
+    and the disagreement. Call ``landed`` once the bytes are in place. At
+    finish, ``receipt`` attests what landed; for a full-scope publication it
+    raises ``IncompleteUpdate`` if anything promised is missing.
+
+    ``expected`` maps each tensor name this worker must receive to the bytes it
+    receives of it. The default is every manifest entry in full, which is what a
+    worker receives from a backend that ships whole tensors (``ipc``); a
+    backend that ships slices (``sharded_rdt``) passes its plan's per-name bytes.
+    """
+
+    def __init__(
+        self,
+        header: PublicationHeader,
+        manifest: Manifest,
+        *,
+        expected: Mapping[str, int] | None = None,
+    ) -> None:
+        header.check_manifest(manifest)
+        self.header = header
+        self.manifest = manifest
+        if expected is None:
+            expected = {e.name: e.nbytes for e in manifest.entries}
+        else:
+            unknown = [n for n in expected if n not in manifest.by_name]
+            if unknown:
+                raise ManifestMismatch(
+                    f"this worker's plan expects tensor(s) {some_names(unknown)} that "
+                    f"are not in publication {header.publication_id}'s manifest"
+                )
+            over = [n for n, b in expected.items() if b > manifest.by_name[n].nbytes]
+            if over:
+                raise ManifestMismatch(
+                    f"this worker's plan expects more bytes than the manifest has "
+                    f"for {some_names(over)}"
+                )
+        self.expected: dict[str, int] = dict(expected)
+        self.expected_bytes = sum(self.expected.values())
+        self._admitted: dict[str, int] = {}
+        self._landed: dict[str, int] = {}
+        self.bytes_landed = 0
+        self.checksums_verified = 0
+
+    def _entry(self, name: str) -> ManifestEntry:
+        entry = self.manifest.by_name.get(name)
+        if entry is None:
+            raise ManifestMismatch(
+                f"tensor {name!r} is not in publication "
+                f"{self.header.publication_id}'s manifest "
+                f"({self.manifest.count} tensors, digest "
+                f"{self.manifest.digest[:16]}…); the update and the announced "
+                "structure disagree"
+            )
+        if name not in self.expected:
+            raise ManifestMismatch(
+                f"tensor {name!r} arrived at this worker, whose plan does not "
+                "include it"
+            )
+        return entry
+
+    def admit(
+        self,
+        name: str,
+        dtype: torch.dtype | str,
+        shape: Sequence[int],
+        nbytes: int | None = None,
+    ) -> ManifestEntry:
+        """Check a whole tensor before landing it; returns its manifest entry."""
+        entry = self._entry(name)
+        dname = dtype_name(dtype)
+        if dname != entry.dtype:
+            raise ManifestMismatch(
+                f"tensor {name!r} arrives as {dname} but the manifest says "
+                f"{entry.dtype}"
+            )
+        if tuple(shape) != entry.shape:
+            raise ManifestMismatch(
+                f"tensor {name!r} arrives with shape {list(shape)} but the manifest "
+                f"says {list(entry.shape)}"
+            )
+        if nbytes is not None and nbytes != entry.nbytes:
+            raise ManifestMismatch(
+                f"tensor {name!r} arrives as {nbytes} bytes but the manifest says "
+                f"{entry.nbytes}"
+            )
+        if self._admitted.get(name, 0):
+            raise ManifestMismatch(
+                f"tensor {name!r} arrives a second time in publication "
+                f"{self.header.publication_id}"
+            )
+        self._admitted[name] = self.expected[name]
+        return entry
+
+    def admit_slice(self, name: str, dtype: torch.dtype | str, nbytes: int) -> None:
+        """Check part of a tensor (``nbytes`` of it) before landing it."""
+        entry = self._entry(name)
+        dname = dtype_name(dtype)
+        if dname != entry.dtype:
+            raise ManifestMismatch(
+                f"a slice of tensor {name!r} arrives as {dname} but the manifest "
+                f"says {entry.dtype}"
+            )
+        check_int(nbytes, f"slice of {name!r} nbytes", 1)
+        total = self._admitted.get(name, 0) + nbytes
+        if total > self.expected[name]:
+            raise ManifestMismatch(
+                f"slices of tensor {name!r} add up to {total} bytes on this worker, "
+                f"more than the {self.expected[name]} its plan expects"
+            )
+        self._admitted[name] = total
+
+    def landed(self, name: str, nbytes: int) -> None:
+        """Record that ``nbytes`` of an admitted tensor are in place."""
+        total = self._landed.get(name, 0) + nbytes
+        if total > self._admitted.get(name, 0):
+            raise ManifestMismatch(
+                f"{total} bytes of tensor {name!r} landed but only "
+                f"{self._admitted.get(name, 0)} were admitted; call admit first"
+            )
+        self._landed[name] = total
+        self.bytes_landed += nbytes
+
+    def verify_checksum(self, what: str, expected: str, actual: str) -> None:
+        """Compare a landed chunk's checksum with the trainer's."""
+        if expected != actual:
+            raise ChecksumMismatch(
+                f"{what} of publication {self.header.publication_id} has checksum "
+                f"{actual} on this worker but the trainer sent {expected}; the "
+                "bytes changed in transit"
+            )
+        self.checksums_verified += 1
+
+    @property
+    def tensors_landed(self) -> int:
+        return sum(1 for n, b in self._landed.items() if b == self.expected[n])
+
+    def missing(self) -> list[str]:
+        """Names whose promised bytes have not all landed, in manifest order."""
+        return [
+            e.name
+            for e in self.manifest.entries
+            if e.name in self.expected
+            and self._landed.get(e.name, 0) != self.expected[e.name]
+        ]
+
+    def receipt(
+        self,
+        worker_rank: int,
+        worker_device: str,
+        timings: Mapping[str, float] | None = None,
+    ) -> Receipt:
+        """Attest what landed; ``IncompleteUpdate`` if a full update is short."""
+        missing = self.missing()
+        if missing and self.header.scope == "full":
+            raise IncompleteUpdate(
+                f"publication {self.header.publication_id} finished on worker "
+                f"{worker_rank} with {len(missing)} of {len(self.expected)} "
+                f"tensors incomplete ({some_names(missing)}); "
+                f"{self.bytes_landed} of {self.expected_bytes} bytes landed"
+            )
+        return Receipt(
+            publication_id=self.header.publication_id,
+            model_version=self.header.model_version,
+            worker_rank=worker_rank,
+            worker_device=worker_device,
+            manifest_digest=self.manifest.digest,
+            scope=self.header.scope,
+            tensors_landed=self.tensors_landed,
+            bytes_landed=self.bytes_landed,
+            expected_bytes=self.expected_bytes,
+            complete=not missing,
+            coverage=coverage_digest(self._landed.items()),
+            checksums_verified=self.checksums_verified,
+            timings=dict(timings or {}),
+        )
+
+
+# ---------------------------------------------------------------------------
+# trainer side: verify receipts
+
+
+@dataclass(frozen=True)
+class VerifiedPublication:
+    """What ``verify_receipts`` established."""
+
+    publication_id: str
+    model_version: int
+    workers: tuple[int, ...]
+    bytes_landed: int
+    checksums_verified: int
+
+
+def verify_receipts(
+    header: PublicationHeader,
+    receipts: Iterable[Receipt],
+    expected_workers: Collection[int],
+    *,
+    delivery: Delivery = "full",
+    expected_coverage: str | Mapping[int, str] | None = None,
+) -> VerifiedPublication:
+    """Check that every expected worker attests the whole publication.
+
+    ``delivery="full"``: every worker received every manifest tensor whole, so
+    each receipt must show the manifest's count, bytes and coverage.
+    ``delivery="sliced"``: each worker received its planned share, so each
+    receipt must be ``complete`` against its own plan; pass
+    ``expected_coverage`` (one digest for all, or per rank) to also pin which
+    tensors and byte counts landed. For ``scope="partial"`` pass the coverage of
+    what was sent (``coverage_digest``); completeness against the manifest is
+    not required. Raises ``ReceiptError`` listing every problem found.
+    """
+    problems: list[str] = []
+    by_rank: dict[int, Receipt] = {}
+    for receipt in receipts:
+        if receipt.worker_rank in by_rank:
+            problems.append(f"worker {receipt.worker_rank} sent two receipts")
+        by_rank[receipt.worker_rank] = receipt
+    expected = sorted(set(expected_workers))
+    missing = [w for w in expected if w not in by_rank]
+    if missing:
+        problems.append(f"no receipt from worker(s) {missing}")
+    unexpected = sorted(set(by_rank) - set(expected))
+    if unexpected:
+        problems.append(f"receipts from unexpected worker(s) {unexpected}")
+    checksums = 0
+    for rank in expected:
+        r = by_rank.get(rank)
+        if r is None:
+            continue
+        who = f"worker {rank} ({r.worker_device})"
+        if r.error is not None:
+            problems.append(f"{who} failed: {r.error}")
+            continue
+        if r.publication_id != header.publication_id:
+            problems.append(
+                f"{who} attests publication {r.publication_id}, not "
+                f"{header.publication_id}"
+            )
+        if r.model_version != header.model_version:
+            problems.append(
+                f"{who} attests version {r.model_version}, not {header.model_version}"
+            )
+        if r.manifest_digest != header.manifest_digest:
+            problems.append(
+                f"{who} checked against manifest {r.manifest_digest[:16]}…, not "
+                f"{header.manifest_digest[:16]}…"
+            )
+        if r.scope != header.scope:
+            problems.append(f"{who} reports scope {r.scope!r}, not {header.scope!r}")
+        if header.checksum is not None and r.checksums_verified == 0:
+            problems.append(f"{who} verified no checksums though they were sent")
+        checksums += r.checksums_verified
+        want_cov = (
+            expected_coverage.get(rank)
+            if isinstance(expected_coverage, Mapping)
+            else expected_coverage
+        )
+        if header.scope == "full" and delivery == "full":
+            if (
+                r.tensors_landed != header.manifest_count
+                or r.bytes_landed != header.manifest_bytes
+            ):
+                problems.append(
+                    f"{who} landed {r.tensors_landed} tensors / {r.bytes_landed} "
+                    f"bytes; the manifest has {header.manifest_count} / "
+                    f"{header.manifest_bytes}"
+                )
+            if want_cov is None and header.manifest is not None:
+                want_cov = header.manifest.full_coverage_digest()
+        elif header.scope == "full" and not r.complete:
+            problems.append(
+                f"{who} is incomplete: {r.bytes_landed} of {r.expected_bytes} "
+                "planned bytes landed"
+            )
+        if want_cov is not None and r.coverage != want_cov:
+            problems.append(
+                f"{who} landed a different set of tensors or byte counts than "
+                "was sent (coverage digest differs)"
+            )
+    if problems:
+        raise ReceiptError(
+            f"publication {header.publication_id} (version {header.model_version}, "
+            f"backend {header.backend}) is not verified: " + "; ".join(problems)
+        )
+    return VerifiedPublication(
+        publication_id=header.publication_id,
+        model_version=header.model_version,
+        workers=tuple(expected),
+        bytes_landed=sum(by_rank[w].bytes_landed for w in expected),
+        checksums_verified=checksums,
+    )
