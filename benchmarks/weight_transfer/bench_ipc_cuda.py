@@ -1,0 +1,437 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""CUDA data plane of the ``ipc`` backend on one GPU, against its limits and
+against upstream vLLM 0.32's packed IPC, measured side by side in one run.
+
+A trainer process holds a model's parameters (realistic shapes: the parameter
+lists of Qwen3-8B and Qwen3-30B-A3B, bf16); a worker process on the same GPU
+holds preallocated destination tensors of the same shapes, as a vLLM worker
+holds its weights. One sync moves every parameter from the trainer's tensors
+into the worker's. Measured, per model:
+
+* ``d2d_copy``      one device-to-device copy of the same bytes (one tensor into
+                    another, same process): the one-way copy limit;
+* ``fork_packed``   the fork's trainer engine (``IPCTrainerWeightTransferEngine``,
+                    packed) -> JSON update messages over a pipe -> the worker maps
+                    the buffer once and copies each view into its destination;
+* ``fork_unpacked`` the same with one exported tensor per parameter (no packing
+                    copy; every parameter's memory is shared in place);
+* ``upstream_packed`` upstream 0.32's ``packed_ipc_producer`` ->
+                    ``packed_ipc_consumer`` (taken from the pinned release's
+                    ``packed_tensor.py``, carried to the run, not part of the fork)
+                    -> copy into the destinations.
+
+Every mode is verified: a checksum of the worker's destinations equals the
+trainer's. Prints one JSON document (also written to ``--out``).
+
+Runs where vLLM is not installed (the lent GPU machine) through the stand-ins in
+``tools/fork/device``; run ``tools/fork/device/prepare.sh`` first, then::
+
+    PYTHONPATH=.device-carry/site:.device-carry/upstream:tools/fork/device/site:. \
+        python3 benchmarks/weight_transfer/bench_ipc_cuda.py --out result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    experts: int = 0
+    moe_intermediate: int = 0
+
+
+QWEN3_8B = ModelShape("Qwen3-8B", 36, 4096, 12288, 32, 8, 128, 151936)
+QWEN3_30B_A3B = ModelShape(
+    "Qwen3-30B-A3B", 48, 2048, 6144, 32, 4, 128, 151936, 128, 768
+)
+
+
+def param_list(m: ModelShape, layers: int | None = None) -> list[tuple[str, tuple]]:
+    """Checkpoint names and shapes, in checkpoint order."""
+    out: list[tuple[str, tuple]] = [("model.embed_tokens.weight", (m.vocab, m.hidden))]
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    for i in range(m.layers if layers is None else layers):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "self_attn.q_proj.weight", (q, m.hidden)),
+            (p + "self_attn.k_proj.weight", (kv, m.hidden)),
+            (p + "self_attn.v_proj.weight", (kv, m.hidden)),
+            (p + "self_attn.o_proj.weight", (m.hidden, q)),
+            (p + "self_attn.q_norm.weight", (m.head_dim,)),
+            (p + "self_attn.k_norm.weight", (m.head_dim,)),
+        ]
+        if m.experts:
+            out.append((p + "mlp.gate.weight", (m.experts, m.hidden)))
+            for e in range(m.experts):
+                pe = f"{p}mlp.experts.{e}."
+                out += [
+                    (pe + "gate_proj.weight", (m.moe_intermediate, m.hidden)),
+                    (pe + "up_proj.weight", (m.moe_intermediate, m.hidden)),
+                    (pe + "down_proj.weight", (m.hidden, m.moe_intermediate)),
+                ]
+        else:
+            out += [
+                (p + "mlp.gate_proj.weight", (m.intermediate, m.hidden)),
+                (p + "mlp.up_proj.weight", (m.intermediate, m.hidden)),
+                (p + "mlp.down_proj.weight", (m.hidden, m.intermediate)),
+            ]
+        out += [
+            (p + "input_layernorm.weight", (m.hidden,)),
+            (p + "post_attention_layernorm.weight", (m.hidden,)),
+        ]
+    out += [("model.norm.weight", (m.hidden,)), ("lm_head.weight", (m.vocab, m.hidden))]
+    return out
+
+
+def nbytes_of(params: list[tuple[str, tuple]]) -> int:
+    total = 0
+    for _, shape in params:
+        n = DTYPE.itemsize
+        for s in shape:
+            n *= s
+        total += n
+    return total
+
+
+def make_tensors(params, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    out = {}
+    for name, shape in params:
+        t = torch.empty(shape, dtype=DTYPE, device="cuda")
+        t.view(-1).uniform_(-1, 1, generator=gen)
+        out[name] = t
+    return out
+
+
+def checksum(tensors: dict[str, torch.Tensor]) -> float:
+    total = torch.zeros((), dtype=torch.float64, device="cuda")
+    for i, (_, t) in enumerate(sorted(tensors.items())):
+        total += t.double().sum() * ((i % 97) + 1)
+    return float(total)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+# --------------------------------------------------------------------------
+# worker process: destinations + the landing of each mode
+
+
+def _worker(conn, params) -> None:
+    torch.cuda.set_device(0)
+    dest = {n: torch.empty(s, dtype=DTYPE, device="cuda") for n, s in params}
+    from vllm.distributed.weight_transfer.ipc_dataplane import BufferImporter
+    from vllm.distributed.weight_transfer.ipc_wire import IPCWeightTransferUpdateInfo
+
+    importer = BufferImporter(torch.device("cuda", 0), local_rank=0)
+    conn.send("ready")
+    while True:
+        kind, payload = conn.recv()
+        if kind == "stop":
+            return
+        if kind == "zero":
+            for t in dest.values():
+                t.zero_()
+            torch.cuda.synchronize()
+            conn.send("ok")
+        elif kind == "checksum":
+            conn.send(checksum(dest))
+        elif kind == "fork_update":
+            info = IPCWeightTransferUpdateInfo.from_dict(json.loads(payload))
+            bufs = []
+            for hmap in info.buffers():
+                _, handle = importer.select(hmap, "ipc_handles")
+                bufs.append(importer.open(handle))
+            for v in info.views():
+                raw = bufs[v.buffer][v.offset : v.offset + v.nbytes]
+                dest[v.name].copy_(raw.view(v.dtype).view(v.shape))
+            torch.cuda.synchronize()
+            del bufs
+            if not info.packed:
+                importer.close()
+            conn.send("ok")
+        elif kind == "fork_finish":
+            importer.close()
+            conn.send("ok")
+        elif kind == "upstream_chunk":
+            from packed_tensor_upstream import (
+                PackedBufferImporter,
+                packed_ipc_consumer,
+            )
+
+            if not hasattr(_worker, "importer"):
+                _worker.importer = PackedBufferImporter()  # type: ignore[attr-defined]
+            handle, names, shapes, dtype_names, sizes = payload
+            for name, tensor in packed_ipc_consumer(
+                handle,
+                names,
+                shapes,
+                dtype_names,
+                sizes,
+                0,
+                importer=_worker.importer,  # type: ignore[attr-defined]
+            ):
+                dest[name].copy_(tensor)
+            torch.cuda.synchronize()
+            conn.send("ok")
+        elif kind == "upstream_finish":
+            _worker.importer.close()  # type: ignore[attr-defined]
+            conn.send("ok")
+
+
+class PipeClient:
+    """A VLLMWeightSyncClient whose update_weights lands in the worker process."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def init_weight_transfer_engine(self, init_info) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info) -> None:
+        self.conn.send(("fork_update", json.dumps(update_info)))
+        if self.conn.recv() != "ok":
+            raise RuntimeError("worker failed")
+
+    def finish_weight_update(self, weight_version=None) -> None:
+        self.conn.send(("fork_finish", None))
+        self.conn.recv()
+
+
+def _call(conn, kind, payload=None):
+    conn.send((kind, payload))
+    return conn.recv()
+
+
+# --------------------------------------------------------------------------
+# trainer side
+
+
+def bench_d2d(tensors: dict[str, torch.Tensor], nbytes: int, reps: int) -> dict:
+    flat_src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    flat_dst = torch.empty_like(flat_src)
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        flat_dst.copy_(flat_src)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    best_flat = min(times)
+    del flat_src, flat_dst
+    dst = {n: torch.empty_like(t) for n, t in tensors.items()}
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for n, src in tensors.items():
+            dst[n].copy_(src)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    del dst
+    torch.cuda.empty_cache()
+    return {
+        "flat_seconds": best_flat,
+        "flat_GBps": gbps(nbytes, best_flat),
+        "per_tensor_seconds": min(times),
+        "per_tensor_GBps": gbps(nbytes, min(times)),
+    }
+
+
+def bench_fork(tensors, conn, reps: int, packed: bool, buffer_bytes: int) -> dict:
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+    from vllm.distributed.weight_transfer.ipc_engine import (
+        IPCTrainerInitInfo,
+        IPCTrainerWeightTransferEngine,
+    )
+
+    class Source(WeightSource):
+        def metadata(self):
+            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+
+        def __iter__(self):
+            yield from tensors.items()
+
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(
+            rank=0, packed=packed, packed_buffer_size_bytes=buffer_bytes
+        ),
+        client=PipeClient(conn),
+        source=Source(),
+    )
+    times, peaks = [], []
+    for _ in range(reps):
+        _call(conn, "zero")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        t = time.perf_counter()
+        engine.send_weights()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    assert engine.last_plan is not None
+    return {
+        "seconds": min(times),
+        "all_seconds": times,
+        "chunks": len(engine.last_plan.chunks),
+        "trainer_extra_peak_bytes": max(peaks),
+        "checksum": _call(conn, "checksum"),
+    }
+
+
+def bench_upstream(tensors, conn, reps: int, buffer_bytes: int) -> dict:
+    from packed_tensor_upstream import packed_ipc_producer
+
+    uuid = str(torch.cuda.get_device_properties(0).uuid)
+    times, peaks = [], []
+    for _ in range(reps):
+        _call(conn, "zero")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        t = time.perf_counter()
+        chunks = 0
+        for chunk in packed_ipc_producer(
+            iter(tensors.items()),
+            uuid,
+            post_iter_func=lambda item: item[1],
+            buffer_size_bytes=buffer_bytes,
+        ):
+            _call(
+                conn,
+                "upstream_chunk",
+                (
+                    chunk.ipc_handle,
+                    chunk.names,
+                    chunk.shapes,
+                    chunk.dtype_names,
+                    chunk.tensor_sizes,
+                ),
+            )
+            chunks += 1
+        _call(conn, "upstream_finish")
+        torch.cuda.synchronize()
+        torch.cuda.ipc_collect()
+        times.append(time.perf_counter() - t)
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    return {
+        "seconds": min(times),
+        "all_seconds": times,
+        "chunks": chunks,
+        "trainer_extra_peak_bytes": max(peaks),
+        "checksum": _call(conn, "checksum"),
+    }
+
+
+def run_model(shape: ModelShape, layers: int | None, reps: int, buffer_bytes: int):
+    params = param_list(shape, layers)
+    nbytes = nbytes_of(params)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_worker, args=(child, params), daemon=True)
+    proc.start()
+    assert parent.recv() == "ready"
+    tensors = make_tensors(params, seed=0)
+    expected = checksum(tensors)
+    result: dict = {
+        "model": shape.name,
+        "layers": layers if layers is not None else shape.layers,
+        "tensors": len(params),
+        "bytes": nbytes,
+        "buffer_bytes": buffer_bytes,
+        "reps": reps,
+    }
+    result["d2d_copy"] = bench_d2d(tensors, nbytes, reps)
+    modes: dict[str, tuple[Callable[..., dict], tuple]] = {
+        "fork_packed": (bench_fork, (tensors, parent, reps, True, buffer_bytes)),
+        "upstream_packed": (bench_upstream, (tensors, parent, reps, buffer_bytes)),
+        "fork_unpacked": (bench_fork, (tensors, parent, reps, False, buffer_bytes)),
+    }
+    for mode, (fn, fn_args) in modes.items():
+        try:
+            r = fn(*fn_args)
+            r["GBps"] = gbps(nbytes, r["seconds"])
+            r["verified"] = abs(r.pop("checksum") - expected) <= 1e-6 * abs(expected)
+        except Exception as e:  # record and go on to the next mode
+            r = {"error": f"{type(e).__name__}: {e}"}
+        result[mode] = r
+        print(mode, json.dumps(r), flush=True)
+    d2d = result["d2d_copy"]["flat_GBps"]
+    for mode in ("fork_packed", "fork_unpacked", "upstream_packed"):
+        if "GBps" in result[mode]:
+            result[mode]["fraction_of_d2d"] = result[mode]["GBps"] / d2d
+    if "GBps" in result["fork_packed"] and "GBps" in result["upstream_packed"]:
+        result["fork_packed_vs_upstream_packed"] = (
+            result["fork_packed"]["GBps"] / result["upstream_packed"]["GBps"]
+        )
+    parent.send(("stop", None))
+    proc.join(60)
+    del tensors, modes
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--buffer-gib", type=float, default=1.0)
+    parser.add_argument(
+        "--moe-layers",
+        type=int,
+        default=24,
+        help="decoder layers of Qwen3-30B-A3B to use (48 is the whole model; "
+        "trainer and worker copies of it need about 122 GB)",
+    )
+    parser.add_argument("--models", default="8b,30b")
+    args = parser.parse_args()
+    buffer_bytes = int(args.buffer_gib * 2**30)
+    runs = []
+    if "8b" in args.models:
+        runs.append((QWEN3_8B, None))
+    if "30b" in args.models:
+        runs.append((QWEN3_30B_A3B, args.moe_layers))
+    doc = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "results": [
+            run_model(s, layers, args.reps, buffer_bytes) for s, layers in runs
+        ],
+    }
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
