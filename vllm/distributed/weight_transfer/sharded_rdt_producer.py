@@ -253,7 +253,7 @@ class Producer:
     def _allocate(self, need: int) -> list[torch.Tensor]:
         size = buffer_alloc_bytes(need, self.buffer_presize_bytes)
         buffers = [
-            torch.zeros(size, dtype=torch.uint8, device=self.device)
+            torch.empty(size, dtype=torch.uint8, device=self.device)
             for _ in range(self.num_slots)
         ]
         if self._on_new_buffer is not None:
@@ -438,6 +438,12 @@ class Producer:
     def fail(self, reason: str) -> None:
         with self._cond:
             self._set_error(reason)
+
+    def close(self) -> None:
+        """Fail a sync in progress (waking its waiters); otherwise nothing."""
+        with self._cond:
+            if self._active:
+                self._set_error(f"producer rank {self.rank} shut down mid-sync")
 
     @property
     def error(self) -> ProducerError | None:

@@ -1,0 +1,392 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Direct NIXL transport: the inference side needs no Ray at all.
+
+Each trainer rank runs a NIXL agent next to its `Producer` and a small control
+socket (``multiprocessing.connection`` with an auth key, JSON messages). Each
+worker runs its own NIXL agent. Per consumer and producer, one connection:
+
+    consumer                              producer
+    {"op": "register", chunks, digest} -> Producer.register; serve buffers are
+                                          registered with NIXL once
+                                       <- {"buffers": [...]}
+    {"op": "pull", "seq": s, "id": i}  -> Producer.pack (waits for the group)
+                                       <- {"id": i, "addr", "nbytes"}
+    NIXL READ of the packed bytes into the consumer's registered receive buffer
+    {"op": "done", "seq": s}           -> Producer.read_done (no reply)
+    {"op": "abort", "reason"}          -> Producer.fail (own connection)
+
+A dropped connection of a consumer that still had chunks to read fails the
+producer's sync at once; a dead producer shows up on the consumer as a dropped
+connection. Every wait on either side is bounded by ``stall_timeout_s``.
+Bytes move only by NIXL READ (UCX); the control messages are a few hundred
+bytes per chunk.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+import torch
+
+from vllm.distributed.weight_transfer.sharded_rdt_chunks import PullChunk
+from vllm.distributed.weight_transfer.sharded_rdt_producer import (
+    Producer,
+    ProducerError,
+)
+from vllm.distributed.weight_transfer.sharded_rdt_transport import (
+    ConsumerTransport,
+    ProducerLink,
+    ProducerServer,
+)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_REPLY_GRACE_S = 5.0
+
+
+def _mem(tensor: torch.Tensor) -> tuple[str, int]:
+    """NIXL memory type and device id of ``tensor``."""
+    if tensor.device.type == "cpu":
+        return "DRAM", 0
+    return "VRAM", tensor.device.index or 0
+
+
+def make_agent(name: str) -> Any:
+    """A NIXL agent with the UCX backend."""
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as e:
+        raise RuntimeError(
+            "sharded_rdt's NIXL transport needs the `nixl` package on both the "
+            "trainer and the inference side (`pip install nixl`)"
+        ) from e
+    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+
+
+def register(agent: Any, tensor: torch.Tensor) -> Any:
+    mem, dev = _mem(tensor)
+    nbytes = tensor.numel() * tensor.element_size()
+    return agent.register_memory([(tensor.data_ptr(), nbytes, dev, "")], mem)
+
+
+def _send(conn: Connection, message: dict[str, Any]) -> None:
+    conn.send_bytes(json.dumps(message).encode())
+
+
+def _recv(conn: Connection) -> dict[str, Any]:
+    return json.loads(conn.recv_bytes())
+
+
+# -- producer side -------------------------------------------------------------
+
+
+class NixlProducerServer(ProducerServer):
+    """Serves one `Producer` to consumers over NIXL; see the module docstring."""
+
+    def __init__(self, producer_kwargs: dict[str, Any], host: str) -> None:
+        self.agent_name = (
+            f"sharded-rdt-producer-{uuid.uuid4().hex[:8]}-rk{producer_kwargs['rank']}"
+        )
+        self._agent = make_agent(self.agent_name)
+        self._registrations: list[Any] = []
+        self._agent_lock = threading.Lock()
+        self.producer = Producer(**producer_kwargs, on_new_buffer=self._register)
+        self._authkey = secrets.token_bytes(16)
+        self._listener = Listener((host, 0), authkey=self._authkey)
+        self._host = host
+        self._closed = threading.Event()
+        self._connections: list[Connection] = []
+        self._accepter = threading.Thread(
+            target=self._accept_loop, name="sharded-rdt-accept", daemon=True
+        )
+        self._accepter.start()
+
+    def endpoint(self) -> dict[str, Any]:
+        return {
+            "transport": "nixl",
+            "host": self._host,
+            "port": self._listener.address[1],
+            "authkey": self._authkey.hex(),
+            "agent": self.agent_name,
+        }
+
+    def _register(self, tensor: torch.Tensor) -> None:
+        with self._agent_lock:
+            self._registrations.append(register(self._agent, tensor))
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn = self._listener.accept()
+            except Exception as e:
+                if not self._closed.is_set():
+                    logger.warning("sharded_rdt producer stopped accepting: %s", e)
+                return
+            self._connections.append(conn)
+            threading.Thread(
+                target=self._serve, args=(conn,), name="sharded-rdt-serve", daemon=True
+            ).start()
+
+    def _serve(self, conn: Connection) -> None:
+        consumer_id: int | None = None
+        try:
+            while not self._closed.is_set():
+                if not conn.poll(0.5):
+                    continue
+                message = _recv(conn)
+                op = message.get("op")
+                consumer_id = message.get("consumer_id", consumer_id)
+                try:
+                    reply = self._handle(op, message)
+                except (ProducerError, ValueError, KeyError) as e:
+                    reply = {"error": str(e)}
+                if reply is not None:
+                    reply["id"] = message.get("id")
+                    _send(conn, reply)
+        except (EOFError, OSError):
+            if consumer_id is not None and not self._closed.is_set():
+                self.producer.consumer_lost(consumer_id, "disconnected")
+        finally:
+            conn.close()
+
+    def _handle(self, op: Any, message: dict[str, Any]) -> dict[str, Any] | None:
+        producer = self.producer
+        if op == "register":
+            chunks = [PullChunk.from_json(c) for c in message["chunks"]]
+            buffers = producer.register(
+                message["consumer_id"], chunks, message["digest"]
+            )
+            with self._agent_lock:
+                metadata = self._agent.get_agent_metadata()
+            return {
+                "buffers": len(buffers),
+                "metadata": base64.b64encode(metadata).decode(),
+            }
+        if op == "pull":
+            _, view = producer.pack(message["consumer_id"], message["seq"])
+            mem, dev = _mem(view)
+            return {
+                "addr": view.data_ptr(),
+                "nbytes": view.numel(),
+                "mem": mem,
+                "dev": dev,
+            }
+        if op == "done":
+            producer.read_done(message["consumer_id"], message["seq"])
+            return None
+        if op == "abort":
+            producer.fail(
+                f"consumer {message.get('consumer_id')} aborted: {message['reason']}"
+            )
+            return None
+        raise ValueError(f"unknown sharded_rdt control op {op!r}")
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self.producer.close()
+        self._listener.close()
+        for conn in self._connections:
+            conn.close()
+        with self._agent_lock:
+            for reg in self._registrations:
+                try:
+                    self._agent.deregister_memory(reg)
+                except Exception as e:
+                    logger.debug("NIXL deregister failed: %s", e)
+            self._registrations = []
+
+
+# -- consumer side -------------------------------------------------------------
+
+
+class _NixlLink(ProducerLink):
+    def __init__(
+        self,
+        transport: NixlConsumerTransport,
+        producer_index: int,
+        endpoint: dict[str, Any],
+    ) -> None:
+        self.transport = transport
+        self.producer_index = producer_index
+        self.endpoint = endpoint
+        self.consumer_id = transport.consumer_id
+        self._address = (endpoint["host"], int(endpoint["port"]))
+        self._authkey = bytes.fromhex(endpoint["authkey"])
+        self._conn = Client(self._address, authkey=self._authkey)
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self.remote_agent: str | None = None
+
+    def _request(self, message: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        with self._lock:
+            self._next_id += 1
+            message = {**message, "id": self._next_id, "consumer_id": self.consumer_id}
+            try:
+                _send(self._conn, message)
+                deadline = time.monotonic() + timeout_s
+                while True:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or not self._conn.poll(remaining):
+                        raise TimeoutError(
+                            f"producer {self.producer_index} did not answer "
+                            f"{message['op']} within {timeout_s:.1f}s"
+                        )
+                    reply = _recv(self._conn)
+                    if reply.get("id") == message["id"]:
+                        break  # older replies belong to abandoned requests
+            except (EOFError, OSError) as e:
+                raise RuntimeError(
+                    f"lost the connection to producer {self.producer_index} "
+                    f"({self._address[0]}:{self._address[1]}) during "
+                    f"{message['op']}; the trainer rank most likely died: {e!r}"
+                ) from e
+        if "error" in reply:
+            raise RuntimeError(
+                f"producer {self.producer_index} refused {message['op']}: "
+                f"{reply['error']}"
+            )
+        return reply
+
+    def _notify(self, message: dict[str, Any]) -> None:
+        with self._lock:
+            try:
+                _send(self._conn, {**message, "consumer_id": self.consumer_id})
+            except (EOFError, OSError) as e:
+                raise RuntimeError(
+                    f"lost the connection to producer {self.producer_index}: {e!r}"
+                ) from e
+
+    def register(
+        self, consumer_id: int, chunks: Sequence[PullChunk], digest: str
+    ) -> None:
+        reply = self._request(
+            {
+                "op": "register",
+                "chunks": [c.to_json() for c in chunks],
+                "digest": digest,
+            },
+            self.transport.stall_timeout_s,
+        )
+        # The producer's metadata describes its memory registrations, so it is
+        # taken after the serve buffers for these chunks exist.
+        if self.remote_agent is not None:
+            self.transport.agent.remove_remote_agent(self.remote_agent)
+        self.remote_agent = self.transport.agent.add_remote_agent(
+            base64.b64decode(reply["metadata"])
+        )
+
+    def pull(self, chunk: PullChunk, into: torch.Tensor) -> None:
+        reply = self._request(
+            {"op": "pull", "seq": chunk.seq},
+            self.transport.stall_timeout_s + _REPLY_GRACE_S,
+        )
+        if reply["nbytes"] != chunk.nbytes:
+            raise RuntimeError(
+                f"producer {self.producer_index} packed {reply['nbytes']} bytes for "
+                f"chunk seq {chunk.seq} (group {chunk.group}) but the plan says "
+                f"{chunk.nbytes}"
+            )
+        if chunk.nbytes:
+            assert self.remote_agent is not None, "pull before register"
+            self.transport.read(
+                self.remote_agent,
+                into[: chunk.nbytes],
+                (reply["addr"], chunk.nbytes, reply["dev"]),
+                reply["mem"],
+            )
+        self._notify({"op": "done", "seq": chunk.seq})
+
+    def abort(self, reason: str) -> None:
+        # A connection of its own: the pulling thread may hold this link's.
+        with Client(self._address, authkey=self._authkey) as conn:
+            _send(
+                conn,
+                {"op": "abort", "consumer_id": self.consumer_id, "reason": reason},
+            )
+
+    def close(self) -> None:
+        self._conn.close()
+        if self.remote_agent is None:
+            return
+        try:
+            self.transport.agent.remove_remote_agent(self.remote_agent)
+        except Exception as e:
+            logger.debug("NIXL remove_remote_agent failed: %s", e)
+
+
+class NixlConsumerTransport(ConsumerTransport):
+    """A worker's NIXL agent; see the module docstring."""
+
+    name = "nixl"
+
+    def __init__(self, consumer_id: int, stall_timeout_s: float) -> None:
+        self.consumer_id = consumer_id
+        self.stall_timeout_s = stall_timeout_s
+        self.agent = make_agent(
+            f"sharded-rdt-consumer{consumer_id}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        )
+        self._registrations: list[Any] = []
+
+    def receive_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self._registrations.append(register(self.agent, buffer))
+        return buffer
+
+    def connect(self, producer_index: int, endpoint: Any) -> ProducerLink:
+        if not isinstance(endpoint, dict) or endpoint.get("transport") != "nixl":
+            raise ValueError(
+                f"producer_endpoints[{producer_index}] = {endpoint!r} is not a NIXL "
+                "endpoint"
+            )
+        return _NixlLink(self, producer_index, endpoint)
+
+    def read(
+        self,
+        remote_agent: str,
+        into: torch.Tensor,
+        remote: tuple[int, int, int],
+        remote_mem: str,
+    ) -> None:
+        """NIXL READ of ``remote`` (addr, nbytes, device) into ``into``."""
+        mem, dev = _mem(into)
+        local = self.agent.get_xfer_descs([(into.data_ptr(), remote[1], dev)], mem)
+        far = self.agent.get_xfer_descs([remote], remote_mem)
+        handle = self.agent.initialize_xfer("READ", local, far, remote_agent)
+        try:
+            state = self.agent.transfer(handle)
+            deadline = time.monotonic() + self.stall_timeout_s
+            pause = 0.0
+            while state != "DONE":
+                if state == "ERR":
+                    raise RuntimeError(f"NIXL READ from {remote_agent} failed")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"NIXL READ of {remote[1]} bytes from {remote_agent} did "
+                        f"not finish within {self.stall_timeout_s:.1f}s"
+                    )
+                time.sleep(pause)
+                pause = min(pause * 2 or 1e-5, 1e-3)
+                state = self.agent.check_xfer_state(handle)
+        finally:
+            self.agent.release_xfer_handle(handle)
+
+    def close(self) -> None:
+        for reg in self._registrations:
+            try:
+                self.agent.deregister_memory(reg)
+            except Exception as e:
+                logger.debug("NIXL deregister failed: %s", e)
+        self._registrations = []
