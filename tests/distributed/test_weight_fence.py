@@ -1,0 +1,168 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The worker-side fence and the trainer's served-version helpers."""
+
+import pytest
+import torch
+
+from vllm.distributed.weight_transfer.base import ParamMeta
+from vllm.distributed.weight_transfer.fencing import (
+    WeightFence,
+    WeightsFencedError,
+    WeightState,
+    fenced_version,
+    is_fenced_version,
+    set_served_version,
+)
+from vllm.distributed.weight_transfer.publication import Manifest, PublicationHeader
+
+MANIFEST = Manifest.from_params([ParamMeta("w", torch.float32, (2,))])
+
+
+def header(version: int = 1, scope: str = "full") -> PublicationHeader:
+    return PublicationHeader.create(
+        backend="ipc",
+        model_version=version,
+        manifest=MANIFEST,
+        trainer_devices=["cpu:h:0"],
+        scope=scope,  # type: ignore[arg-type]
+        payload_bytes=8,
+    )
+
+
+def committed_fence(version: int = 1) -> WeightFence:
+    fence = WeightFence()
+    fence.start()
+    fence.bind(header(version))
+    fence.touch()
+    fence.finish()
+    return fence
+
+
+def test_full_update_commits_its_version():
+    fence = committed_fence(4)
+    status = fence.status
+    assert status.state == WeightState.COMMITTED and status.model_version == 4
+
+
+def test_failure_after_landing_fences_update_and_finish():
+    fence = committed_fence()
+    fence.start()
+    fence.bind(header(2))
+    fence.touch()
+    fence.fail("worker 1: connection reset")
+    assert fence.state == WeightState.FENCED
+    for op in (fence.touch, fence.finish):
+        with pytest.raises(WeightsFencedError) as e:
+            op()
+        assert str(e.value) == (
+            "weights are fenced after a failed update (worker 1: connection reset); "
+            "a full resync is required: start_weight_update, send every tensor, "
+            "finish_weight_update"
+        )
+    assert fence.status.to_dict()["state"] == "fenced"
+
+
+def test_full_resync_clears_the_fence():
+    fence = committed_fence()
+    fence.start()
+    fence.touch()
+    fence.fail("boom")
+    fence.start()
+    assert fence.status.resync_required
+    fence.bind(header(2))
+    fence.touch()
+    fence.finish()
+    assert fence.state == WeightState.COMMITTED and not fence.status.resync_required
+
+
+def test_partial_update_cannot_clear_the_fence():
+    fence = committed_fence()
+    fence.start()
+    fence.touch()
+    fence.fail("boom")
+    fence.start()
+    with pytest.raises(WeightsFencedError, match="is partial and cannot clear"):
+        fence.bind(header(2, scope="partial"))
+
+
+def test_rejection_before_landing_keeps_weights_and_state():
+    fence = committed_fence(3)
+    fence.start()
+    fence.fail("manifest mismatch", weights_intact=True)
+    assert fence.state == WeightState.COMMITTED
+    assert fence.status.last_failure == "manifest mismatch"
+    with pytest.raises(RuntimeError, match="call start_weight_update first"):
+        fence.finish()
+
+
+def test_weights_intact_is_ignored_once_a_weight_was_touched():
+    fence = committed_fence()
+    fence.start()
+    fence.touch()
+    fence.fail("late failure", weights_intact=True)
+    assert fence.state == WeightState.FENCED
+
+
+def test_versions_never_go_backwards_but_may_repeat():
+    fence = committed_fence(5)
+    fence.start()
+    with pytest.raises(ValueError, match="older than the committed version 5"):
+        fence.bind(header(4))
+    fence.bind(header(5))
+
+
+def test_messages_of_another_publication_are_rejected():
+    fence = WeightFence()
+    fence.start()
+    fence.bind(header(1))
+    with pytest.raises(ValueError, match="the open update is publication"):
+        fence.bind(header(1))
+
+
+def test_misuse_outside_an_update_does_not_fence():
+    fence = committed_fence()
+    with pytest.raises(RuntimeError, match="needs an open weight update"):
+        fence.bind(None)
+    fence.fail("update_weights before start")
+    assert fence.state == WeightState.COMMITTED
+
+
+def test_restart_abandons_an_untouched_update_without_fencing():
+    fence = committed_fence()
+    fence.start()
+    fence.start()
+    assert fence.state == WeightState.UPDATING and not fence.status.resync_required
+    fence.touch()
+    fence.start()
+    assert fence.status.resync_required
+
+
+def test_fenced_version_is_one_line_and_recognisable():
+    v = fenced_version("abcdef0123", "receipt\nmissing   from worker 3")
+    assert v == "fenced:abcdef0123: receipt missing from worker 3"
+    assert is_fenced_version(v) and not is_fenced_version("step-7")
+    assert len(fenced_version("abcdef0123", "x" * 5000)) < 400
+
+
+def test_set_served_version_uses_the_client_method_or_the_llm():
+    class WithMethod:
+        def __init__(self):
+            self.got = []
+
+        def update_weight_version(self, v):
+            self.got.append(v)
+
+    c = WithMethod()
+    set_served_version(c, "v1")
+    assert c.got == ["v1"]
+
+    class Offline:
+        def __init__(self, llm):
+            self.llm = llm
+
+    llm = WithMethod()
+    set_served_version(Offline(llm), "v2")
+    assert llm.got == ["v2"]
+    with pytest.raises(TypeError, match="cannot set the served weight version"):
+        set_served_version(object(), "v3")
