@@ -1,0 +1,146 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Receipt channels: the shared-memory directory and the producer inbox."""
+
+import json
+import multiprocessing as mp
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from vllm.distributed.weight_transfer.base import ParamMeta
+from vllm.distributed.weight_transfer.publication import (
+    Manifest,
+    PublicationHeader,
+    Receipt,
+)
+from vllm.distributed.weight_transfer.receipts import (
+    CallbackReceiptSink,
+    ReceiptInbox,
+    ReceiptTimeoutError,
+    ShmReceiptBox,
+    ShmReceiptSink,
+    sink_for,
+)
+from vllm.distributed.weight_transfer.verification import (
+    ManifestChecker,
+    verify_receipts,
+)
+
+MANIFEST = Manifest.from_params([ParamMeta("w", torch.float32, (4,))])
+
+
+def header(**kw) -> PublicationHeader:
+    return PublicationHeader.create(
+        backend="ipc",
+        model_version=1,
+        manifest=MANIFEST,
+        trainer_devices=["cpu:h:0"],
+        **kw,
+    )
+
+
+def receipt(h: PublicationHeader, rank: int) -> Receipt:
+    checker = ManifestChecker(h, MANIFEST)
+    checker.admit("w", torch.float32, (4,))
+    checker.landed("w", 16)
+    return checker.receipt(rank, f"cpu:h:{rank}")
+
+
+def _worker(directory: str, header_dict: dict, rank: int) -> None:
+    h = PublicationHeader.from_dict(header_dict)
+    ShmReceiptSink(directory).deliver(receipt(h, rank))
+
+
+def test_workers_in_other_processes_deliver_and_trainer_verifies(tmp_path):
+    h0 = header()
+    with ShmReceiptBox(h0.publication_id, root=tmp_path) as box:
+        h = header(
+            publication_id=h0.publication_id,
+            receipt_channel="shm",
+            receipt_dir=str(box.path),
+        )
+        assert oct(box.path.stat().st_mode & 0o777) == "0o700"
+        ctx = mp.get_context("fork")
+        procs = [
+            ctx.Process(target=_worker, args=(str(box.path), h.to_dict(), r))
+            for r in (0, 1)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+        got = box.collect([0, 1], timeout_s=30)
+        verify_receipts(h, got, [0, 1])
+    assert not box.path.exists()
+
+
+def test_collect_times_out_naming_missing_workers(tmp_path):
+    h = header()
+    with ShmReceiptBox(h.publication_id, root=tmp_path) as box:
+        ShmReceiptSink(box.path).deliver(receipt(h, 0))
+        started = time.monotonic()
+        with pytest.raises(ReceiptTimeoutError, match="worker\\(s\\) \\[1, 2\\]"):
+            box.collect([0, 1, 2], timeout_s=0.2)
+        assert time.monotonic() - started < 5
+
+
+def test_a_failure_receipt_ends_the_wait_early(tmp_path):
+    h = header()
+    with ShmReceiptBox(h.publication_id, root=tmp_path) as box:
+        ShmReceiptSink(box.path).deliver(Receipt.failure(h, 1, "cpu:h:1", "oom"))
+        got = box.collect([0, 1], timeout_s=30)
+    assert [r.error for r in got] == ["oom"]
+
+
+def test_sink_writes_atomically_and_leaves_no_temp_files(tmp_path):
+    h = header()
+    with ShmReceiptBox(h.publication_id, root=tmp_path) as box:
+        ShmReceiptSink(box.path).deliver(receipt(h, 3))
+        assert os.listdir(box.path) == ["worker-3.json"]
+        assert json.loads((box.path / "worker-3.json").read_text())["worker_rank"] == 3
+
+
+def test_box_rejects_a_file_claiming_another_rank(tmp_path):
+    h = header()
+    with ShmReceiptBox(h.publication_id, root=tmp_path) as box:
+        (box.path / "worker-0.json").write_text(json.dumps(receipt(h, 1).to_dict()))
+        with pytest.raises(ValueError, match="holds the receipt of worker 1"):
+            box.read()
+
+
+def test_sink_refuses_foreign_directories_and_missing_trainer(tmp_path):
+    with pytest.raises(ValueError, match="is not a vllm-wt-receipts-"):
+        ShmReceiptSink(tmp_path)
+    gone = tmp_path / "vllm-wt-receipts-0123456789abcdef"
+    with pytest.raises(FileNotFoundError, match="needs a colocated trainer"):
+        ShmReceiptSink(gone).deliver(receipt(header(), 0))
+
+
+def test_producer_inbox_collects_across_threads():
+    h = header(receipt_channel="producer")
+    inbox = ReceiptInbox()
+    sink = sink_for(h, producer_call=inbox.deliver)
+    assert isinstance(sink, CallbackReceiptSink)
+    threads = [
+        threading.Thread(target=sink.deliver, args=(receipt(h, r),)) for r in range(4)
+    ]
+    for t in threads:
+        t.start()
+    got = inbox.collect(h.publication_id, range(4), timeout_s=30)
+    for t in threads:
+        t.join()
+    assert [r.worker_rank for r in got] == [0, 1, 2, 3]
+    inbox.discard(h.publication_id)
+    with pytest.raises(ReceiptTimeoutError, match="\\[0\\]"):
+        inbox.collect(h.publication_id, [0], timeout_s=0.05)
+
+
+def test_sink_for_follows_the_header():
+    assert sink_for(header()) is None
+    with pytest.raises(ValueError, match="has no producer to call"):
+        sink_for(header(receipt_channel="producer"))

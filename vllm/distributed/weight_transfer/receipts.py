@@ -1,0 +1,269 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""How receipts get from the workers back to the trainer.
+
+Upstream's routes, LLM methods and Ray client discard what the workers return,
+so receipts take a side channel chosen by the backend and named in the
+publication header:
+
+* ``"shm"`` (colocated backends such as ``ipc``): the trainer opens a
+  ``ShmReceiptBox``, a private directory ``vllm-wt-receipts-<publication id>``
+  under ``/dev/shm`` (or the temp dir where ``/dev/shm`` is missing), and puts
+  its path in the header. Each worker's ``ShmReceiptSink`` writes
+  ``worker-<rank>.json`` atomically (temp file + rename). After
+  ``finish_weight_update`` returns, the trainer ``collect``s the expected
+  ranks, waiting at most ``timeout_s``, then deletes the directory.
+* ``"producer"`` (``sharded_rdt``): the worker hands its receipt to a trainer
+  producer actor it already talks to, through a ``CallbackReceiptSink``
+  wrapping that call (for example ``ray.get(actor.deliver_receipt.remote(d),
+  timeout=...)``). The producer keeps a ``ReceiptInbox`` and the trainer waits
+  on it.
+
+Every wait is bounded; a timeout names the workers that did not answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any, Protocol
+
+from vllm.distributed.weight_transfer.publication import (
+    PublicationHeader,
+    Receipt,
+)
+
+RECEIPT_DIR_PREFIX = "vllm-wt-receipts-"
+DEFAULT_RECEIPT_TIMEOUT_S = 60.0
+_RECEIPT_DIR_RE = re.compile(r"^vllm-wt-receipts-[A-Za-z0-9_-]{8,64}$")
+_RECEIPT_FILE_RE = re.compile(r"^worker-(\d+)\.json$")
+
+
+class ReceiptTimeoutError(TimeoutError):
+    """Not every expected worker delivered a receipt in time."""
+
+
+class ReceiptSink(Protocol):
+    """Worker side: where a receipt goes."""
+
+    def deliver(self, receipt: Receipt) -> None: ...
+
+
+def default_receipt_root() -> Path:
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm
+    return Path(tempfile.gettempdir())
+
+
+# ---------------------------------------------------------------------------
+# shared-memory directory (colocated)
+
+
+class ShmReceiptBox:
+    """Trainer side of the ``"shm"`` channel for one publication.
+
+    Create it before the first update message (the header carries ``path``),
+    ``collect`` after ``finish_weight_update`` returned, ``close`` always.
+    """
+
+    def __init__(self, publication_id: str, root: str | Path | None = None) -> None:
+        name = f"{RECEIPT_DIR_PREFIX}{publication_id}"
+        if not _RECEIPT_DIR_RE.match(name):
+            raise ValueError(f"publication id {publication_id!r} is not valid")
+        self.path = Path(root or default_receipt_root()) / name
+        # mode 0700: only this user's processes (the colocated workers) write.
+        self.path.mkdir(mode=0o700)
+
+    def __enter__(self) -> ShmReceiptBox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def read(self) -> dict[int, Receipt]:
+        """Every receipt present now, by worker rank."""
+        out: dict[int, Receipt] = {}
+        for entry in sorted(os.listdir(self.path)):
+            m = _RECEIPT_FILE_RE.match(entry)
+            if m is None:
+                continue  # a writer's temporary file
+            file = self.path / entry
+            try:
+                receipt = Receipt.from_dict(json.loads(file.read_text()))
+            except (OSError, ValueError) as e:
+                raise ValueError(f"receipt file {file} is unreadable: {e}") from e
+            if receipt.worker_rank != int(m.group(1)):
+                raise ValueError(
+                    f"receipt file {file} holds the receipt of worker "
+                    f"{receipt.worker_rank}"
+                )
+            out[receipt.worker_rank] = receipt
+        return out
+
+    def collect(
+        self,
+        expected_workers: Collection[int],
+        timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S,
+    ) -> list[Receipt]:
+        """Wait until every expected worker's receipt is here, or one failed."""
+        return _wait(
+            self.read,
+            expected_workers,
+            timeout_s,
+            f"receipt directory {self.path}",
+        )
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+class ShmReceiptSink:
+    """Worker side of the ``"shm"`` channel: writes into the trainer's box."""
+
+    def __init__(self, directory: str | Path) -> None:
+        path = Path(directory)
+        if not path.is_absolute() or not _RECEIPT_DIR_RE.match(path.name):
+            raise ValueError(
+                f"receipt directory {str(directory)!r} is not a "
+                f"{RECEIPT_DIR_PREFIX}<publication id> directory"
+            )
+        self.path = path
+
+    def deliver(self, receipt: Receipt) -> None:
+        if not self.path.is_dir():
+            raise FileNotFoundError(
+                f"receipt directory {self.path} does not exist; the trainer that "
+                "published this update is gone or runs on another host (the shm "
+                "receipt channel needs a colocated trainer)"
+            )
+        final = self.path / f"worker-{receipt.worker_rank}.json"
+        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".tmp-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(receipt.to_dict(), f)
+            os.replace(tmp, final)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+# ---------------------------------------------------------------------------
+# producer call (sharded_rdt)
+
+
+class CallbackReceiptSink:
+    """Worker side of the ``"producer"`` channel: ``call(receipt.to_dict())``.
+
+    ``call`` must bound its own wait (e.g. ``ray.get(..., timeout=...)``).
+    """
+
+    def __init__(self, call: Callable[[dict[str, Any]], object]) -> None:
+        self._call = call
+
+    def deliver(self, receipt: Receipt) -> None:
+        self._call(receipt.to_dict())
+
+
+class ReceiptInbox:
+    """Trainer/producer side of the ``"producer"`` channel; thread-safe.
+
+    The producer exposes ``deliver`` (taking the receipt as a plain dict) to
+    workers; the trainer calls ``collect`` for a publication, then ``discard``.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._receipts: dict[str, dict[int, Receipt]] = {}
+
+    def deliver(self, receipt: dict[str, Any] | Receipt) -> None:
+        if not isinstance(receipt, Receipt):
+            receipt = Receipt.from_dict(receipt)
+        with self._cond:
+            self._receipts.setdefault(receipt.publication_id, {})[
+                receipt.worker_rank
+            ] = receipt
+            self._cond.notify_all()
+
+    def collect(
+        self,
+        publication_id: str,
+        expected_workers: Collection[int],
+        timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S,
+    ) -> list[Receipt]:
+        def read() -> dict[int, Receipt]:  # called with the lock held
+            return dict(self._receipts.get(publication_id, {}))
+
+        return _wait(
+            read,
+            expected_workers,
+            timeout_s,
+            f"the receipt inbox of publication {publication_id}",
+            cond=self._cond,
+        )
+
+    def discard(self, publication_id: str) -> None:
+        with self._cond:
+            self._receipts.pop(publication_id, None)
+
+
+# ---------------------------------------------------------------------------
+
+
+def sink_for(
+    header: PublicationHeader,
+    producer_call: Callable[[dict[str, Any]], object] | None = None,
+) -> ReceiptSink | None:
+    """The sink a worker uses for ``header``'s channel (None for ``"none"``)."""
+    if header.receipt_channel == "shm":
+        assert header.receipt_dir is not None
+        return ShmReceiptSink(header.receipt_dir)
+    if header.receipt_channel == "producer":
+        if producer_call is None:
+            raise ValueError(
+                f"publication {header.publication_id} asks for receipts through "
+                "the producer, but this engine has no producer to call"
+            )
+        return CallbackReceiptSink(producer_call)
+    return None
+
+
+def _wait(
+    read: Callable[[], dict[int, Receipt]],
+    expected_workers: Collection[int],
+    timeout_s: float,
+    where: str,
+    cond: threading.Condition | None = None,
+) -> list[Receipt]:
+    expected = sorted(set(expected_workers))
+    deadline = time.monotonic() + timeout_s
+    poll_s = 0.001
+    with cond if cond is not None else contextlib.nullcontext():
+        while True:
+            have = read()
+            # A failed worker ends the wait at once; verify_receipts reports it.
+            if all(w in have for w in expected) or any(
+                r.error is not None for r in have.values()
+            ):
+                return [have[w] for w in sorted(have)]
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = [w for w in expected if w not in have]
+                raise ReceiptTimeoutError(
+                    f"no receipt from worker(s) {missing} in {where} after "
+                    f"{timeout_s:.1f}s (got {sorted(have)} of {expected}); those "
+                    "workers did not finish the update or cannot reach the trainer"
+                )
+            if cond is not None:
+                cond.wait(timeout=remaining)
+            else:
+                time.sleep(min(remaining, poll_s))
+                poll_s = min(poll_s * 2, 0.05)
