@@ -1,0 +1,382 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Sync metrics: one log line per sync on each side, Prometheus on the server.
+
+``SyncRecord`` times one sync on one side (trainer or worker) phase by phase
+and renders one log line: bytes, seconds, GB/s and phase times.
+
+Prometheus metrics live in the process that serves ``/metrics``: the API
+server. Worker engines run in worker processes whose registries ``vllm serve``
+does not export (``PROMETHEUS_MULTIPROC_DIR`` is only set with
+``--api-server-count > 1``; upstream ships worker statistics to the front end
+inside engine outputs instead, which weight operations do not travel through).
+So ``RouteSyncObserver`` records in the API server from what the RL routes
+see: ``start_weight_update`` opens a sync, the publication header in
+``update_weights`` names its backend and bytes, a successful
+``finish_weight_update`` commits it, and a failing route, an ``abort`` message
+or a ``fenced:`` weight version counts a failure. It sits next to upstream's
+``vllm:rl_weight_update_operation_*`` metrics and uses the same registry
+(prometheus_client's default, multiprocess-safe):
+
+* ``vllm:weight_transfer_syncs_total{backend}``: committed syncs;
+* ``vllm:weight_transfer_bytes_total{backend}``: tensor bytes published by
+  committed syncs (``publication.payload_bytes``; 0 without a header);
+* ``vllm:weight_transfer_sync_seconds{backend}``: start to end of finish;
+* ``vllm:weight_transfer_failures_total{backend,phase}``: phase is ``start``,
+  ``update``, ``finish``, ``abort`` (the trainer aborted) or ``verify`` (the
+  trainer rejected the receipts and fenced the version).
+
+The RL routes call ``observe_route`` (or ``WeightSyncMetricsMiddleware``
+wraps them: ``vllm serve --middleware
+vllm.distributed.weight_transfer.sync_metrics.WeightSyncMetricsMiddleware``).
+With several API servers, start and finish may reach different processes;
+the observer is per process, so sync durations are only recorded when one
+process saw the whole sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from threading import Lock
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+
+from vllm.distributed.weight_transfer.fencing import is_fenced_version
+from vllm.distributed.weight_transfer.publication import (
+    PUBLICATION_FIELD,
+    PublicationHeader,
+)
+
+# ---------------------------------------------------------------------------
+# per-sync record (both sides)
+
+
+@dataclass
+class SyncRecord:
+    """Timing of one sync on one side; ``phase`` blocks accumulate."""
+
+    backend: str
+    side: str
+    publication_id: str | None = None
+    model_version: int | None = None
+    nbytes: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
+    seconds: float | None = None
+    ok: bool | None = None
+    error: str | None = None
+    failed_phase: str | None = None
+    _started: float = field(default_factory=time.perf_counter, repr=False)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time a block as ``name``; an exception marks the phase as failed."""
+        started = time.perf_counter()
+        try:
+            yield
+        except BaseException:
+            if self.failed_phase is None:
+                self.failed_phase = name
+            raise
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + (
+                time.perf_counter() - started
+            )
+
+    def bind(self, header: PublicationHeader) -> None:
+        self.publication_id = header.publication_id
+        self.model_version = header.model_version
+
+    def finish(self, ok: bool = True, error: BaseException | str | None = None) -> None:
+        self.seconds = time.perf_counter() - self._started
+        self.ok = ok
+        if error is not None:
+            self.error = " ".join(str(error).split())[:500]
+
+    @property
+    def gb_per_s(self) -> float:
+        if not self.seconds:
+            return 0.0
+        return self.nbytes / self.seconds / 1e9
+
+    def log_line(self) -> str:
+        seconds = self.seconds if self.seconds is not None else 0.0
+        what = f"weight sync [{self.backend} {self.side}]"
+        if self.publication_id is not None:
+            what += f" publication {self.publication_id[:12]}"
+        if self.model_version is not None:
+            what += f" v{self.model_version}"
+        phases = ", ".join(f"{k} {v:.3f} s" for k, v in self.phases.items())
+        if self.ok is False:
+            where = f" in phase {self.failed_phase}" if self.failed_phase else ""
+            return (
+                f"{what}: FAILED after {seconds:.3f} s{where} "
+                f"({self.nbytes / 1e9:.3f} GB moved): {self.error}; {phases}"
+            )
+        return (
+            f"{what}: {self.nbytes / 1e9:.3f} GB in {seconds:.3f} s "
+            f"({self.gb_per_s:.2f} GB/s); {phases}"
+        )
+
+    def log(self, logger: logging.Logger) -> None:
+        if self.ok is False:
+            logger.error("%s", self.log_line())
+        else:
+            logger.info("%s", self.log_line())
+
+
+# ---------------------------------------------------------------------------
+# Prometheus (API server process)
+
+
+class WeightTransferMetrics:
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.syncs = Counter(
+            "vllm:weight_transfer_syncs",
+            "Committed weight syncs.",
+            ["backend"],
+            registry=registry,
+        )
+        self.bytes = Counter(
+            "vllm:weight_transfer_bytes",
+            "Tensor bytes published by committed weight syncs.",
+            ["backend"],
+            registry=registry,
+        )
+        self.sync_seconds = Histogram(
+            "vllm:weight_transfer_sync_seconds",
+            "Duration of a committed weight sync, start to end of finish.",
+            ["backend"],
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            registry=registry,
+        )
+        self.failures = Counter(
+            "vllm:weight_transfer_failures",
+            "Failed weight syncs, by the phase that failed.",
+            ["backend", "phase"],
+            registry=registry,
+        )
+
+
+_metrics: WeightTransferMetrics | None = None
+_metrics_lock = Lock()
+
+
+def weight_transfer_metrics() -> WeightTransferMetrics:
+    # Created on first use, after vLLM configured multiprocess Prometheus.
+    global _metrics
+    if _metrics is None:
+        with _metrics_lock:
+            if _metrics is None:
+                _metrics = WeightTransferMetrics()
+    return _metrics
+
+
+@dataclass
+class _OpenSync:
+    started: float
+    backend: str
+    header: PublicationHeader | None = None
+    failed: bool = False
+
+
+class RouteSyncObserver:
+    """Turns the RL routes' outcomes into sync metrics; see the module docstring.
+
+    ``observe_route`` is called once per route, after it answered.
+    """
+
+    def __init__(
+        self,
+        metrics: Callable[[], WeightTransferMetrics] = weight_transfer_metrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._metrics = metrics
+        self._clock = clock
+        self._lock = Lock()
+        self._open: _OpenSync | None = None
+        self._last_committed: str | None = None  # backend of the last commit
+
+    def observe_route(
+        self,
+        operation: str,
+        *,
+        started: float,
+        ok: bool,
+        backend: str,
+        update_info: Any = None,
+        new_version: str | None = None,
+    ) -> None:
+        with self._lock:
+            self._observe(operation, started, ok, backend, update_info, new_version)
+
+    def _observe(
+        self,
+        operation: str,
+        started: float,
+        ok: bool,
+        backend: str,
+        update_info: Any,
+        new_version: str | None,
+    ) -> None:
+        m = self._metrics()
+        sync = self._open
+        if operation == "start":
+            if sync is not None and not sync.failed:
+                # The previous sync never finished; a new start abandons it.
+                m.failures.labels(_backend(sync), "finish").inc()
+            self._open = _OpenSync(started, backend) if ok else None
+            if not ok:
+                m.failures.labels(backend, "start").inc()
+            return
+        if operation == "update":
+            header, aborted = _inspect_update(update_info)
+            if sync is None:
+                return
+            if header is not None and sync.header is None:
+                sync.header = header
+            if not sync.failed and (not ok or aborted):
+                sync.failed = True
+                m.failures.labels(
+                    _backend(sync), "abort" if aborted else "update"
+                ).inc()
+            return
+        if operation == "finish":
+            self._open = None
+            if sync is None:
+                return
+            if not ok and not sync.failed:
+                m.failures.labels(_backend(sync), "finish").inc()
+            if ok and not sync.failed:
+                label = _backend(sync)
+                m.syncs.labels(label).inc()
+                m.bytes.labels(label).inc(
+                    sync.header.payload_bytes if sync.header else 0
+                )
+                m.sync_seconds.labels(label).observe(self._clock() - sync.started)
+                self._last_committed = label
+            else:
+                self._last_committed = None
+            return
+        if (
+            operation == "update_weight_version"
+            and ok
+            and is_fenced_version(new_version)
+            and self._last_committed
+        ):
+            # The server committed but the trainer rejected the receipts.
+            m.failures.labels(self._last_committed, "verify").inc()
+            self._last_committed = None
+
+
+def _backend(sync: _OpenSync) -> str:
+    return sync.header.backend if sync.header is not None else sync.backend
+
+
+def _inspect_update(update_info: Any) -> tuple[PublicationHeader | None, bool]:
+    """The publication header of an update payload, and whether it aborts."""
+    items = update_info if isinstance(update_info, list) else [update_info]
+    header = None
+    aborted = False
+    for item in items:
+        if not isinstance(item, dict):
+            continue
+        aborted = aborted or "abort" in item
+        if header is None and PUBLICATION_FIELD in item:
+            # An invalid header is the worker's to reject; the route then fails.
+            with contextlib.suppress(ValueError):
+                header = PublicationHeader.from_dict(item[PUBLICATION_FIELD])
+    return header, aborted
+
+
+_observer: RouteSyncObserver | None = None
+
+
+def route_sync_observer() -> RouteSyncObserver:
+    global _observer
+    if _observer is None:
+        with _metrics_lock:
+            if _observer is None:
+                _observer = RouteSyncObserver()
+    return _observer
+
+
+# ---------------------------------------------------------------------------
+# ASGI middleware around the RL routes
+
+_ROUTES = {
+    "/start_weight_update": "start",
+    "/update_weights": "update",
+    "/finish_weight_update": "finish",
+    "/update_weight_version": "update_weight_version",
+}
+_PARSED = {"update", "update_weight_version"}
+
+
+class WeightSyncMetricsMiddleware:
+    """Observes the RL weight routes of an ASGI app for ``RouteSyncObserver``."""
+
+    def __init__(self, app: Any, observer: RouteSyncObserver | None = None) -> None:
+        self.app = app
+        self.observer = observer
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        operation = (
+            _ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
+        )
+        if operation is None or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        body = bytearray()
+        status = 500
+
+        async def receive_and_keep() -> dict:
+            message = await receive()
+            if operation in _PARSED and message.get("type") == "http.request":
+                body.extend(message.get("body", b""))
+            return message
+
+        async def send_and_note(message: dict) -> None:
+            nonlocal status
+            if message.get("type") == "http.response.start":
+                status = int(message.get("status", 500))
+            await send(message)
+
+        started = time.monotonic()
+        try:
+            await self.app(scope, receive_and_keep, send_and_note)
+        finally:
+            parsed = _json_object(bytes(body))
+            observer = self.observer or route_sync_observer()
+            observer.observe_route(
+                operation,
+                started=started,
+                ok=200 <= status < 300,
+                backend=_configured_backend(scope),
+                update_info=parsed.get("update_info"),
+                new_version=parsed.get("new_version"),
+            )
+
+
+def _json_object(body: bytes) -> dict:
+    if not body:
+        return {}
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _configured_backend(scope: dict) -> str:
+    try:
+        config = scope["app"].state.engine_client.vllm_config
+        return str(config.weight_transfer_config.backend)
+    except (AttributeError, KeyError):
+        return "unknown"
