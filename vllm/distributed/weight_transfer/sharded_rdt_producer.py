@@ -279,9 +279,13 @@ class Producer:
                 )
             chunk = consumer.chunks[seq]
             if seq == 0:
-                # The first pull of a sync waits for the trainer's begin_sync;
-                # failures of syncs this consumer already took part in are old.
-                floor = consumer.last_gen + 1
+                # The first pull of a sync joins the sync in progress, or waits
+                # for the trainer's next begin_sync; failures of earlier syncs
+                # are not this one's.
+                floor = max(
+                    consumer.last_gen + 1,
+                    self._gen if self._active else self._gen + 1,
+                )
                 self._wait(
                     lambda: self._active and self._gen >= floor,
                     f"consumer {consumer_id} waiting for the trainer to begin a sync",

@@ -1,0 +1,238 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The per-rank producer over the in-process transport: what consumers read is
+the replayed slice of the live tensors, groups stay resident only until every
+live consumer has read them, and every failure ends the sync with an error."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from vllm.distributed.weight_transfer.sharded_rdt_chunks import (
+    PullPlan,
+    build_pull_plan,
+)
+from vllm.distributed.weight_transfer.sharded_rdt_common import RdtRouter
+from vllm.distributed.weight_transfer.sharded_rdt_ops import SliceSpec, ViewOp
+from vllm.distributed.weight_transfer.sharded_rdt_plan import (
+    Region,
+    SliceCopy,
+    build_plan,
+)
+from vllm.distributed.weight_transfer.sharded_rdt_producer import (
+    Producer,
+    ProducerError,
+)
+from vllm.distributed.weight_transfer.sharded_rdt_transport import (
+    InProcessServer,
+    InProcessTransport,
+)
+
+NAMES = ["embed.weight"] + [f"layers.{i}.w" for i in range(4)] + ["head.weight"]
+GROUP_LENS = [1, 1, 1, 1, 1, 1]
+
+
+def _tensors(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(6, 4, generator=gen) for n in NAMES}
+
+
+def _plan(rank_rows: tuple[int, int]):
+    """A worker that keeps rows [start, start+n) of every tensor, transposed."""
+    start, n = rank_rows
+    copies = []
+    for name in NAMES:
+        chain = (ViewOp("narrow", (0, start, n)), ViewOp("t"))
+        spec = SliceSpec(name, chain, (4, n), "float32")
+        module, param = name.rsplit(".", 1)
+        copies.append(
+            SliceCopy(spec, Region(module, param, 0, (4, n), (n, 1), "float32"))
+        )
+    return build_plan(worker=f"rows {start}", names=NAMES, copies=copies)
+
+
+def _producer(**kw) -> Producer:
+    args = dict(
+        rank=0,
+        names=NAMES,
+        group_lens=GROUP_LENS,
+        served_names=NAMES,
+        num_slots=2,
+        gather_lookahead=1,
+        stall_timeout_s=5.0,
+    )
+    args.update(kw)
+    return Producer(**args)
+
+
+def _pull_all(link, pulls: PullPlan, out: dict, delay: float = 0.0):
+    for chunk in pulls.chunks:
+        buf = torch.empty(chunk.nbytes, dtype=torch.uint8)
+        link.pull(chunk, buf)
+        for packed in chunk.slices:
+            raw = buf[packed.offset : packed.offset + packed.spec.nbytes]
+            out[packed.spec.source] = (
+                raw.view(torch.float32).view(packed.spec.shape).clone()
+            )
+        time.sleep(delay)
+
+
+def _consumers(producer, plans):
+    server = InProcessServer(producer)
+    links = []
+    router = RdtRouter(1, len(plans))
+    pulls = [build_pull_plan(p, router, cid) for cid, p in enumerate(plans)]
+    for cid, pp in enumerate(pulls):
+        link = InProcessTransport().connect(0, server.endpoint())
+        link.register(cid, pp.for_producer(0), pp.digest(0))
+        links.append(link)
+    return server, links, pulls
+
+
+def _serve(producer, tensors, on_publish=None):
+    producer.begin_sync(range(producer_live(producer)))
+    for gi, name in enumerate(NAMES):
+        producer.wait_credit()
+        producer.publish(gi, {name: tensors[name]})
+        if on_publish:
+            on_publish(gi)
+    producer.end_sync()
+
+
+def producer_live(producer):
+    return len(producer._consumers)
+
+
+def _run(producer, links, pulls, tensors, delay=0.0, on_publish=None):
+    results = [dict() for _ in links]
+    errors = []
+
+    def consume(i):
+        try:
+            _pull_all(links[i], pulls[i], results[i], delay)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(links))]
+    for t in threads:
+        t.start()
+    try:
+        _serve(producer, tensors, on_publish)
+    finally:
+        for t in threads:
+            t.join(10)
+    return results, errors
+
+
+def test_consumers_read_the_replayed_slices_of_live_tensors():
+    producer = _producer()
+    _, links, pulls = _consumers(producer, [_plan((0, 3)), _plan((3, 3))])
+    for seed in (1, 2):  # a second sync after in-place updates
+        tensors = _tensors(seed)
+        results, errors = _run(producer, links, pulls, tensors)
+        assert not errors
+        for name in NAMES:
+            assert torch.equal(results[0][name], tensors[name][:3].t())
+            assert torch.equal(results[1][name], tensors[name][3:].t())
+
+
+def test_at_most_lookahead_plus_one_groups_resident():
+    producer = _producer(gather_lookahead=1)
+    _, links, pulls = _consumers(producer, [_plan((0, 3))])
+    seen = []
+    _run(
+        producer,
+        links,
+        pulls,
+        _tensors(0),
+        delay=0.01,
+        on_publish=lambda gi: seen.append(len(producer.resident_groups)),
+    )
+    assert max(seen) <= 2
+    assert producer.max_resident <= 2
+
+
+def test_shared_serve_slots_pack_once_for_identical_plans():
+    producer = _producer(workers_per_replica=1)
+    plans = [_plan((0, 3)), _plan((0, 3))]
+    _, links, pulls = _consumers(producer, plans)
+    tensors = _tensors(3)
+    results, errors = _run(producer, links, pulls, tensors)
+    assert not errors
+    assert torch.equal(results[1]["head.weight"], tensors["head.weight"][:3].t())
+    assert producer.packed_bytes == pulls[0].payload_bytes  # packed once
+
+
+def test_sharers_with_different_plans_are_refused():
+    producer = _producer(workers_per_replica=1)
+    with pytest.raises(ValueError, match="share its serve buffer"):
+        _consumers(producer, [_plan((0, 3)), _plan((3, 3))])
+
+
+def test_misrouted_and_unknown_names_are_refused_at_registration():
+    producer = _producer(served_names=NAMES[:3])
+    with pytest.raises(ValueError, match="routed to the wrong producer"):
+        _consumers(producer, [_plan((0, 3))])
+    pulls = build_pull_plan(_plan((0, 3)), RdtRouter(1, 1), 0)
+    producer = _producer(
+        names=NAMES[:5], group_lens=GROUP_LENS[:5], served_names=NAMES[:5]
+    )
+    with pytest.raises(ValueError, match="unknown checkpoint tensor"):
+        producer.register(0, pulls.chunks, pulls.digest(0))
+
+
+def test_a_stalled_consumer_fails_the_sync_within_the_timeout():
+    producer = _producer(stall_timeout_s=1.0)
+    _, links, pulls = _consumers(producer, [_plan((0, 3))])
+    started = time.monotonic()
+    with pytest.raises(ProducerError, match="no progress for 1.0s"):
+        _serve(producer, _tensors(0))  # nobody pulls
+    assert time.monotonic() - started < 3.0
+    # the next sync starts clean
+    results, errors = _run(producer, links, pulls, _tensors(1))
+    assert not errors and len(results[0]) == len(NAMES)
+
+
+def test_a_failing_trainer_wakes_waiting_consumers():
+    producer = _producer(stall_timeout_s=30.0)
+    _, links, pulls = _consumers(producer, [_plan((0, 3))])
+    producer.begin_sync([0])
+    errors = []
+    t = threading.Thread(
+        target=lambda: errors.append(
+            pytest.raises(ProducerError, _pull_all, links[0], pulls[0], {})
+        )
+    )
+    t.start()
+    time.sleep(0.2)
+    producer.fail("trainer rank 0: source exploded")
+    t.join(5)
+    assert not t.is_alive()
+    assert "source exploded" in str(errors[0].value)
+
+
+def test_only_live_consumers_are_waited_for():
+    producer = _producer()
+    _, links, pulls = _consumers(producer, [_plan((0, 3)), _plan((3, 3))])
+    producer.begin_sync([1])
+    result: dict = {}
+    t = threading.Thread(target=_pull_all, args=(links[1], pulls[1], result))
+    t.start()
+    tensors = _tensors(4)
+    for gi, name in enumerate(NAMES):
+        producer.wait_credit()
+        producer.publish(gi, {name: tensors[name]})
+    producer.end_sync()
+    t.join(5)
+    assert len(result) == len(NAMES)
+    with pytest.raises(ProducerError, match="not live"):
+        producer.begin_sync([1])
+        try:
+            links[0].pull(
+                pulls[0].chunks[0],
+                torch.empty(pulls[0].chunks[0].nbytes, dtype=torch.uint8),
+            )
+        finally:
+            producer.fail("test over")
