@@ -1,0 +1,98 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Sync metrics reach a real ``vllm serve``'s ``/metrics``.
+
+The server runs with ``--middleware ...WeightSyncMetricsMiddleware``, so the
+metrics are recorded in the API server process from what the RL routes see. A
+real ``ipc`` sync is counted as committed; an update whose publication header
+the worker rejects is counted as a failure of its backend's update phase, and
+the server keeps serving.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+from vllm.distributed.weight_transfer.publication import (
+    Manifest,
+    PublicationHeader,
+    attach_publication,
+)
+from vllm.distributed.weight_transfer.testing import (
+    completions_greedy,
+    load_hf_model,
+)
+from vllm.distributed.weight_transfer.testing.server import serve
+
+pytestmark = pytest.mark.slow
+
+MIDDLEWARE = "vllm.distributed.weight_transfer.sync_metrics.WeightSyncMetricsMiddleware"
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text format (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        key, value = line.rsplit(" ", 1)
+        sample, _, label_text = key.partition("{")
+        got = ",".join(sorted(label_text.rstrip("}").split(","))) if label_text else ""
+        if sample == name and got == want:
+            return float(value)
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path):
+    with serve(
+        tiny_model_dir,
+        weight_transfer_backend="ipc",
+        extra_args=["--middleware", MIDDLEWARE],
+    ) as s:
+        yield s
+
+
+def test_sync_metrics_appear_on_metrics(server, tiny_model_dir):
+    client = HTTPVLLMWeightSyncClient(server.base_url, timeout=120)
+    model = load_hf_model(tiny_model_dir, "float32")
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed=True),
+        client=client,
+        source=ModuleSource(model),
+    )
+    trainer.send_weights()
+
+    header = PublicationHeader.create(
+        backend="ipc",
+        model_version=1,
+        manifest=Manifest.from_params([ParamMeta("w", torch.float32, (4,))]),
+        trainer_devices=["cpu:test:0"],
+    )
+    client.start_weight_update()
+    rejected = requests.post(
+        f"{server.base_url}/update_weights",
+        json={"update_info": attach_publication({"names": []}, header)},
+        timeout=120,
+    )
+    assert not rejected.ok  # the worker closes the update on any failure
+
+    text = requests.get(f"{server.base_url}/metrics", timeout=30).text
+    assert metric(text, "vllm:weight_transfer_syncs_total", backend="ipc") == 1
+    assert metric(text, "vllm:weight_transfer_sync_seconds_count", backend="ipc") == 1
+    assert (
+        metric(
+            text, "vllm:weight_transfer_failures_total", backend="ipc", phase="update"
+        )
+        == 1
+    )
+    assert "vllm:rl_weight_update_operation_duration_seconds" in text
+    assert completions_greedy(server.base_url, server.model).tokens
