@@ -1,0 +1,235 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The verified-publication lifecycle on a toy in-process backend.
+
+The toy trainer packs tensors into one byte buffer per chunk; two toy workers
+copy what they receive into their resident tensors in place, as vLLM does, so
+a failure after the first copy leaves mixed weights. The client fans every
+call out to both workers and raises if any raises, like ``collective_rpc``,
+and holds the served weight version like the engine core.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm.distributed.weight_transfer.base import ParamMeta
+from vllm.distributed.weight_transfer.fencing import (
+    WeightsFencedError,
+    WeightState,
+    is_fenced_version,
+)
+from vllm.distributed.weight_transfer.publication import (
+    ChecksumMismatch,
+    ManifestMismatch,
+)
+from vllm.distributed.weight_transfer.verified_sync import (
+    TrainerPublication,
+    WorkerPublication,
+)
+
+
+def make_weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed": torch.randn(16, 8, generator=g),
+        "layers.0.w": torch.randn(8, 8, generator=g),
+        "layers.1.w": torch.randn(8, 8, generator=g),
+        "head": torch.randn(4, 8, generator=g),
+    }
+
+
+class ToyWorker:
+    def __init__(self, rank: int) -> None:
+        self.weights = make_weights(0)
+        self.pub = WorkerPublication(
+            backend="toy", worker_rank=rank, worker_device=f"cpu:toy:{rank}"
+        )
+        self.fail_on: str | None = None
+
+    def start_weight_update(self) -> None:
+        self.pub.start()
+
+    def update_weights(self, message: dict) -> None:
+        touched = False
+        try:
+            info = self.pub.begin_message(message)
+            buf = info["buffer"]
+            for name, dtype, shape in info["tensors"]:
+                self.pub.admit(name, dtype, shape)
+            self.pub.check_payload(f"chunk {info['chunk']}", info.get("checksum"), buf)
+            offset = 0
+            for name, _, shape in info["tensors"]:
+                dst = self.weights[name]
+                n = dst.numel() * dst.element_size()
+                if name == self.fail_on:
+                    raise RuntimeError(f"load of {name} failed")
+                self.pub.touch()
+                touched = True
+                dst.view(-1).view(torch.uint8).copy_(buf[offset : offset + n])
+                self.pub.landed(name, n)
+                offset += n
+        except BaseException as e:
+            self.pub.fail(e, weights_intact=not touched)
+            raise
+
+    def finish_weight_update(self) -> None:
+        self.pub.finish()
+
+
+class ToyClient:
+    """Fans out to every worker; keeps the served version like the engine core."""
+
+    def __init__(self, workers: list[ToyWorker]) -> None:
+        self.workers = workers
+        self.version = "default"
+        self.corrupt_chunk: int | None = None
+
+    def _all(self, method: str, *args) -> None:
+        errors = []
+        for w in self.workers:
+            try:
+                getattr(w, method)(*args)
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def start_weight_update(self) -> None:
+        self._all("start_weight_update")
+
+    def update_weights(self, info: dict) -> None:
+        if info["chunk"] == self.corrupt_chunk:
+            info = {**info, "buffer": info["buffer"].clone()}
+            info["buffer"][5] ^= 0x10
+        self._all("update_weights", info)
+
+    def finish_weight_update(self) -> None:
+        self._all("finish_weight_update")
+        self.version_at_finish = self.version
+
+    def update_weight_version(self, v: str) -> None:
+        self.version = v
+
+
+def send(
+    client: ToyClient,
+    weights: dict[str, torch.Tensor],
+    version: int,
+    tmp_path,
+    *,
+    checksums: bool = False,
+    metas: list[ParamMeta] | None = None,
+) -> None:
+    """The toy trainer's send_weights, following the module docstring."""
+    metas = metas or [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in weights.items()]
+    pub = TrainerPublication.open(
+        backend="toy",
+        model_version=version,
+        metas=metas,
+        checksums=checksums,
+        receipt_root=tmp_path,
+    )
+    names = list(weights)
+    try:
+        client.start_weight_update()
+        for chunk, group in enumerate((names[:2], names[2:])):
+            buf = torch.cat([weights[n].reshape(-1).view(torch.uint8) for n in group])
+            info = {
+                "chunk": chunk,
+                "buffer": buf,
+                "tensors": [
+                    (n, weights[n].dtype, tuple(weights[n].shape)) for n in group
+                ],
+                "checksum": pub.checksum(buf),
+            }
+            client.update_weights(pub.attach(info))
+        client.finish_weight_update()
+        pub.verify(expected_workers=range(len(client.workers)), timeout_s=5)
+        client.update_weight_version(f"v{version}")
+    except BaseException as e:
+        pub.fail(client, e)
+        raise
+    finally:
+        pub.close()
+
+
+def assert_serving(client: ToyClient, weights: dict[str, torch.Tensor]) -> None:
+    for w in client.workers:
+        for name, t in weights.items():
+            assert torch.equal(w.weights[name], t), name
+
+
+@pytest.fixture
+def client():
+    return ToyClient([ToyWorker(0), ToyWorker(1)])
+
+
+def test_committed_update_lands_everywhere_then_becomes_visible(client, tmp_path):
+    new = make_weights(1)
+    send(client, new, version=1, tmp_path=tmp_path, checksums=True)
+    assert_serving(client, new)
+    assert client.version_at_finish == "default"  # not visible before receipts
+    assert client.version == "v1"
+    assert all(w.pub.fence.state == WeightState.COMMITTED for w in client.workers)
+    assert list(tmp_path.iterdir()) == []  # receipt directory removed
+
+
+def test_flipped_byte_is_caught_before_landing_and_fences_the_version(client, tmp_path):
+    old = make_weights(0)
+    client.corrupt_chunk = 1
+    with pytest.raises(ChecksumMismatch, match="chunk 1 .* changed in transit"):
+        send(client, make_weights(1), version=1, tmp_path=tmp_path, checksums=True)
+    assert is_fenced_version(client.version)
+    # chunk 0 landed, chunk 1 did not: mixed weights, so the engine is fenced
+    assert all(w.pub.fence.state == WeightState.FENCED for w in client.workers)
+    assert torch.equal(client.workers[0].weights["head"], old["head"])
+    with pytest.raises(WeightsFencedError, match="full resync is required"):
+        client.workers[0].finish_weight_update()
+
+
+def test_without_checksums_the_flip_lands_silently(client, tmp_path):
+    client.corrupt_chunk = 1
+    new = make_weights(1)
+    send(client, new, version=1, tmp_path=tmp_path, checksums=False)
+    assert not torch.equal(client.workers[0].weights["layers.1.w"], new["layers.1.w"])
+
+
+def test_manifest_mismatch_is_rejected_before_any_weight_is_loaded(client, tmp_path):
+    new = make_weights(1)
+    metas = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in new.items()]
+    metas[0] = ParamMeta("embed", torch.float32, (8, 16))  # trainer metadata lies
+    with pytest.raises(ManifestMismatch, match="'embed' arrives with shape"):
+        send(client, new, version=1, tmp_path=tmp_path, metas=metas)
+    assert_serving(client, make_weights(0))
+    assert all(w.pub.fence.state == WeightState.IDLE for w in client.workers)
+    assert is_fenced_version(client.version)
+
+
+def test_worker_failing_mid_update_fences_and_full_resync_recovers(client, tmp_path):
+    client.workers[1].fail_on = "layers.1.w"
+    new = make_weights(1)
+    with pytest.raises(RuntimeError, match="load of layers.1.w failed"):
+        send(client, new, version=1, tmp_path=tmp_path)
+    assert is_fenced_version(client.version)
+    assert client.workers[1].pub.fence.state == WeightState.FENCED
+    client.workers[1].fail_on = None
+    send(client, new, version=1, tmp_path=tmp_path)
+    assert_serving(client, new)
+    assert client.version == "v1"
+
+
+def test_missing_receipt_fails_the_publication(client, tmp_path):
+    client.workers.append(ToyWorker(2))
+    client.workers[2].finish_weight_update = lambda: None  # attests nothing
+    with pytest.raises(Exception, match="worker\\(s\\) \\[2\\]"):
+        send(client, make_weights(1), version=1, tmp_path=tmp_path)
+    assert is_fenced_version(client.version)
+
+
+def test_an_older_version_is_refused(client, tmp_path):
+    send(client, make_weights(1), version=5, tmp_path=tmp_path)
+    with pytest.raises(ValueError, match="older than the committed version 5"):
+        send(client, make_weights(2), version=4, tmp_path=tmp_path)
+    assert_serving(client, make_weights(1))

@@ -1,0 +1,422 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The verified-publication lifecycle of one sync, one object per side.
+
+Backends call these two classes instead of wiring the header, checker, fence,
+receipt channel, checksums and sync record themselves.
+
+Trainer (the sender rank), inside ``send_weights``::
+
+    pub = TrainerPublication.open(backend=..., model_version=...,
+                                  metas=source.metadata(), channel="shm",
+                                  checksums=init_info.verify_checksums)
+    try:
+        client.start_weight_update()
+        for each update message:
+            info = pub.attach(info)                    # header rides along
+            info["checksums"] = [pub.checksum(buf)]    # if pub.checksums
+            client.update_weights(info)
+        client.finish_weight_update()                  # no version here
+        pub.verify(expected_workers=range(n))          # waits for receipts
+        set_served_version(client, weight_version)     # now visible
+    except BaseException as e:
+        pub.fail(client, e)                            # served version fenced
+        raise
+    finally:
+        pub.close()
+
+Worker engine::
+
+    start_weight_update:   self.pub.start()
+    update_weights(d):     info = self.pub.begin_message(d)   # pops header
+                           for each tensor: self.pub.admit(name, dtype, shape)
+                           self.pub.check_payload(what, expected, buf)
+                           self.pub.touch(); load; self.pub.landed(name, nbytes)
+                           on any exception: self.pub.fail(e, weights_intact=?)
+    finish_weight_update:  self.pub.finish()   # receipt, then commit
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm.distributed.weight_transfer.checksum import ALGORITHM, payload_checksum
+from vllm.distributed.weight_transfer.fencing import (
+    WeightFence,
+    fenced_version,
+    set_served_version,
+)
+from vllm.distributed.weight_transfer.publication import (
+    ChecksumMismatch,
+    Manifest,
+    ManifestMismatch,
+    ParamLike,
+    PublicationHeader,
+    Receipt,
+    ReceiptChannelKind,
+    Scope,
+    attach_publication,
+    pop_publication,
+)
+from vllm.distributed.weight_transfer.receipts import (
+    DEFAULT_RECEIPT_TIMEOUT_S,
+    ReceiptInbox,
+    ShmReceiptBox,
+    sink_for,
+)
+from vllm.distributed.weight_transfer.sync_metrics import SyncRecord
+from vllm.distributed.weight_transfer.verification import (
+    Delivery,
+    ManifestChecker,
+    VerifiedPublication,
+    verify_receipts,
+)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def device_identity(device: torch.device | str) -> str:
+    """A host-unique name for a device: ``cuda:<GPU uuid>`` or ``cpu:<host>:<pid>``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = (
+            device.index if device.index is not None else torch.cuda.current_device()
+        )
+        return f"cuda:{torch.cuda.get_device_properties(index).uuid}"
+    return f"{device.type}:{socket.gethostname()}:{os.getpid()}"
+
+
+def served_world_size(client: Any) -> int:
+    """How many workers (all DP ranks included) the client's server runs.
+
+    Uses the HTTP route ``GET /get_world_size`` or ``LLM.get_world_size``.
+    """
+    if isinstance(getattr(client, "base_url", None), str):
+        import requests
+
+        url = f"{client.base_url}/get_world_size"
+        response = requests.get(
+            url, params={"include_dp": "true"}, timeout=getattr(client, "timeout", 60)
+        )
+        response.raise_for_status()
+        return int(response.json()["world_size"])
+    handles = getattr(client, "handles", None)
+    if isinstance(handles, list) and len(handles) == 1:
+        import ray
+
+        return int(
+            ray.get(
+                handles[0].get_world_size.remote(True),
+                timeout=getattr(client, "timeout", None),
+            )
+        )
+    llm = getattr(client, "llm", None)
+    if llm is not None:
+        return int(llm.get_world_size(include_dp=True))
+    raise TypeError(
+        f"cannot ask {type(client).__name__} for the server's world size; pass "
+        "expected_workers explicitly (receipts from several engines behind one "
+        "client need engine-unique worker ranks)"
+    )
+
+
+# ---------------------------------------------------------------------------
+# trainer side
+
+
+class TrainerPublication:
+    """One publication, from the sender's point of view; see the module docstring."""
+
+    def __init__(
+        self,
+        header: PublicationHeader,
+        *,
+        box: ShmReceiptBox | None = None,
+        inbox: ReceiptInbox | None = None,
+    ) -> None:
+        self.header = header
+        self.box = box
+        self.inbox = inbox
+        self.record = SyncRecord(backend=header.backend, side="trainer")
+        self.record.bind(header)
+        self.record.nbytes = header.payload_bytes
+        self._sent_manifest = False
+        self.verified: VerifiedPublication | None = None
+
+    @classmethod
+    def open(
+        cls,
+        *,
+        backend: str,
+        model_version: int,
+        metas: Iterable[ParamLike],
+        trainer_devices: Sequence[str] | None = None,
+        channel: ReceiptChannelKind = "shm",
+        checksums: bool = False,
+        scope: Scope = "full",
+        payload_bytes: int | None = None,
+        inbox: ReceiptInbox | None = None,
+        receipt_root: str | Path | None = None,
+    ) -> TrainerPublication:
+        if channel == "producer" and inbox is None:
+            raise ValueError("channel='producer' needs the producer's ReceiptInbox")
+        manifest = Manifest.from_params(metas)
+        publication_id = uuid.uuid4().hex
+        box = (
+            ShmReceiptBox(publication_id, root=receipt_root)
+            if channel == "shm"
+            else None
+        )
+        header = PublicationHeader.create(
+            backend=backend,
+            model_version=model_version,
+            manifest=manifest,
+            trainer_devices=list(trainer_devices or [device_identity("cpu")]),
+            scope=scope,
+            payload_bytes=payload_bytes,
+            checksum=ALGORITHM if checksums else None,
+            receipt_channel=channel,
+            receipt_dir=str(box.path) if box is not None else None,
+            publication_id=publication_id,
+        )
+        return cls(header, box=box, inbox=inbox)
+
+    @property
+    def checksums(self) -> bool:
+        return self.header.checksum is not None
+
+    def attach(self, update_info: dict[str, Any]) -> dict[str, Any]:
+        """``update_info`` plus the header; the first message carries the manifest."""
+        header = (
+            self.header if not self._sent_manifest else self.header.without_manifest()
+        )
+        self._sent_manifest = True
+        return attach_publication(update_info, header)
+
+    def checksum(self, buf: torch.Tensor) -> str | None:
+        """The payload checksum of ``buf`` if checksums are on, else None."""
+        if not self.checksums:
+            return None
+        with self.record.phase("checksum"):
+            return payload_checksum(buf)
+
+    def collect(
+        self,
+        expected_workers: Collection[int],
+        timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S,
+    ) -> list[Receipt]:
+        if self.box is not None:
+            return self.box.collect(expected_workers, timeout_s)
+        if self.inbox is not None:
+            return self.inbox.collect(
+                self.header.publication_id, expected_workers, timeout_s
+            )
+        raise RuntimeError(
+            f"publication {self.header.publication_id} has no receipt channel"
+        )
+
+    def verify(
+        self,
+        expected_workers: Collection[int],
+        *,
+        timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S,
+        delivery: Delivery = "full",
+        expected_coverage: str | Mapping[int, str] | None = None,
+    ) -> VerifiedPublication:
+        """Wait for every receipt and verify them; log the trainer's sync line."""
+        with self.record.phase("verify"):
+            receipts = self.collect(expected_workers, timeout_s)
+            self.verified = verify_receipts(
+                self.header,
+                receipts,
+                expected_workers,
+                delivery=delivery,
+                expected_coverage=expected_coverage,
+            )
+        self.record.finish(ok=True)
+        self.record.log(logger)
+        return self.verified
+
+    def fail(self, client: Any, error: BaseException | str) -> None:
+        """Fence the served version (best effort) and log the failed sync."""
+        self.record.finish(ok=False, error=error)
+        self.record.log(logger)
+        version = fenced_version(self.header.publication_id, str(error))
+        try:
+            set_served_version(client, version)
+        except Exception as e:  # the server may be unreachable
+            logger.error(
+                "could not set the served weight version to %r: %s", version, e
+            )
+
+    def close(self) -> None:
+        if self.box is not None:
+            self.box.close()
+        if self.inbox is not None:
+            self.inbox.discard(self.header.publication_id)
+
+
+# ---------------------------------------------------------------------------
+# worker side
+
+
+class WorkerPublication:
+    """One worker engine's side of every publication; see the module docstring.
+
+    ``manifest_for(header)`` supplies the manifest when messages carry only
+    its digest (``sharded_rdt`` builds it from its init info);
+    ``expected_for(header, manifest)`` supplies this worker's per-name bytes
+    when it receives slices. ``producer_call`` delivers receipts on the
+    ``"producer"`` channel.
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: str,
+        worker_rank: int,
+        worker_device: str,
+        manifest_for: Callable[[PublicationHeader], Manifest | None] | None = None,
+        expected_for: Callable[[PublicationHeader, Manifest], Mapping[str, int] | None]
+        | None = None,
+        producer_call: Callable[[dict[str, Any]], object] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.worker_rank = worker_rank
+        self.worker_device = worker_device
+        self.fence = WeightFence()
+        self._manifest_for = manifest_for
+        self._expected_for = expected_for
+        self._producer_call = producer_call
+        self.header: PublicationHeader | None = None
+        self.checker: ManifestChecker | None = None
+        self.record: SyncRecord | None = None
+
+    def start(self) -> None:
+        self.fence.start()
+        self.header = None
+        self.checker = None
+        self.record = SyncRecord(
+            backend=self.backend, side=f"worker {self.worker_rank}"
+        )
+
+    def begin_message(self, update_info: dict[str, Any]) -> dict[str, Any]:
+        """Check a message's header; return the message without it.
+
+        The first message with a header sets up the checker; a header that
+        does not fit raises before anything is landed.
+        """
+        header, rest = pop_publication(update_info)
+        self.fence.bind(header)
+        if header is not None and self.checker is None:
+            manifest = header.manifest
+            if manifest is None and self._manifest_for is not None:
+                manifest = self._manifest_for(header)
+            if manifest is None:
+                raise ManifestMismatch(
+                    f"publication {header.publication_id}'s first message carries "
+                    "no manifest and this engine has none for digest "
+                    f"{header.manifest_digest[:16]}…"
+                )
+            expected = (
+                self._expected_for(header, manifest) if self._expected_for else None
+            )
+            self.checker = ManifestChecker(header, manifest, expected=expected)
+            self.header = header
+            assert self.record is not None
+            self.record.bind(header)
+        return rest
+
+    def admit(
+        self,
+        name: str,
+        dtype: torch.dtype | str,
+        shape: Sequence[int],
+        nbytes: int | None = None,
+    ) -> None:
+        if self.checker is not None:
+            self.checker.admit(name, dtype, shape, nbytes)
+
+    def admit_slice(self, name: str, dtype: torch.dtype | str, nbytes: int) -> None:
+        if self.checker is not None:
+            self.checker.admit_slice(name, dtype, nbytes)
+
+    def check_payload(self, what: str, expected: str | None, buf: torch.Tensor) -> None:
+        """Verify ``buf`` against the trainer's checksum when checksums are on."""
+        if self.checker is None or self.header is None or self.header.checksum is None:
+            return
+        if expected is None:
+            raise ChecksumMismatch(
+                f"publication {self.header.publication_id} promises checksums but "
+                f"{what} arrived without one"
+            )
+        assert self.record is not None
+        with self.record.phase("checksum"):
+            actual = payload_checksum(buf)
+        self.checker.verify_checksum(what, expected, actual)
+
+    def touch(self) -> None:
+        self.fence.touch()
+
+    def landed(self, name: str, nbytes: int) -> None:
+        if self.checker is not None:
+            self.checker.landed(name, nbytes)
+        if self.record is not None:
+            self.record.nbytes += nbytes
+
+    def fail(self, error: BaseException | str, *, weights_intact: bool = False) -> None:
+        """Close the update as failed: fence, tell the trainer, log."""
+        self.fence.fail(str(error), weights_intact=weights_intact)
+        if self.record is not None and self.record.ok is None:
+            self.record.finish(ok=False, error=error)
+            self.record.log(logger)
+        if self.header is not None:
+            self._deliver(
+                Receipt.failure(
+                    self.header, self.worker_rank, self.worker_device, str(error)
+                ),
+                best_effort=True,
+            )
+        self.header = None
+        self.checker = None
+
+    def finish(self) -> Receipt | None:
+        """Write the receipt and commit; an incomplete update fails and fences."""
+        self.fence.check_open("finish_weight_update")
+        receipt = None
+        try:
+            if self.checker is not None:
+                assert self.record is not None
+                receipt = self.checker.receipt(
+                    self.worker_rank, self.worker_device, timings=self.record.phases
+                )
+                self._deliver(receipt, best_effort=False)
+        except BaseException as e:
+            self.fail(e)
+            raise
+        self.fence.finish()
+        if self.record is not None:
+            self.record.finish(ok=True)
+            self.record.log(logger)
+        self.header = None
+        self.checker = None
+        return receipt
+
+    def _deliver(self, receipt: Receipt, *, best_effort: bool) -> None:
+        assert self.header is not None
+        try:
+            sink = sink_for(self.header, self._producer_call)
+            if sink is not None:
+                sink.deliver(receipt)
+        except Exception as e:
+            if not best_effort:
+                raise
+            logger.warning("could not deliver the failure receipt: %s", e)
