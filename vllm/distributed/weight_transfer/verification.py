@@ -49,9 +49,11 @@ class ManifestChecker:
     raises ``IncompleteUpdate`` if anything promised is missing.
 
     ``expected`` maps each tensor name this worker must receive to the bytes it
-    receives of it. The default is every manifest entry in full, which is what a
-    worker receives from a backend that ships whole tensors (``ipc``); a
-    backend that ships slices (``sharded_rdt``) passes its plan's per-name bytes.
+    receives of it (slice bytes as planned: a plan may read a tensor more than
+    once or change its dtype, so they are not bounded by the manifest's). The
+    default is every manifest entry in full, which is what a worker receives
+    from a backend that ships whole tensors (``ipc``); a backend that ships
+    slices (``sharded_rdt``) passes its plan's per-name bytes.
     """
 
     def __init__(
@@ -72,12 +74,6 @@ class ManifestChecker:
                 raise ManifestMismatch(
                     f"this worker's plan expects tensor(s) {some_names(unknown)} that "
                     f"are not in publication {header.publication_id}'s manifest"
-                )
-            over = [n for n, b in expected.items() if b > manifest.by_name[n].nbytes]
-            if over:
-                raise ManifestMismatch(
-                    f"this worker's plan expects more bytes than the manifest has "
-                    f"for {some_names(over)}"
                 )
         self.expected: dict[str, int] = dict(expected)
         self.expected_bytes = sum(self.expected.values())
@@ -136,14 +132,19 @@ class ManifestChecker:
         self._admitted[name] = self.expected[name]
         return entry
 
-    def admit_slice(self, name: str, dtype: torch.dtype | str, nbytes: int) -> None:
-        """Check part of a tensor (``nbytes`` of it) before landing it."""
+    def admit_slice(
+        self, name: str, dtype: torch.dtype | str | None, nbytes: int
+    ) -> None:
+        """Check part of a tensor (``nbytes`` of it) before landing it.
+
+        ``dtype`` is the slice's wire dtype, checked against the manifest;
+        pass None when the plan transforms the dtype on the way.
+        """
         entry = self._entry(name)
-        dname = dtype_name(dtype)
-        if dname != entry.dtype:
+        if dtype is not None and dtype_name(dtype) != entry.dtype:
             raise ManifestMismatch(
-                f"a slice of tensor {name!r} arrives as {dname} but the manifest "
-                f"says {entry.dtype}"
+                f"a slice of tensor {name!r} arrives as {dtype_name(dtype)} but the "
+                f"manifest says {entry.dtype}"
             )
         check_int(nbytes, f"slice of {name!r} nbytes", 1)
         total = self._admitted.get(name, 0) + nbytes

@@ -345,7 +345,9 @@ class WorkerPublication:
         if self.checker is not None:
             self.checker.admit(name, dtype, shape, nbytes)
 
-    def admit_slice(self, name: str, dtype: torch.dtype | str, nbytes: int) -> None:
+    def admit_slice(
+        self, name: str, dtype: torch.dtype | str | None, nbytes: int
+    ) -> None:
         if self.checker is not None:
             self.checker.admit_slice(name, dtype, nbytes)
 
