@@ -1,0 +1,195 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Ray actors for sharded_rdt end-to-end tests, examples and benchmarks.
+
+``LLMHost``: an offline ``vllm.LLM`` (default mp executor) living in a Ray
+actor, driven through `RayVLLMWeightSyncClient`, plus oracle helpers.
+``TrainerRank``: one trainer rank holding a tiny HF model; ranks of one trainer
+join a gloo group; each may hold only part of the model (``hold``).
+
+    ray.init(num_cpus=4)
+    llm = ray.remote(num_cpus=0)(LLMHost).remote(model_dir, tp=1)
+    ranks = [ray.remote(num_cpus=0)(TrainerRank).remote(model_dir, r, 2, port)
+             for r in range(2)]
+    ray.get([t.init.remote(llm, num_consumers=1, hold="half") for t in ranks])
+    ray.get([t.randomize.remote(seed=1) for t in ranks])
+    ray.get([t.send.remote() for t in ranks])
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Iterator
+from typing import Any
+
+import torch
+
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    WeightSource,
+    layerwise_groups,
+)
+
+
+class HeldGroupsSource(WeightSource):
+    """A source that holds only the gather groups with ``index % world == rank``
+    (``hold="half"`` with two ranks), or all of them (``hold="all"``)."""
+
+    def __init__(self, inner: WeightSource, rank: int, world: int, hold: str):
+        self.inner = inner
+        names = [m.name for m in inner.metadata()]
+        groups = layerwise_groups(names)
+        if hold == "all":
+            self._held: set[str] | None = None
+        elif hold == "half":
+            self._held = {
+                n for gi, g in enumerate(groups) if gi % world == rank for n in g
+            }
+        else:
+            raise ValueError(f"hold is {hold!r}; expected 'all' or 'half'")
+
+    def metadata(self) -> list[ParamMeta]:
+        return self.inner.metadata()
+
+    def held_names(self) -> Collection[str] | None:
+        return self._held
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.inner:
+            if self._held is None or name in self._held:
+                yield name, tensor
+
+
+class LLMHost:
+    """An offline LLM with the sharded_rdt backend, in a Ray actor."""
+
+    def __init__(self, model_dir: str, tp: int = 1, dtype: str = "float32") -> None:
+        if tp > 1:
+            os.environ.setdefault(
+                "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp))
+            )
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        from vllm import LLM
+        from vllm.config import WeightTransferConfig
+
+        self.llm = LLM(
+            model=model_dir,
+            dtype=dtype,  # type: ignore[arg-type]
+            enforce_eager=True,
+            max_model_len=256,
+            max_num_seqs=4,
+            seed=0,
+            tensor_parallel_size=tp,
+            weight_transfer_config=WeightTransferConfig(backend="sharded_rdt"),
+        )
+
+    # The RayVLLMWeightSyncClient surface.
+    def init_weight_transfer_engine(self, request: Any) -> None:
+        self.llm.init_weight_transfer_engine(request)
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, request: Any) -> None:
+        self.llm.update_weights(request)
+
+    def finish_weight_update(self) -> None:
+        self.llm.finish_weight_update()
+
+    def update_weight_version(self, version: str) -> None:
+        self.llm.update_weight_version(version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.collective_rpc("shutdown_weight_transfer_engine")
+
+    # Oracle helpers.
+    def greedy(self) -> Any:
+        from vllm.distributed.weight_transfer.testing import vllm_greedy
+
+        return vllm_greedy(self.llm)
+
+    def receipts(self) -> list[dict[str, Any] | None]:
+        """What each worker's engine pulled in its last update."""
+        return self.llm.collective_rpc(_last_receipt)
+
+    def pids(self) -> list[int]:
+        return self.llm.collective_rpc(_pid)
+
+
+def _last_receipt(worker: Any) -> dict[str, Any] | None:
+    return worker.weight_transfer_engine.last_receipt
+
+
+def _pid(worker: Any) -> int:
+    return os.getpid()
+
+
+class TrainerRank:
+    """One trainer rank: a full tiny HF model, a share of it held."""
+
+    def __init__(self, model_dir: str, rank: int, world: int, port: int) -> None:
+        self.rank = rank
+        self.world = world
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world,
+            )
+        from vllm.distributed.weight_transfer.testing import load_hf_model
+
+        self.model = load_hf_model(model_dir, "float32")
+        self.engine: Any = None
+
+    def init(
+        self,
+        llm: Any,
+        num_consumers: int,
+        hold: str = "all",
+        stall_timeout_s: float = 60.0,
+        transport: str = "auto",
+    ) -> dict[str, Any]:
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.sharded_rdt_trainer import (
+            ShardedRDTTrainerInitInfo,
+        )
+        from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
+
+        if self.engine is not None:
+            self.engine.shutdown()
+        source = HeldGroupsSource(
+            CheckpointNamesSource(self.model), self.rank, self.world, hold
+        )
+        self.engine = WeightTransferTrainerFactory.trainer_init(
+            ShardedRDTTrainerInitInfo(
+                num_consumers=num_consumers,
+                stall_timeout_s=stall_timeout_s,
+                transport=transport,
+                rank=self.rank,
+            ),
+            client=RayVLLMWeightSyncClient(llm),
+            source=source,
+        )
+        return self.engine.get_worker_init_payload()
+
+    def randomize(self, seed: int) -> None:
+        from vllm.distributed.weight_transfer.testing import randomize_weights_
+
+        randomize_weights_(self.model, seed)
+
+    def send(self, live_consumer_ids: list[int] | None = None) -> None:
+        self.engine.send_weights(live_consumer_ids)
+
+    def greedy(self) -> Any:
+        from vllm.distributed.weight_transfer.testing import hf_greedy
+
+        return hf_greedy(self.model)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
