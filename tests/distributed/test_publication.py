@@ -146,11 +146,18 @@ def test_header_validation_names_the_field(change, message):
 def test_attach_and_pop_leave_the_backend_payload_unchanged():
     h = header()
     info = {"names": ["a"], "packed": True}
-    sent = attach_publication(info, h)
+    sent = attach_publication(info, h, checksums=["ws1:4:00"])
     assert PUBLICATION_FIELD not in info
-    got, rest = pop_publication(json.loads(json.dumps(sent)))
-    assert got == h and rest == info
-    assert pop_publication(info) == (None, info)
+    got, sums, rest = pop_publication(json.loads(json.dumps(sent)))
+    assert (got, sums, rest) == (h, ["ws1:4:00"], info)
+    assert pop_publication(info) == (None, None, info)
+
+
+def test_checksums_without_a_header_are_rejected():
+    with pytest.raises(ValueError, match="payload_checksums but no publication"):
+        pop_publication({"payload_checksums": ["x"]})
+    with pytest.raises(ValueError, match="must be a list of strings"):
+        pop_publication({"publication": header().to_dict(), "payload_checksums": 3})
 
 
 # -- worker-side checker -----------------------------------------------------

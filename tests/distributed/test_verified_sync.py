@@ -58,7 +58,7 @@ class ToyWorker:
             buf = info["buffer"]
             for name, dtype, shape in info["tensors"]:
                 self.pub.admit(name, dtype, shape)
-            self.pub.check_payload(f"chunk {info['chunk']}", info.get("checksum"), buf)
+            self.pub.check_buffer(0, buf)
             offset = 0
             for name, _, shape in info["tensors"]:
                 dst = self.weights[name]
@@ -142,9 +142,8 @@ def send(
                 "tensors": [
                     (n, weights[n].dtype, tuple(weights[n].shape)) for n in group
                 ],
-                "checksum": pub.checksum(buf),
             }
-            client.update_weights(pub.attach(info))
+            client.update_weights(pub.attach(info, checksums=[pub.checksum(buf)]))
         client.finish_weight_update()
         pub.verify(expected_workers=range(len(client.workers)), timeout_s=5)
         client.update_weight_version(f"v{version}")
@@ -179,7 +178,9 @@ def test_committed_update_lands_everywhere_then_becomes_visible(client, tmp_path
 def test_flipped_byte_is_caught_before_landing_and_fences_the_version(client, tmp_path):
     old = make_weights(0)
     client.corrupt_chunk = 1
-    with pytest.raises(ChecksumMismatch, match="chunk 1 .* changed in transit"):
+    with pytest.raises(
+        ChecksumMismatch, match="payload buffer 0 .* changed in transit"
+    ):
         send(client, make_weights(1), version=1, tmp_path=tmp_path, checksums=True)
     assert is_fenced_version(client.version)
     # chunk 0 landed, chunk 1 did not: mixed weights, so the engine is fenced

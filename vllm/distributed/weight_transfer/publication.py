@@ -15,21 +15,21 @@ Everything here is plain data: frozen dataclasses validated in
 ``__post_init__``, with ``to_dict``/``from_dict`` to plain JSON. Backends
 decide how headers and receipts travel (see ``receipts``).
 
-Lifecycle (the calls each side makes; backend wiring is in
-``docs/training/weight_transfer/verification.md``)::
+Lifecycle (the building blocks; ``verified_sync`` bundles them per side, and
+``docs/training/weight_transfer/verification.md`` wires them per backend)::
 
-    trainer                                   worker
-    -------                                   ------
+    trainer                                 worker
+    -------                                 ------
     manifest = Manifest.from_params(metas)
     header = PublicationHeader.create(...)
-    client.start_weight_update()              fence.start()
-    client.update_weights(                    header, info = pop_publication(d)
-        attach_publication(info, header))     checker = ManifestChecker(header, m)
-                                              checker.admit(name, dtype, shape)
-                                              ... land the tensor ...
-                                              checker.landed(name, nbytes)
-    client.finish_weight_update()             receipt = checker.receipt(rank, dev)
-                                              deliver(receipt)
+    client.start_weight_update()            fence.start()
+    msg = attach_publication(               h, sums, info = pop_publication(msg)
+        info, header, checksums)            checker = ManifestChecker(h, manifest)
+    client.update_weights(msg)              checker.admit(name, dtype, shape)
+                                            ... land the tensor ...
+                                            checker.landed(name, nbytes)
+    client.finish_weight_update()           receipt = checker.receipt(rank, dev)
+                                            deliver(receipt); fence.finish()
     verify_receipts(header, receipts, ranks)
     set the served version
 """
@@ -49,6 +49,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 PUBLICATION_FIELD = "publication"
+CHECKSUMS_FIELD = "payload_checksums"
 MANIFEST_FORMAT = 1
 Scope = Literal["full", "partial"]
 ReceiptChannelKind = Literal["shm", "producer", "none"]
@@ -476,28 +477,59 @@ class PublicationHeader:
 
 
 def attach_publication(
-    update_info: dict[str, Any], header: PublicationHeader
+    update_info: dict[str, Any],
+    header: PublicationHeader,
+    checksums: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """A copy of ``update_info`` carrying ``header`` under ``"publication"``."""
-    if PUBLICATION_FIELD in update_info:
+    """A copy of ``update_info`` carrying ``header`` under ``"publication"``.
+
+    ``checksums`` (one per payload buffer of this message, in the backend's
+    buffer order) ride under ``"payload_checksums"``.
+    """
+    taken = sorted({PUBLICATION_FIELD, CHECKSUMS_FIELD} & set(update_info))
+    if taken:
         raise ValueError(
-            f"update_info already has a {PUBLICATION_FIELD!r} field; attach the "
-            "header once per message"
+            f"update_info already has field(s) {taken}; attach the header once "
+            "per message"
         )
-    return {**update_info, PUBLICATION_FIELD: header.to_dict()}
+    out = {**update_info, PUBLICATION_FIELD: header.to_dict()}
+    if checksums is not None:
+        out[CHECKSUMS_FIELD] = list(checksums)
+    return out
 
 
 def pop_publication(
     update_info: dict[str, Any],
-) -> tuple[PublicationHeader | None, dict[str, Any]]:
-    """Split an update message into its header (None if absent) and the rest.
-
-    The rest is what the backend's own wire class parses, unchanged.
-    """
-    if not isinstance(update_info, dict) or PUBLICATION_FIELD not in update_info:
-        return None, update_info
-    rest = {k: v for k, v in update_info.items() if k != PUBLICATION_FIELD}
-    return PublicationHeader.from_dict(update_info[PUBLICATION_FIELD]), rest
+) -> tuple[PublicationHeader | None, list[str] | None, dict[str, Any]]:
+    """Split an update message into its header, its payload checksums (None
+    when absent) and the rest, which the backend's own wire class parses
+    unchanged."""
+    if not isinstance(update_info, dict) or not (
+        {PUBLICATION_FIELD, CHECKSUMS_FIELD} & set(update_info)
+    ):
+        return None, None, update_info
+    rest = {
+        k: v
+        for k, v in update_info.items()
+        if k not in (PUBLICATION_FIELD, CHECKSUMS_FIELD)
+    }
+    header = None
+    if PUBLICATION_FIELD in update_info:
+        header = PublicationHeader.from_dict(update_info[PUBLICATION_FIELD])
+    checksums = update_info.get(CHECKSUMS_FIELD)
+    if checksums is not None and (
+        not isinstance(checksums, list)
+        or not all(isinstance(c, str) for c in checksums)
+    ):
+        raise ValueError(
+            f"update_info.{CHECKSUMS_FIELD} must be a list of strings, got "
+            f"{checksums!r}"
+        )
+    if checksums is not None and header is None:
+        raise ValueError(
+            f"update_info has {CHECKSUMS_FIELD} but no {PUBLICATION_FIELD} header"
+        )
+    return header, checksums, rest
 
 
 # ---------------------------------------------------------------------------

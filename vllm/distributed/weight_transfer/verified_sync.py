@@ -193,13 +193,25 @@ class TrainerPublication:
     def checksums(self) -> bool:
         return self.header.checksum is not None
 
-    def attach(self, update_info: dict[str, Any]) -> dict[str, Any]:
-        """``update_info`` plus the header; the first message carries the manifest."""
+    def attach(
+        self, update_info: dict[str, Any], checksums: Sequence[str | None] = ()
+    ) -> dict[str, Any]:
+        """``update_info`` plus the header (the first message also carries the
+        manifest) and, when checksums are on, one checksum per payload buffer
+        of the message, in the backend's buffer order."""
         header = (
             self.header if not self._sent_manifest else self.header.without_manifest()
         )
         self._sent_manifest = True
-        return attach_publication(update_info, header)
+        sums = None
+        if self.checksums:
+            sums = [c for c in checksums if c is not None]
+            if len(sums) != len(checksums) or not sums:
+                raise ValueError(
+                    "checksums are on: pass one checksum per payload buffer "
+                    f"(got {list(checksums)!r})"
+                )
+        return attach_publication(update_info, header, sums)
 
     def checksum(self, buf: torch.Tensor) -> str | None:
         """The payload checksum of ``buf`` if checksums are on, else None."""
@@ -299,6 +311,8 @@ class WorkerPublication:
         self.header: PublicationHeader | None = None
         self.checker: ManifestChecker | None = None
         self.record: SyncRecord | None = None
+        # The payload checksums of the message being received, by buffer.
+        self.message_checksums: list[str] | None = None
 
     def start(self) -> None:
         self.fence.start()
@@ -314,8 +328,9 @@ class WorkerPublication:
         The first message with a header sets up the checker; a header that
         does not fit raises before anything is landed.
         """
-        header, rest = pop_publication(update_info)
+        header, checksums, rest = pop_publication(update_info)
         self.fence.bind(header)
+        self.message_checksums = checksums
         if header is not None and self.checker is None:
             manifest = header.manifest
             if manifest is None and self._manifest_for is not None:
@@ -364,6 +379,12 @@ class WorkerPublication:
         with self.record.phase("checksum"):
             actual = payload_checksum(buf)
         self.checker.verify_checksum(what, expected, actual)
+
+    def check_buffer(self, index: int, buf: torch.Tensor) -> None:
+        """``check_payload`` for buffer ``index`` of the current message."""
+        sums = self.message_checksums
+        expected = sums[index] if sums is not None and index < len(sums) else None
+        self.check_payload(f"payload buffer {index}", expected, buf)
 
     def touch(self) -> None:
         self.fence.touch()
