@@ -120,7 +120,8 @@ def make_tensors(params, seed: int) -> dict[str, torch.Tensor]:
     for name, shape in params:
         t = torch.empty(shape, dtype=DTYPE, device="cuda")
         t.view(-1).uniform_(-1, 1, generator=gen)
-        out[name] = t
+        # A trainer's weights are module parameters.
+        out[name] = torch.nn.Parameter(t, requires_grad=False)
     return out
 
 
@@ -401,7 +402,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--buffer-gib", type=float, default=1.0)
+    parser.add_argument(
+        "--buffer-gib",
+        type=float,
+        default=1.25,
+        help="packed buffer size for both engines; upstream's must hold the "
+        "largest tensor (Qwen3's 1.16 GiB embedding), the fork sizes itself",
+    )
     parser.add_argument(
         "--moe-layers",
         type=int,

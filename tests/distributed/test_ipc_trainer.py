@@ -244,3 +244,28 @@ def test_server_failure_is_raised_and_the_update_aborted():
         engine.send_weights()
     assert client.calls[-2:] == ["abort", "finish"]
     assert shm_files() == set()
+
+
+def test_resident_parameters_are_packed_with_a_fused_copy_bit_exact():
+    """Parameters (and views of them) cost no memory to hold, so a chunk's copies
+    from them are batched; the bytes still arrive exactly, across chunks and
+    mixed dtypes, and a second send sees in-place changes."""
+    module = torch.nn.Module()
+    for name, t in model_tensors().items():
+        module.register_parameter(
+            name.replace(".", "_"), torch.nn.Parameter(t, requires_grad=False)
+        )
+    client = LoopbackClient()
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=300),
+        client=client,
+        source=ModuleSource(module),
+    )
+    for step in range(2):
+        engine.send_weights()
+        assert engine.last_plan is not None and len(engine.last_plan.chunks) > 1
+        for name, p in module.named_parameters():
+            assert torch.equal(client.received[name], p.detach()), (step, name)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.mul_(-2)

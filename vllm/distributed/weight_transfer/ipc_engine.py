@@ -227,6 +227,8 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         self.alignment_bytes = alignment_bytes
         self.group: TrainerGroup = group or make_trainer_group(self.rank)
         self.last_plan: TransferPlan | None = None
+        self._plan_cache: tuple[tuple, TransferPlan] | None = None
+        self._chunk_fields: list[dict[str, Any]] = []
 
     @classmethod
     def trainer_init(
@@ -274,12 +276,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         """
         assert self.source is not None
         metas = list(self.source.metadata())
-        plan = plan_transfer(
-            metas,
-            packed=self.packed,
-            buffer_cap_bytes=self.packed_buffer_size_bytes,
-            alignment=self.alignment_bytes,
-        )
+        plan = self._plan_for(metas)
         self.last_plan = plan
         error = self._call_server("start_weight_update")
         self.group.exchange(None, error, "start_weight_update")
@@ -301,6 +298,20 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
             for buffer in buffers:
                 buffer.close()
             release_exported_cuda_memory()
+
+    def _plan_for(self, metas: list[ParamMeta]) -> TransferPlan:
+        """The transfer plan of ``metas``, reused while the metadata is unchanged."""
+        key = tuple((m.name, m.dtype, tuple(m.shape)) for m in metas)
+        if self._plan_cache is None or self._plan_cache[0] != key:
+            plan = plan_transfer(
+                metas,
+                packed=self.packed,
+                buffer_cap_bytes=self.packed_buffer_size_bytes,
+                alignment=self.alignment_bytes,
+            )
+            self._plan_cache = (key, plan)
+            self._chunk_fields = [_packed_chunk_fields(c) for c in plan.chunks]
+        return self._plan_cache[1]
 
     def _call_server(self, method: str, *args: Any) -> str | None:
         """Run a client call on the sender; return its failure as text so every
@@ -357,6 +368,10 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
     ) -> ExportedBuffer | None:
         error: str | None = None
         device: torch.device | None = None
+        # Copies from resident tensors are batched into one fused copy per dtype;
+        # any other tensor is copied at once and dropped before the next one is
+        # materialized.
+        batched: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         try:
             for slot in chunk.slots:
                 tensor = cursor.next()
@@ -367,8 +382,17 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
                 device = buffer.tensor.device
                 if slot.nbytes:
                     dst = buffer.tensor[slot.offset : slot.offset + slot.nbytes]
-                    dst.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+                    dst = dst.view(tensor.dtype).view(tensor.shape)
+                    if _is_resident(tensor):
+                        dsts, srcs = batched.setdefault(tensor.dtype, ([], []))
+                        dsts.append(dst)
+                        srcs.append(tensor)
+                    else:
+                        dst.copy_(tensor)
                 del tensor  # the next tensor is materialized with this one gone
+            for dsts, srcs in batched.values():
+                torch._foreach_copy_(dsts, srcs)
+            batched.clear()
             _sync_device(device)
         except Exception as e:
             error = str(e)
@@ -380,15 +404,8 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         error = None
         if self.is_sender:
             merged = dict(p for p in handles.values() if p is not None)
-            info = IPCWeightTransferUpdateInfo(
-                names=chunk.names,
-                dtype_names=[s.dtype_name for s in chunk.slots],
-                shapes=[list(s.shape) for s in chunk.slots],
-                ipc_handles=merged,
-                tensor_sizes=[s.nbytes for s in chunk.slots],
-                offsets=[s.offset for s in chunk.slots],
-            )
-            error = self._call_server("update_weights", info.to_dict())
+            message = {**self._chunk_fields[chunk.index], "ipc_handles": merged}
+            error = self._call_server("update_weights", message)
         self.group.exchange(None, error, f"update_weights of chunk {chunk.index}")
         return buffer
 
@@ -430,6 +447,27 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         finally:
             for buf in exported:
                 buf.close()
+
+
+def _is_resident(tensor: torch.Tensor) -> bool:
+    """True when holding ``tensor`` costs no memory: it is a parameter, or a view
+    of one, that lives on whether or not this engine keeps a reference."""
+    return isinstance(tensor, torch.nn.Parameter) or isinstance(
+        tensor._base, torch.nn.Parameter
+    )
+
+
+def _packed_chunk_fields(chunk: Chunk) -> dict[str, Any]:
+    """The handle-independent fields of a packed chunk's update message, built
+    once per plan and shared read-only by every send. The worker validates them
+    (``IPCWeightTransferUpdateInfo``); the plan is valid by construction."""
+    return {
+        "names": chunk.names,
+        "dtype_names": [s.dtype_name for s in chunk.slots],
+        "shapes": [list(s.shape) for s in chunk.slots],
+        "tensor_sizes": [s.nbytes for s in chunk.slots],
+        "offsets": [s.offset for s in chunk.slots],
+    }
 
 
 def _owned(buffers: list[ExportedBuffer]) -> Iterator[torch.Tensor]:
