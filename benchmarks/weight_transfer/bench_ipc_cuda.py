@@ -116,7 +116,7 @@ def nbytes_of(params: list[tuple[str, tuple]]) -> int:
 
 def make_tensors(params, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for name, shape in params:
         t = torch.empty(shape, dtype=DTYPE, device="cuda")
         t.view(-1).uniform_(-1, 1, generator=gen)
