@@ -86,6 +86,28 @@ def test_partial_update_cannot_clear_the_fence():
         fence.bind(header(2, scope="partial"))
 
 
+def test_update_without_header_cannot_clear_the_fence():
+    fence = committed_fence()
+    fence.start()
+    fence.touch()
+    fence.fail("boom")
+    fence.start()
+    fence.bind(None)
+    fence.touch()
+    with pytest.raises(WeightsFencedError, match="carried no publication header"):
+        fence.finish()
+    assert fence.state == WeightState.FENCED
+
+
+def test_update_without_header_commits_on_a_healthy_engine():
+    fence = committed_fence(2)
+    fence.start()
+    fence.bind(None)
+    fence.touch()
+    fence.finish()
+    assert fence.state == WeightState.COMMITTED and fence.status.model_version == 2
+
+
 def test_rejection_before_landing_keeps_weights_and_state():
     fence = committed_fence(3)
     fence.start()

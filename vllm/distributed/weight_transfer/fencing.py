@@ -16,7 +16,9 @@ its first byte landed cannot be rolled back: the model now mixes two versions.
 * While fenced, ``update_weights`` and ``finish_weight_update`` raise
   ``WeightsFencedError`` with the reason and what to do.
 * A resync clears the fence only if it is a full-scope publication that
-  finishes; a partial publication cannot repair weights it does not carry.
+  finishes with a complete receipt; a partial publication cannot repair
+  weights it does not carry, and an update without a publication header
+  (a hand-built payload) cannot prove it is complete.
 * A failure before any weight was touched (a rejected header or manifest)
   leaves the weights intact: the update is closed and the state returns to what
   it was, with the failure remembered in ``status.last_failure``.
@@ -198,6 +200,14 @@ class WeightFence:
         """Commit the open update (call after its receipt was produced)."""
         self.check_open("finish_weight_update")
         header = self._header
+        if header is None and self._resync_required:
+            reason = self._reason or "unknown"
+            self.fail(reason)
+            raise WeightsFencedError(
+                fenced_message(reason)
+                + "; the resync carried no publication header, so its "
+                "completeness cannot be checked"
+            )
         self._state = WeightState.COMMITTED
         self._reason = None
         self._resync_required = False
