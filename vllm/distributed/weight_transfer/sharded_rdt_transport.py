@@ -74,7 +74,7 @@ class ProducerServer(ABC):
     drives the producer through the server (``begin_sync``, ``wait_credit``,
     ``publish``, ``end_sync``, ``fail``), since it may live in another process."""
 
-    producer: Producer
+    producer: Any  # the `Producer`, or a handle on one in another process
 
     @abstractmethod
     def endpoint(self) -> dict[str, Any]:

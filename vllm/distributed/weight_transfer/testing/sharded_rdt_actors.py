@@ -193,3 +193,39 @@ class TrainerRank:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+
+class ToyRdtConsumer:
+    """A consumer of the toy plan (`sharded_rdt_procs.toy_pull_plan`) over Ray
+    Direct Transport; create it with ``enable_tensor_transport=True``."""
+
+    def pull_all(
+        self,
+        actor_name: str,
+        namespace: str | None,
+        chunks: list[dict[str, Any]],
+        digest: str,
+    ) -> dict[str, torch.Tensor]:
+        from vllm.distributed.weight_transfer.sharded_rdt_chunks import PullChunk
+        from vllm.distributed.weight_transfer.sharded_rdt_ray import (
+            RdtConsumerTransport,
+        )
+
+        parsed = [PullChunk.from_json(c) for c in chunks]
+        transport = RdtConsumerTransport(0, namespace=namespace, stall_timeout_s=60)
+        link = transport.connect(0, actor_name)
+        link.register(0, parsed, digest)
+        self._ready = True
+        return self._pull(link, parsed)
+
+    def _pull(self, link: Any, chunks: list[Any]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for chunk in chunks:
+            buffer = torch.empty(chunk.nbytes, dtype=torch.uint8)
+            link.pull(chunk, buffer)
+            for packed in chunk.slices:
+                raw = buffer[packed.offset : packed.offset + packed.spec.nbytes]
+                out[packed.spec.source] = (
+                    raw.view(torch.float32).view(packed.spec.shape).clone()
+                )
+        return out
