@@ -11,9 +11,10 @@ device, its kernel tensors kept aside), then hands each pulled chunk to
 2. each slice of the chunk is copied into its planned region, the ``copy_``
    the model's weight loader would have made;
 3. after the last chunk of a gather group, every module the plan says completes
-   there is processed at once: ``process_weights_after_loading`` (which, inside
-   the session, also redoes the CPU MoE expert setup), then the result is copied
-   into the kept kernel tensors and the module leaves the reload.
+   there is processed at once by vLLM's per-layer step
+   (``process_weights_after_loading``, which inside the session also redoes the
+   CPU MoE expert setup), the result is copied into the kept kernel tensors and
+   the module leaves the reload.
 
 Modules the plan never touches are left to the session's ``finish()``, which
 puts their kernel tensors back unchanged.
@@ -115,26 +116,14 @@ class ChunkLander:
         self._materialized.add(module_name)
 
     def _process(self, module_name: str) -> None:
-        from vllm.model_executor.layers.quantization.base_config import (
-            QuantizeMethodBase,
-        )
         from vllm.model_executor.model_loader.reload.layerwise import (
-            _copy_and_restore_kernel_tensors,
-            _get_original_loader,
+            _layerwise_process,
         )
-        from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
+        # The module is materialized and filled, and nothing is buffered for
+        # it, so vLLM's per-layer step only processes it (quantization,
+        # repacking, the session's MoE expert setup) and copies the result into
+        # the kernel tensors.
         module, info = self._info(module_name)
-        if hasattr(module, "_already_called_process_weights_after_loading"):
-            delattr(module, "_already_called_process_weights_after_loading")
-        for tensor in get_layer_tensors(module).values():
-            tensor.weight_loader = _get_original_loader(tensor)  # type: ignore[attr-defined]
-        quant_method = getattr(module, "quant_method", None)
-        if isinstance(quant_method, QuantizeMethodBase):
-            quant_method.process_weights_after_loading(module)
-            if hasattr(module, "update_param_tp_status"):
-                module.update_param_tp_status()
-        if info.kernel_tensors is not None:
-            _copy_and_restore_kernel_tensors(module, info)
-        info.reset()
+        _layerwise_process(module, info)
         self.processed.append(module_name)

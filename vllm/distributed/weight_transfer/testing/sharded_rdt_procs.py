@@ -126,3 +126,34 @@ def producer_main(
         server.close()
     except BaseException:
         conn.send(("error", traceback.format_exc()))
+
+
+def raw_read_main(
+    metadata: bytes, addr: int, nbytes: int, repeats: int, conn: Any
+) -> None:
+    """Read ``nbytes`` at ``addr`` of the agent described by ``metadata`` with
+    one NIXL READ, ``repeats`` times, into a registered CPU buffer; report the
+    seconds of each read (the benchmark's baseline)."""
+    from vllm.distributed.weight_transfer.sharded_rdt_nixl import make_agent, register
+
+    try:
+        agent = make_agent(f"raw-reader-{time.time_ns()}")
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        register(agent, buffer)
+        remote = agent.add_remote_agent(metadata)
+        times = []
+        for _ in range(repeats):
+            local = agent.get_xfer_descs([(buffer.data_ptr(), nbytes, 0)], "DRAM")
+            far = agent.get_xfer_descs([(addr, nbytes, 0)], "DRAM")
+            started = time.perf_counter()
+            handle = agent.initialize_xfer("READ", local, far, remote)
+            state = agent.transfer(handle)
+            while state not in ("DONE", "ERR"):
+                state = agent.check_xfer_state(handle)
+            times.append(time.perf_counter() - started)
+            agent.release_xfer_handle(handle)
+            if state == "ERR":
+                raise RuntimeError("NIXL READ failed")
+        conn.send(("times", times))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))

@@ -1,0 +1,224 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""sharded_rdt on CPU: bytes each worker pulls and its pull throughput, next to
+a raw NIXL read of the same size in the same run.
+
+The benchmark process is the trainer (one rank, direct NIXL producer) and holds
+the model in Hugging Face form; vLLM runs it as an offline ``LLM`` with the
+default executor, so every byte crosses a process boundary by NIXL READ. Before
+each sync every weight is redrawn; after the last, vLLM's greedy output is
+checked against a Hugging Face forward pass.
+
+Run: ``python benchmarks/weight_transfer/bench_sharded_pull.py [--tp 2]
+[--num-layers 8] [--rounds 3]``; the result goes to
+``benchmarks/results/sharded_rdt_cpu_<model>_tp<N>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+from vllm.distributed.weight_transfer.sharded_rdt_trainer import (
+    ShardedRDTTrainerInitInfo,
+)
+from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
+from vllm.distributed.weight_transfer.testing import (
+    TinyModelSpec,
+    assert_same_greedy,
+    build_tiny_model,
+    hf_greedy,
+    load_hf_model,
+    logprob_atol,
+    randomize_weights_,
+    vllm_greedy,
+)
+from vllm.distributed.weight_transfer.testing.sharded_rdt_procs import raw_read_main
+
+BENCH_SPEC = dict(
+    arch="qwen3",
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_layers=8,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=64,
+    vocab_size=32000,
+    init_std=0.02,
+)
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+def raw_nixl_read_s(nbytes: int, repeats: int = 3) -> list[float]:
+    """Seconds of a single NIXL READ of ``nbytes`` from this process by another."""
+    from vllm.distributed.weight_transfer.sharded_rdt_nixl import make_agent, register
+
+    agent = make_agent(f"raw-target-{os.getpid()}")
+    source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    register(agent, source)
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(
+        target=raw_read_main,
+        args=(agent.get_agent_metadata(), source.data_ptr(), nbytes, repeats, child),
+    )
+    proc.start()
+    if not parent.poll(300):
+        proc.kill()
+        raise TimeoutError("raw NIXL reader did not report within 300 s")
+    kind, value = parent.recv()
+    proc.join(30)
+    if kind != "times":
+        raise RuntimeError(f"raw NIXL reader failed:\n{value}")
+    return value
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], text=True
+        ).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--num-layers", type=int, default=BENCH_SPEC["num_layers"])
+    p.add_argument("--rounds", type=int, default=3, help="measured syncs")
+    args = p.parse_args()
+    if args.tp > 1:
+        os.environ.setdefault(
+            "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(args.tp))
+        )
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # receipts via RPC
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    spec = TinyModelSpec(**{**BENCH_SPEC, "num_layers": args.num_layers})
+    model_dir = build_tiny_model(spec)
+    model = load_hf_model(model_dir, "float32")
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"model {model_dir.name}: {nbytes / 2**30:.2f} GiB float32")
+
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        max_num_seqs=4,
+        seed=0,
+        tensor_parallel_size=args.tp,
+        weight_transfer_config=WeightTransferConfig(backend="sharded_rdt"),
+    )
+    try:
+        t0 = time.perf_counter()
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            ShardedRDTTrainerInitInfo(num_consumers=args.tp, rank=0),
+            client=OfflineLLMWeightSyncClient(llm),
+            source=CheckpointNamesSource(model),
+        )
+        init_s = time.perf_counter() - t0
+        syncs = []
+        for round_ in range(args.rounds + 1):
+            randomize_weights_(model, seed=1000 + round_, std=0.02)
+            t0 = time.perf_counter()
+            trainer.send_weights()
+            sync_s = time.perf_counter() - t0
+            receipts = llm.collective_rpc(
+                lambda w: w.weight_transfer_engine.last_receipt
+            )
+            syncs.append({"sync_s": sync_s, "receipts": receipts})
+            print(
+                f"sync {round_}{' (warmup)' if round_ == 0 else ''}: "
+                f"{sync_s:.3f} s; "
+                + "; ".join(
+                    f"worker {r['consumer_id']} {r['bytes'] / 2**20:.1f} MiB in "
+                    f"{r['seconds']:.3f} s"
+                    for r in receipts
+                )
+            )
+        assert_same_greedy(
+            vllm_greedy(llm), hf_greedy(model), atol=logprob_atol("float32")
+        )
+        oracle_match = True
+        trainer.shutdown()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+    measured = syncs[1:]
+    per_worker = []
+    for w in range(args.tp):
+        rs = [s["receipts"][w] for s in measured]
+        pull_s = statistics.median(r["seconds"] for r in rs)
+        per_worker.append(
+            {
+                "consumer_id": rs[0]["consumer_id"],
+                "bytes": rs[0]["bytes"],
+                "planned_bytes": rs[0]["planned_bytes"],
+                "chunks": rs[0]["chunks"],
+                "update_weights_s": [r["seconds"] for r in rs],
+                "update_weights_median_s": pull_s,
+                "update_weights_gib_s": rs[0]["bytes"] / pull_s / 2**30,
+            }
+        )
+    raw_bytes = per_worker[0]["bytes"]
+    raw = raw_nixl_read_s(raw_bytes)
+    result = {
+        "benchmark": "sharded_rdt_cpu_pull",
+        "commit": git_commit(),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "load_avg_1m": os.getloadavg()[0],
+        },
+        "model": {
+            "dir": model_dir.name,
+            "spec": dataclasses.asdict(spec),
+            "bytes": nbytes,
+        },
+        "vllm": {
+            "tensor_parallel_size": args.tp,
+            "dtype": "float32",
+            "transport": "nixl (direct agents)",
+        },
+        "trainer_init_s": init_s,
+        "warmup_sync_s": syncs[0]["sync_s"],
+        "sync_s": [s["sync_s"] for s in measured],
+        "sync_median_s": statistics.median(s["sync_s"] for s in measured),
+        "per_worker": per_worker,
+        "raw_nixl_read": {
+            "bytes": raw_bytes,
+            "seconds": raw,
+            "best_gib_s": raw_bytes / min(raw) / 2**30,
+        },
+        "oracle_match": oracle_match,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"sharded_rdt_cpu_{model_dir.name}_tp{args.tp}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"per worker: {[w['update_weights_gib_s'] for w in per_worker]} GiB/s "
+        f"(pull+land+process); raw NIXL read of {raw_bytes / 2**20:.1f} MiB: "
+        f"{result['raw_nixl_read']['best_gib_s']:.2f} GiB/s; wrote {out}"
+    )
+
+
+if __name__ == "__main__":
+    main()
