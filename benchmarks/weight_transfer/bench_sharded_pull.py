@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -133,7 +134,7 @@ def main() -> None:
             source=CheckpointNamesSource(model),
         )
         init_s = time.perf_counter() - t0
-        syncs = []
+        syncs: list[dict[str, Any]] = []
         for round_ in range(args.rounds + 1):
             randomize_weights_(model, seed=1000 + round_, std=0.02)
             t0 = time.perf_counter()

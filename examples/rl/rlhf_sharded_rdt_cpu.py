@@ -43,7 +43,6 @@ from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
 )
 
 
-@ray.remote(num_cpus=0)
 class TrainerRank:
     """One trainer rank: model, optimizer stand-in, sharded_rdt trainer engine."""
 
@@ -113,14 +112,15 @@ def main() -> int:
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     t0 = time.perf_counter()
-    llm = ray.remote(num_cpus=0)(LLMHost).remote(model_dir, tp=args.tp)
+    llm: Any = ray.remote(num_cpus=0)(LLMHost).remote(model_dir, tp=args.tp)
     ray.get(llm.pids.remote())
     print(f"LLM up in {time.perf_counter() - t0:.1f} s (sharded_rdt, TP={args.tp})")
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ranks = [TrainerRank.remote(model_dir, r, 2, port) for r in range(2)]
+    rank_actor: Any = ray.remote(num_cpus=0)(TrainerRank)
+    ranks = [rank_actor.remote(model_dir, r, 2, port) for r in range(2)]
     ray.get([t.init.remote(llm, num_consumers=args.tp) for t in ranks])
 
     failures = 0

@@ -115,7 +115,7 @@ def test_killing_a_consumer_mid_sync_fails_the_producer_at_once(server_factory):
             server.publish(gi, {name: tensors[name]})
             if gi == 0:
                 _expect(conn, "pulled")
-                os.kill(proc.pid, signal.SIGKILL)
+                os.kill(proc.pid or 0, signal.SIGKILL)
         server.end_sync()
     assert time.monotonic() - started < 10.0
 
@@ -153,6 +153,7 @@ def test_killing_the_producer_mid_sync_fails_the_consumer(tmp_path):
     link.pull(first, buffer[: first.nbytes])
     got = buffer[: first.nbytes].view(torch.float32).view(KEEP, COLS)
     assert torch.equal(got, toy_tensors(LAYERS, ROWS, COLS, 0)["embed.weight"][:KEEP])
+    assert proc.pid is not None
     os.kill(proc.pid, signal.SIGKILL)
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="lost the connection to producer 0"):

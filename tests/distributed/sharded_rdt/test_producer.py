@@ -54,7 +54,7 @@ def _plan(rank_rows: tuple[int, int]):
 
 
 def _producer(**kw) -> Producer:
-    args = dict(
+    args: dict = dict(
         rank=0,
         names=NAMES,
         group_lens=GROUP_LENS,
@@ -106,7 +106,7 @@ def producer_live(producer):
 
 
 def _run(producer, links, pulls, tensors, delay=0.0, on_publish=None):
-    results = [dict() for _ in links]
+    results: list[dict] = [{} for _ in links]
     errors = []
 
     def consume(i):
