@@ -22,6 +22,7 @@ from vllm.distributed.weight_transfer.fencing import (
 )
 from vllm.distributed.weight_transfer.publication import (
     ChecksumMismatch,
+    IncompleteUpdate,
     ManifestMismatch,
 )
 from vllm.distributed.weight_transfer.verified_sync import (
@@ -121,6 +122,7 @@ def send(
     *,
     checksums: bool = False,
     metas: list[ParamMeta] | None = None,
+    skip_chunk: int | None = None,
 ) -> None:
     """The toy trainer's send_weights, following the module docstring."""
     metas = metas or [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in weights.items()]
@@ -135,6 +137,8 @@ def send(
     try:
         client.start_weight_update()
         for chunk, group in enumerate((names[:2], names[2:])):
+            if chunk == skip_chunk:
+                continue
             buf = torch.cat([weights[n].reshape(-1).view(torch.uint8) for n in group])
             info = {
                 "chunk": chunk,
@@ -219,6 +223,13 @@ def test_worker_failing_mid_update_fences_and_full_resync_recovers(client, tmp_p
     send(client, new, version=1, tmp_path=tmp_path)
     assert_serving(client, new)
     assert client.version == "v1"
+
+
+def test_an_update_missing_tensors_fails_at_finish_and_fences(client, tmp_path):
+    with pytest.raises(IncompleteUpdate, match="2 of 4 tensors incomplete"):
+        send(client, make_weights(1), version=1, tmp_path=tmp_path, skip_chunk=1)
+    assert all(w.pub.fence.state == WeightState.FENCED for w in client.workers)
+    assert is_fenced_version(client.version)
 
 
 def test_missing_receipt_fails_the_publication(client, tmp_path):

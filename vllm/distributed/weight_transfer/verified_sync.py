@@ -422,10 +422,10 @@ class WorkerPublication:
                     self.worker_rank, self.worker_device, timings=self.record.phases
                 )
                 self._deliver(receipt, best_effort=False)
+            self.fence.finish()
         except BaseException as e:
             self.fail(e)
             raise
-        self.fence.finish()
         if self.record is not None:
             self.record.finish(ok=True)
             self.record.log(logger)
