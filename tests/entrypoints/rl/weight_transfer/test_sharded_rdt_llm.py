@@ -115,3 +115,23 @@ def test_two_ranks_each_holding_half_the_groups(engine):
         ray.get([t.shutdown.remote() for t in ranks])
         for t in ranks:
             ray.kill(t)
+
+
+def test_a_trainer_failure_mid_sync_fails_both_sides_and_the_next_sync_recovers(
+    engine,
+):
+    llm, model_dir, tp = engine
+    if tp != 1:
+        pytest.skip("one engine is enough for the failure path")
+    ranks = _trainer(model_dir, 1)
+    try:
+        ray.get(ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=20.0))
+        ray.get(ranks[0].randomize.remote(104))
+        error = ray.get(ranks[0].send_failing.remote(after=5), timeout=120)
+        assert "injected trainer failure" in error
+        ray.get(llm.greedy.remote())  # the engine keeps serving
+        _sync_and_check(llm, ranks, 105)
+    finally:
+        ray.get([t.shutdown.remote() for t in ranks])
+        for t in ranks:
+            ray.kill(t)

@@ -60,6 +60,27 @@ class HeldGroupsSource(WeightSource):
                 yield name, tensor
 
 
+class FailingSource(WeightSource):
+    """``inner``, except that iteration raises after ``after`` tensors: a trainer
+    rank that fails in the middle of a sync."""
+
+    def __init__(self, inner: WeightSource, after: int) -> None:
+        self.inner = inner
+        self.after = after
+
+    def metadata(self) -> list[ParamMeta]:
+        return self.inner.metadata()
+
+    def held_names(self) -> Collection[str] | None:
+        return self.inner.held_names()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, item in enumerate(self.inner):
+            if i == self.after:
+                raise RuntimeError(f"injected trainer failure after {i} tensors")
+            yield item
+
+
 class LLMHost:
     """An offline LLM with the sharded_rdt backend, in a Ray actor."""
 
@@ -183,6 +204,19 @@ class TrainerRank:
 
     def send(self, live_consumer_ids: list[int] | None = None) -> None:
         self.engine.send_weights(live_consumer_ids)
+
+    def send_failing(self, after: int) -> str:
+        """A sync whose source raises after ``after`` tensors; returns the
+        error the engine raised."""
+        source = self.engine.source
+        self.engine.source = FailingSource(source, after)
+        try:
+            self.engine.send_weights()
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        finally:
+            self.engine.source = source
+        raise AssertionError("send_weights did not fail")
 
     def greedy(self) -> Any:
         from vllm.distributed.weight_transfer.testing import hf_greedy
