@@ -41,6 +41,10 @@ class _Handler(BaseHTTPRequestHandler):
             time.sleep(1.0)
         self._reply(200, {"message": "ok"})
 
+    def do_GET(self):  # noqa: N802
+        self.server.requests.append((self.path, None))  # type: ignore[attr-defined]
+        self._reply(200, {"world_size": 2})
+
     def _reply(self, status, payload):
         data = json.dumps(payload).encode()
         self.send_response(status)
@@ -223,3 +227,40 @@ def test_offline_client_wraps_requests_for_llm():
     )
     assert llm.calls[1][1][0] == {"update_info": update_info().to_dict()}
     assert llm.calls[2] == ("finish_weight_update", (), {"weight_version": "v"})
+
+
+def test_http_client_sets_the_version_and_reads_the_world_size(server):
+    client = HTTPVLLMWeightSyncClient(f"http://127.0.0.1:{server.server_port}")
+    client.update_weight_version("step-4")
+    assert client.get_world_size() == 2
+    assert server.requests == [
+        ("/update_weight_version", {"new_version": "step-4"}),
+        ("/get_world_size?include_dp=true", None),
+    ]
+
+
+def test_ray_client_sets_the_version_on_every_actor(fake_ray):
+    actors = [_Actor(), _Actor()]
+    client = RayVLLMWeightSyncClient(actors)  # type: ignore[arg-type]
+    client.update_weight_version("v5")
+    for actor in actors:
+        assert actor.calls == [("update_weight_version", ("v5",), {})]
+
+
+def test_offline_client_sets_the_version_and_reads_the_world_size():
+    class FakeLLM:
+        def __init__(self):
+            self.calls = []
+
+        def update_weight_version(self, v):
+            self.calls.append(("update_weight_version", v))
+
+        def get_world_size(self, include_dp=True):
+            self.calls.append(("get_world_size", include_dp))
+            return 3
+
+    llm = FakeLLM()
+    client = OfflineLLMWeightSyncClient(llm)
+    client.update_weight_version("v6")
+    assert client.get_world_size() == 3
+    assert llm.calls == [("update_weight_version", "v6"), ("get_world_size", True)]

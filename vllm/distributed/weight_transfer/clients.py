@@ -15,6 +15,12 @@ with the four methods of ``VLLMWeightSyncClient``. Three are provided:
   of them, at most ``timeout`` seconds (``None``: no limit).
 * ``OfflineLLMWeightSyncClient(llm)``: an ``LLM`` in the trainer's own process.
 
+Beyond the four sync calls, each client can set the weight version the server
+reports (``update_weight_version(new_version)``) and ask how many workers it
+runs, data-parallel ranks included (``get_world_size()``). Verified publication
+uses both: the version becomes visible only after every worker's receipt was
+checked, and receipts are expected from that many workers.
+
 Update payloads are dicts (or a list of dicts, one per worker); objects with a
 ``to_dict()`` method, such as ``IPCWeightTransferUpdateInfo``, are converted.
 ``requests`` and ``ray`` are imported on first use.
@@ -103,6 +109,24 @@ class HTTPVLLMWeightSyncClient:
     def shutdown_weight_transfer_engine(self) -> None:
         self._post("shutdown_weight_transfer_engine")
 
+    def update_weight_version(self, new_version: str) -> None:
+        self._post("update_weight_version", {"new_version": new_version})
+
+    def get_world_size(self) -> int:
+        import requests
+
+        url = f"{self.base_url}/get_world_size"
+        response = requests.get(
+            url, params={"include_dp": "true"}, timeout=self.timeout
+        )
+        if not response.ok:
+            raise requests.HTTPError(
+                f"GET {url} failed with HTTP {response.status_code}: "
+                f"{response.text[:2000]}",
+                response=response,
+            )
+        return int(response.json()["world_size"])
+
 
 class RayVLLMWeightSyncClient:
     """Drives one or more ``LLM`` / ``AsyncLLM`` Ray actors as one unit."""
@@ -117,12 +141,12 @@ class RayVLLMWeightSyncClient:
             raise ValueError("RayVLLMWeightSyncClient needs at least one actor")
         self.timeout = timeout
 
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> None:
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         import ray
 
         refs = [getattr(h, method).remote(*args, **kwargs) for h in self.handles]
         try:
-            ray.get(refs, timeout=self.timeout)
+            return ray.get(refs, timeout=self.timeout)
         except ray.exceptions.GetTimeoutError as e:
             raise TimeoutError(
                 f"{method} did not complete on all {len(refs)} actor(s) within "
@@ -156,6 +180,13 @@ class RayVLLMWeightSyncClient:
     def shutdown_weight_transfer_engine(self) -> None:
         self._call("shutdown_weight_transfer_engine")
 
+    def update_weight_version(self, new_version: str) -> None:
+        self._call("update_weight_version", new_version)
+
+    def get_world_size(self) -> int:
+        """Workers of all actors together (DP ranks included)."""
+        return sum(int(n) for n in self._call("get_world_size", True))
+
 
 class OfflineLLMWeightSyncClient:
     """Drives an offline ``vllm.LLM`` living in the trainer's process."""
@@ -180,3 +211,9 @@ class OfflineLLMWeightSyncClient:
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.llm.shutdown_weight_transfer_engine()
+
+    def update_weight_version(self, new_version: str) -> None:
+        self.llm.update_weight_version(new_version)
+
+    def get_world_size(self) -> int:
+        return int(self.llm.get_world_size(include_dp=True))

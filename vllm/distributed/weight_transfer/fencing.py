@@ -30,7 +30,8 @@ The worker cannot change the version the server reports (that lives in the
 engine core), so the trainer makes the fence visible: on any failure it sets
 the served weight version to ``fenced_version(...)`` (``"fenced:<publication
 id>: <reason>"``) and sets the real version only after every receipt verified.
-``set_served_version`` does that through any of the three sync clients.
+``set_served_version`` does that through the client's
+``update_weight_version``.
 """
 
 from __future__ import annotations
@@ -247,45 +248,16 @@ def is_fenced_version(version: str | None) -> bool:
 def set_served_version(client: Any, version: str) -> None:
     """Set the weight version the server reports, through a sync client.
 
-    Uses ``client.update_weight_version(version)`` when the client has it.
-    Otherwise it recognises the fork's three clients by their fields: HTTP
-    (``base_url``: ``POST /update_weight_version``), Ray (``handles``:
-    ``update_weight_version.remote`` on each actor) and offline (``llm``).
+    The client needs ``update_weight_version(new_version)``; the fork's three
+    clients (``clients.py``) have it.
     """
     method = getattr(client, "update_weight_version", None)
-    if callable(method):
-        method(version)
-        return
-    if isinstance(getattr(client, "base_url", None), str):
-        import requests
-
-        url = f"{client.base_url}/update_weight_version"
-        response = requests.post(
-            url, json={"new_version": version}, timeout=getattr(client, "timeout", 60)
+    if not callable(method):
+        raise TypeError(
+            f"{type(client).__name__} cannot set the served weight version; give "
+            "it an update_weight_version(new_version) method"
         )
-        if not response.ok:
-            raise RuntimeError(
-                f"POST {url} failed with HTTP {response.status_code}: "
-                f"{response.text[:500]}"
-            )
-        return
-    handles = getattr(client, "handles", None)
-    if isinstance(handles, list) and handles:
-        import ray
-
-        ray.get(
-            [h.update_weight_version.remote(version) for h in handles],
-            timeout=getattr(client, "timeout", None),
-        )
-        return
-    llm = getattr(client, "llm", None)
-    if llm is not None and callable(getattr(llm, "update_weight_version", None)):
-        llm.update_weight_version(version)
-        return
-    raise TypeError(
-        f"{type(client).__name__} cannot set the served weight version; give it "
-        "an update_weight_version(new_version) method"
-    )
+    method(version)
 
 
 def _one_line(text: str) -> str:

@@ -97,35 +97,15 @@ def device_identity(device: torch.device | str) -> str:
 def served_world_size(client: Any) -> int:
     """How many workers (all DP ranks included) the client's server runs.
 
-    Uses the HTTP route ``GET /get_world_size`` or ``LLM.get_world_size``.
+    The client needs ``get_world_size()``; the fork's three clients have it.
     """
-    if isinstance(getattr(client, "base_url", None), str):
-        import requests
-
-        url = f"{client.base_url}/get_world_size"
-        response = requests.get(
-            url, params={"include_dp": "true"}, timeout=getattr(client, "timeout", 60)
+    method = getattr(client, "get_world_size", None)
+    if not callable(method):
+        raise TypeError(
+            f"cannot ask {type(client).__name__} for the server's world size; give "
+            "it a get_world_size() method or pass expected_workers explicitly"
         )
-        response.raise_for_status()
-        return int(response.json()["world_size"])
-    handles = getattr(client, "handles", None)
-    if isinstance(handles, list) and len(handles) == 1:
-        import ray
-
-        return int(
-            ray.get(
-                handles[0].get_world_size.remote(True),
-                timeout=getattr(client, "timeout", None),
-            )
-        )
-    llm = getattr(client, "llm", None)
-    if llm is not None:
-        return int(llm.get_world_size(include_dp=True))
-    raise TypeError(
-        f"cannot ask {type(client).__name__} for the server's world size; pass "
-        "expected_workers explicitly (receipts from several engines behind one "
-        "client need engine-unique worker ranks)"
-    )
+    return int(method())
 
 
 # ---------------------------------------------------------------------------
