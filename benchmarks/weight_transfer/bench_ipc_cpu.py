@@ -1,0 +1,314 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Benchmark: full weight sync of a >= 1 GiB model into a CPU ``vllm.LLM`` over ``ipc``.
+
+A generated Qwen3 (1.09 GiB of float32 weights by default; nothing downloaded)
+is served by an offline ``LLM`` with ``weight_transfer_config=ipc``. The
+trainer, this process, holds the same model in Hugging Face form and calls
+``send_weights()`` through ``OfflineLLMWeightSyncClient``: the bytes go through
+a packed shared-memory buffer into the workers' layerwise reload.
+
+Printed and written to ``benchmarks/results/ipc_cpu_<model>_tp<N>.json``:
+
+* ``sync_s``: wall time of each ``send_weights()`` (start -> update* ->
+  finish, including vLLM's layerwise reload); the first round is a warm-up and
+  is reported separately.
+* ``sync_gb_s``: model bytes / median sync time (GB = 1e9 bytes);
+  ``sync_min_s`` / ``sync_gb_s_best``: the fastest sync, less sensitive to
+  other jobs on a shared machine.
+* ``memcpy_s`` / ``memcpy_gb_s``: one ``torch.Tensor.copy_`` of the same
+  number of bytes between two preallocated flat tensors in this process,
+  measured in the same run (median of 5); ``ratio_sync_over_memcpy`` compares
+  the two. A sync copies every byte at least twice (trainer -> shared memory,
+  shared memory -> vLLM's weights), so 2x is the floor.
+* ``sync_phases_s``: per sync, the time spent inside each client call
+  (``start_weight_update``, ``update_weights`` summed over chunks,
+  ``finish_weight_update``: the workers' side) and ``trainer_side``, the rest
+  (reading the source and packing the shared-memory buffer).
+* ``trainer_peak_rss_bytes`` (``getrusage`` max RSS of this process) before and
+  after the syncs, and the growth; the shared-memory buffer's pages count once
+  touched, so the growth is about ``buffer_nbytes``. The memcpy baseline runs
+  after this measurement so that its two buffers do not hide the growth.
+* ``child_rss_bytes``: RSS of vLLM's processes (engine core, worker) after the
+  syncs; a worker's RSS counts the weights, the KV cache and the mapped buffer.
+* ``oracle_match``: vLLM's greedy tokens/logprobs equal a Hugging Face forward
+  pass of the trainer's weights after the last sync.
+
+Run: ``python benchmarks/weight_transfer/bench_ipc_cpu.py [--tp 2] [--rounds 3]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+# 292 M parameters, 1.17 GB (1.09 GiB) of float32 weights.
+BENCH_SPEC = dict(
+    arch="qwen3",
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_layers=18,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=64,
+    vocab_size=32000,
+    init_std=0.02,
+)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3, help="measured syncs")
+    p.add_argument("--num-layers", type=int, default=BENCH_SPEC["num_layers"])
+    p.add_argument(
+        "--buffer-mib",
+        type=int,
+        default=None,
+        help="packed buffer cap (default: the backend's, 1024 MiB)",
+    )
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    return p.parse_args()
+
+
+def max_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def median_memcpy_s(nbytes: int, repeats: int = 5) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault every page in before timing
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    return statistics.median(times)
+
+
+def child_rss_bytes() -> dict[str, int]:
+    """RSS of each child process (vLLM's engine core and workers), by name."""
+    try:
+        import psutil
+    except ImportError:
+        return {}
+    out = {}
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            out[f"{child.name()}[{child.pid}]"] = child.memory_info().rss
+    return out
+
+
+class TimedClient:
+    """Wraps a weight-sync client and adds up the wall time of each method, so a
+    sync splits into server-side time (inside the calls) and trainer-side time
+    (packing, between the calls)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.seconds: dict[str, float] = {}
+
+    def reset(self) -> None:
+        self.seconds = {}
+
+    def _timed(self, method: str, *args: Any, **kwargs: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            getattr(self.inner, method)(*args, **kwargs)
+        finally:
+            dt = time.perf_counter() - t0
+            self.seconds[method] = self.seconds.get(method, 0.0) + dt
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._timed("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._timed("start_weight_update")
+
+    def update_weights(self, update_info: Any) -> None:
+        self._timed("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._timed("finish_weight_update", weight_version)
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.check_output(
+            ["git", "-C", str(REPO), "describe", "--always", "--dirty"], text=True
+        ).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main() -> int:
+    args = parse_args()
+    commit = git_commit()  # the code this run imports
+    if args.tp > 1:
+        os.environ.setdefault(
+            "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(args.tp))
+        )
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferTrainerFactory,
+    )
+    from vllm.distributed.weight_transfer.ipc_engine import (
+        IPCTrainerInitInfo,
+        IPCTrainerWeightTransferEngine,
+    )
+    from vllm.distributed.weight_transfer.testing import (
+        TinyModelSpec,
+        assert_same_greedy,
+        build_tiny_model,
+        hf_greedy,
+        load_hf_model,
+        logprob_atol,
+        randomize_weights_,
+        vllm_greedy,
+    )
+
+    spec = TinyModelSpec(**{**BENCH_SPEC, "num_layers": args.num_layers})
+    t0 = time.perf_counter()
+    model_dir = build_tiny_model(spec)
+    build_s = time.perf_counter() - t0
+    model = load_hf_model(model_dir, "float32")
+    # Touch every weight once (as training would) so that the RSS baseline below
+    # already holds the whole model and its temporaries.
+    randomize_weights_(model, seed=99, std=0.02)
+    n_params = sum(p.numel() for p in model.parameters())
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(
+        f"model {model_dir.name}: {n_params / 1e6:.0f} M params, "
+        f"{nbytes / 2**30:.2f} GiB float32 (ready in {build_s:.1f} s)"
+    )
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        max_num_seqs=4,
+        seed=0,
+        tensor_parallel_size=args.tp,
+        weight_transfer_config=WeightTransferConfig(backend="ipc"),
+    )
+    llm_start_s = time.perf_counter() - t0
+    print(f"LLM up in {llm_start_s:.1f} s (TP={args.tp})")
+
+    init_kwargs = {}
+    if args.buffer_mib is not None:
+        init_kwargs["packed_buffer_size_bytes"] = args.buffer_mib * 2**20
+    rss_before = max_rss_bytes()
+    try:
+        client = TimedClient(OfflineLLMWeightSyncClient(llm))
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            IPCTrainerInitInfo(rank=0, packed=True, **init_kwargs),
+            client=client,
+            source=ModuleSource(model),
+        )
+        assert isinstance(trainer, IPCTrainerWeightTransferEngine)
+        times, phases = [], []
+        for round_ in range(args.rounds + 1):
+            randomize_weights_(model, seed=100 + round_, std=0.02)
+            client.reset()
+            t0 = time.perf_counter()
+            trainer.send_weights()
+            times.append(time.perf_counter() - t0)
+            split = {k: round(v, 4) for k, v in client.seconds.items()}
+            split["trainer_side"] = round(times[-1] - sum(client.seconds.values()), 4)
+            phases.append(split)
+            label = " (warm-up)" if round_ == 0 else ""
+            print(f"sync {round_}{label}: {times[-1]:.3f} s {split}")
+        rss_after = max_rss_bytes()
+        workers_rss = child_rss_bytes()
+        memcpy_s = median_memcpy_s(nbytes)
+        print(f"memcpy of {nbytes / 1e9:.2f} GB: {memcpy_s:.3f} s")
+        try:
+            assert_same_greedy(
+                vllm_greedy(llm), hf_greedy(model), atol=logprob_atol("float32")
+            )
+            oracle_match = True
+        except AssertionError as e:
+            print(f"oracle mismatch: {e}")
+            oracle_match = False
+        plan = trainer.last_plan
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+    measured = times[1:]
+    sync_median = statistics.median(measured)
+    result = {
+        "benchmark": "ipc_cpu_full_sync",
+        "commit": commit,
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "omp_num_threads": torch.get_num_threads(),
+            "load_avg_1m": os.getloadavg()[0],
+        },
+        "model": {
+            "dir": model_dir.name,
+            "spec": dataclasses.asdict(spec),
+            "params": n_params,
+            "bytes": nbytes,
+            "tensors": len(list(model.parameters())),
+        },
+        "vllm": {"tensor_parallel_size": args.tp, "dtype": "float32"},
+        "transfer": {
+            "packed": True,
+            "buffer_nbytes": plan.buffer_nbytes if plan else None,
+            "chunks": len(plan.chunks) if plan else None,
+        },
+        "llm_start_s": round(llm_start_s, 2),
+        "warmup_sync_s": round(times[0], 4),
+        "sync_s": [round(t, 4) for t in measured],
+        "sync_phases_s": phases[1:],
+        "sync_median_s": round(sync_median, 4),
+        "sync_min_s": round(min(measured), 4),
+        "sync_gb_s": round(nbytes / sync_median / 1e9, 3),
+        "sync_gb_s_best": round(nbytes / min(measured) / 1e9, 3),
+        "memcpy_s": round(memcpy_s, 4),
+        "memcpy_gb_s": round(nbytes / memcpy_s / 1e9, 3),
+        "ratio_sync_over_memcpy": round(sync_median / memcpy_s, 2),
+        "trainer_peak_rss_bytes_before_sync": rss_before,
+        "trainer_peak_rss_bytes": rss_after,
+        "trainer_peak_rss_growth_bytes": rss_after - rss_before,
+        "child_rss_bytes": workers_rss,
+        "oracle_match": oracle_match,
+    }
+    print(json.dumps(result, indent=2))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"ipc_cpu_{model_dir.name}_tp{args.tp}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0 if oracle_match else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
