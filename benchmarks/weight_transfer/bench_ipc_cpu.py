@@ -128,6 +128,9 @@ class TimedClient:
     def reset(self) -> None:
         self.seconds = {}
 
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)  # other client methods, untimed
+
     def _timed(self, method: str, *args: Any, **kwargs: Any) -> None:
         t0 = time.perf_counter()
         try:
