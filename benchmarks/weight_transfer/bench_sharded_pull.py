@@ -175,6 +175,11 @@ def main() -> None:
                 "update_weights_s": [r["seconds"] for r in rs],
                 "update_weights_median_s": pull_s,
                 "update_weights_gib_s": rs[0]["bytes"] / pull_s / 2**30,
+                "pull_s": [r["pull_seconds"] for r in rs],
+                "land_s": [r["land_seconds"] for r in rs],
+                "pull_only_gib_s": rs[0]["bytes"]
+                / statistics.median(r["pull_seconds"] for r in rs)
+                / 2**30,
             }
         )
     raw_bytes = per_worker[0]["bytes"]
@@ -214,10 +219,13 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"sharded_rdt_cpu_{model_dir.name}_tp{args.tp}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
+    update = [round(w["update_weights_gib_s"], 3) for w in per_worker]
+    pulls_only = [round(w["pull_only_gib_s"], 3) for w in per_worker]
+    raw_gib_s = result["raw_nixl_read"]["best_gib_s"]
     print(
-        f"per worker: {[w['update_weights_gib_s'] for w in per_worker]} GiB/s "
-        f"(pull+land+process); raw NIXL read of {raw_bytes / 2**20:.1f} MiB: "
-        f"{result['raw_nixl_read']['best_gib_s']:.2f} GiB/s; wrote {out}"
+        f"per worker GiB/s: update_weights (pull+land+process) {update}, "
+        f"pulls alone {pulls_only}; raw NIXL read of {raw_bytes / 2**20:.1f} MiB "
+        f"{raw_gib_s:.2f} GiB/s; wrote {out}"
     )
 
 

@@ -304,7 +304,7 @@ class ShardedRDTWeightTransferEngine(
         started = time.perf_counter()
         lander = self._lander
         lander.begin()
-        pulled = self._run_pulls(lander)
+        pulled, timing = self._run_pulls(lander)
         elapsed = time.perf_counter() - started
         self.last_receipt = {
             "consumer_id": self.consumer_id,
@@ -315,6 +315,10 @@ class ShardedRDTWeightTransferEngine(
             "planned_bytes": self.pulls.payload_bytes,
             "modules_processed": len(lander.processed),
             "seconds": elapsed,
+            # Time inside transport pulls (request, pack, read) on the pulling
+            # thread, and landing + processing on this one; they overlap.
+            "pull_seconds": timing["pull"],
+            "land_seconds": timing["land"],
         }
         logger.info(
             "sharded_rdt consumer %s pulled %d bytes in %d chunks and processed "
@@ -342,14 +346,18 @@ class ShardedRDTWeightTransferEngine(
 
     # -- internals -----------------------------------------------------------
 
-    def _run_pulls(self, lander: ChunkLander) -> dict[int, int]:
+    def _run_pulls(
+        self, lander: ChunkLander
+    ) -> tuple[dict[int, int], dict[str, float]]:
         """Pull every chunk in order on a background thread, at most one per
-        receive buffer ahead, and land each one here as it arrives."""
+        receive buffer ahead, and land each one here as it arrives. Returns the
+        bytes pulled per producer and the seconds spent pulling and landing."""
         assert self.pulls is not None
         chunks = self.pulls.chunks
         pulled: dict[int, int] = {}
+        timing = {"pull": 0.0, "land": 0.0}
         if not chunks:
-            return pulled
+            return pulled, timing
         free = threading.Semaphore(len(self._buffers))
         ready: queue.Queue[tuple[int, torch.Tensor] | _Failed] = queue.Queue()
         stop = threading.Event()
@@ -363,7 +371,9 @@ class ShardedRDTWeightTransferEngine(
                     if stop.is_set():
                         return
                     into = self._buffers[i % len(self._buffers)][: chunk.nbytes]
+                    t0 = time.perf_counter()
                     self._links[chunk.producer].pull(chunk, into)
+                    timing["pull"] += time.perf_counter() - t0
                     ready.put((i, into))
             except BaseException as e:
                 ready.put(_Failed(e))
@@ -383,7 +393,9 @@ class ShardedRDTWeightTransferEngine(
                 if isinstance(item, _Failed):
                     raise item.error
                 i, data = item
+                t0 = time.perf_counter()
                 lander.land(i, data)
+                timing["land"] += time.perf_counter() - t0
                 pulled[chunks[i].producer] = (
                     pulled.get(chunks[i].producer, 0) + chunks[i].payload_bytes
                 )
@@ -391,7 +403,7 @@ class ShardedRDTWeightTransferEngine(
         finally:
             stop.set()
             thread.join(timeout=1.0)
-        return pulled
+        return pulled, timing
 
     def _abort(self, reason: str) -> None:
         session, self._session = self._session, None
