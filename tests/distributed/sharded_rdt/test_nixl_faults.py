@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The direct NIXL transport between real processes: bytes arrive intact, and a
-killed consumer, a stalled consumer or a killed producer ends the sync with an
-error on the surviving side within the stall timeout."""
+"""The direct NIXL transport between real processes: a killed consumer, a
+stalled consumer or a killed producer ends the sync with an error on the
+surviving side within the stall timeout (and the bytes that did arrive are the
+replayed slice)."""
 
 from __future__ import annotations
 
@@ -91,16 +92,6 @@ def server_factory():
     yield make
     for s in servers:
         s.close()
-
-
-def test_a_consumer_process_pulls_every_chunk(server_factory):
-    server = server_factory(30.0)
-    proc, conn = _start_consumer(server.endpoint(), "normal", 30.0)
-    _serve_one_sync(server)
-    for seq in range(len(toy_names(LAYERS))):
-        assert _expect(conn, "pulled") == seq
-    _expect(conn, "done")
-    proc.join(10)
 
 
 def test_killing_a_consumer_mid_sync_fails_the_producer_at_once(server_factory):

@@ -29,8 +29,7 @@ pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
 pytest.importorskip("nixl")
 
-# Dense TP=2 adds no path that MoE TP=2 does not take (sharded attention and
-# MLP, replicated norms); it is left out to keep the file near three minutes.
+# Dense TP=2 runs under `vllm serve` in test_sharded_rdt_http.py.
 COMBOS = [("qwen3", 1), ("qwen3_moe", 1), ("qwen3_moe", 2)]
 
 
