@@ -2,7 +2,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The CUDA data plane: bytes exported by the trainer engine through CUDA IPC are
 read, bit for bit, by a second process that rebuilds them from the JSON handles
-(packed and unpacked). Needs an NVIDIA GPU; skipped without one."""
+(packed and unpacked). The reader plays a worker engine's verified-publication
+side too: it checks each update's header, checksums the mapped bytes on the
+GPU when the trainer sent checksums, and attests with a receipt at finish.
+Needs an NVIDIA GPU; skipped without one."""
 
 from __future__ import annotations
 
@@ -28,36 +31,57 @@ def _reader(conn) -> None:
     """Second process: import every update's buffers and send back CPU copies."""
     from vllm.distributed.weight_transfer.ipc_dataplane import BufferImporter
     from vllm.distributed.weight_transfer.ipc_wire import IPCWeightTransferUpdateInfo
+    from vllm.distributed.weight_transfer.verified_sync import (
+        WorkerPublication,
+        device_identity,
+    )
 
     torch.cuda.set_device(0)
-    importer = BufferImporter(torch.device("cuda", 0), local_rank=0)
+    device = torch.device("cuda", 0)
+    importer = BufferImporter(device, local_rank=0)
+    pub = WorkerPublication(
+        backend="ipc", worker_rank=0, worker_device=device_identity(device)
+    )
     while True:
         msg = conn.recv()
         if msg is None:
             importer.close()
             conn.send(("closed", None))
             return
-        if msg == "finish":  # as the worker engine does at finish_weight_update
-            importer.close()
+        if msg == "start":
+            pub.start()
             conn.send(("ok", None))
             continue
+        if msg == "finish":  # as the worker engine does at finish_weight_update
+            importer.close()
+            receipt = pub.finish()
+            conn.send(("ok", receipt.checksums_verified if receipt else None))
+            continue
         try:
-            info = IPCWeightTransferUpdateInfo.from_dict(json.loads(msg))
+            info = IPCWeightTransferUpdateInfo.from_dict(
+                pub.begin_message(json.loads(msg))
+            )
             keys, bufs = [], []
             for hmap in info.buffers():
                 key, handle = importer.select(hmap, "ipc_handles")
                 keys.append(key)
                 bufs.append(importer.open(handle))
             out = {}
+            for i, buf in enumerate(bufs):
+                used = max(v.offset + v.nbytes for v in info.views() if v.buffer == i)
+                pub.check_buffer(i, buf[:used])
             for v in info.views():
+                pub.admit(v.name, v.dtype, v.shape, v.nbytes)
                 raw = bufs[v.buffer][v.offset : v.offset + v.nbytes]
                 out[v.name] = raw.view(v.dtype).view(v.shape).cpu()
+                pub.landed(v.name, v.nbytes)
             torch.cuda.synchronize()
             del bufs, raw
             if not info.packed:
                 importer.close()
             conn.send(("ok", (keys, out)))
         except Exception as e:  # report, keep serving
+            pub.fail(e, weights_intact=True)
             conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
@@ -69,12 +93,16 @@ class PipeWorker:
         self.received: dict[str, torch.Tensor] = {}
         self.keys: set[str] = set()
         self.calls: list[str] = []
+        self.versions: list[str] = []
+        self.checksums_verified: int | None = None
 
     def init_weight_transfer_engine(self, init_info):
         self.calls.append("init")
 
     def start_weight_update(self):
         self.calls.append("start")
+        self.conn.send("start")
+        assert self.conn.recv() == ("ok", None)
 
     def update_weights(self, update_info):
         self.calls.append("update" if "abort" not in update_info else "abort")
@@ -91,7 +119,14 @@ class PipeWorker:
     def finish_weight_update(self, weight_version=None):
         self.calls.append("finish")
         self.conn.send("finish")
-        assert self.conn.recv() == ("ok", None)
+        status, self.checksums_verified = self.conn.recv()
+        assert status == "ok"
+
+    def update_weight_version(self, new_version):
+        self.versions.append(new_version)
+
+    def get_world_size(self):
+        return 1
 
 
 class CudaSource(WeightSource):
@@ -128,20 +163,29 @@ def _tensors() -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("checksums", [False, True])
 @pytest.mark.parametrize("packed", [True, False])
-def test_cuda_ipc_bytes_arrive_bit_exact_in_another_process(reader, packed):
+def test_cuda_ipc_bytes_arrive_bit_exact_in_another_process(reader, packed, checksums):
     from vllm.distributed.weight_transfer.cuda_ipc_buffer import physical_gpu_uuid
 
     tensors = _tensors()
     client = PipeWorker(reader)
     engine = IPCTrainerWeightTransferEngine.trainer_init(
-        IPCTrainerInitInfo(rank=0, packed=packed, packed_buffer_size_bytes=20_000),
+        IPCTrainerInitInfo(
+            rank=0,
+            packed=packed,
+            packed_buffer_size_bytes=20_000,
+            verify_checksums=checksums,
+        ),
         client=client,
         source=CudaSource(tensors),
     )
-    engine.send_weights()
+    engine.send_weights(weight_version="v1")
     assert engine.last_plan is not None and len(engine.last_plan.chunks) > 1
     assert client.calls[-1] == "finish" and "abort" not in client.calls
+    assert client.versions == ["v1"]  # set after the receipt verified
+    buffers = len(engine.last_plan.chunks) if packed else len(tensors)
+    assert client.checksums_verified == (buffers if checksums else 0)
     assert client.keys == {physical_gpu_uuid(0)}
     for name, t in tensors.items():
         assert torch.equal(client.received[name], t.cpu()), name

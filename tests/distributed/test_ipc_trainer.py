@@ -3,7 +3,11 @@
 """The ipc trainer engine against a loopback worker (no vLLM engine): bytes
 arrive intact in both modes, chunks are flushed before the next tensor is
 materialized, and a source that disagrees with its metadata is rejected naming
-the tensor, with the server told to abort."""
+the tensor, with the server told to abort. The loopback checks the publication
+header and attests with a receipt like a worker engine, so the trainer's
+verified-publication steps run too: the version is stamped only after the
+receipt verified, checksums catch a changed byte, and a failure fences the
+served version."""
 
 import gc
 import json
@@ -19,23 +23,33 @@ from vllm.distributed.weight_transfer import (
     WeightSource,
     WeightTransferTrainerFactory,
 )
+from vllm.distributed.weight_transfer.fencing import WeightState, is_fenced_version
 from vllm.distributed.weight_transfer.ipc_dataplane import BufferImporter
 from vllm.distributed.weight_transfer.ipc_engine import (
     IPCTrainerInitInfo,
     IPCTrainerWeightTransferEngine,
 )
 from vllm.distributed.weight_transfer.ipc_wire import IPCWeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.publication import ChecksumMismatch
 from vllm.distributed.weight_transfer.shm_buffer import SHM_DIR
+from vllm.distributed.weight_transfer.verified_sync import WorkerPublication
 
 
 class LoopbackClient:
-    """Plays the worker: parses each update from JSON and copies its tensors."""
+    """Plays one worker: checks each update's publication header, copies its
+    tensors from JSON, and attests with a receipt at finish. ``corrupt`` is
+    called with each mapped buffer before it is read (fault injection)."""
 
-    def __init__(self, events=None):
+    def __init__(self, events=None, corrupt=None):
         self.events = events if events is not None else []
         self.calls = []
         self.received = {}
         self.init_info = None
+        self.versions = []
+        self.corrupt = corrupt
+        self.pub = WorkerPublication(
+            backend="ipc", worker_rank=0, worker_device="cpu:loopback:0"
+        )
 
     def init_weight_transfer_engine(self, init_info):
         self.init_info = init_info
@@ -43,29 +57,51 @@ class LoopbackClient:
 
     def start_weight_update(self):
         self.calls.append("start")
+        self.pub.start()
 
     def update_weights(self, update_info):
         if "abort" in update_info:
             self.calls.append("abort")
+            if self.pub.fence.state == WeightState.UPDATING:
+                self.pub.fail(update_info["abort"], weights_intact=True)
             return
         self.calls.append("update")
-        info = IPCWeightTransferUpdateInfo.from_dict(
-            json.loads(json.dumps(update_info))
-        )
+        message = self.pub.begin_message(json.loads(json.dumps(update_info)))
+        info = IPCWeightTransferUpdateInfo.from_dict(message)
         self.events.append(("update", tuple(info.names)))
         importer = BufferImporter(torch.device("cpu"), local_rank=0)
         handles = [importer.select(b, "ipc_handles")[1] for b in info.buffers()]
         buffers = [importer.open(h) for h in handles]
-        for v in info.views():
-            raw = buffers[v.buffer][v.offset : v.offset + v.nbytes]
-            self.received[v.name] = raw.view(v.dtype).view(v.shape).clone()
-        del buffers, raw
-        importer.close()
+        try:
+            for i, buf in enumerate(buffers):
+                if self.corrupt is not None:
+                    self.corrupt(buf)
+                used = max(v.offset + v.nbytes for v in info.views() if v.buffer == i)
+                self.pub.check_buffer(i, buf[:used])
+            for v in info.views():
+                self.pub.admit(v.name, v.dtype, v.shape, v.nbytes)
+                raw = buffers[v.buffer][v.offset : v.offset + v.nbytes]
+                self.received[v.name] = raw.view(v.dtype).view(v.shape).clone()
+                self.pub.landed(v.name, v.nbytes)
+        except BaseException as e:
+            self.pub.fail(e, weights_intact=True)
+            raise
+        finally:
+            del buffers
+            importer.close()
 
     def finish_weight_update(self, weight_version=None):
         self.calls.append(
             "finish" if weight_version is None else f"finish:{weight_version}"
         )
+        if self.pub.fence.state == WeightState.UPDATING:
+            self.pub.finish()
+
+    def update_weight_version(self, new_version):
+        self.versions.append(new_version)
+
+    def get_world_size(self):
+        return 1
 
 
 class RecordingSource(WeightSource):
@@ -121,7 +157,8 @@ def test_every_tensor_arrives_bit_exact(packed):
     engine.send_weights(weight_version="v1")
     assert client.init_info == {"packed": packed}
     assert client.calls[0] == "init" and client.calls[1] == "start"
-    assert client.calls[-1] == "finish:v1"
+    # the version is stamped after the receipt verified, not at finish
+    assert client.calls[-1] == "finish" and client.versions == ["v1"]
     assert engine.last_plan is not None
     assert client.calls.count("update") == len(engine.last_plan.chunks) > 1
     assert list(client.received) == list(tensors)
@@ -244,6 +281,68 @@ def test_server_failure_is_raised_and_the_update_aborted():
         engine.send_weights()
     assert client.calls[-2:] == ["abort", "finish"]
     assert shm_files() == set()
+    assert len(client.versions) == 1 and is_fenced_version(client.versions[0])
+    assert "worker said no" in client.versions[0]
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_checksums_catch_a_byte_changed_after_export(packed):
+    def flip(buf):
+        buf[3] ^= 0x10
+
+    client = LoopbackClient(corrupt=flip)
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed=packed, verify_checksums=True),
+        client=client,
+        source=RecordingSource(model_tensors(2), []),
+    )
+    with pytest.raises(ChecksumMismatch, match="changed in transit"):
+        engine.send_weights(weight_version="v1")
+    assert client.calls[-2:] == ["abort", "finish"]
+    assert len(client.versions) == 1 and is_fenced_version(client.versions[0])
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_checksummed_send_is_verified_by_the_receipt(packed):
+    client = LoopbackClient()
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(
+            rank=0, packed=packed, packed_buffer_size_bytes=300, verify_checksums=True
+        ),
+        client=client,
+        source=RecordingSource(model_tensors(), []),
+    )
+    engine.send_weights(weight_version="v1")
+    verified = engine.last_publication.verified
+    assert verified is not None
+    # one checksum per payload buffer: per chunk packed, per tensor unpacked
+    buffers = client.calls.count("update") if packed else len(model_tensors())
+    assert verified.checksums_verified == buffers
+    assert client.versions == ["v1"]
+
+
+def test_model_versions_increase_across_trainer_engines():
+    client = LoopbackClient()
+    versions = []
+    for _ in range(2):  # a fresh trainer engine per send, as after a restart
+        engine = IPCTrainerWeightTransferEngine.trainer_init(
+            IPCTrainerInitInfo(rank=0),
+            client=client,
+            source=RecordingSource(model_tensors(1), []),
+        )
+        engine.send_weights()
+        versions.append(engine.last_publication.header.model_version)
+    engine.send_weights(weight_version=str(versions[-1] + 5))
+    versions.append(engine.last_publication.header.model_version)
+    assert versions[0] < versions[1] and versions[2] == versions[1] + 5
+    # an integer version older than the committed one is refused by the worker
+    with pytest.raises(ValueError, match="versions never go backwards"):
+        engine.send_weights(weight_version="3")
+
+
+def test_init_info_checksums_need_the_publication():
+    with pytest.raises(ValueError, match="verify_checksums needs verify_publication"):
+        IPCTrainerInitInfo(rank=0, verify_checksums=True, verify_publication=False)
 
 
 def test_resident_parameters_are_packed_with_a_fused_copy_bit_exact():

@@ -3,7 +3,10 @@
 """The ipc worker engine and its layerwise session on a small torch model (no
 vLLM engine): weights land in the update target (the draft model too), a
 failure restores every layer that did not complete, buffered weights never
-alias the transfer buffer, and nothing is mapped after finish."""
+alias the transfer buffer, and nothing is mapped after finish. Verified
+publication on the engine: a manifest the served checkpoint contradicts is
+rejected before anything loads, a failure after a weight landed fences the
+engine until a full resync, and an aborted update closes quietly."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import pytest
 import torch
 
 from vllm.distributed.weight_transfer import ModuleSource
+from vllm.distributed.weight_transfer.fencing import WeightsFencedError
 from vllm.distributed.weight_transfer.ipc_engine import (
     IPCTrainerInitInfo,
     IPCTrainerWeightTransferEngine,
@@ -20,6 +24,7 @@ from vllm.distributed.weight_transfer.ipc_engine import (
 )
 from vllm.distributed.weight_transfer.ipc_wire import cpu_device_key
 from vllm.distributed.weight_transfer.layerwise_session import LayerwiseReloadSession
+from vllm.distributed.weight_transfer.publication import ManifestMismatch
 
 
 class TinyNet(torch.nn.Module):
@@ -49,9 +54,12 @@ def reload_ready(seed: int) -> TinyNet:
     return net
 
 
-def make_engine(model: torch.nn.Module) -> IPCWeightTransferEngine:
+def make_engine(
+    model: torch.nn.Module, checkpoint: str | None = None
+) -> IPCWeightTransferEngine:
     vllm_config = SimpleNamespace(
-        parallel_config=SimpleNamespace(), model_config=SimpleNamespace(dtype=None)
+        parallel_config=SimpleNamespace(),
+        model_config=SimpleNamespace(dtype=None, model=checkpoint),
     )
     return IPCWeightTransferEngine(
         SimpleNamespace(backend="ipc"),  # type: ignore[arg-type]
@@ -66,6 +74,7 @@ class EngineClient:
 
     def __init__(self, engine: IPCWeightTransferEngine) -> None:
         self.engine = engine
+        self.versions: list[str] = []
 
     def init_weight_transfer_engine(self, init_info):
         self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
@@ -78,6 +87,12 @@ class EngineClient:
 
     def finish_weight_update(self, weight_version=None):
         self.engine.finish_weight_update()
+
+    def update_weight_version(self, new_version):
+        self.versions.append(new_version)
+
+    def get_world_size(self):
+        return 1
 
 
 def state(model):
@@ -163,3 +178,81 @@ def test_buffered_weights_of_incomplete_layers_are_copied_out_of_the_buffer():
         target.a.weight, torch.arange(24, dtype=torch.float32).view(6, 4)
     )
     assert torch.equal(target.a.bias, torch.ones(6))
+
+
+def push(engine: IPCWeightTransferEngine, model: torch.nn.Module, **kwargs) -> None:
+    IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=64, **kwargs),
+        client=EngineClient(engine),
+        source=ModuleSource(model),
+    ).send_weights()
+
+
+class FailingLoad:
+    """Makes the session's ``load`` raise on call number ``n`` (from 1)."""
+
+    def __init__(self, engine: IPCWeightTransferEngine, n: int) -> None:
+        self.engine, self.n, self.calls = engine, n, 0
+        self.original = LayerwiseReloadSession.load
+
+    def __enter__(self):
+        def load(session, *args, **kwargs):
+            self.calls += 1
+            if self.calls == self.n:
+                raise RuntimeError("injected load failure")
+            return self.original(session, *args, **kwargs)
+
+        LayerwiseReloadSession.load = load  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc):
+        LayerwiseReloadSession.load = self.original  # type: ignore[method-assign]
+
+
+def test_a_failure_after_a_weight_landed_fences_until_a_full_resync():
+    target, trainer = reload_ready(0), TinyNet(1)
+    engine = make_engine(target)
+    with FailingLoad(engine, 2), pytest.raises(RuntimeError, match="injected"):
+        push(engine, trainer)
+    status = engine.fence_status
+    assert status["state"] == "fenced" and "injected" in status["reason"]
+    with pytest.raises(WeightsFencedError, match="full resync is required"):
+        engine.update_weights({"names": [], "dtype_names": [], "shapes": []})
+    with pytest.raises(WeightsFencedError, match="full resync is required"):
+        engine.finish_weight_update()
+    push(engine, trainer)  # the resync
+    assert engine.fence_status["state"] == "committed"
+    for name, want in state(trainer).items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name
+
+
+def test_an_abort_after_a_weight_landed_fences_and_finish_closes_quietly():
+    target, trainer = reload_ready(0), TinyNet(1)
+    engine = make_engine(target)
+    push(engine, TinyNet(2))
+    engine.start_weight_update()
+    engine._loaded = True  # as after a landed chunk
+    engine.pub.touch()
+    engine.update_weights({"abort": "trainer rank 1 died"})
+    engine.finish_weight_update()  # closes the aborted update without raising
+    assert engine.fence_status["state"] == "fenced"
+    push(engine, trainer)
+    assert engine.fence_status["state"] == "committed"
+
+
+def test_manifest_contradicting_the_checkpoint_is_rejected_before_loading(tmp_path):
+    from safetensors.torch import save_file
+
+    target, trainer = reload_ready(0), TinyNet(1)
+    before = state(target)
+    checkpoint = {n: p.detach().clone() for n, p in TinyNet(0).named_parameters()}
+    checkpoint["b.weight"] = torch.zeros(3, 7)  # the served model differs here
+    save_file(checkpoint, str(tmp_path / "model.safetensors"))
+    engine = make_engine(target, checkpoint=str(tmp_path))
+    with pytest.raises(
+        ManifestMismatch, match=r"b.weight \[3, 6\] \(served model: \[3, 7\]\)"
+    ):
+        push(engine, trainer)
+    assert engine.fence_status["state"] == "idle"  # nothing landed
+    for name, want in before.items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name

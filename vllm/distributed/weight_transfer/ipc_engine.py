@@ -33,6 +33,21 @@ The worker lands each chunk through ``LayerwiseReloadSession``
 quantized layers are processed after loading. It maps each buffer once per
 update and releases it at finish.
 
+Verified publication (``verified_sync``, on by default): the sender opens a
+``TrainerPublication`` whose header rides in every update message; each worker
+checks the header's manifest against the served checkpoint's shapes and every
+tensor against the manifest before it touches a weight, and writes a receipt
+at finish into a shared-memory directory the trainer reads. ``send_weights``
+returns only after every worker's receipt was verified, and only then stamps
+``weight_version``; on any failure it sets the served version to
+``fenced:<publication id>: <reason>`` and re-raises. With
+``verify_checksums=True`` every rank checksums each chunk it exported, the
+sender checks that the ranks agree, and each worker checksums the bytes it
+mapped before loading them. A worker whose weights were touched by a failed
+update is fenced: it refuses ``update_weights`` and ``finish_weight_update``
+until a full resync completes. See ``docs/training/weight_transfer/
+verification.md``.
+
 Failures: a malformed update is rejected with ``ValueError`` before any weight
 is touched. Any failure inside ``update_weights`` puts every layer that did not
 complete back on its resident weights before re-raising, so the server keeps
@@ -44,6 +59,7 @@ HTTP and Ray clients bound every call to the server.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Self
@@ -58,6 +74,18 @@ from vllm.distributed.weight_transfer.base import (
     VLLMWeightSyncClient,
     WeightSource,
     WeightTransferEngine,
+)
+from vllm.distributed.weight_transfer.checkpoint_structure import (
+    Shapes,
+    check_manifest_shapes,
+    checkpoint_shapes,
+)
+from vllm.distributed.weight_transfer.checksum import payload_checksum
+from vllm.distributed.weight_transfer.fencing import (
+    WeightsFencedError,
+    WeightState,
+    fenced_message,
+    set_served_version,
 )
 from vllm.distributed.weight_transfer.ipc_dataplane import (
     BufferImporter,
@@ -84,9 +112,16 @@ from vllm.distributed.weight_transfer.ipc_wire import (
 from vllm.distributed.weight_transfer.layerwise_session import (
     LayerwiseReloadSession,
 )
+from vllm.distributed.weight_transfer.receipts import DEFAULT_RECEIPT_TIMEOUT_S
 from vllm.distributed.weight_transfer.trainer_group import (
     TrainerGroup,
     make_trainer_group,
+)
+from vllm.distributed.weight_transfer.verified_sync import (
+    TrainerPublication,
+    WorkerPublication,
+    device_identity,
+    served_world_size,
 )
 from vllm.logger import init_logger
 
@@ -122,6 +157,16 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     (default: all ranks of torch.distributed, over a new gloo group),
     ``timeout_s`` bounds every wait among them, ``alignment_bytes`` aligns each
     tensor in the packed buffer.
+
+    Verified publication: ``verify_publication`` (default on) sends a
+    publication header and waits for every worker's receipt; turn it off only
+    for a server whose ipc workers do not understand the header.
+    ``verify_checksums`` adds payload checksums. ``model_version`` is the first
+    publication's model version (then one more per send); without it, and
+    unless ``send_weights`` gets an integer ``weight_version``, the version is
+    the wall clock in microseconds, so successive trainer engines still
+    publish increasing versions. ``receipt_timeout_s`` bounds the wait for
+    receipts after ``finish_weight_update`` returned.
     """
 
     backend: ClassVar[str] = "ipc"
@@ -130,6 +175,10 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = DEFAULT_TIMEOUT_S
     alignment_bytes: int = DEFAULT_ALIGNMENT
     process_group: Any = field(default=None, repr=False, compare=False)
+    verify_publication: bool = True
+    verify_checksums: bool = False
+    model_version: int | None = None
+    receipt_timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.packed_buffer_size_bytes <= 0:
@@ -140,6 +189,21 @@ class IPCTrainerInitInfo(TrainerInitInfo):
         if self.timeout_s <= 0:
             raise ValueError(
                 f"IPCTrainerInitInfo.timeout_s must be positive, got {self.timeout_s}"
+            )
+        if self.verify_checksums and not self.verify_publication:
+            raise ValueError(
+                "IPCTrainerInitInfo.verify_checksums needs verify_publication=True: "
+                "checksums travel in the publication header"
+            )
+        if self.model_version is not None and self.model_version < 0:
+            raise ValueError(
+                "IPCTrainerInitInfo.model_version must be >= 0, got "
+                f"{self.model_version}"
+            )
+        if self.receipt_timeout_s <= 0:
+            raise ValueError(
+                "IPCTrainerInitInfo.receipt_timeout_s must be positive, got "
+                f"{self.receipt_timeout_s}"
             )
 
 
@@ -219,6 +283,10 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         rank: int | None = None,
         group: TrainerGroup | None = None,
         alignment_bytes: int = DEFAULT_ALIGNMENT,
+        verify_publication: bool = True,
+        verify_checksums: bool = False,
+        model_version: int | None = None,
+        receipt_timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S,
     ) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.rank = rank if rank is not None else (0 if is_sender else 1)
@@ -229,6 +297,13 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         self.last_plan: TransferPlan | None = None
         self._plan_cache: tuple[tuple, TransferPlan] | None = None
         self._chunk_fields: list[dict[str, Any]] = []
+        self.verify_publication = verify_publication
+        self.verify_checksums = verify_checksums and verify_publication
+        self.receipt_timeout_s = receipt_timeout_s
+        self._next_version = model_version
+        # The publication being sent (sender only), and the last one verified.
+        self._pub: TrainerPublication | None = None
+        self.last_publication: TrainerPublication | None = None
 
     @classmethod
     def trainer_init(
@@ -255,6 +330,10 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
             rank=init_info.rank,
             group=group,
             alignment_bytes=init_info.alignment_bytes,
+            verify_publication=init_info.verify_publication,
+            verify_checksums=init_info.verify_checksums,
+            model_version=init_info.model_version,
+            receipt_timeout_s=init_info.receipt_timeout_s,
         )
         error = None
         if engine.is_sender:
@@ -272,32 +351,94 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
     def send_weights(self, weight_version: str | None = None) -> None:
         """Push the source's current weights; see the module docstring.
 
-        ``weight_version``, if given, is stamped on the server at finish.
+        ``weight_version``, if given, becomes the server's weight version once
+        every worker's receipt is verified (at finish when verification is
+        off). An integer string is also the publication's model version.
         """
         assert self.source is not None
         metas = list(self.source.metadata())
         plan = self._plan_for(metas)
         self.last_plan = plan
-        error = self._call_server("start_weight_update")
-        self.group.exchange(None, error, "start_weight_update")
-        buffers: list[ExportedBuffer] = []
+        pub = self._open_publication(metas, weight_version)
         try:
+            error = self._call_server("start_weight_update")
+            self.group.exchange(None, error, "start_weight_update")
+            buffers: list[ExportedBuffer] = []
             try:
-                self._send_chunks(plan, metas, buffers)
-            except BaseException as e:
-                self._abort_on_server(f"trainer rank {self.rank}: {e}")
-                raise
-            if weight_version is None:
-                error = self._call_server("finish_weight_update")
-            else:
-                error = self._call_server("finish_weight_update", weight_version)
-            self.group.exchange(None, error, "finish_weight_update")
+                try:
+                    self._send_chunks(plan, metas, buffers)
+                    if pub is not None or weight_version is None:
+                        error = self._call_server("finish_weight_update")
+                    else:
+                        error = self._call_server(
+                            "finish_weight_update", weight_version
+                        )
+                    self.group.exchange(None, error, "finish_weight_update")
+                except BaseException as e:
+                    # Also after a failed finish: vLLM's Worker keeps the update
+                    # open until an engine call raises or a finish returns.
+                    self._abort_on_server(f"trainer rank {self.rank}: {e}")
+                    raise
+            finally:
+                # Workers release their mappings at finish; only then is the
+                # packed buffer dropped, so CUDA can reclaim it at once.
+                for buffer in buffers:
+                    buffer.close()
+                release_exported_cuda_memory()
+            if self.verify_publication:
+                error = self._on_sender(
+                    "verify receipts", lambda: self._commit(weight_version)
+                )
+                self.group.exchange(None, error, "verify receipts")
+        except BaseException as e:
+            if pub is not None:
+                pub.fail(self.client, e)
+            raise
         finally:
-            # Workers release their mappings at finish; only then is the packed
-            # buffer dropped, so CUDA can reclaim it at once.
-            for buffer in buffers:
-                buffer.close()
-            release_exported_cuda_memory()
+            self._pub = None
+            if pub is not None:
+                pub.close()
+
+    def _open_publication(
+        self, metas: list[ParamMeta], weight_version: str | None
+    ) -> TrainerPublication | None:
+        """Gather every rank's device; the sender opens the publication."""
+        if not self.verify_publication:
+            return None
+        devices = self.group.exchange(_trainer_device(), None, "publication")
+        version = self._model_version(weight_version)
+        if not self.is_sender:
+            return None
+        self._pub = TrainerPublication.open(
+            backend="ipc",
+            model_version=version,
+            metas=metas,
+            channel="shm",
+            checksums=self.verify_checksums,
+            trainer_devices=[devices[r] for r in sorted(devices)],
+        )
+        return self._pub
+
+    def _model_version(self, weight_version: str | None) -> int:
+        if weight_version is not None and weight_version.isdigit():
+            version = int(weight_version)
+        elif self._next_version is not None:
+            version = self._next_version
+        else:
+            version = time.time_ns() // 1000
+        self._next_version = version + 1
+        return version
+
+    def _commit(self, weight_version: str | None) -> None:
+        """Verify every worker's receipt, then make the version visible."""
+        pub = self._pub
+        assert pub is not None
+        pub.verify(
+            range(served_world_size(self.client)), timeout_s=self.receipt_timeout_s
+        )
+        self.last_publication = pub
+        if weight_version is not None:
+            set_served_version(self.client, weight_version)
 
     def _plan_for(self, metas: list[ParamMeta]) -> TransferPlan:
         """The transfer plan of ``metas``, reused while the metadata is unchanged."""
@@ -316,17 +457,47 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
     def _call_server(self, method: str, *args: Any) -> str | None:
         """Run a client call on the sender; return its failure as text so every
         rank learns of it (a single-process trainer raises it directly)."""
+        return self._on_sender(method, lambda: getattr(self.client, method)(*args))
+
+    def _on_sender(self, what: str, step: Any) -> str | None:
+        """Run ``step()`` on the sender; its failure as text (see _call_server)."""
         if not self.is_sender:
             return None
         if self.group.world_size == 1:
-            getattr(self.client, method)(*args)
+            step()
             return None
         try:
-            getattr(self.client, method)(*args)
+            step()
         except Exception as e:
-            logger.error("ipc weight transfer: %s failed: %s", method, e)
-            return f"{method}: {e}"
+            logger.error("ipc weight transfer: %s failed: %s", what, e)
+            return f"{what}: {e}"
         return None
+
+    def _checksum(self, buf: torch.Tensor) -> str | None:
+        """The payload checksum of ``buf`` (1-D bytes) when checksums are on."""
+        if not self.verify_checksums:
+            return None
+        if self._pub is not None:
+            return self._pub.checksum(buf)
+        return payload_checksum(buf)
+
+    def _attach(
+        self, message: dict[str, Any], what: str, per_rank: list[list[str | None]]
+    ) -> dict[str, Any]:
+        """``message`` with the publication header and, when checksums are on,
+        one checksum per buffer; every rank must have exported equal bytes."""
+        if self._pub is None:
+            return message
+        sums: list[str | None] = []
+        for i, rank_sums in enumerate(zip(*per_rank, strict=True)):
+            if len(set(rank_sums)) > 1:
+                raise ValueError(
+                    f"trainer ranks exported different bytes for buffer {i} of "
+                    f"{what} (checksums {list(rank_sums)}); every rank must send "
+                    "the same weights"
+                )
+            sums.append(rank_sums[0])
+        return self._pub.attach(message, checksums=sums if self._pub.checksums else ())
 
     def _abort_on_server(self, reason: str) -> None:
         """Best effort: leave the server serving its previous weights."""
@@ -368,6 +539,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
     ) -> ExportedBuffer | None:
         error: str | None = None
         device: torch.device | None = None
+        checksum: str | None = None
         # Copies from resident tensors are batched into one fused copy per dtype;
         # any other tensor is copied at once and dropped before the next one is
         # materialized.
@@ -394,25 +566,37 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
                 torch._foreach_copy_(dsts, srcs)
             batched.clear()
             _sync_device(device)
+            if buffer is not None and buffer.tensor is not None:
+                checksum = self._checksum(buffer.tensor[: _extent(chunk)])
         except Exception as e:
             error = str(e)
             if self.group.world_size == 1:
                 raise
         key = device_key(device, self.rank) if device is not None else None
-        payload = (key, buffer.handle.to_dict()) if buffer is not None else None
+        payload = (
+            (key, buffer.handle.to_dict(), checksum) if buffer is not None else None
+        )
         handles = self.group.exchange(payload, error, f"chunk {chunk.index}")
         error = None
         if self.is_sender:
-            merged = dict(p for p in handles.values() if p is not None)
+            given = [p for p in handles.values() if p is not None]
+            merged = {k: h for k, h, _ in given}
             message = {**self._chunk_fields[chunk.index], "ipc_handles": merged}
-            error = self._call_server("update_weights", message)
+            error = self._on_sender(
+                f"update_weights of chunk {chunk.index}",
+                lambda: self.client.update_weights(
+                    self._attach(
+                        message, f"chunk {chunk.index}", [[c] for _, _, c in given]
+                    )
+                ),
+            )
         self.group.exchange(None, error, f"update_weights of chunk {chunk.index}")
         return buffer
 
     def _send_unpacked_chunk(self, chunk: Chunk, cursor: _SourceCursor) -> None:
         error: str | None = None
         exported: list[ExportedBuffer] = []
-        payload: list[tuple[str, dict]] = []
+        payload: list[tuple[str, dict, str | None]] = []
         try:
             try:
                 for _ in chunk.slots:
@@ -420,7 +604,11 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
                     buf = export_tensor(tensor)
                     exported.append(buf)
                     payload.append(
-                        (device_key(tensor.device, self.rank), buf.handle.to_dict())
+                        (
+                            device_key(tensor.device, self.rank),
+                            buf.handle.to_dict(),
+                            self._checksum(_bytes_of(tensor)),
+                        )
                     )
                     del tensor
                 _sync_device(next((t.device for t in _owned(exported)), None))
@@ -433,7 +621,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
             if self.is_sender:
                 merged: list[dict[str, dict]] = [{} for _ in chunk.slots]
                 for rank_payload in per_rank.values():
-                    for i, (key, handle) in enumerate(rank_payload):
+                    for i, (key, handle, _) in enumerate(rank_payload):
                         merged[i][key] = handle
                 info = IPCWeightTransferUpdateInfo(
                     names=chunk.names,
@@ -442,11 +630,34 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
                     ipc_handles=merged,
                     tensor_sizes=[s.nbytes for s in chunk.slots],
                 )
-                error = self._call_server("update_weights", info.to_dict())
+                sums = [[c for _, _, c in p] for p in per_rank.values()]
+                error = self._on_sender(
+                    f"update_weights of chunk {chunk.index}",
+                    lambda: self.client.update_weights(
+                        self._attach(info.to_dict(), f"chunk {chunk.index}", sums)
+                    ),
+                )
             self.group.exchange(None, error, f"update_weights of chunk {chunk.index}")
         finally:
             for buf in exported:
                 buf.close()
+
+
+def _trainer_device() -> str:
+    """This trainer rank's device identity (its current GPU, else the process)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return device_identity(torch.device("cuda", torch.cuda.current_device()))
+    return device_identity("cpu")
+
+
+def _extent(chunk: Chunk) -> int:
+    """Bytes of the packed buffer that ``chunk`` uses."""
+    return max((s.offset + s.nbytes for s in chunk.slots), default=0)
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes as a 1-D uint8 tensor on its device."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _is_resident(tensor: torch.Tensor) -> bool:
@@ -503,6 +714,15 @@ class IPCWeightTransferEngine(
         # Device keys this worker read in the current or last update
         # (diagnostics: which trainer rank's buffers fed this worker).
         self.last_update_keys: set[str] = set()
+        self.pub = WorkerPublication(
+            backend="ipc",
+            worker_rank=_worker_rank(vllm_config),
+            worker_device=device_identity(device),
+        )
+        # Set once a weight of the open update was handed to the loader.
+        self._loaded = False
+        # Set by an abort message until the finish that closes the update.
+        self._aborted = False
 
     # -- parsing ---------------------------------------------------------------
 
@@ -524,19 +744,32 @@ class IPCWeightTransferEngine(
             self._session.abort()
         self._release()
         self.last_update_keys = set()
+        self.pub.start()
+        self._loaded = False
+        self._aborted = False
         session = LayerwiseReloadSession(self.model, self.model_config)
         session.start()
         self._session = session
 
+    @property
+    def fence_status(self) -> dict[str, Any]:
+        """The worker's update state (``FenceStatus.to_dict``), for diagnostics."""
+        return self.pub.fence.status.to_dict()
+
     def update_weights(self, update_info: dict[str, Any]) -> None:
+        reason = abort_reason(update_info)
+        if reason is not None:
+            self._close_aborted(reason)
+            return
+        self._refuse_if_fenced()
         try:
-            reason = abort_reason(update_info)
-            if reason is not None:
-                logger.warning("Trainer aborted the weight update: %s", reason)
-                self._abort()
-                return
+            checker = self.pub.checker
+            update_info = self.pub.begin_message(update_info)
+            if self.pub.checker is not checker and self.pub.header is not None:
+                self._check_against_checkpoint()
             self.receive_weights(self.parse_update_info(update_info))
-        except BaseException:
+        except BaseException as e:
+            self.pub.fail(e, weights_intact=not self._loaded)
             self._abort()
             raise
 
@@ -552,6 +785,9 @@ class IPCWeightTransferEngine(
                 f"update_info.ipc_handles is {form} (packed={update_info.packed}) "
                 f"but init_weight_transfer_engine set packed={self.packed}"
             )
+        views = update_info.views()
+        for view in views:
+            self.pub.admit(view.name, view.dtype, view.shape, view.nbytes)
         importer = self._get_importer()
         selected = [
             importer.select(hmap, f"update_info.ipc_handles{suffix}")
@@ -560,21 +796,48 @@ class IPCWeightTransferEngine(
         handles = [handle for _, handle in selected]
         self.last_update_keys.update(key for key, _ in selected)
         buffers = [importer.open(h) for h in handles]
+        for i, extent in enumerate(_extents(views, len(buffers))):
+            self.pub.check_buffer(i, buffers[i][:extent])
         weights = []
-        for view in update_info.views():
+        for view in views:
             raw = buffers[view.buffer][view.offset : view.offset + view.nbytes]
             weights.append((view.name, raw.view(view.dtype).view(view.shape)))
-        self._session.load(weights, foreign_storages=importer.storage_ptrs())
+        self.pub.touch()
+        self._loaded = True
+        record = self.pub.record
+        if record is not None:
+            with record.phase("load"):
+                self._session.load(weights, foreign_storages=importer.storage_ptrs())
+        else:
+            self._session.load(weights, foreign_storages=importer.storage_ptrs())
         del weights, buffers
         _sync_device(self.device)
+        for view in views:
+            self.pub.landed(view.name, view.nbytes)
         if not update_info.packed:
             importer.close()  # one-shot buffers: nothing refers to them any more
 
     def finish_weight_update(self) -> None:
+        if self._aborted:
+            # The finish that closes an update the trainer aborted: the
+            # trainer knows, and vLLM's Worker keeps an update open for as
+            # long as finish raises.
+            self._aborted = False
+            self._release()
+            return
+        self._refuse_if_fenced()
         session, self._session = self._session, None
         try:
-            if session is not None and session.is_open:
-                session.finish()
+            if self.pub.fence.state != WeightState.UPDATING:
+                # An earlier failure closed the update with the weights intact.
+                return
+            try:
+                if session is not None and session.is_open:
+                    session.finish()
+            except BaseException as e:
+                self.pub.fail(e, weights_intact=False)
+                raise
+            self.pub.finish()
         finally:
             self._release()
 
@@ -582,6 +845,38 @@ class IPCWeightTransferEngine(
         self._abort()
 
     # -- internals -------------------------------------------------------------
+
+    def _close_aborted(self, reason: str) -> None:
+        """Close the open update on the trainer's ``{"abort": reason}``.
+
+        Never raises: the trainer already knows the update failed, and the
+        ``finish_weight_update`` it sends next closes the update quietly, so
+        vLLM's Worker is ready for the resync. The engine is fenced if the
+        update had touched a weight.
+        """
+        logger.warning("Trainer aborted the weight update: %s", reason)
+        if self.pub.fence.state == WeightState.UPDATING:
+            self.pub.fail(
+                f"the trainer aborted the update: {reason}",
+                weights_intact=not self._loaded,
+            )
+        self._aborted = True
+        self._abort()
+
+    def _refuse_if_fenced(self) -> None:
+        status = self.pub.fence.status
+        if status.state == WeightState.FENCED:
+            raise WeightsFencedError(fenced_message(status.reason or "unknown"))
+
+    def _check_against_checkpoint(self) -> None:
+        """Reject a manifest the served checkpoint contradicts, before loading."""
+        header = self.pub.header
+        assert header is not None and self.pub.checker is not None
+        shapes: Shapes | None = checkpoint_shapes(self.model_config)
+        if shapes is not None:
+            check_manifest_shapes(
+                self.pub.checker.manifest, shapes, header.publication_id
+            )
 
     def _get_importer(self) -> BufferImporter:
         if self._importer is None:
@@ -599,6 +894,29 @@ class IPCWeightTransferEngine(
     def _release(self) -> None:
         if self._importer is not None:
             self._importer.close()
+
+
+def _extents(views: list[Any], n_buffers: int) -> list[int]:
+    """Per buffer, the bytes its views use (what the trainer checksummed)."""
+    extents = [0] * n_buffers
+    for view in views:
+        extents[view.buffer] = max(extents[view.buffer], view.offset + view.nbytes)
+    return extents
+
+
+def _worker_rank(vllm_config: Any) -> int:
+    """The worker's global rank across data-parallel replicas: the index
+    vLLM's ``Worker`` uses to pick its element of a list payload."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    dp_index = getattr(parallel, "data_parallel_index", 0) or 0
+    world_size = getattr(parallel, "world_size", 1) or 1
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        rank = get_world_group().rank_in_group
+    except (AssertionError, ImportError):
+        rank = 0
+    return dp_index * world_size + rank
 
 
 def _indexed(info: IPCWeightTransferUpdateInfo) -> list[tuple[str, dict]]:
