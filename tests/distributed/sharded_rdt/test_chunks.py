@@ -119,3 +119,10 @@ def test_ray_version_gate(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", lambda _: "2.40.0")
     with pytest.raises(ValueError, match="needs Ray >= 2.56.0; found Ray 2.40.0"):
         check_ray_rdt_version()
+
+
+def test_router_group_lookup_and_group_owners():
+    router = RdtRouter(2, 1, [[0], [1]], [0, 0, 0, 1, 1], NAMES, [1, 2, 2])
+    assert router.producer_for(0, "layers.1.a") == 1
+    assert router.group_owners(1) == (0,)
+    assert RdtRouter(2, 1).group_owners(0) == (0, 1)

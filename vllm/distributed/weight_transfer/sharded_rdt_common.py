@@ -70,6 +70,14 @@ def check_ray_rdt_version() -> None:
         )
 
 
+def register_nixl_memory(tensor: torch.Tensor) -> None:
+    """Register ``tensor`` with Ray Direct Transport's NIXL agent in this
+    process once, so transfers out of it do not register it each time."""
+    from ray.experimental import register_nixl_memory as ray_register
+
+    ray_register(tensor)
+
+
 def assign_producer_indices(
     num_producers: int, num_consumers: int, consumer_idx: int
 ) -> list[int]:
@@ -154,6 +162,13 @@ class RdtRouter:
             raise ValueError(
                 f"group_lens sum to {sum(group_lens)} but there are {len(names)} names"
             )
+        self._group_of: dict[str, int] = {}
+        self._group_names: list[list[str]] = []
+        start = 0
+        for gi, n in enumerate(group_lens or []):
+            self._group_names.append(names[start : start + n])
+            self._group_of.update((name, gi) for name in names[start : start + n])
+            start += n
         self._everyone = tuple(range(num_producers))
         self._owners = {
             name: tuple(sorted(sets[c]))
@@ -170,9 +185,25 @@ class RdtRouter:
     def owners(self, name: str) -> tuple[int, ...]:
         return self._owners.get(name, self._everyone)
 
-    def producer_for(self, consumer_id: int, name: str, group: int) -> int:
-        """The producer that serves ``name`` (of gather group ``group``) to
-        ``consumer_id``."""
+    def group_owners(self, group: int) -> tuple[int, ...]:
+        """Every producer that holds part of gather group ``group``."""
+        if not self._group_names:
+            return self._everyone
+        return tuple(
+            sorted({o for n in self._group_names[group] for o in self.owners(n)})
+        )
+
+    def producer_for(
+        self, consumer_id: int, name: str, group: int | None = None
+    ) -> int:
+        """The producer that serves ``name`` (of gather group ``group``, looked
+        up from ``group_lens`` when not given) to ``consumer_id``."""
+        if group is None:
+            if name not in self._group_of:
+                raise KeyError(
+                    f"{name!r} is not among the router's names; pass its group"
+                )
+            group = self._group_of[name]
         owners = self.owners(name)
         local = consumer_id % self.block_consumers
         picks = assign_producer_indices(len(owners), self.block_consumers, local)

@@ -293,7 +293,7 @@ class Producer:
                 )
                 consumer.last_gen = self._gen
             gen = consumer.last_gen
-            self._wait(lambda: True, "", floor=gen)
+            self._raise_if_failed(gen)
             if not self._active or self._gen != gen:
                 raise ProducerError(
                     f"consumer {consumer_id} pulled seq {seq} from producer rank "
