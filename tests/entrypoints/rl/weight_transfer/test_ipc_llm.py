@@ -169,18 +169,19 @@ class SubsetSource(WeightSource):
 
 
 class BreakingSource(WeightSource):
-    """``inner`` with the shape of its last tensor misreported in metadata."""
+    """``inner`` whose last tensor is yielded at a shape metadata() does not
+    announce: the trainer finds out only after the earlier chunks were sent."""
 
     def __init__(self, inner: WeightSource) -> None:
         self.inner = inner
 
     def metadata(self) -> list[ParamMeta]:
-        metas = self.inner.metadata()
-        last = metas[-1]
-        return metas[:-1] + [ParamMeta(last.name, last.dtype, (*last.shape, 1))]
+        return self.inner.metadata()
 
     def __iter__(self):
-        return iter(self.inner)
+        items = list(self.inner)
+        name, last = items[-1]
+        return iter(items[:-1] + [(name, last.unsqueeze(-1))])
 
 
 def test_before_any_update_vllm_serves_the_checkpoint(rig):

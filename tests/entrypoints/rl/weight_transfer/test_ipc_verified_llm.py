@@ -1,0 +1,338 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Verified publication through real vLLM engines on CPU, with the ``ipc`` backend.
+
+One offline ``LLM`` (dense Qwen3, fp32, TP=1) is shared by the offline
+scenarios, and one ``vllm serve`` by the HTTP one:
+
+* the served version changes only after every receipt verified;
+* a byte flipped in the shared-memory buffer after packing is caught by the
+  payload checksums, the engine is fenced, and a full resync recovers;
+* a trainer model with one tensor of another shape than the served model is
+  rejected before any weight loads: the output is unchanged;
+* a worker failing mid-update leaves the engine fenced and refusing updates
+  with the resync message; the trainer gets the error; a full resync recovers
+  output equal to the Hugging Face oracle;
+* over HTTP, a committed sync and a rejected one show on ``/metrics`` and
+  ``/weight_info``, and the server keeps serving.
+
+Each test first pushes the state it starts from, so tests do not depend on
+order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import torch
+
+from vllm.distributed.weight_transfer import (
+    ModuleSource,
+    ParamMeta,
+    WeightSource,
+    WeightTransferTrainerFactory,
+)
+from vllm.distributed.weight_transfer.clients import (
+    HTTPVLLMWeightSyncClient,
+    OfflineLLMWeightSyncClient,
+)
+from vllm.distributed.weight_transfer.fencing import is_fenced_version
+from vllm.distributed.weight_transfer.ipc_engine import (
+    IPCTrainerInitInfo,
+    IPCTrainerWeightTransferEngine,
+)
+from vllm.distributed.weight_transfer.publication import (
+    Manifest,
+    PublicationHeader,
+    attach_publication,
+)
+from vllm.distributed.weight_transfer.testing import (
+    assert_same_greedy,
+    completions_greedy,
+    hf_greedy,
+    load_hf_model,
+    randomize_weights_,
+    vllm_greedy,
+)
+from vllm.distributed.weight_transfer.testing.ipc_faults import (
+    INJECTED_FAILURE,
+    ByteFlippingClient,
+    fail_load_once,
+    worker_fence_status,
+)
+from vllm.distributed.weight_transfer.testing.server import serve
+
+pytestmark = pytest.mark.slow
+
+# A small cap so every push spans several chunks (the model is ~2 MB).
+CHUNK_CAP = 256 * 1024
+ATOL = 1e-4  # fp32
+RESYNC = "full resync is required"
+MIDDLEWARE = "vllm.distributed.weight_transfer.sync_metrics.WeightSyncMetricsMiddleware"
+
+
+@dataclass
+class Rig:
+    llm: Any
+    model: torch.nn.Module  # the trainer's model
+
+    def client(self) -> OfflineLLMWeightSyncClient:
+        return OfflineLLMWeightSyncClient(self.llm)
+
+    def trainer(
+        self, client: Any = None, source: WeightSource | None = None, **kwargs: Any
+    ) -> IPCTrainerWeightTransferEngine:
+        kwargs.setdefault("packed_buffer_size_bytes", CHUNK_CAP)
+        return WeightTransferTrainerFactory.trainer_init(
+            IPCTrainerInitInfo(rank=0, **kwargs),
+            client=client or self.client(),
+            source=source or ModuleSource(self.model),
+        )
+
+    def push(self, seed: int, version: str) -> None:
+        """Randomize the trainer's model and push it; vLLM then matches HF."""
+        randomize_weights_(self.model, seed=seed)
+        self.trainer().send_weights(weight_version=version)
+        assert self.llm.get_weight_version() == version
+        self.assert_serves_trainer()
+
+    def assert_serves_trainer(self) -> None:
+        assert_same_greedy(vllm_greedy(self.llm), hf_greedy(self.model), atol=ATOL)
+
+    def fence(self) -> dict[str, Any]:
+        (status,) = self.llm.collective_rpc(worker_fence_status)
+        return status
+
+
+@pytest.fixture(scope="module")
+def rig(tiny_model_dir: Path) -> Iterator[Rig]:
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    # collective_rpc(fn) pickles fn (test-only fault injection and status).
+    saved = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    llm = LLM(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        max_num_seqs=4,
+        seed=0,
+        weight_transfer_config=WeightTransferConfig(backend="ipc"),
+    )
+    try:
+        yield Rig(llm, load_hf_model(tiny_model_dir, "float32"))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        if saved is None:
+            os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+        else:
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = saved
+
+
+class ResizedSource(WeightSource):
+    """``inner`` with one tensor one element longer (metadata agrees)."""
+
+    def __init__(self, inner: WeightSource, name: str) -> None:
+        self.inner, self.name = inner, name
+
+    def metadata(self) -> list[ParamMeta]:
+        return [
+            ParamMeta(m.name, m.dtype, (*m.shape[:-1], m.shape[-1] + 1))
+            if m.name == self.name
+            else m
+            for m in self.inner.metadata()
+        ]
+
+    def __iter__(self):
+        for name, tensor in self.inner:
+            if name == self.name:
+                tensor = torch.cat([tensor, tensor[..., :1]], dim=-1)
+            yield name, tensor
+
+
+class VersionAtFinish:
+    """Records the served version right after ``finish_weight_update`` returns."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.seen: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.inner.finish_weight_update(weight_version)
+        self.seen.append(self.inner.llm.get_weight_version())
+
+
+def test_version_becomes_visible_only_after_receipts_verify(rig):
+    rig.push(seed=1, version="step-1")
+    randomize_weights_(rig.model, seed=2)
+    client = VersionAtFinish(rig.client())
+    trainer = rig.trainer(client, verify_checksums=True)
+    trainer.send_weights(weight_version="step-2")
+    assert client.seen == ["step-1"]  # workers finished; not yet verified
+    assert rig.llm.get_weight_version() == "step-2"
+    pub = trainer.last_publication
+    assert pub is not None and pub.verified is not None
+    assert pub.verified.workers == (0,)
+    assert pub.verified.checksums_verified == len(trainer.last_plan.chunks) > 1
+    status = rig.fence()
+    assert status["state"] == "committed"
+    assert status["publication_id"] == pub.header.publication_id
+    rig.assert_serves_trainer()
+
+
+def test_flipped_byte_in_transit_is_caught_by_checksums(rig):
+    rig.push(seed=3, version="step-3")
+    randomize_weights_(rig.model, seed=4)
+    client = ByteFlippingClient(rig.client(), message=1)  # the second chunk
+    with pytest.raises(Exception, match="checksum") as info:
+        rig.trainer(client, verify_checksums=True).send_weights(weight_version="step-4")
+    assert client.flipped is not None
+    assert "changed in transit" in str(info.value)
+    version = rig.llm.get_weight_version()
+    assert is_fenced_version(version) and "checksum" in version
+    # the first chunk had landed: the engine is fenced until a full resync
+    assert rig.fence()["state"] == "fenced"
+    rig.push(seed=4, version="step-4")
+    assert rig.fence()["state"] == "committed"
+
+
+def test_manifest_mismatch_is_rejected_before_any_weight_loads(rig):
+    rig.push(seed=5, version="step-5")
+    before = vllm_greedy(rig.llm)
+    randomize_weights_(rig.model, seed=6)  # would change the output if it landed
+    # model.norm.weight comes after every layer: without the check against the
+    # served checkpoint, earlier chunks would land first.
+    source = ResizedSource(ModuleSource(rig.model), "model.norm.weight")
+    with pytest.raises(Exception, match="disagrees with the served model"):
+        rig.trainer(source=source).send_weights(weight_version="step-6")
+    after = vllm_greedy(rig.llm)
+    assert after.tokens == before.tokens
+    assert_same_greedy(after, before, atol=1e-6, what="vLLM after the rejection")
+    assert rig.fence()["state"] == "committed"  # nothing landed: not fenced
+    assert is_fenced_version(rig.llm.get_weight_version())
+    rig.push(seed=6, version="step-6")
+
+
+def test_worker_failing_mid_update_fences_until_a_full_resync(rig):
+    rig.push(seed=7, version="step-7")
+    randomize_weights_(rig.model, seed=8)
+    rig.llm.collective_rpc(fail_load_once, args=(2,))
+    with pytest.raises(Exception, match=INJECTED_FAILURE):
+        rig.trainer().send_weights(weight_version="step-8")
+    assert is_fenced_version(rig.llm.get_weight_version())
+    status = rig.fence()
+    assert status["state"] == "fenced" and INJECTED_FAILURE in status["reason"]
+
+    # A partial publication cannot clear the fence: update_weights refuses it.
+    header = PublicationHeader.create(
+        backend="ipc",
+        model_version=10**18,
+        manifest=Manifest.from_params(
+            [ParamMeta("lm_head.weight", torch.float32, (1,))]
+        ),
+        trainer_devices=["cpu:test:0"],
+        scope="partial",
+    )
+    rig.llm.start_weight_update()
+    with pytest.raises(Exception, match=RESYNC):
+        rig.llm.update_weights(
+            {"update_info": attach_publication({"names": []}, header)}
+        )
+    # Nor can a finish without a single verified tensor.
+    rig.llm.start_weight_update()
+    with pytest.raises(Exception, match=RESYNC):
+        rig.llm.finish_weight_update()
+    # vLLM's Worker keeps an update open while finish raises; an abort closes it.
+    rig.llm.update_weights({"update_info": {"abort": "giving up on the resync"}})
+    rig.llm.finish_weight_update()
+    assert rig.fence()["state"] == "fenced"
+
+    # A full resync clears the fence and serves the trainer's weights.
+    rig.trainer().send_weights(weight_version="step-8")
+    assert rig.llm.get_weight_version() == "step-8"
+    assert rig.fence()["state"] == "committed"
+    rig.assert_serves_trainer()
+
+
+# ---------------------------------------------------------------------------
+# HTTP
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text format (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        key, value = line.rsplit(" ", 1)
+        sample, _, label_text = key.partition("{")
+        got = ",".join(sorted(label_text.rstrip("}").split(","))) if label_text else ""
+        if sample == name and got == want:
+            return float(value)
+    return 0.0
+
+
+def test_http_sync_commits_then_a_rejected_one_fences_the_version(tiny_model_dir):
+    model = load_hf_model(tiny_model_dir, "float32")
+    randomize_weights_(model, seed=9)
+    with serve(
+        tiny_model_dir,
+        weight_transfer_backend="ipc",
+        extra_args=["--middleware", MIDDLEWARE],
+    ) as server:
+        client = HTTPVLLMWeightSyncClient(server.base_url, timeout=120)
+
+        def trainer(source: WeightSource) -> IPCTrainerWeightTransferEngine:
+            return WeightTransferTrainerFactory.trainer_init(
+                IPCTrainerInitInfo(
+                    rank=0, packed_buffer_size_bytes=CHUNK_CAP, verify_checksums=True
+                ),
+                client=client,
+                source=source,
+            )
+
+        def weight_version() -> str:
+            info = requests.get(f"{server.base_url}/weight_info", timeout=30)
+            return info.json()["weight_version"]
+
+        engine = trainer(ModuleSource(model))
+        engine.send_weights(weight_version="11")
+        assert weight_version() == "11"
+        assert engine.last_publication.header.model_version == 11
+        assert_same_greedy(
+            completions_greedy(server.base_url, server.model),
+            hf_greedy(model),
+            atol=ATOL,
+        )
+
+        bad = ResizedSource(ModuleSource(model), "model.norm.weight")
+        with pytest.raises(requests.HTTPError, match="disagrees with the served model"):
+            trainer(bad).send_weights(weight_version="12")
+        assert is_fenced_version(weight_version())
+
+        text = requests.get(f"{server.base_url}/metrics", timeout=30).text
+        assert metric(text, "vllm:weight_transfer_syncs_total", backend="ipc") == 1
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert metric(text, "vllm:weight_transfer_bytes_total", backend="ipc") == nbytes
+        failures = metric(
+            text, "vllm:weight_transfer_failures_total", backend="ipc", phase="update"
+        )
+        assert failures == 1
+        # still serving the committed weights
+        assert_same_greedy(
+            completions_greedy(server.base_url, server.model),
+            hf_greedy(model),
+            atol=ATOL,
+        )

@@ -1,0 +1,89 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Fault injection for the ``ipc`` backend's verified-publication tests.
+
+* ``ByteFlippingClient(inner, message)`` wraps a sync client and flips one
+  byte of the first tensor of update message number ``message`` (from 0) in
+  its shared-memory buffer, after the trainer packed (and checksummed) it and
+  before the workers read it: a fault in transit.
+* ``fail_load_once(worker, call)`` and ``worker_fence_status(worker)`` run in
+  the worker processes through ``llm.collective_rpc`` (which pickles the
+  function: set ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` before creating the
+  ``LLM``). The first makes the worker's ``call``-th load (from 1) raise once,
+  after the weights of that chunk were handed to the loader; the second reads
+  the worker engine's fence state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+INJECTED_FAILURE = "injected worker failure"
+
+
+class ByteFlippingClient:
+    """A sync client that corrupts one byte in transit; see the module docstring."""
+
+    def __init__(self, inner: Any, message: int = 0) -> None:
+        self.inner = inner
+        self.message = message
+        self.flipped: str | None = None  # the tensor whose byte was flipped
+        self._seen = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def update_weights(self, update_info: Any) -> None:
+        if isinstance(update_info, dict) and "abort" not in update_info:
+            if self._seen == self.message:
+                self._flip(update_info)
+            self._seen += 1
+        self.inner.update_weights(update_info)
+
+    def _flip(self, update_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.ipc_dataplane import BufferImporter
+        from vllm.distributed.weight_transfer.ipc_wire import (
+            IPCWeightTransferUpdateInfo,
+        )
+        from vllm.distributed.weight_transfer.publication import pop_publication
+
+        _, _, rest = pop_publication(update_info)
+        info = IPCWeightTransferUpdateInfo.from_dict(rest)
+        view = next(v for v in info.views() if v.nbytes)
+        importer = BufferImporter(torch.device("cpu"), local_rank=0)
+        try:
+            _, handle = importer.select(info.buffers()[view.buffer], "ipc_handles")
+            buf = importer.open(handle)
+            buf[view.offset] ^= 0x01
+            del buf
+        finally:
+            importer.close()
+        self.flipped = view.name
+
+
+def fail_load_once(worker: Any, call: int) -> None:
+    """For ``llm.collective_rpc``: the worker's ``call``-th load raises, once."""
+    from vllm.distributed.weight_transfer.layerwise_session import (
+        LayerwiseReloadSession,
+    )
+
+    original = LayerwiseReloadSession.load
+    calls = [0]
+
+    def load(session: Any, *args: Any, **kwargs: Any) -> None:
+        calls[0] += 1
+        if calls[0] < call:
+            return original(session, *args, **kwargs)
+        LayerwiseReloadSession.load = original  # type: ignore[method-assign]
+        # Land the chunk, then fail: the engine is past its first write.
+        original(session, *args, **kwargs)
+        raise RuntimeError(f"{INJECTED_FAILURE} on load {call}")
+
+    LayerwiseReloadSession.load = load  # type: ignore[method-assign,assignment]
+
+
+def worker_fence_status(worker: Any) -> dict[str, Any]:
+    """For ``llm.collective_rpc``: the worker engine's ``fence_status``."""
+    return dict(worker.weight_transfer_engine.fence_status)
