@@ -13,6 +13,8 @@ What happens:
    and, each step, trains it to continue the first prompt with a fixed target
    sentence, then calls ``send_weights()``: the weights travel through POSIX
    shared memory (``/dev/shm``), the HTTP routes carry only their description.
+   ``send_weights`` returns once every worker's receipt is verified; the
+   trainer then resets the prefix cache (``POST /reset_prefix_cache``).
 4. After every step the served greedy completion is compared with a Hugging
    Face forward pass of the trainer's weights (the oracle). The script exits
    with status 1 if they ever differ.
@@ -28,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+import requests
 import torch
 
 from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource
@@ -153,6 +156,11 @@ def main() -> int:
             t0 = time.perf_counter()
             trainer.send_weights(weight_version=f"step-{step}")
             sync_s = time.perf_counter() - t0
+            # Committed (every worker's receipt verified): KV blocks cached
+            # from the old weights must not serve the next prompts.
+            requests.post(
+                f"{server.base_url}/reset_prefix_cache", timeout=60
+            ).raise_for_status()
             plan = trainer.last_plan
             chunks = len(plan.chunks) if plan is not None else "?"
             served = completions_greedy(server.base_url, server.model)
