@@ -40,6 +40,8 @@ ATOL = logprob_atol("float32")
 
 
 def served_greedy(server: ServerProcess) -> GreedyResult:
+    # KV blocks cached before an update were computed with the old weights.
+    requests.post(f"{server.base_url}/reset_prefix_cache", timeout=60)
     return completions_greedy(server.base_url, server.model)
 
 
