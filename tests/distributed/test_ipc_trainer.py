@@ -368,3 +368,18 @@ def test_resident_parameters_are_packed_with_a_fused_copy_bit_exact():
         with torch.no_grad():
             for p in module.parameters():
                 p.mul_(-2)
+
+
+def test_verified_publication_needs_a_client_that_can_verify():
+    class UpstreamStyleClient:  # the four sync calls only
+        def init_weight_transfer_engine(self, init_info): ...
+        def start_weight_update(self): ...
+        def update_weights(self, update_info): ...
+        def finish_weight_update(self, weight_version=None): ...
+
+    with pytest.raises(TypeError, match="get_world_size or update_weight_version"):
+        IPCTrainerWeightTransferEngine.trainer_init(
+            IPCTrainerInitInfo(rank=0),
+            client=UpstreamStyleClient(),
+            source=RecordingSource(model_tensors(1), []),
+        )

@@ -12,15 +12,19 @@ Protocol of ``IPCTrainerWeightTransferEngine.send_weights()`` (every trainer
 rank calls it; the rank with ``init_info.rank == 0`` is the sender)::
 
     plan = plan_transfer(source.metadata())       # before any tensor exists
+    sender: pub = TrainerPublication.open(...)    ; ranks share their devices
     sender: client.start_weight_update()          ; all ranks agree
     for chunk in plan.chunks:
         every rank: materialize the chunk's tensors one at a time (checking
             each against the metadata), copy each into the chunk's buffer,
             drop it; the next tensor is not requested before the chunk is sent
         all ranks exchange handles (a barrier)    ; sender merges them by device
-        sender: client.update_weights(chunk info) ; all ranks agree (barrier),
-            so no rank reuses a buffer its colocated worker still reads
+        sender: client.update_weights(pub.attach(chunk info, checksums))
+            ; all ranks agree (barrier), so no rank reuses a buffer its
+            colocated worker still reads
     sender: client.finish_weight_update()         ; all ranks agree
+    sender: pub.verify(every worker's receipt), then
+            client.update_weight_version(weight_version) ; all ranks agree
 
 Packed mode (the default) reuses one buffer per trainer rank for every chunk,
 sized from the metadata: the model's aligned size capped at
@@ -335,6 +339,20 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
             model_version=init_info.model_version,
             receipt_timeout_s=init_info.receipt_timeout_s,
         )
+        if engine.is_sender and init_info.verify_publication:
+            missing = [
+                m
+                for m in ("get_world_size", "update_weight_version")
+                if not callable(getattr(client, m, None))
+            ]
+            if missing:
+                raise TypeError(
+                    f"{type(client).__name__} has no {' or '.join(missing)}, which "
+                    "verified publication needs (to expect a receipt from every "
+                    "worker and to set the version once they verified); use a "
+                    "client from vllm.distributed.weight_transfer.clients or pass "
+                    "IPCTrainerInitInfo(verify_publication=False)"
+                )
         error = None
         if engine.is_sender:
             try:

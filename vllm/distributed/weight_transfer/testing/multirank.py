@@ -30,13 +30,14 @@ class PipeClient:
         self.conn = conn
         self.timeout_s = timeout_s
 
-    def _call(self, method: str, *args: Any) -> None:
+    def _call(self, method: str, *args: Any) -> Any:
         self.conn.send((method, args))
         if not self.conn.poll(self.timeout_s):
             raise TimeoutError(f"relayed {method} got no answer in {self.timeout_s}s")
-        error = self.conn.recv()
+        error, result = self.conn.recv()
         if error is not None:
             raise RuntimeError(f"relayed {method} failed: {error}")
+        return result
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._call("init_weight_transfer_engine", init_info)
@@ -49,6 +50,12 @@ class PipeClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._call("finish_weight_update", weight_version)
+
+    def update_weight_version(self, new_version: str) -> None:
+        self._call("update_weight_version", new_version)
+
+    def get_world_size(self) -> int:
+        return int(self._call("get_world_size"))
 
 
 class _NoClient:
@@ -149,11 +156,11 @@ def serve_relayed_calls(conn: Any, client: Any, timeout_s: float = 300.0) -> lis
         if method == "update_weights":
             payloads.append(args[0])
         try:
-            getattr(client, method)(*args)
+            result = getattr(client, method)(*args)
         except Exception as e:
-            conn.send(f"{type(e).__name__}: {e}")
+            conn.send((f"{type(e).__name__}: {e}", None))
         else:
-            conn.send(None)
+            conn.send((None, result))
 
 
 def join_trainer_ranks(procs: list[Any], timeout_s: float = 120.0) -> None:
