@@ -16,7 +16,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
     TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
     WeightTransferEngine,
 )
 from vllm.logger import init_logger
@@ -24,13 +27,7 @@ from vllm.logger import init_logger
 if TYPE_CHECKING:
     import torch
 
-    from vllm.config import VllmConfig
-    from vllm.config.weight_transfer import WeightTransferConfig
-    from vllm.distributed.weight_transfer.base import (
-        TrainerInitInfo,
-        VLLMWeightSyncClient,
-        WeightSource,
-    )
+    from vllm.config import VllmConfig, WeightTransferConfig
 
 logger = init_logger(__name__)
 
