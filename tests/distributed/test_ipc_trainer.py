@@ -330,14 +330,28 @@ def test_model_versions_increase_across_trainer_engines():
             client=client,
             source=RecordingSource(model_tensors(1), []),
         )
-        engine.send_weights()
+        engine.send_weights(weight_version="step-1")  # a label, not the version
         versions.append(engine.last_publication.header.model_version)
-    engine.send_weights(weight_version=str(versions[-1] + 5))
-    versions.append(engine.last_publication.header.model_version)
-    assert versions[0] < versions[1] and versions[2] == versions[1] + 5
-    # an integer version older than the committed one is refused by the worker
+    assert versions[0] < versions[1]
+
+
+def test_explicit_model_versions_count_up_and_never_go_backwards():
+    client = LoopbackClient()
+
+    def trainer(start):
+        return IPCTrainerWeightTransferEngine.trainer_init(
+            IPCTrainerInitInfo(rank=0, model_version=start),
+            client=client,
+            source=RecordingSource(model_tensors(1), []),
+        )
+
+    engine = trainer(5)
+    engine.send_weights()
+    engine.send_weights()
+    assert engine.last_publication.header.model_version == 6
+    # the worker refuses an older version before anything lands
     with pytest.raises(ValueError, match="versions never go backwards"):
-        engine.send_weights(weight_version="3")
+        trainer(3).send_weights()
 
 
 def test_init_info_checksums_need_the_publication():

@@ -166,11 +166,13 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     publication header and waits for every worker's receipt; turn it off only
     for a server whose ipc workers do not understand the header.
     ``verify_checksums`` adds payload checksums. ``model_version`` is the first
-    publication's model version (then one more per send); without it, and
-    unless ``send_weights`` gets an integer ``weight_version``, the version is
-    the wall clock in microseconds, so successive trainer engines still
-    publish increasing versions. ``receipt_timeout_s`` bounds the wait for
-    receipts after ``finish_weight_update`` returned.
+    publication's model version (then one more per send); without it, the
+    version is the wall clock in microseconds (at least one more than the last),
+    so a new trainer engine, or one resumed from an older checkpoint, still
+    publishes a version the workers accept. ``weight_version`` stays a label:
+    RL steps can repeat after a resume, and workers refuse versions that go
+    backwards. ``receipt_timeout_s`` bounds the wait for receipts after
+    ``finish_weight_update`` returned.
     """
 
     backend: ClassVar[str] = "ipc"
@@ -305,6 +307,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         self.verify_checksums = verify_checksums and verify_publication
         self.receipt_timeout_s = receipt_timeout_s
         self._next_version = model_version
+        self._explicit_version = model_version is not None
         # The publication being sent (sender only), and the last one verified.
         self._pub: TrainerPublication | None = None
         self.last_publication: TrainerPublication | None = None
@@ -371,13 +374,13 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
 
         ``weight_version``, if given, becomes the server's weight version once
         every worker's receipt is verified (at finish when verification is
-        off). An integer string is also the publication's model version.
+        off).
         """
         assert self.source is not None
         metas = list(self.source.metadata())
         plan = self._plan_for(metas)
         self.last_plan = plan
-        pub = self._open_publication(metas, weight_version)
+        pub = self._open_publication(metas)
         try:
             error = self._call_server("start_weight_update")
             self.group.exchange(None, error, "start_weight_update")
@@ -417,14 +420,12 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
             if pub is not None:
                 pub.close()
 
-    def _open_publication(
-        self, metas: list[ParamMeta], weight_version: str | None
-    ) -> TrainerPublication | None:
+    def _open_publication(self, metas: list[ParamMeta]) -> TrainerPublication | None:
         """Gather every rank's device; the sender opens the publication."""
         if not self.verify_publication:
             return None
         devices = self.group.exchange(_trainer_device(), None, "publication")
-        version = self._model_version(weight_version)
+        version = self._model_version()
         if not self.is_sender:
             return None
         self._pub = TrainerPublication.open(
@@ -437,13 +438,12 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         )
         return self._pub
 
-    def _model_version(self, weight_version: str | None) -> int:
-        if weight_version is not None and weight_version.isdigit():
-            version = int(weight_version)
-        elif self._next_version is not None:
+    def _model_version(self) -> int:
+        if self._explicit_version:
+            assert self._next_version is not None
             version = self._next_version
         else:
-            version = time.time_ns() // 1000
+            version = max(time.time_ns() // 1000, self._next_version or 0)
         self._next_version = version + 1
         return version
 

@@ -310,7 +310,6 @@ def test_http_sync_commits_then_a_rejected_one_fences_the_version(tiny_model_dir
         engine = trainer(ModuleSource(model))
         engine.send_weights(weight_version="11")
         assert weight_version() == "11"
-        assert engine.last_publication.header.model_version == 11
         assert_same_greedy(
             completions_greedy(server.base_url, server.model),
             hf_greedy(model),
