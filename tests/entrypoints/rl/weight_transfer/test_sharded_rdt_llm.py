@@ -120,8 +120,8 @@ def test_a_trainer_failure_mid_sync_fails_both_sides_and_the_next_sync_recovers(
     engine,
 ):
     llm, model_dir, tp = engine
-    if tp != 1:
-        pytest.skip("one engine is enough for the failure path")
+    if tp != 1 or "moe" in model_dir:
+        pytest.skip("one engine (dense, TP=1) is enough for the failure path")
     ranks = _trainer(model_dir, 1)
     try:
         ray.get(ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=20.0))
