@@ -279,8 +279,12 @@ def bench_fork(tensors, conn, reps: int, packed: bool, buffer_bytes: int) -> dic
             yield from tensors.items()
 
     engine = IPCTrainerWeightTransferEngine.trainer_init(
+        # The data plane alone: this pipe worker writes no receipts.
         IPCTrainerInitInfo(
-            rank=0, packed=packed, packed_buffer_size_bytes=buffer_bytes
+            rank=0,
+            packed=packed,
+            packed_buffer_size_bytes=buffer_bytes,
+            verify_publication=False,
         ),
         client=PipeClient(conn),
         source=Source(),

@@ -313,6 +313,7 @@ def test_checksummed_send_is_verified_by_the_receipt(packed):
         source=RecordingSource(model_tensors(), []),
     )
     engine.send_weights(weight_version="v1")
+    assert engine.last_publication is not None
     verified = engine.last_publication.verified
     assert verified is not None
     # one checksum per payload buffer: per chunk packed, per tensor unpacked
@@ -331,6 +332,7 @@ def test_model_versions_increase_across_trainer_engines():
             source=RecordingSource(model_tensors(1), []),
         )
         engine.send_weights(weight_version="step-1")  # a label, not the version
+        assert engine.last_publication is not None
         versions.append(engine.last_publication.header.model_version)
     assert versions[0] < versions[1]
 
@@ -384,16 +386,36 @@ def test_resident_parameters_are_packed_with_a_fused_copy_bit_exact():
                 p.mul_(-2)
 
 
-def test_verified_publication_needs_a_client_that_can_verify():
-    class UpstreamStyleClient:  # the four sync calls only
-        def init_weight_transfer_engine(self, init_info): ...
-        def start_weight_update(self): ...
-        def update_weights(self, update_info): ...
-        def finish_weight_update(self, weight_version=None): ...
+def test_a_client_without_the_verification_calls_sends_unverified(caplog):
+    """A client written against upstream's four-method protocol still works."""
 
-    with pytest.raises(TypeError, match="get_world_size or update_weight_version"):
+    class UpstreamStyleClient(LoopbackClient):  # no get_world_size / version
+        get_world_size = None  # type: ignore[assignment]
+        update_weight_version = None  # type: ignore[assignment]
+
+    tensors = model_tensors(2)
+    client = UpstreamStyleClient()
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0),
+        client=client,
+        source=RecordingSource(tensors, []),
+    )
+    assert not engine.verify_publication
+    assert "without verified publication" in caplog.text
+    engine.send_weights(weight_version="v7")
+    assert client.calls[-1] == "finish:v7"
+    for name, t in tensors.items():
+        assert torch.equal(client.received[name], t), name
+
+
+def test_checksums_need_a_client_that_can_verify():
+    class UpstreamStyleClient(LoopbackClient):
+        get_world_size = None  # type: ignore[assignment]
+        update_weight_version = None  # type: ignore[assignment]
+
+    with pytest.raises(TypeError, match="verify_checksums needs"):
         IPCTrainerWeightTransferEngine.trainer_init(
-            IPCTrainerInitInfo(rank=0),
+            IPCTrainerInitInfo(rank=0, verify_checksums=True),
             client=UpstreamStyleClient(),
             source=RecordingSource(model_tensors(1), []),
         )

@@ -202,7 +202,7 @@ class FailingLoad:
                 raise RuntimeError("injected load failure")
             return self.original(session, *args, **kwargs)
 
-        LayerwiseReloadSession.load = load  # type: ignore[method-assign]
+        LayerwiseReloadSession.load = load  # type: ignore[method-assign,assignment]
         return self
 
     def __exit__(self, *exc):

@@ -3,6 +3,7 @@
 """Publication wire data and the checks on both ends of an update."""
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -39,7 +40,7 @@ def manifest() -> Manifest:
 
 
 def header(**kw) -> PublicationHeader:
-    args = dict(
+    args: dict[str, Any] = dict(
         backend="ipc",
         model_version=3,
         manifest=manifest(),

@@ -348,14 +348,25 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
                 for m in ("get_world_size", "update_weight_version")
                 if not callable(getattr(client, m, None))
             ]
-            if missing:
+            if missing and init_info.verify_checksums:
                 raise TypeError(
                     f"{type(client).__name__} has no {' or '.join(missing)}, which "
-                    "verified publication needs (to expect a receipt from every "
-                    "worker and to set the version once they verified); use a "
-                    "client from vllm.distributed.weight_transfer.clients or pass "
-                    "IPCTrainerInitInfo(verify_publication=False)"
+                    "verify_checksums needs (a receipt from every worker, and the "
+                    "version set once they verified); use a client from "
+                    "vllm.distributed.weight_transfer.clients"
                 )
+            if missing:
+                # A client written against upstream's four-method protocol still
+                # works; it gets upstream's guarantees, not verified publication.
+                logger.warning(
+                    "ipc: %s has no %s, so this trainer sends without verified "
+                    "publication (no receipts, version set at finish). Use a "
+                    "client from vllm.distributed.weight_transfer.clients to "
+                    "verify every sync.",
+                    type(client).__name__,
+                    " or ".join(missing),
+                )
+                engine.verify_publication = engine.verify_checksums = False
         error = None
         if engine.is_sender:
             try:
@@ -364,7 +375,14 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
                 error = f"init_weight_transfer_engine: {e}"
                 if group.world_size == 1:
                     raise
-        group.exchange(None, error, "init_weight_transfer_engine")
+        # Every rank follows the sender's choice, which depends on its client.
+        flags = group.exchange(
+            engine.verify_publication if engine.is_sender else None,
+            error,
+            "init_weight_transfer_engine",
+        )
+        if False in flags.values():
+            engine.verify_publication = engine.verify_checksums = False
         return engine
 
     # -- send ----------------------------------------------------------------

@@ -89,7 +89,7 @@ class Rig:
         self, client: Any = None, source: WeightSource | None = None, **kwargs: Any
     ) -> IPCTrainerWeightTransferEngine:
         kwargs.setdefault("packed_buffer_size_bytes", CHUNK_CAP)
-        return WeightTransferTrainerFactory.trainer_init(
+        return WeightTransferTrainerFactory.trainer_init(  # type: ignore[return-value]
             IPCTrainerInitInfo(rank=0, **kwargs),
             client=client or self.client(),
             source=source or ModuleSource(self.model),
@@ -295,7 +295,7 @@ def test_http_sync_commits_then_a_rejected_one_fences_the_version(tiny_model_dir
         client = HTTPVLLMWeightSyncClient(server.base_url, timeout=120)
 
         def trainer(source: WeightSource) -> IPCTrainerWeightTransferEngine:
-            return WeightTransferTrainerFactory.trainer_init(
+            return WeightTransferTrainerFactory.trainer_init(  # type: ignore[return-value]
                 IPCTrainerInitInfo(
                     rank=0, packed_buffer_size_bytes=CHUNK_CAP, verify_checksums=True
                 ),
