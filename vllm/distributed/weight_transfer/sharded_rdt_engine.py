@@ -358,6 +358,13 @@ class ShardedRDTWeightTransferEngine(
         timing = {"pull": 0.0, "land": 0.0}
         if not chunks:
             return pulled, timing
+        # Each chunk's successor from the same producer, requested early.
+        following: list[Any] = [None] * len(chunks)
+        last_of: dict[int, int] = {}
+        for i, chunk in enumerate(chunks):
+            if chunk.producer in last_of:
+                following[last_of[chunk.producer]] = chunk
+            last_of[chunk.producer] = i
         free = threading.Semaphore(len(self._buffers))
         ready: queue.Queue[tuple[int, torch.Tensor] | _Failed] = queue.Queue()
         stop = threading.Event()
@@ -372,7 +379,7 @@ class ShardedRDTWeightTransferEngine(
                         return
                     into = self._buffers[i % len(self._buffers)][: chunk.nbytes]
                     t0 = time.perf_counter()
-                    self._links[chunk.producer].pull(chunk, into)
+                    self._links[chunk.producer].pull(chunk, into, following[i])
                     timing["pull"] += time.perf_counter() - t0
                     ready.put((i, into))
             except BaseException as e:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import queue
 import secrets
 import threading
 import time
@@ -169,26 +170,57 @@ class NixlProducerServer(ProducerServer):
             ).start()
 
     def _serve(self, conn: Connection) -> None:
+        """Read one connection's messages. Notices (``done``, ``abort``) are
+        handled at once; requests go to a second thread that answers them in
+        order, so a pull waiting for its group never delays the ``done`` that
+        releases the group before it."""
         consumer_id: int | None = None
+        requests: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        send_lock = threading.Lock()
+        answerer = threading.Thread(
+            target=self._answer,
+            args=(conn, requests, send_lock),
+            name="sharded-rdt-answer",
+            daemon=True,
+        )
+        answerer.start()
         try:
             while not self._closed.is_set():
                 if not conn.poll(0.5):
                     continue
                 message = _recv(conn)
-                op = message.get("op")
                 consumer_id = message.get("consumer_id", consumer_id)
+                if "id" in message:
+                    requests.put(message)
+                    continue
                 try:
-                    reply = self._handle(op, message)
+                    self._handle(message.get("op"), message)
                 except (ProducerError, ValueError, KeyError) as e:
-                    reply = {"error": str(e)}
-                if reply is not None:
-                    reply["id"] = message.get("id")
-                    _send(conn, reply)
+                    logger.warning("sharded_rdt notice %s failed: %s", message, e)
         except (EOFError, OSError):
             if consumer_id is not None and not self._closed.is_set():
                 self.producer.consumer_lost(consumer_id, "disconnected")
         finally:
+            requests.put(None)
             conn.close()
+
+    def _answer(
+        self,
+        conn: Connection,
+        requests: queue.Queue[dict[str, Any] | None],
+        send_lock: threading.Lock,
+    ) -> None:
+        while (message := requests.get()) is not None:
+            try:
+                reply = self._handle(message.get("op"), message) or {}
+            except (ProducerError, ValueError, KeyError) as e:
+                reply = {"error": str(e)}
+            reply["id"] = message["id"]
+            try:
+                with send_lock:
+                    _send(conn, reply)
+            except (EOFError, OSError):
+                return
 
     def _handle(self, op: Any, message: dict[str, Any]) -> dict[str, Any] | None:
         producer = self.producer
@@ -261,46 +293,64 @@ class _NixlLink(ProducerLink):
         self._conn = Client(self._address, authkey=self._authkey)
         self._lock = threading.Lock()
         self._next_id = 0
+        self._ahead: tuple[int, int] | None = None  # (seq, request id) in flight
         self.remote_agent: str | None = None
 
-    def _request(self, message: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    def _send_request(self, message: dict[str, Any]) -> int:
         with self._lock:
             self._next_id += 1
-            message = {**message, "id": self._next_id, "consumer_id": self.consumer_id}
+            request_id = self._next_id
             try:
-                _send(self._conn, message)
-                deadline = time.monotonic() + timeout_s
-                while True:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0 or not self._conn.poll(remaining):
-                        raise TimeoutError(
-                            f"producer {self.producer_index} did not answer "
-                            f"{message['op']} within {timeout_s:.1f}s"
-                        )
-                    reply = _recv(self._conn)
-                    if reply.get("id") == message["id"]:
-                        break  # older replies belong to abandoned requests
+                _send(
+                    self._conn,
+                    {**message, "id": request_id, "consumer_id": self.consumer_id},
+                )
             except (EOFError, OSError) as e:
-                raise RuntimeError(
-                    f"lost the connection to producer {self.producer_index} "
-                    f"({self._address[0]}:{self._address[1]}) during "
-                    f"{message['op']}; the trainer rank most likely died: {e!r}"
-                ) from e
+                raise self._lost(message["op"], e) from e
+        return request_id
+
+    def _await_reply(
+        self, request_id: int, what: str, timeout_s: float
+    ) -> dict[str, Any]:
+        """The reply to ``request_id``; replies to requests abandoned by an
+        earlier failure are skipped."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._conn.poll(remaining):
+                    raise TimeoutError(
+                        f"producer {self.producer_index} did not answer {what} "
+                        f"within {timeout_s:.1f}s"
+                    )
+                reply = _recv(self._conn)
+                if reply.get("id") == request_id:
+                    break
+        except (EOFError, OSError) as e:
+            raise self._lost(what, e) from e
         if "error" in reply:
             raise RuntimeError(
-                f"producer {self.producer_index} refused {message['op']}: "
-                f"{reply['error']}"
+                f"producer {self.producer_index} refused {what}: {reply['error']}"
             )
         return reply
+
+    def _lost(self, what: str, error: BaseException) -> RuntimeError:
+        return RuntimeError(
+            f"lost the connection to producer {self.producer_index} "
+            f"({self._address[0]}:{self._address[1]}) during {what}; the trainer "
+            f"rank most likely died: {error!r}"
+        )
+
+    def _request(self, message: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        request_id = self._send_request(message)
+        return self._await_reply(request_id, message["op"], timeout_s)
 
     def _notify(self, message: dict[str, Any]) -> None:
         with self._lock:
             try:
                 _send(self._conn, {**message, "consumer_id": self.consumer_id})
             except (EOFError, OSError) as e:
-                raise RuntimeError(
-                    f"lost the connection to producer {self.producer_index}: {e!r}"
-                ) from e
+                raise self._lost(message["op"], e) from e
 
     def register(
         self, consumer_id: int, chunks: Sequence[PullChunk], digest: str
@@ -321,11 +371,28 @@ class _NixlLink(ProducerLink):
             base64.b64decode(reply["metadata"])
         )
 
-    def pull(self, chunk: PullChunk, into: torch.Tensor) -> None:
-        reply = self._request(
-            {"op": "pull", "seq": chunk.seq},
-            self.transport.stall_timeout_s + _REPLY_GRACE_S,
-        )
+    def pull(
+        self,
+        chunk: PullChunk,
+        into: torch.Tensor,
+        next_chunk: PullChunk | None = None,
+    ) -> None:
+        timeout_s = self.transport.stall_timeout_s + _REPLY_GRACE_S
+        what = f"pull of seq {chunk.seq}"
+        if chunk.seq == 0:
+            self._ahead = None  # a new sync; a request left from a failed one is void
+        if self._ahead is not None and self._ahead[0] == chunk.seq:
+            request_id = self._ahead[1]
+        else:
+            request_id = self._send_request({"op": "pull", "seq": chunk.seq})
+        self._ahead = None
+        reply = self._await_reply(request_id, what, timeout_s)
+        if next_chunk is not None:
+            # The producer packs the next chunk while this one is read.
+            self._ahead = (
+                next_chunk.seq,
+                self._send_request({"op": "pull", "seq": next_chunk.seq}),
+            )
         if reply["nbytes"] != chunk.nbytes:
             raise RuntimeError(
                 f"producer {self.producer_index} packed {reply['nbytes']} bytes for "
@@ -343,6 +410,7 @@ class _NixlLink(ProducerLink):
         self._notify({"op": "done", "seq": chunk.seq})
 
     def abort(self, reason: str) -> None:
+        self._ahead = None
         # A connection of its own: the pulling thread may hold this link's.
         with Client(self._address, authkey=self._authkey) as conn:
             _send(

@@ -208,7 +208,12 @@ class _RdtLink(ProducerLink):
         )
         self._get(ref, "register", self.transport.stall_timeout_s)
 
-    def pull(self, chunk: PullChunk, into: torch.Tensor) -> None:
+    def pull(
+        self,
+        chunk: PullChunk,
+        into: torch.Tensor,
+        next_chunk: PullChunk | None = None,
+    ) -> None:
         method = getattr(self.actor, self.transport.produce_method_name)
         ref = method.remote(self.consumer_id, chunk.seq)
         (packed,) = self._get(

@@ -9,8 +9,9 @@ A worker engine sees a transport as:
   transports);
 * ``ConsumerTransport.connect(producer_index, endpoint)`` -> a `ProducerLink`;
 * ``ProducerLink.register(consumer_id, chunks, digest)`` at init;
-* ``ProducerLink.pull(chunk, into)`` per chunk: returns once the packed bytes
-  of ``chunk`` are in ``into``; the producer has been told they were read;
+* ``ProducerLink.pull(chunk, into, next_chunk)`` per chunk: returns once the
+  packed bytes of ``chunk`` are in ``into``, and the producer has been told
+  they were read;
 * ``ProducerLink.abort(reason)`` when the worker gives up on a sync.
 
 A trainer rank serves its `Producer` through a `ProducerServer`, whose
@@ -44,8 +45,15 @@ class ProducerLink(ABC):
     ) -> None: ...
 
     @abstractmethod
-    def pull(self, chunk: PullChunk, into: torch.Tensor) -> None:
-        """Land ``chunk``'s packed bytes in ``into`` (uint8, ``chunk.nbytes``)."""
+    def pull(
+        self,
+        chunk: PullChunk,
+        into: torch.Tensor,
+        next_chunk: PullChunk | None = None,
+    ) -> None:
+        """Land ``chunk``'s packed bytes in ``into`` (uint8, ``chunk.nbytes``).
+        ``next_chunk``, the consumer's next pull from this producer, may be
+        requested early so that it is packed while this one is read."""
 
     def abort(self, reason: str) -> None:  # noqa: B027
         """Tell the producer this consumer gave up on the current sync."""
@@ -134,7 +142,12 @@ class _InProcessLink(ProducerLink):
         self.consumer_id = consumer_id
         self.producer.register(consumer_id, chunks, digest)
 
-    def pull(self, chunk: PullChunk, into: torch.Tensor) -> None:
+    def pull(
+        self,
+        chunk: PullChunk,
+        into: torch.Tensor,
+        next_chunk: PullChunk | None = None,
+    ) -> None:
         _, packed = self.producer.pack(self.consumer_id, chunk.seq)
         into.copy_(packed)
         self.producer.read_done(self.consumer_id, chunk.seq)
