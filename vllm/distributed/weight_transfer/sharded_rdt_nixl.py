@@ -16,6 +16,12 @@ worker runs its own NIXL agent. Per consumer and producer, one connection:
     {"op": "done", "seq": s}           -> Producer.read_done (no reply)
     {"op": "abort", "reason"}          -> Producer.fail (own connection)
 
+The consumer sends its next pull to a producer before reading the current
+chunk, so the producer packs one chunk while the previous one is read. The
+producer answers requests in order on a thread per connection and handles
+notices as they arrive, so a pull waiting for its group never holds back the
+``done`` that frees the group before it.
+
 A dropped connection of a consumer that still had chunks to read fails the
 producer's sync at once; a dead producer shows up on the consumer as a dropped
 connection. Every wait on either side is bounded by ``stall_timeout_s``.
