@@ -236,3 +236,19 @@ def test_only_live_consumers_are_waited_for():
             )
         finally:
             producer.fail("test over")
+
+
+def test_a_sync_that_failed_before_the_first_pull_is_reported_at_once():
+    producer = _producer(stall_timeout_s=30.0)
+    _, links, pulls = _consumers(producer, [_plan((0, 3))])
+    producer.begin_sync([0], sync_id=7)
+    producer.fail("trainer rank 0: source exploded")
+    started = time.monotonic()
+    with pytest.raises(ProducerError, match="source exploded"):
+        producer.pack(0, 0, sync_id=7)
+    assert time.monotonic() - started < 1.0
+    with pytest.raises(ProducerError, match="sync ids must increase"):
+        producer.begin_sync([0], sync_id=7)
+    links[0].sync_id = 8  # the next sync is served normally
+    results, errors = _run(producer, links, pulls, _tensors(2))
+    assert not errors and len(results[0]) == len(NAMES)

@@ -301,9 +301,13 @@ class ShardedRDTWeightTransferInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class ShardedRDTWeightTransferUpdateInfo(WeightTransferUpdateInfo):
-    """Empty: each sync replays the plan baked at init."""
+    """Each sync replays the plan baked at init, so nothing is required.
+    ``sync_id`` (fork field) names the trainer's sync, letting a worker whose
+    producers already failed that sync learn it at its first pull."""
+
+    sync_id: int | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ShardedRDTWeightTransferUpdateInfo:
         _check_fields(cls, data, "sharded_rdt update_info")
-        return cls()
+        return cls(**data)

@@ -302,6 +302,8 @@ class ShardedRDTWeightTransferEngine(
                 "start_weight_update first"
             )
         started = time.perf_counter()
+        for link in self._links:
+            link.sync_id = update_info.sync_id
         lander = self._lander
         lander.begin()
         pulled, timing = self._run_pulls(lander)

@@ -242,7 +242,9 @@ class NixlProducerServer(ProducerServer):
                 "metadata": base64.b64encode(metadata).decode(),
             }
         if op == "pull":
-            _, view = producer.pack(message["consumer_id"], message["seq"])
+            _, view = producer.pack(
+                message["consumer_id"], message["seq"], message.get("sync")
+            )
             mem, dev = _mem(view)
             return {
                 "addr": view.data_ptr(),
@@ -390,7 +392,9 @@ class _NixlLink(ProducerLink):
         if self._ahead is not None and self._ahead[0] == chunk.seq:
             request_id = self._ahead[1]
         else:
-            request_id = self._send_request({"op": "pull", "seq": chunk.seq})
+            request_id = self._send_request(
+                {"op": "pull", "seq": chunk.seq, "sync": self.sync_id}
+            )
         self._ahead = None
         reply = self._await_reply(request_id, what, timeout_s)
         if next_chunk is not None:

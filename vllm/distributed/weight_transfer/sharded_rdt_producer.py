@@ -261,10 +261,14 @@ class Producer:
                 self._on_new_buffer(buffer)
         return buffers
 
-    def pack(self, consumer_id: int, seq: int) -> tuple[int, torch.Tensor]:
+    def pack(
+        self, consumer_id: int, seq: int, sync_id: int | None = None
+    ) -> tuple[int, torch.Tensor]:
         """Pack chunk ``seq`` of ``consumer_id`` (or find it packed by a sharer)
         and return ``(slot, packed bytes)``; the view stays valid until this
-        consumer calls ``read_done(consumer_id, seq)``."""
+        consumer calls ``read_done(consumer_id, seq)``. ``sync_id``, when the
+        consumer knows it, names the sync its first pull belongs to, so a sync
+        that failed before the consumer arrived is reported at once."""
         with self._cond:
             consumer = self._consumers.get(consumer_id)
             if consumer is None:
@@ -278,10 +282,23 @@ class Producer:
                     f"{self.rank}, which has {len(consumer.chunks)} chunks for it"
                 )
             chunk = consumer.chunks[seq]
-            if seq == 0:
-                # The first pull of a sync joins the sync in progress, or waits
-                # for the trainer's next begin_sync; failures of earlier syncs
-                # are not this one's.
+            if seq == 0 and sync_id is not None:
+                self._wait(
+                    lambda: self._gen >= sync_id and self._active,
+                    f"consumer {consumer_id} waiting for the trainer to begin "
+                    f"sync {sync_id}",
+                    floor=sync_id,
+                )
+                if self._gen != sync_id:
+                    raise ProducerError(
+                        f"consumer {consumer_id} pulled for sync {sync_id} but "
+                        f"producer rank {self.rank} is at sync {self._gen}"
+                    )
+                consumer.last_gen = self._gen
+            elif seq == 0:
+                # Without a sync id, the first pull joins the sync in progress or
+                # waits for the next begin_sync; failures of earlier syncs are
+                # not this one's.
                 floor = max(
                     consumer.last_gen + 1,
                     self._gen if self._active else self._gen + 1,
@@ -367,9 +384,19 @@ class Producer:
 
     # -- trainer ------------------------------------------------------------
 
-    def begin_sync(self, live_consumer_ids: Iterable[int]) -> None:
+    def begin_sync(
+        self, live_consumer_ids: Iterable[int], sync_id: int | None = None
+    ) -> None:
+        """Start sync ``sync_id`` (default: the next one) for the live
+        consumers; every trainer rank passes the same id, which rides the
+        update info to the workers."""
         live = frozenset(live_consumer_ids)
         with self._cond:
+            if sync_id is not None and sync_id <= self._gen:
+                raise ProducerError(
+                    f"producer rank {self.rank}: begin_sync({sync_id}) after sync "
+                    f"{self._gen}; sync ids must increase"
+                )
             if self._active:
                 raise ProducerError(
                     f"producer rank {self.rank}: begin_sync while a sync is active"
@@ -381,7 +408,7 @@ class Producer:
                     f"producer rank {self.rank}; run init_weight_transfer_engine "
                     "on every inference engine (get_worker_init_payload) first"
                 )
-            self._gen += 1
+            self._gen = self._gen + 1 if sync_id is None else sync_id
             self._live = live
             self._resident = {}
             self._published = set()

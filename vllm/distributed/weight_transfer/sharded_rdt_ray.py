@@ -66,8 +66,8 @@ class _ProducerActorBase:
     def abort(self, consumer_id: int, reason: str) -> None:
         self.producer.fail(f"consumer {consumer_id} aborted: {reason}")
 
-    def begin_sync(self, live: list[int]) -> None:
-        self.producer.begin_sync(live)
+    def begin_sync(self, live: list[int], sync_id: int | None = None) -> None:
+        self.producer.begin_sync(live, sync_id)
 
     def wait_credit(self) -> None:
         self.producer.wait_credit()
@@ -93,9 +93,9 @@ def producer_actor_class() -> type:
     class RdtProducerActor(_ProducerActorBase):
         @ray.method(tensor_transport="nixl")
         def rdt_produce_weights_batched(
-            self, consumer_id: int, seq: int
+            self, consumer_id: int, seq: int, sync_id: int | None = None
         ) -> list[torch.Tensor]:
-            _, packed = self.producer.pack(consumer_id, seq)
+            _, packed = self.producer.pack(consumer_id, seq, sync_id)
             return [packed]
 
     return RdtProducerActor
@@ -149,8 +149,10 @@ class RdtProducerServer(ProducerServer):
             "namespace": self.namespace,
         }
 
-    def begin_sync(self, live_consumer_ids: Sequence[int]) -> None:
-        self._call("begin_sync", list(live_consumer_ids))
+    def begin_sync(
+        self, live_consumer_ids: Sequence[int], sync_id: int | None = None
+    ) -> None:
+        self._call("begin_sync", list(live_consumer_ids), sync_id)
 
     def wait_credit(self) -> None:
         self._call("wait_credit")
@@ -215,7 +217,7 @@ class _RdtLink(ProducerLink):
         next_chunk: PullChunk | None = None,
     ) -> None:
         method = getattr(self.actor, self.transport.produce_method_name)
-        ref = method.remote(self.consumer_id, chunk.seq)
+        ref = method.remote(self.consumer_id, chunk.seq, self.sync_id)
         (packed,) = self._get(
             ref, f"pull of seq {chunk.seq}", self.transport.stall_timeout_s + _GRACE_S
         )

@@ -178,6 +178,7 @@ class ShardedRDTTrainerWeightTransferEngine(
         self._server: ProducerServer | None = None
         self._endpoints: list[dict[str, Any]] = []
         self._ready = False
+        self._sync_id = 0  # the last sync begun; equal on every rank
 
     # -- init ----------------------------------------------------------------
 
@@ -368,9 +369,12 @@ class ShardedRDTTrainerWeightTransferEngine(
         group = self._group
         group.exchange(None, self._call("start_weight_update"), "start_weight_update")
 
+        self._sync_id += 1
         pool = concurrent.futures.ThreadPoolExecutor(1) if self.is_sender else None
         future = (
-            pool.submit(self.client.update_weights, {}) if pool is not None else None
+            pool.submit(self.client.update_weights, {"sync_id": self._sync_id})
+            if pool is not None
+            else None
         )
         error: str | None = None
         try:
@@ -404,7 +408,7 @@ class ShardedRDTTrainerWeightTransferEngine(
         assert self._server is not None and self.source is not None
         server = self._server
         try:
-            server.begin_sync(live)
+            server.begin_sync(live, self._sync_id)
             batches = self.source.iter_groups()
             for gi in self._owned:
                 server.wait_credit()

@@ -39,6 +39,8 @@ from vllm.distributed.weight_transfer.sharded_rdt_producer import Producer
 class ProducerLink(ABC):
     """A consumer's connection to one producer."""
 
+    sync_id: int | None = None  # the sync the next pulls belong to, if known
+
     @abstractmethod
     def register(
         self, consumer_id: int, chunks: Sequence[PullChunk], digest: str
@@ -88,8 +90,10 @@ class ProducerServer(ABC):
     def endpoint(self) -> dict[str, Any]:
         """JSON-safe address consumers connect to."""
 
-    def begin_sync(self, live_consumer_ids: Sequence[int]) -> None:
-        self.producer.begin_sync(live_consumer_ids)
+    def begin_sync(
+        self, live_consumer_ids: Sequence[int], sync_id: int | None = None
+    ) -> None:
+        self.producer.begin_sync(live_consumer_ids, sync_id)
 
     def wait_credit(self) -> None:
         self.producer.wait_credit()
@@ -148,7 +152,7 @@ class _InProcessLink(ProducerLink):
         into: torch.Tensor,
         next_chunk: PullChunk | None = None,
     ) -> None:
-        _, packed = self.producer.pack(self.consumer_id, chunk.seq)
+        _, packed = self.producer.pack(self.consumer_id, chunk.seq, self.sync_id)
         into.copy_(packed)
         self.producer.read_done(self.consumer_id, chunk.seq)
 
