@@ -123,18 +123,16 @@ class BackendRegistry(Generic[EngineT]):
             )
 
 
-class WeightTransferEngineFactory:
-    """Worker side: creates the engine that receives weights inside a vLLM worker."""
+class _FactoryBase(Generic[EngineT]):
+    """Class-level registration and lookup shared by both factories."""
 
-    _registry: BackendRegistry[WeightTransferEngine] = BackendRegistry(
-        "worker", WeightTransferEngine
-    )
+    _registry: BackendRegistry[EngineT]
 
     @classmethod
     def register_engine(
         cls,
         name: str,
-        module_path_or_cls: str | type[WeightTransferEngine],
+        module_path_or_cls: str | type[EngineT],
         class_name: str | None = None,
     ) -> None:
         """Register a backend by ``(module_path, class_name)`` (imported on first
@@ -146,8 +144,14 @@ class WeightTransferEngineFactory:
         return cls._registry.names()
 
     @classmethod
-    def get_engine_class(cls, name: str) -> type[WeightTransferEngine]:
+    def get_engine_class(cls, name: str) -> type[EngineT]:
         return cls._registry.resolve(name)
+
+
+class WeightTransferEngineFactory(_FactoryBase[WeightTransferEngine]):
+    """Worker side: creates the engine that receives weights inside a vLLM worker."""
+
+    _registry = BackendRegistry("worker", WeightTransferEngine)
 
     @classmethod
     def create_engine(
@@ -167,32 +171,11 @@ class WeightTransferEngineFactory:
         return engine_cls(config, vllm_config, device, model)
 
 
-class WeightTransferTrainerFactory:
+class WeightTransferTrainerFactory(_FactoryBase[TrainerWeightTransferEngine]):
     """Trainer side: builds the engine that sends weights, chosen by
     ``init_info.backend``."""
 
-    _registry: BackendRegistry[TrainerWeightTransferEngine] = BackendRegistry(
-        "trainer", TrainerWeightTransferEngine
-    )
-
-    @classmethod
-    def register_engine(
-        cls,
-        name: str,
-        module_path_or_cls: str | type[TrainerWeightTransferEngine],
-        class_name: str | None = None,
-    ) -> None:
-        """Register a backend by ``(module_path, class_name)`` (imported on first
-        use) or by class. Registering a taken name raises `ValueError`."""
-        cls._registry.register(name, module_path_or_cls, class_name)
-
-    @classmethod
-    def available_backends(cls) -> list[str]:
-        return cls._registry.names()
-
-    @classmethod
-    def get_engine_class(cls, name: str) -> type[TrainerWeightTransferEngine]:
-        return cls._registry.resolve(name)
+    _registry = BackendRegistry("trainer", TrainerWeightTransferEngine)
 
     @classmethod
     def trainer_init(
