@@ -117,6 +117,7 @@ from vllm.distributed.weight_transfer.layerwise_session import (
     LayerwiseReloadSession,
 )
 from vllm.distributed.weight_transfer.receipts import DEFAULT_RECEIPT_TIMEOUT_S
+from vllm.distributed.weight_transfer.sources import require_source
 from vllm.distributed.weight_transfer.trainer_group import (
     TrainerGroup,
     make_trainer_group,
@@ -320,11 +321,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         client: VLLMWeightSyncClient,
         source: WeightSource | None = None,
     ) -> Self:
-        if source is None:
-            raise ValueError(
-                "the ipc backend needs source= (a WeightSource such as "
-                "ModuleSource(model)) at trainer_init"
-            )
+        source = require_source(source, "ipc")
         group = make_trainer_group(
             init_info.rank, init_info.process_group, init_info.timeout_s
         )

@@ -55,6 +55,7 @@ from vllm.distributed.weight_transfer.sharded_rdt_transport import (
     InProcessServer,
     ProducerServer,
 )
+from vllm.distributed.weight_transfer.sources import require_source
 from vllm.distributed.weight_transfer.trainer_group import (
     TrainerGroup,
     make_trainer_group,
@@ -190,11 +191,7 @@ class ShardedRDTTrainerWeightTransferEngine(
         client: VLLMWeightSyncClient,
         source: WeightSource | None = None,
     ) -> Self:
-        if source is None:
-            raise ValueError(
-                "sharded_rdt needs source= (a WeightSource such as "
-                "ModuleSource(model)) at trainer_init"
-            )
+        source = require_source(source, "sharded_rdt")
         engine = cls(
             client=client,
             source=source,
