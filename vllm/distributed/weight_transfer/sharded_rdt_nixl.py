@@ -144,6 +144,7 @@ class NixlProducerServer(ProducerServer):
         self._host = host
         self._closed = threading.Event()
         self._connections: list[Connection] = []
+        self._connections_lock = threading.Lock()
         self._accepter = threading.Thread(
             target=self._accept_loop, name="sharded-rdt-accept", daemon=True
         )
@@ -170,7 +171,11 @@ class NixlProducerServer(ProducerServer):
                 if not self._closed.is_set():
                     logger.warning("sharded_rdt producer stopped accepting: %s", e)
                 return
-            self._connections.append(conn)
+            with self._connections_lock:
+                if self._closed.is_set():
+                    conn.close()
+                    return
+                self._connections.append(conn)
             threading.Thread(
                 target=self._serve, args=(conn,), name="sharded-rdt-serve", daemon=True
             ).start()
@@ -208,6 +213,16 @@ class NixlProducerServer(ProducerServer):
                 self.producer.consumer_lost(consumer_id, "disconnected")
         finally:
             requests.put(None)
+            self._close_connection(conn)
+
+    def _close_connection(self, conn: Connection) -> None:
+        """Closes ``conn`` exactly once: its serving thread and `close` may
+        both reach here, and a second ``close`` of the same descriptor would
+        raise (or hit a descriptor reused since)."""
+        with self._connections_lock:
+            if conn not in self._connections:
+                return
+            self._connections.remove(conn)
             conn.close()
 
     def _answer(
@@ -268,8 +283,10 @@ class NixlProducerServer(ProducerServer):
         self._closed.set()
         self.producer.close()
         self._listener.close()
-        for conn in self._connections:
-            conn.close()
+        with self._connections_lock:
+            open_connections = list(self._connections)
+        for conn in open_connections:
+            self._close_connection(conn)
         with self._agent_lock:
             for reg in self._registrations:
                 try:
