@@ -164,6 +164,40 @@ def test_every_tensor_arrives_bit_exact(packed):
     assert list(client.received) == list(tensors)
     for name, t in tensors.items():
         assert torch.equal(client.received[name], t), name
+    # a CPU packed buffer is kept for the next sync until shutdown
+    assert len(shm_files()) == (1 if packed else 0)
+    engine.shutdown()
+    assert shm_files() == set()
+
+
+def test_the_shared_memory_buffer_is_reused_across_syncs_until_shutdown():
+    tensors = model_tensors()
+    client = LoopbackClient()
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=300),
+        client=client,
+        source=RecordingSource(tensors, []),
+    )
+    engine.send_weights()
+    kept = shm_files()
+    assert len(kept) == 1
+    for t in tensors.values():
+        t.add_(1)
+    engine.send_weights()
+    assert shm_files() == kept
+    for name, t in tensors.items():
+        assert torch.equal(client.received[name], t), name
+    engine.shutdown()
+    assert shm_files() == set()
+
+
+def test_keep_packed_buffer_false_frees_the_buffer_after_each_sync():
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, keep_packed_buffer=False),
+        client=LoopbackClient(),
+        source=RecordingSource(model_tensors(), []),
+    )
+    engine.send_weights()
     assert shm_files() == set()
 
 

@@ -174,6 +174,12 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     RL steps can repeat after a resume, and workers refuse versions that go
     backwards. ``receipt_timeout_s`` bounds the wait for receipts after
     ``finish_weight_update`` returned.
+
+    ``keep_packed_buffer`` keeps the packed buffer from one ``send_weights``
+    to the next instead of freeing it after each sync; ``shutdown()`` frees
+    it. The default (``None``) keeps shared-memory buffers, whose pages cost
+    more to create than to fill, and frees GPU buffers, so a colocated engine
+    gets that memory back between syncs.
     """
 
     backend: ClassVar[str] = "ipc"
@@ -186,6 +192,7 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     verify_checksums: bool = False
     model_version: int | None = None
     receipt_timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S
+    keep_packed_buffer: bool | None = None
 
     def __post_init__(self) -> None:
         if self.packed_buffer_size_bytes <= 0:
@@ -294,6 +301,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         verify_checksums: bool = False,
         model_version: int | None = None,
         receipt_timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S,
+        keep_packed_buffer: bool | None = None,
     ) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.rank = rank if rank is not None else (0 if is_sender else 1)
@@ -312,6 +320,9 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         # The publication being sent (sender only), and the last one verified.
         self._pub: TrainerPublication | None = None
         self.last_publication: TrainerPublication | None = None
+        self.keep_packed_buffer = keep_packed_buffer
+        # The packed buffer kept between syncs (see ``keep_packed_buffer``).
+        self._kept_buffer: ExportedBuffer | None = None
 
     @classmethod
     def trainer_init(
@@ -338,6 +349,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
             verify_checksums=init_info.verify_checksums,
             model_version=init_info.model_version,
             receipt_timeout_s=init_info.receipt_timeout_s,
+            keep_packed_buffer=init_info.keep_packed_buffer,
         )
         if engine.is_sender and init_info.verify_publication:
             missing = [
@@ -414,6 +426,9 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
                     # Also after a failed finish: vLLM's Worker keeps the update
                     # open until an engine call raises or a finish returns.
                     self._abort_on_server(f"trainer rank {self.rank}: {e}")
+                    # A worker that timed out may still be reading the kept
+                    # buffer; the next sync writes into a new one.
+                    self._drop_kept_buffer()
                     raise
             finally:
                 # Workers release their mappings at finish; only then is the
@@ -581,8 +596,9 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
             for slot in chunk.slots:
                 tensor = cursor.next()
                 if buffer is None:
-                    buffer = allocate_buffer(plan.buffer_nbytes, tensor.device)
-                    owned.append(buffer)
+                    buffer = self._packed_buffer(
+                        plan.buffer_nbytes, tensor.device, owned
+                    )
                 assert buffer.tensor is not None
                 device = buffer.tensor.device
                 if slot.nbytes:
@@ -625,6 +641,37 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
             )
         self.group.exchange(None, error, f"update_weights of chunk {chunk.index}")
         return buffer
+
+    def _packed_buffer(
+        self, nbytes: int, device: torch.device, owned: list[ExportedBuffer]
+    ) -> ExportedBuffer:
+        """This sync's packed buffer: the kept one when it fits, else a new
+        one, which is kept or put in ``owned`` (freed after the sync)."""
+        keep = self.keep_packed_buffer
+        if keep is None:
+            keep = device.type == "cpu"
+        kept = self._kept_buffer
+        if kept is not None:
+            assert kept.tensor is not None
+            if kept.tensor.device == device and kept.tensor.numel() >= nbytes:
+                return kept
+            self._drop_kept_buffer()
+        buffer = allocate_buffer(nbytes, device)
+        if keep:
+            self._kept_buffer = buffer
+        else:
+            owned.append(buffer)
+        return buffer
+
+    def _drop_kept_buffer(self) -> None:
+        buffer, self._kept_buffer = self._kept_buffer, None
+        if buffer is not None:
+            buffer.close()
+            release_exported_cuda_memory()
+
+    def shutdown(self) -> None:
+        """Free the packed buffer kept between syncs, if any."""
+        self._drop_kept_buffer()
 
     def _send_unpacked_chunk(self, chunk: Chunk, cursor: _SourceCursor) -> None:
         error: str | None = None

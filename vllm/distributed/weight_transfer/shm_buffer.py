@@ -9,10 +9,11 @@ maps the same file once per update and builds typed views into it; it never
 copies the whole buffer.
 
 Lifetime: the trainer owns the file. ``SharedMemoryBuffer.close()`` drops the
-mapping and unlinks the file (also on error, via ``with``); a worker's mapping
-stays valid after the unlink until the worker closes it, so nothing is freed
-under a reader. Only a trainer killed with SIGKILL leaves a file behind; its
-name starts with ``vllm-wt-`` and carries the trainer's pid.
+mapping and unlinks the file (also on error, via ``with``, when the buffer is
+garbage collected, and at interpreter exit); a worker's mapping stays valid
+after the unlink until the worker closes it, so nothing is freed under a
+reader. Only a trainer killed with SIGKILL leaves a file behind; its name
+starts with ``vllm-wt-`` and carries the trainer's pid.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import mmap
 import os
 import secrets
 import warnings
+import weakref
 
 import torch
 
@@ -44,6 +46,15 @@ def _uint8_view(mapping: mmap.mmap, nbytes: int) -> torch.Tensor:
         return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
 
 
+def _release(mapping: mmap.mmap, path: str) -> None:
+    # A view that still exports the buffer keeps the mapping alive until it
+    # goes; unlinking frees the file's name either way.
+    with contextlib.suppress(BufferError):
+        mapping.close()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
 class SharedMemoryBuffer:
     """Trainer side: a new shared-memory segment of ``nbytes`` bytes."""
 
@@ -55,13 +66,14 @@ class SharedMemoryBuffer:
         fd = os.open(_path(self.name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, max(nbytes, 1))
-            self._mapping: mmap.mmap | None = mmap.mmap(fd, max(nbytes, 1))
+            mapping = mmap.mmap(fd, max(nbytes, 1))
         except BaseException:
             os.unlink(_path(self.name))
             raise
         finally:
             os.close(fd)
-        self.tensor: torch.Tensor | None = _uint8_view(self._mapping, nbytes)
+        self._finalizer = weakref.finalize(self, _release, mapping, _path(self.name))
+        self.tensor: torch.Tensor | None = _uint8_view(mapping, nbytes)
 
     @property
     def handle(self) -> ShmHandle:
@@ -70,22 +82,12 @@ class SharedMemoryBuffer:
     def close(self) -> None:
         """Unmap and unlink. Idempotent. Views of ``tensor`` must be gone."""
         self.tensor = None
-        if self._mapping is not None:
-            mapping, self._mapping = self._mapping, None
-            # A view that still exports the buffer keeps the mapping alive until
-            # it goes; unlinking frees the file's name either way.
-            with contextlib.suppress(BufferError):
-                mapping.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(_path(self.name))
+        self._finalizer()
 
     def __enter__(self) -> SharedMemoryBuffer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
         self.close()
 
 
