@@ -3,6 +3,7 @@
 """Sync log lines and the API-server sync metrics derived from the RL routes."""
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from fastapi import FastAPI, HTTPException
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
+from vllm.distributed.weight_transfer import sync_metrics
 from vllm.distributed.weight_transfer.base import ParamMeta
 from vllm.distributed.weight_transfer.fencing import fenced_version
 from vllm.distributed.weight_transfer.publication import (
@@ -18,11 +20,13 @@ from vllm.distributed.weight_transfer.publication import (
     attach_publication,
 )
 from vllm.distributed.weight_transfer.sync_metrics import (
+    ROUTE_OPERATIONS,
     RouteSyncObserver,
     SyncRecord,
     WeightSyncMetricsMiddleware,
     WeightTransferMetrics,
 )
+from vllm.entrypoints.rl.factories import register_rl_api_routers
 
 MANIFEST = Manifest.from_params([ParamMeta("w", torch.float32, (256,))])  # 1024 B
 
@@ -200,3 +204,92 @@ def test_middleware_observes_real_routes(registry):
     assert value(registry, "vllm:weight_transfer_bytes_total", backend="ipc") == 1024
     labels = {"backend": "ipc", "phase": "update"}
     assert value(registry, "vllm:weight_transfer_failures_total", **labels) == 1
+
+
+# -- default wiring: upstream's RL router as vllm serve mounts it --------------
+
+
+class FakeEngine:
+    """The engine-client calls the weight routes make, with a configured backend."""
+
+    def __init__(self, backend: str) -> None:
+        self.vllm_config = SimpleNamespace(
+            weight_transfer_config=SimpleNamespace(backend=backend)
+        )
+        self.fail_update = False
+
+    async def start_weight_update(self) -> None:
+        pass
+
+    async def update_weights(self, request) -> None:
+        if self.fail_update:
+            raise ValueError("manifest mismatch")
+
+    async def finish_weight_update(self, weight_version=None) -> None:
+        pass
+
+    async def update_weight_version(self, new_version) -> None:
+        pass
+
+
+@pytest.fixture
+def rl_app(registry, monkeypatch):
+    """A FastAPI app with the RL routes registered the way ``vllm serve`` does."""
+    metrics = WeightTransferMetrics(registry)
+    monkeypatch.setattr(
+        sync_metrics, "_observer", RouteSyncObserver(metrics=lambda: metrics)
+    )
+    app = FastAPI()
+    app.state.engine_client = FakeEngine("ipc")
+    register_rl_api_routers(app)
+    return app
+
+
+def push(app: FastAPI, ok: bool = True, **client_kwargs) -> None:
+    """One start -> update -> finish through the app; the update fails if not ok."""
+    app.state.engine_client.fail_update = not ok
+    client = TestClient(app, raise_server_exceptions=False, **client_kwargs)
+    assert client.post("/start_weight_update").status_code == 200
+    info = attach_publication({"names": []}, header())
+    updated = client.post("/update_weights", json={"update_info": info})
+    assert updated.status_code == (200 if ok else 500)
+    if ok:
+        assert updated.json() == {"message": "Weights updated"}
+    client.post("/finish_weight_update")
+
+
+def test_rl_routes_record_sync_metrics_without_flags(registry, rl_app):
+    push(rl_app, ok=True)
+    push(rl_app, ok=False)
+    TestClient(rl_app).post("/update_weight_version", json={"new_version": "7"})
+    assert value(registry, "vllm:weight_transfer_syncs_total", backend="ipc") == 1
+    assert value(registry, "vllm:weight_transfer_bytes_total", backend="ipc") == 1024
+    labels = {"backend": "ipc", "phase": "update"}
+    assert value(registry, "vllm:weight_transfer_failures_total", **labels) == 1
+
+
+def test_the_observed_paths_are_upstream_rl_routes(rl_app):
+    posts = {
+        route.path
+        for route in rl_app.routes
+        if "POST" in getattr(route, "methods", set())
+    }
+    assert set(ROUTE_OPERATIONS) <= posts
+
+
+def test_middleware_named_again_observes_each_request_once(registry, rl_app):
+    # What ``vllm serve --middleware ...WeightSyncMetricsMiddleware`` adds.
+    rl_app.add_middleware(WeightSyncMetricsMiddleware)
+    push(rl_app)
+    assert value(registry, "vllm:weight_transfer_syncs_total", backend="ipc") == 1
+    assert value(registry, "vllm:weight_transfer_bytes_total", backend="ipc") == 1024
+    # a second observation of the start would abandon the first as unfinished
+    for phase in ("start", "update", "finish"):
+        labels = {"backend": "ipc", "phase": phase}
+        assert value(registry, "vllm:weight_transfer_failures_total", **labels) == 0
+
+
+def test_routes_below_a_root_path_are_observed(registry, rl_app):
+    rl_app.root_path = "/rl"
+    push(rl_app, base_url="http://testserver/rl", root_path="/rl")
+    assert value(registry, "vllm:weight_transfer_syncs_total", backend="ipc") == 1

@@ -26,9 +26,11 @@ or a ``fenced:`` weight version counts a failure. It sits next to upstream's
   ``update``, ``finish``, ``abort`` (the trainer aborted) or ``verify`` (the
   trainer rejected the receipts and fenced the version).
 
-The RL routes call ``observe_route`` (or ``WeightSyncMetricsMiddleware``
-wraps them: ``vllm serve --middleware
-vllm.distributed.weight_transfer.sync_metrics.WeightSyncMetricsMiddleware``).
+``WeightSyncMetricsMiddleware`` feeds the observer from the RL routes. The
+fork's ``register_rl_api_routers`` installs it next to upstream's RL router, so
+every ``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1`` records these metrics
+without flags. Naming it again with ``--middleware`` is harmless: a request is
+observed once however many copies wrap it.
 With several API servers, start and finish may reach different processes;
 the observer is per process, so sync durations are only recorded when one
 process saw the whole sync.
@@ -310,17 +312,23 @@ def route_sync_observer() -> RouteSyncObserver:
 # ---------------------------------------------------------------------------
 # ASGI middleware around the RL routes
 
-_ROUTES = {
+# The RL routes the observer needs, as upstream's router mounts them.
+ROUTE_OPERATIONS = {
     "/start_weight_update": "start",
     "/update_weights": "update",
     "/finish_weight_update": "finish",
     "/update_weight_version": "update_weight_version",
 }
 _PARSED = {"update", "update_weight_version"}
+# Set on the ASGI scope by the outermost copy, so nested copies pass through.
+_OBSERVED = "vllm.weight_sync_observed"
 
 
 class WeightSyncMetricsMiddleware:
-    """Observes the RL weight routes of an ASGI app for ``RouteSyncObserver``."""
+    """Observes the RL weight routes of an ASGI app for ``RouteSyncObserver``.
+
+    Installed by ``register_rl_api_routers``; see the module docstring.
+    """
 
     def __init__(self, app: Any, observer: RouteSyncObserver | None = None) -> None:
         self.app = app
@@ -328,11 +336,14 @@ class WeightSyncMetricsMiddleware:
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         operation = (
-            _ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
+            ROUTE_OPERATIONS.get(_route_path(scope))
+            if scope["type"] == "http" and scope.get("method") == "POST"
+            else None
         )
-        if operation is None or scope.get("method") != "POST":
+        if operation is None or scope.get(_OBSERVED):
             await self.app(scope, receive, send)
             return
+        scope[_OBSERVED] = True
         body = bytearray()
         status = 500
 
@@ -362,6 +373,15 @@ class WeightSyncMetricsMiddleware:
                 update_info=parsed.get("update_info"),
                 new_version=parsed.get("new_version"),
             )
+
+
+def _route_path(scope: dict) -> str:
+    """The request path below the app's ``root_path`` (what routing matches)."""
+    path = str(scope.get("path", ""))
+    root = str(scope.get("root_path", "")).rstrip("/")
+    if root and path.startswith(root + "/"):
+        return path[len(root) :]
+    return path
 
 
 def _json_object(body: bytes) -> dict:

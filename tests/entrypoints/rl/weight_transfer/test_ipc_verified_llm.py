@@ -74,7 +74,6 @@ pytestmark = pytest.mark.slow
 CHUNK_CAP = 256 * 1024
 ATOL = 1e-4  # fp32
 RESYNC = "full resync is required"
-MIDDLEWARE = "vllm.distributed.weight_transfer.sync_metrics.WeightSyncMetricsMiddleware"
 
 
 @dataclass
@@ -287,11 +286,7 @@ def metric(text: str, name: str, **labels: str) -> float:
 def test_http_sync_commits_then_a_rejected_one_fences_the_version(tiny_model_dir):
     model = load_hf_model(tiny_model_dir, "float32")
     randomize_weights_(model, seed=9)
-    with serve(
-        tiny_model_dir,
-        weight_transfer_backend="ipc",
-        extra_args=["--middleware", MIDDLEWARE],
-    ) as server:
+    with serve(tiny_model_dir, weight_transfer_backend="ipc") as server:
         client = HTTPVLLMWeightSyncClient(server.base_url, timeout=120)
 
         def trainer(source: WeightSource) -> IPCTrainerWeightTransferEngine:

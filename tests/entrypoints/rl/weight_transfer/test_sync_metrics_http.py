@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Sync metrics reach a real ``vllm serve``'s ``/metrics``.
+"""Sync metrics reach a real ``vllm serve``'s ``/metrics`` with no extra flag.
 
-The server runs with ``--middleware ...WeightSyncMetricsMiddleware``, so the
-metrics are recorded in the API server process from what the RL routes see. A
-real ``ipc`` sync is counted as committed; an update whose publication header
-the worker rejects is counted as a failure of its backend's update phase, and
-the server keeps serving.
+The server is a plain ``vllm serve --weight-transfer-config '{"backend":"ipc"}'``
+(dev mode on for the RL routes). A real ``ipc`` sync from this process is
+counted as committed with the bytes its publication announced; an update whose
+publication header the worker rejects is counted as a failure of the update
+phase, and the server keeps serving. Upstream's weight-operation metrics stay.
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ from vllm.distributed.weight_transfer.testing.server import serve
 
 pytestmark = pytest.mark.slow
 
-MIDDLEWARE = "vllm.distributed.weight_transfer.sync_metrics.WeightSyncMetricsMiddleware"
-
 
 def metric(text: str, name: str, **labels: str) -> float:
     """The value of one sample in Prometheus text format (0 when absent)."""
@@ -53,11 +51,7 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path):
-    with serve(
-        tiny_model_dir,
-        weight_transfer_backend="ipc",
-        extra_args=["--middleware", MIDDLEWARE],
-    ) as s:
+    with serve(tiny_model_dir, weight_transfer_backend="ipc") as s:
         yield s
 
 
@@ -87,6 +81,8 @@ def test_sync_metrics_appear_on_metrics(server, tiny_model_dir):
 
     text = requests.get(f"{server.base_url}/metrics", timeout=30).text
     assert metric(text, "vllm:weight_transfer_syncs_total", backend="ipc") == 1
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert metric(text, "vllm:weight_transfer_bytes_total", backend="ipc") == nbytes
     assert metric(text, "vllm:weight_transfer_sync_seconds_count", backend="ipc") == 1
     assert (
         metric(
@@ -94,5 +90,12 @@ def test_sync_metrics_appear_on_metrics(server, tiny_model_dir):
         )
         == 1
     )
-    assert "vllm:rl_weight_update_operation_duration_seconds" in text
+    for operation in ("start", "update", "finish"):
+        count = metric(
+            text,
+            "vllm:rl_weight_update_operation_duration_seconds_count",
+            operation=operation,
+        )
+        assert count >= 1
+    assert "vllm:rl_weight_update_operations_in_flight" in text
     assert completions_greedy(server.base_url, server.model).tokens

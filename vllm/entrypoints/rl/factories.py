@@ -1,0 +1,23 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Mounts the RL HTTP routes on the API server (``VLLM_SERVER_DEV_MODE=1``).
+
+The routes are upstream's router, unchanged. The fork adds
+``WeightSyncMetricsMiddleware`` around them, so ``/metrics`` carries the
+``vllm:weight_transfer_*`` sync metrics by default, next to upstream's
+``vllm:rl_weight_update_operation_*`` metrics. The middleware reads what each
+weight route was sent and answered, which is all the sync observer needs; see
+``vllm.distributed.weight_transfer.sync_metrics``.
+"""
+
+from fastapi import FastAPI
+
+
+def register_rl_api_routers(app: FastAPI) -> None:
+    from vllm.distributed.weight_transfer.sync_metrics import (
+        WeightSyncMetricsMiddleware,
+    )
+    from vllm.entrypoints.rl.online.api_router import router
+
+    app.include_router(router)
+    app.add_middleware(WeightSyncMetricsMiddleware)
