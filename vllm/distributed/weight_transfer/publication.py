@@ -251,6 +251,26 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
+    def difference(self, other: Manifest) -> str | None:
+        """The first way ``other`` differs from this manifest, in words; None
+        when they are equal."""
+        if other.digest == self.digest:
+            return None
+        theirs = other.by_name
+        for e in self.entries:
+            o = theirs.get(e.name)
+            if o is None:
+                return f"tensor {e.name!r} is missing"
+            if (o.dtype, o.shape) != (e.dtype, e.shape):
+                return (
+                    f"tensor {e.name!r} is {o.dtype} {list(o.shape)} instead of "
+                    f"{e.dtype} {list(e.shape)}"
+                )
+        extra = [e.name for e in other.entries if e.name not in self.by_name]
+        if extra:
+            return f"it has extra tensor(s) {some_names(extra)}"
+        return "the tensors come in a different order"
+
     def full_coverage_digest(self) -> str:
         """``coverage_digest`` of every entry landed in full."""
         return coverage_digest((e.name, e.nbytes) for e in self.entries)

@@ -20,6 +20,16 @@ the slices of the trainer's tensors its own weight loaders keep.
     their weights). Any failure aborts the session, which restores every layer
     not yet completed, and tells the producers.
 
+Verified publication (`WorkerPublication`): the update message's header must
+carry the manifest this worker baked its plan from, or the update is refused
+before anything is pulled (the weights stay intact, the engine is not
+fenced). Each pulled chunk is checked against the producer's checksum when
+the publication has checksums, and each of its slices is admitted against
+the plan before it lands. At finish the worker hands its receipt to producer
+0, whose trainer rank verifies it. A failure after the first chunk landed
+fences the engine: ``update_weights`` and ``finish_weight_update`` are refused
+until a full resync (start, update, finish with a header) completes.
+
 No step needs an accelerator or vLLM's Ray executor: under the default (mp)
 executor the bytes move over direct NIXL agents (``transport="nixl"``); under
 the Ray executor with Ray producer actors, over Ray Direct Transport.
@@ -37,7 +47,9 @@ import torch
 from vllm.config import VllmConfig
 from vllm.config.weight_transfer import WeightTransferConfig
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightTransferEngine
+from vllm.distributed.weight_transfer.fencing import WeightState
 from vllm.distributed.weight_transfer.layerwise_session import LayerwiseReloadSession
+from vllm.distributed.weight_transfer.publication import Manifest
 from vllm.distributed.weight_transfer.sharded_rdt_bake import bake_worker_plan
 from vllm.distributed.weight_transfer.sharded_rdt_chunks import (
     PullPlan,
@@ -60,6 +72,10 @@ from vllm.distributed.weight_transfer.sharded_rdt_transport import (
     ConsumerTransport,
     InProcessTransport,
     ProducerLink,
+)
+from vllm.distributed.weight_transfer.verified_sync import (
+    WorkerPublication,
+    device_identity,
 )
 from vllm.logger import init_logger
 
@@ -117,6 +133,18 @@ def make_consumer_transport(
     raise ValueError(f"unknown sharded_rdt transport {name!r}")
 
 
+def planned_bytes(pulls: PullPlan) -> dict[str, int]:
+    """Bytes this worker receives of each checkpoint tensor per sync (slices
+    of zero bytes are never sent, so they do not count)."""
+    out: dict[str, int] = {}
+    for chunk in pulls.chunks:
+        for packed in chunk.slices:
+            if packed.spec.nbytes:
+                source = packed.spec.source
+                out[source] = out.get(source, 0) + packed.spec.nbytes
+    return out
+
+
 class _Failed:
     def __init__(self, error: BaseException) -> None:
         self.error = error
@@ -154,6 +182,20 @@ class ShardedRDTWeightTransferEngine(
         self._session: LayerwiseReloadSession | None = None
         # What the last update_weights pulled and landed (JSON-safe).
         self.last_receipt: dict[str, Any] | None = None
+        # The structure the plan was baked from, and the bytes of each tensor
+        # the plan pulls; set at init.
+        self.manifest: Manifest | None = None
+        self.expected: dict[str, int] = {}
+        self.pub = WorkerPublication(
+            backend="sharded_rdt",
+            worker_rank=0,  # the consumer id, once init names it
+            worker_device=device_identity(device),
+            manifest_for=lambda header: self.manifest,
+            expected_for=lambda header, manifest: self.expected,
+            producer_call=self._deliver_receipt,
+        )
+        # Set once a chunk of the open update was handed to the lander.
+        self._landed_any = False
 
     # -- parsing -------------------------------------------------------------
 
@@ -252,6 +294,9 @@ class ShardedRDTWeightTransferEngine(
             transport.close()
             raise
         self.consumer_id = consumer_id
+        self.pub.worker_rank = consumer_id
+        self.manifest = Manifest.from_params(metas)
+        self.expected = planned_bytes(pulls)
         self.transport_name = transport_name
         self.stall_timeout_s = init_info.stall_timeout_s
         self.plan = plan
@@ -278,17 +323,29 @@ class ShardedRDTWeightTransferEngine(
     def start_weight_update(self) -> None:
         if self._session is not None and self._session.is_open:
             self._session.abort()
+        self.pub.start()
+        self._landed_any = False
         session = LayerwiseReloadSession(self.model, self.model_config)
         session.start()
         self._session = session
+
+    @property
+    def fence_status(self) -> dict[str, Any]:
+        """The worker's update state (``FenceStatus.to_dict``), for diagnostics."""
+        return self.pub.fence.status.to_dict()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # Overrides the base class, which synchronizes an accelerator this
         # engine may not have; every pull has landed when this returns.
         try:
-            self.receive_weights(self.parse_update_info(update_info))
+            info = self.pub.begin_message(update_info)
+            self.receive_weights(self.parse_update_info(info))
         except BaseException as e:
-            self._abort(f"{type(e).__name__}: {e}")
+            reason = f"{type(e).__name__}: {e}"
+            try:
+                self._abort(reason)
+            finally:
+                self.pub.fail(reason, weights_intact=not self._landed_any)
             raise
 
     def receive_weights(self, update_info: ShardedRDTWeightTransferUpdateInfo) -> None:
@@ -302,8 +359,10 @@ class ShardedRDTWeightTransferEngine(
                 "start_weight_update first"
             )
         started = time.perf_counter()
+        header = self.pub.header
         for link in self._links:
             link.sync_id = update_info.sync_id
+            link.checksums = header is not None and header.checksum is not None
         lander = self._lander
         lander.begin()
         pulled, timing = self._run_pulls(lander)
@@ -311,34 +370,42 @@ class ShardedRDTWeightTransferEngine(
         self.last_receipt = {
             "consumer_id": self.consumer_id,
             "transport": self.transport_name,
+            "publication_id": header.publication_id if header else None,
             "chunks": len(self.pulls.chunks),
             "bytes": sum(pulled.values()),
             "bytes_by_producer": {str(p): n for p, n in sorted(pulled.items())},
             "planned_bytes": self.pulls.payload_bytes,
             "modules_processed": len(lander.processed),
+            "checksums_verified": (
+                self.pub.checker.checksums_verified if self.pub.checker else 0
+            ),
             "seconds": elapsed,
             # Time inside transport pulls (request, pack, read) on the pulling
             # thread, and landing + processing on this one; they overlap.
             "pull_seconds": timing["pull"],
             "land_seconds": timing["land"],
         }
-        logger.info(
-            "sharded_rdt consumer %s pulled %d bytes in %d chunks and processed "
-            "%d modules in %.3f s",
-            self.consumer_id,
-            self.last_receipt["bytes"],
-            len(self.pulls.chunks),
-            len(lander.processed),
-            elapsed,
-        )
 
     def drain_pending(self) -> None:
         """Nothing is queued once update_weights returns."""
 
     def finish_weight_update(self) -> None:
         session, self._session = self._session, None
-        if session is not None and session.is_open:
-            session.finish()
+        if self.pub.fence.state != WeightState.UPDATING:
+            # Fenced: refuse with the reason. Otherwise an earlier failure
+            # closed the update with the weights intact.
+            if self.pub.fence.state == WeightState.FENCED:
+                self.pub.fence.check_open("finish_weight_update")
+            if session is not None and session.is_open:
+                session.abort()
+            return
+        try:
+            if session is not None and session.is_open:
+                session.finish()
+        except BaseException as e:
+            self.pub.fail(f"{type(e).__name__}: {e}", weights_intact=False)
+            raise
+        self.pub.finish()
 
     def shutdown(self) -> None:
         session, self._session = self._session, None
@@ -368,7 +435,9 @@ class ShardedRDTWeightTransferEngine(
                 following[last_of[chunk.producer]] = chunk
             last_of[chunk.producer] = i
         free = threading.Semaphore(len(self._buffers))
-        ready: queue.Queue[tuple[int, torch.Tensor] | _Failed] = queue.Queue()
+        ready: queue.Queue[tuple[int, torch.Tensor, str | None] | _Failed] = (
+            queue.Queue()
+        )
         stop = threading.Event()
 
         def puller() -> None:
@@ -381,9 +450,11 @@ class ShardedRDTWeightTransferEngine(
                         return
                     into = self._buffers[i % len(self._buffers)][: chunk.nbytes]
                     t0 = time.perf_counter()
-                    self._links[chunk.producer].pull(chunk, into, following[i])
+                    checksum = self._links[chunk.producer].pull(
+                        chunk, into, following[i]
+                    )
                     timing["pull"] += time.perf_counter() - t0
-                    ready.put((i, into))
+                    ready.put((i, into, checksum))
             except BaseException as e:
                 ready.put(_Failed(e))
 
@@ -401,10 +472,8 @@ class ShardedRDTWeightTransferEngine(
                     ) from None
                 if isinstance(item, _Failed):
                     raise item.error
-                i, data = item
-                t0 = time.perf_counter()
-                lander.land(i, data)
-                timing["land"] += time.perf_counter() - t0
+                i, data, checksum = item
+                self._land(lander, i, data, checksum, timing)
                 pulled[chunks[i].producer] = (
                     pulled.get(chunks[i].producer, 0) + chunks[i].payload_bytes
                 )
@@ -413,6 +482,49 @@ class ShardedRDTWeightTransferEngine(
             stop.set()
             thread.join(timeout=1.0)
         return pulled, timing
+
+    def _land(
+        self,
+        lander: ChunkLander,
+        index: int,
+        data: torch.Tensor,
+        checksum: str | None,
+        timing: dict[str, float],
+    ) -> None:
+        """Check chunk ``index`` (its checksum, each slice against the plan),
+        then land it."""
+        assert self.pulls is not None
+        chunk = self.pulls.chunks[index]
+        pub = self.pub
+        pub.check_payload(
+            f"chunk seq {chunk.seq} (group {chunk.group}) from producer "
+            f"{chunk.producer}",
+            checksum,
+            data,
+        )
+        slices = [p.spec for p in chunk.slices if p.spec.nbytes]
+        for spec in slices:
+            pub.admit_slice(spec.source, None, spec.nbytes)
+        pub.touch()
+        self._landed_any = True
+        t0 = time.perf_counter()
+        if pub.record is not None:
+            with pub.record.phase("load"):
+                lander.land(index, data)
+        else:
+            lander.land(index, data)
+        timing["land"] += time.perf_counter() - t0
+        for spec in slices:
+            pub.landed(spec.source, spec.nbytes)
+
+    def _deliver_receipt(self, receipt: dict[str, Any]) -> None:
+        """Hand a receipt to producer 0, the sending trainer rank's."""
+        if not self._links:
+            raise RuntimeError(
+                "sharded_rdt has no producer to deliver its receipt to; "
+                "init_weight_transfer_engine did not connect any"
+            )
+        self._links[0].deliver_receipt(receipt)
 
     def _abort(self, reason: str) -> None:
         session, self._session = self._session, None

@@ -11,10 +11,12 @@ worker runs its own NIXL agent. Per consumer and producer, one connection:
                                           registered with NIXL once
                                        <- {"buffers": [...]}
     {"op": "pull", "seq": s, "id": i}  -> Producer.pack (waits for the group)
-                                       <- {"id": i, "addr", "nbytes"}
+                                       <- {"id": i, "addr", "nbytes", "checksum"}
     NIXL READ of the packed bytes into the consumer's registered receive buffer
     {"op": "done", "seq": s}           -> Producer.read_done (no reply)
     {"op": "abort", "reason"}          -> Producer.fail (own connection)
+    {"op": "receipt", "receipt", "id"} -> Producer.deliver_receipt (own
+                                       <- {"id"}      connection, at finish)
 
 The consumer sends its next pull to a producer before reading the current
 chunk, so the producer packs one chunk while the previous one is read. The
@@ -257,16 +259,20 @@ class NixlProducerServer(ProducerServer):
                 "metadata": base64.b64encode(metadata).decode(),
             }
         if op == "pull":
-            _, view = producer.pack(
+            packed = producer.pack(
                 message["consumer_id"], message["seq"], message.get("sync")
             )
-            mem, dev = _mem(view)
+            mem, dev = _mem(packed.view)
             return {
-                "addr": view.data_ptr(),
-                "nbytes": view.numel(),
+                "addr": packed.view.data_ptr(),
+                "nbytes": packed.view.numel(),
                 "mem": mem,
                 "dev": dev,
+                "checksum": packed.checksum,
             }
+        if op == "receipt":
+            producer.deliver_receipt(message["receipt"])
+            return {}
         if op == "done":
             producer.read_done(message["consumer_id"], message["seq"])
             return None
@@ -401,7 +407,7 @@ class _NixlLink(ProducerLink):
         chunk: PullChunk,
         into: torch.Tensor,
         next_chunk: PullChunk | None = None,
-    ) -> None:
+    ) -> str | None:
         timeout_s = self.transport.stall_timeout_s + _REPLY_GRACE_S
         what = f"pull of seq {chunk.seq}"
         if chunk.seq == 0:
@@ -435,6 +441,7 @@ class _NixlLink(ProducerLink):
                 reply["mem"],
             )
         self._notify({"op": "done", "seq": chunk.seq})
+        return reply.get("checksum")
 
     def abort(self, reason: str) -> None:
         self._ahead = None
@@ -443,6 +450,27 @@ class _NixlLink(ProducerLink):
             _send(
                 conn,
                 {"op": "abort", "consumer_id": self.consumer_id, "reason": reason},
+            )
+
+    def deliver_receipt(self, receipt: dict[str, Any]) -> None:
+        # A connection of its own, so that a pull request left over from a
+        # failed sync never holds the receipt back. It names no consumer: its
+        # closing is not a consumer leaving mid-sync.
+        timeout_s = self.transport.stall_timeout_s + _REPLY_GRACE_S
+        try:
+            with Client(self._address, authkey=self._authkey) as conn:
+                _send(conn, {"op": "receipt", "receipt": receipt, "id": 1})
+                if not conn.poll(timeout_s):
+                    raise TimeoutError(
+                        f"producer {self.producer_index} did not take the "
+                        f"receipt within {timeout_s:.1f}s"
+                    )
+                reply = _recv(conn)
+        except (EOFError, OSError) as e:
+            raise self._lost("receipt delivery", e) from e
+        if "error" in reply:
+            raise RuntimeError(
+                f"producer {self.producer_index} refused the receipt: {reply['error']}"
             )
 
     def close(self) -> None:

@@ -14,8 +14,15 @@ Trainer rank, once per sync:
        then ``publish(group, {name: tensor})``
     3. ``end_sync()`` (returns when every live consumer has read every chunk)
 Consumers, during a sync, per chunk in ``seq`` order:
-    ``pack(consumer_id, seq)`` -> (slot, packed view); read it;
-    ``read_done(consumer_id, seq)``.
+    ``pack(consumer_id, seq)`` -> `Packed` (slot, packed view, checksum);
+    read it; ``read_done(consumer_id, seq)``.
+Consumers, at the end of a sync (producer 0 only):
+    ``deliver_receipt(receipt)`` -> ``receipts``, the `ReceiptInbox` the sending
+    trainer rank collects verified-publication receipts from.
+
+With ``checksums`` on, each packed chunk's ``ws1`` payload checksum is computed
+on the producer's device right after packing; the consumer compares it with
+the bytes that reached it.
 
 A group is released (its tensors dropped, a credit returned) once every live
 consumer that pulls from it here has read its chunk. Consumers whose plans are
@@ -33,9 +40,12 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
+from vllm.distributed.weight_transfer.checksum import payload_checksum
+from vllm.distributed.weight_transfer.receipts import ReceiptInbox
 from vllm.distributed.weight_transfer.sharded_rdt_chunks import (
     PullChunk,
     chunks_digest,
@@ -82,6 +92,15 @@ def pack_chunk(
         dst.view(dtype_from_name(spec.dtype)).view(spec.shape).copy_(value)
 
 
+class Packed(NamedTuple):
+    """A packed chunk: its serve slot, its bytes (valid until ``read_done``)
+    and their payload checksum (None when checksums are off)."""
+
+    slot: int
+    view: torch.Tensor
+    checksum: str | None
+
+
 @dataclass
 class _Consumer:
     consumer_id: int
@@ -95,6 +114,7 @@ class _Consumer:
 class _Slot:
     seq: int = -1  # chunk seq packed here; -1 when empty
     packing: bool = False
+    checksum: str | None = None  # of the packed bytes, when checksums are on
     readers: set[int] = field(default_factory=set)
 
 
@@ -123,6 +143,7 @@ class Producer:
         buffer_presize_bytes: int = 0,
         device: torch.device | str = "cpu",
         on_new_buffer: Callable[[torch.Tensor], None] | None = None,
+        checksums: bool = False,
     ) -> None:
         if sum(group_lens) != len(names):
             raise ValueError(
@@ -141,6 +162,8 @@ class Producer:
         self.buffer_presize_bytes = buffer_presize_bytes
         self.device = torch.device(device)
         self._on_new_buffer = on_new_buffer
+        self.checksums = checksums
+        self.receipts = ReceiptInbox()
         self._group_of: dict[str, int] = {}
         start = 0
         for gi, n in enumerate(group_lens):
@@ -261,11 +284,9 @@ class Producer:
                 self._on_new_buffer(buffer)
         return buffers
 
-    def pack(
-        self, consumer_id: int, seq: int, sync_id: int | None = None
-    ) -> tuple[int, torch.Tensor]:
+    def pack(self, consumer_id: int, seq: int, sync_id: int | None = None) -> Packed:
         """Pack chunk ``seq`` of ``consumer_id`` (or find it packed by a sharer)
-        and return ``(slot, packed bytes)``; the view stays valid until this
+        and return it as `Packed`; the view stays valid until this
         consumer calls ``read_done(consumer_id, seq)``. ``sync_id``, when the
         consumer knows it, names the sync its first pull belongs to, so a sync
         that failed before the consumer arrived is reported at once."""
@@ -336,21 +357,48 @@ class Producer:
             )
             buffer = share.buffers[slot_index]
             if slot.seq == seq:
-                return slot_index, buffer[: chunk.nbytes]
+                return Packed(slot_index, buffer[: chunk.nbytes], slot.checksum)
             slot.seq = seq
             slot.packing = True
+            slot.checksum = None
             slot.readers = {c for c in share.members if c in self._live}
             tensors = self._resident[chunk.group]
+        view = buffer[: chunk.nbytes]
         try:
             pack_chunk(chunk, tensors, buffer)
+            checksum = payload_checksum(view) if self.checksums else None
         except BaseException as e:
             self.fail(f"packing group {chunk.group} for consumer {consumer_id}: {e}")
             raise
         with self._cond:
             slot.packing = False
+            slot.checksum = checksum
             self.packed_bytes += chunk.payload_bytes
             self._progress()
-        return slot_index, buffer[: chunk.nbytes]
+        return Packed(slot_index, view, checksum)
+
+    def packed_checksum(self, consumer_id: int, seq: int) -> str | None:
+        """The checksum of chunk ``seq`` as packed for ``consumer_id``, for a
+        transport that returns the bytes alone; call it before ``read_done``."""
+        with self._cond:
+            consumer = self._consumers.get(consumer_id)
+            if consumer is None or not 0 <= seq < len(consumer.chunks):
+                raise ProducerError(
+                    f"checksum asked for unknown chunk (consumer {consumer_id}, "
+                    f"seq {seq}) on producer rank {self.rank}"
+                )
+            slot = self._shares[consumer.share].slots[seq % self.num_slots]
+            if slot.seq != seq or slot.packing:
+                raise ProducerError(
+                    f"chunk seq {seq} of consumer {consumer_id} is not packed on "
+                    f"producer rank {self.rank}; ask for its checksum between "
+                    "pack and read_done"
+                )
+            return slot.checksum
+
+    def deliver_receipt(self, receipt: dict[str, Any]) -> None:
+        """A worker's verified-publication receipt, for the sending trainer rank."""
+        self.receipts.deliver(receipt)
 
     def read_done(self, consumer_id: int, seq: int) -> None:
         """``consumer_id`` has read chunk ``seq``; free its slot and, once every

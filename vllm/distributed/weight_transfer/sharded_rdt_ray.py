@@ -12,8 +12,11 @@ resolves the actors by name and calls, per chunk:
 
     ref = actor.rdt_produce_weights_batched.remote(consumer_id, seq)
     [packed] = ray.get(ref)            # NIXL read by Ray
+    actor.packed_checksum.remote(consumer_id, seq)   # only with checksums on
     actor.read_done.remote(consumer_id, seq)
 
+and at finish ``actor.deliver_receipt.remote(receipt)``; the sending trainer
+rank collects receipts with ``actor.collect_receipts`` (`ActorReceiptInbox`).
 Every ``ray.get`` is bounded by the stall timeout.
 """
 
@@ -21,11 +24,17 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from vllm.distributed.weight_transfer.publication import Receipt
+from vllm.distributed.weight_transfer.receipts import (
+    DEFAULT_RECEIPT_TIMEOUT_S,
+    ReceiptInbox,
+    ReceiptTimeoutError,
+)
 from vllm.distributed.weight_transfer.sharded_rdt_chunks import PullChunk
 from vllm.distributed.weight_transfer.sharded_rdt_common import (
     PRODUCE_METHOD_NAME,
@@ -66,6 +75,27 @@ class _ProducerActorBase:
     def abort(self, consumer_id: int, reason: str) -> None:
         self.producer.fail(f"consumer {consumer_id} aborted: {reason}")
 
+    def packed_checksum(self, consumer_id: int, seq: int) -> str | None:
+        return self.producer.packed_checksum(consumer_id, seq)
+
+    def deliver_receipt(self, receipt: dict[str, Any]) -> None:
+        self.producer.deliver_receipt(receipt)
+
+    def collect_receipts(
+        self, publication_id: str, expected_workers: list[int], timeout_s: float
+    ) -> dict[str, Any]:
+        """``{"receipts": [...]}``, or ``{"timeout": message}``."""
+        try:
+            got = self.producer.receipts.collect(
+                publication_id, expected_workers, timeout_s
+            )
+        except ReceiptTimeoutError as e:
+            return {"timeout": str(e)}
+        return {"receipts": [r.to_dict() for r in got]}
+
+    def discard_receipts(self, publication_id: str) -> None:
+        self.producer.receipts.discard(publication_id)
+
     def begin_sync(self, live: list[int], sync_id: int | None = None) -> None:
         self.producer.begin_sync(live, sync_id)
 
@@ -95,10 +125,52 @@ def producer_actor_class() -> type:
         def rdt_produce_weights_batched(
             self, consumer_id: int, seq: int, sync_id: int | None = None
         ) -> list[torch.Tensor]:
-            _, packed = self.producer.pack(consumer_id, seq, sync_id)
-            return [packed]
+            return [self.producer.pack(consumer_id, seq, sync_id).view]
 
     return RdtProducerActor
+
+
+class ActorReceiptInbox(ReceiptInbox):
+    """The trainer's view of a producer actor's receipt inbox."""
+
+    def __init__(self, actor: Any, timeout_s: float) -> None:
+        super().__init__()
+        self._actor = actor
+        self._timeout_s = timeout_s
+
+    def deliver(self, receipt: dict[str, Any] | Receipt) -> None:
+        import ray
+
+        if isinstance(receipt, Receipt):
+            receipt = receipt.to_dict()
+        ray.get(self._actor.deliver_receipt.remote(receipt), timeout=self._timeout_s)
+
+    def collect(
+        self,
+        publication_id: str,
+        expected_workers: Collection[int],
+        timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S,
+    ) -> list[Receipt]:
+        import ray
+
+        ref = self._actor.collect_receipts.remote(
+            publication_id, sorted(set(expected_workers)), timeout_s
+        )
+        result = ray.get(ref, timeout=timeout_s + self._timeout_s)
+        if "timeout" in result:
+            raise ReceiptTimeoutError(result["timeout"])
+        return [Receipt.from_dict(r) for r in result["receipts"]]
+
+    def discard(self, publication_id: str) -> None:
+        import ray
+
+        try:
+            ray.get(
+                self._actor.discard_receipts.remote(publication_id),
+                timeout=self._timeout_s,
+            )
+        except Exception as e:  # the actor may be gone; nothing to free then
+            logger.debug("could not discard receipts on the producer actor: %s", e)
 
 
 class RdtProducerServer(ProducerServer):
@@ -135,6 +207,11 @@ class RdtProducerServer(ProducerServer):
             .remote(producer_kwargs)
         )
         ray.get(self.producer.ping.remote(), timeout=self.stall_timeout_s)
+        self._receipts = ActorReceiptInbox(self.producer, self.stall_timeout_s)
+
+    @property
+    def receipts(self) -> ReceiptInbox:
+        return self._receipts
 
     def _call(self, method: str, *args: Any) -> Any:
         import ray
@@ -215,7 +292,7 @@ class _RdtLink(ProducerLink):
         chunk: PullChunk,
         into: torch.Tensor,
         next_chunk: PullChunk | None = None,
-    ) -> None:
+    ) -> str | None:
         method = getattr(self.actor, self.transport.produce_method_name)
         ref = method.remote(self.consumer_id, chunk.seq, self.sync_id)
         (packed,) = self._get(
@@ -227,10 +304,25 @@ class _RdtLink(ProducerLink):
                 f"{chunk.seq}; the plan says {chunk.nbytes}"
             )
         into.copy_(packed)
+        checksum = None
+        if self.checksums:
+            checksum = self._get(
+                self.actor.packed_checksum.remote(self.consumer_id, chunk.seq),
+                f"checksum of seq {chunk.seq}",
+                self.transport.stall_timeout_s,
+            )
         self.actor.read_done.remote(self.consumer_id, chunk.seq)
+        return checksum
 
     def abort(self, reason: str) -> None:
         self.actor.abort.remote(self.consumer_id, reason)
+
+    def deliver_receipt(self, receipt: dict[str, Any]) -> None:
+        self._get(
+            self.actor.deliver_receipt.remote(receipt),
+            "receipt delivery",
+            self.transport.stall_timeout_s,
+        )
 
 
 class RdtConsumerTransport(ConsumerTransport):

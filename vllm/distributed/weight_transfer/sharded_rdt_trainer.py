@@ -13,19 +13,32 @@ it through a transport server; inference workers pull from the producers.
        a Ray actor for Ray Direct Transport, or in-process);
     4. endpoints exchanged; the sender (rank 0) sends the worker init info
        (`get_worker_init_payload`) with ``client.init_weight_transfer_engine``.
-``send_weights(live_consumer_ids=None)`` (every rank):
+``send_weights(live_consumer_ids=None, weight_version=None)`` (every rank):
     the sender drives start -> update -> finish on the inference side, with
     ``update_weights`` running concurrently with its own gather loop; every
     rank runs the gather loop: for each held group, wait for a credit (at most
     ``gather_lookahead + 1`` groups resident), take the group from
     ``source.iter_groups()`` and publish it; then wait until every live
     consumer has read it all. Failures are exchanged so every rank raises.
+
+Verified publication (``verify_publication``, on by default): the sender opens
+a `TrainerPublication` whose header (manifest from ``source.metadata()``, the
+trainer's model version) rides the update message. Each worker checks it
+against the manifest it baked at init before pulling anything, admits every
+slice against its plan before landing it and, at finish, hands its receipt to
+producer 0 (this rank's producer, in the sender's process or its actor). Once
+``finish_weight_update`` returned, the sender verifies one complete receipt
+per live consumer; only then does ``weight_version`` become the served
+version. Any failure after start sets the served version to ``fenced:...``.
+With ``verify_checksums``, producers checksum every packed chunk and workers
+verify the bytes that reached them before landing them.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import time
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -41,6 +54,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
     layerwise_groups,
 )
+from vllm.distributed.weight_transfer.fencing import set_served_version
+from vllm.distributed.weight_transfer.receipts import DEFAULT_RECEIPT_TIMEOUT_S
 from vllm.distributed.weight_transfer.sharded_rdt_common import (
     DEFAULT_GATHER_LOOKAHEAD,
     DEFAULT_NUM_RDT_BUFFERS,
@@ -59,6 +74,10 @@ from vllm.distributed.weight_transfer.sources import require_source
 from vllm.distributed.weight_transfer.trainer_group import (
     TrainerGroup,
     make_trainer_group,
+)
+from vllm.distributed.weight_transfer.verified_sync import (
+    TrainerPublication,
+    device_identity,
 )
 from vllm.logger import init_logger
 
@@ -80,7 +99,16 @@ class ShardedRDTTrainerInitInfo(TrainerInitInfo):
     "inprocess" = tests), ``producer_host`` (address workers reach this rank's
     control socket at; default 127.0.0.1 for one node), ``serve_device`` (where
     serve buffers live; default CPU) and ``process_group`` (the trainer ranks'
-    group; default all ranks of torch.distributed)."""
+    group; default all ranks of torch.distributed).
+
+    Verified publication: ``verify_publication`` (default on) sends a
+    publication header and waits for every live consumer's receipt;
+    ``verify_checksums`` adds a payload checksum per packed chunk.
+    ``model_version`` is the first publication's model version (then one more
+    per send); without it, the version is the wall clock in microseconds (at
+    least one more than the last), so a restarted trainer still publishes a
+    version the workers accept. ``receipt_timeout_s`` bounds the wait for
+    receipts after ``finish_weight_update`` returned."""
 
     backend: ClassVar[str] = "sharded_rdt"
     num_consumers: int
@@ -94,6 +122,10 @@ class ShardedRDTTrainerInitInfo(TrainerInitInfo):
     producer_host: str | None = None
     serve_device: str | None = None
     process_group: Any = field(default=None, repr=False, compare=False)
+    verify_publication: bool = True
+    verify_checksums: bool = False
+    model_version: int | None = None
+    receipt_timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.num_consumers < 1:
@@ -119,6 +151,18 @@ class ShardedRDTTrainerInitInfo(TrainerInitInfo):
             raise ValueError(
                 f"transport is {self.transport!r}; expected one of {list(TRANSPORTS)}"
             )
+        if self.verify_checksums and not self.verify_publication:
+            raise ValueError(
+                "ShardedRDTTrainerInitInfo.verify_checksums needs "
+                "verify_publication=True: checksums travel in the publication"
+            )
+        if self.model_version is not None and self.model_version < 0:
+            raise ValueError(
+                f"ShardedRDTTrainerInitInfo.model_version is {self.model_version}; "
+                "need >= 0"
+            )
+        if self.receipt_timeout_s <= 0:
+            raise ValueError(f"receipt_timeout_s is {self.receipt_timeout_s}; need > 0")
 
 
 def metadata_digest(metas: list[ParamMeta]) -> str:
@@ -180,6 +224,9 @@ class ShardedRDTTrainerWeightTransferEngine(
         self._endpoints: list[dict[str, Any]] = []
         self._ready = False
         self._sync_id = 0  # the last sync begun; equal on every rank
+        self._next_version = init_info.model_version
+        # The last publication whose receipts verified (sender only).
+        self.last_publication: TrainerPublication | None = None
 
     # -- init ----------------------------------------------------------------
 
@@ -292,6 +339,7 @@ class ShardedRDTTrainerWeightTransferEngine(
             workers_per_replica=info.workers_per_replica,
             buffer_presize_bytes=int(info.buffer_presize_gb * (1 << 30)),
             device=info.serve_device or "cpu",
+            checksums=info.verify_checksums,
         )
         if info.transport == "inprocess":
             return InProcessServer(Producer(**kwargs))
@@ -342,10 +390,15 @@ class ShardedRDTTrainerWeightTransferEngine(
 
     # -- send ----------------------------------------------------------------
 
-    def send_weights(self, live_consumer_ids: Collection[int] | None = None) -> None:
+    def send_weights(
+        self,
+        live_consumer_ids: Collection[int] | None = None,
+        weight_version: str | None = None,
+    ) -> None:
         """Serve one full sync; see the module docstring. ``live_consumer_ids``
         (default: all) are the workers that pull this time; the others (dead or
-        restarting) are not waited for."""
+        restarting) are not waited for. ``weight_version``, if given, becomes
+        the served version once every live consumer's receipt verified."""
         if not self._ready or self._group is None or self._server is None:
             raise RuntimeError("send_weights before trainer_init")
         n = self.init_info.num_consumers
@@ -363,30 +416,114 @@ class ShardedRDTTrainerWeightTransferEngine(
                     n,
                     live,
                 )
+        if (
+            self.is_sender
+            and weight_version is not None
+            and not callable(getattr(self.client, "update_weight_version", None))
+        ):
+            raise TypeError(
+                f"{type(self.client).__name__} has no update_weight_version, which "
+                "send_weights(weight_version=...) needs to set the version once "
+                "the receipts verified; use a client from "
+                "vllm.distributed.weight_transfer.clients"
+            )
         group = self._group
-        group.exchange(None, self._call("start_weight_update"), "start_weight_update")
-
-        self._sync_id += 1
-        pool = concurrent.futures.ThreadPoolExecutor(1) if self.is_sender else None
-        future = (
-            pool.submit(self.client.update_weights, {"sync_id": self._sync_id})
-            if pool is not None
-            else None
-        )
-        error: str | None = None
+        pub = self._open_publication()
         try:
-            self._gather(live, future)
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-        if future is not None:
+            group.exchange(
+                None, self._call("start_weight_update"), "start_weight_update"
+            )
+            self._sync_id += 1
+            update_info: dict[str, Any] = {"sync_id": self._sync_id}
+            if pub is not None:
+                # The bytes travel through the producers, which checksum them.
+                update_info = pub.attach(update_info, payload=False)
+            pool = concurrent.futures.ThreadPoolExecutor(1) if self.is_sender else None
+            future = (
+                pool.submit(self.client.update_weights, update_info)
+                if pool is not None
+                else None
+            )
+            error: str | None = None
             try:
-                future.result()
+                self._gather(live, future)
             except Exception as e:
-                error = error or f"update_weights: {e}"
-        if pool is not None:
-            pool.shutdown(wait=False)
-        group.exchange(None, error, "sharded_rdt send_weights")
-        group.exchange(None, self._call("finish_weight_update"), "finish_weight_update")
+                error = f"{type(e).__name__}: {e}"
+            if future is not None:
+                try:
+                    future.result()
+                except Exception as e:
+                    error = error or f"update_weights: {e}"
+            if pool is not None:
+                pool.shutdown(wait=False)
+            group.exchange(None, error, "sharded_rdt send_weights")
+            group.exchange(
+                None, self._call("finish_weight_update"), "finish_weight_update"
+            )
+            if pub is not None:
+                error = self._on_sender(lambda: self._commit(pub, live, weight_version))
+                group.exchange(None, error, "verify receipts")
+            elif weight_version is not None and self.is_sender:
+                set_served_version(self.client, weight_version)
+        except BaseException as e:
+            if pub is not None:
+                pub.fail(self.client, e)
+            raise
+        finally:
+            if pub is not None:
+                pub.close()
+
+    def _open_publication(self) -> TrainerPublication | None:
+        """The sender's publication of this sync (None elsewhere or when off);
+        every rank contributes its device identity."""
+        info = self.init_info
+        if not info.verify_publication:
+            return None
+        assert self._group is not None
+        devices = self._group.exchange(
+            device_identity(info.serve_device or "cpu"), None, "publication"
+        )
+        if not self.is_sender:
+            return None
+        assert self._server is not None and self.source is not None
+        return TrainerPublication.open(
+            backend="sharded_rdt",
+            model_version=self._model_version(),
+            metas=list(self.source.metadata()),
+            trainer_devices=[devices[r] for r in sorted(devices)],
+            channel="producer",
+            checksums=info.verify_checksums,
+            inbox=self._server.receipts,
+        )
+
+    def _model_version(self) -> int:
+        if self.init_info.model_version is not None:
+            assert self._next_version is not None
+            version = self._next_version
+        else:
+            version = max(time.time_ns() // 1000, self._next_version or 0)
+        self._next_version = version + 1
+        return version
+
+    def _commit(
+        self, pub: TrainerPublication, live: list[int], weight_version: str | None
+    ) -> None:
+        """Verify every live consumer's receipt, then make the version visible."""
+        pub.verify(live, timeout_s=self.init_info.receipt_timeout_s, delivery="sliced")
+        self.last_publication = pub
+        if weight_version is not None:
+            set_served_version(self.client, weight_version)
+
+    def _on_sender(self, fn: Any) -> str | None:
+        if not self.is_sender:
+            return None
+        try:
+            fn()
+        except Exception as e:
+            if self._group is not None and self._group.world_size == 1:
+                raise
+            return f"{type(e).__name__}: {e}"
+        return None
 
     def _call(self, method: str) -> str | None:
         if not self.is_sender:

@@ -11,11 +11,16 @@ A worker engine sees a transport as:
 * ``ProducerLink.register(consumer_id, chunks, digest)`` at init;
 * ``ProducerLink.pull(chunk, into, next_chunk)`` per chunk: returns once the
   packed bytes of ``chunk`` are in ``into``, and the producer has been told
-  they were read;
-* ``ProducerLink.abort(reason)`` when the worker gives up on a sync.
+  they were read; the result is the producer's payload checksum of those
+  bytes (None when checksums are off, or when ``checksums`` is False);
+* ``ProducerLink.abort(reason)`` when the worker gives up on a sync;
+* ``ProducerLink.deliver_receipt(receipt)`` at the end of a sync: the worker's
+  verified-publication receipt (a JSON-safe dict) goes to the producer's
+  `ReceiptInbox`, bounded by the transport's control timeout.
 
 A trainer rank serves its `Producer` through a `ProducerServer`, whose
-``endpoint()`` (JSON) rides the worker init info.
+``endpoint()`` (JSON) rides the worker init info and whose ``receipts`` is
+the inbox the sending rank collects receipts from.
 
 Implementations: `InProcessServer` / `InProcessTransport` here (producer and
 consumer in one process, for tests), ``sharded_rdt_nixl`` (direct NIXL agents,
@@ -32,6 +37,7 @@ from typing import Any
 
 import torch
 
+from vllm.distributed.weight_transfer.receipts import ReceiptInbox
 from vllm.distributed.weight_transfer.sharded_rdt_chunks import PullChunk
 from vllm.distributed.weight_transfer.sharded_rdt_producer import Producer
 
@@ -40,6 +46,9 @@ class ProducerLink(ABC):
     """A consumer's connection to one producer."""
 
     sync_id: int | None = None  # the sync the next pulls belong to, if known
+    # Whether the current sync carries payload checksums; a transport whose
+    # pull reply cannot carry the checksum asks for it only then.
+    checksums: bool = False
 
     @abstractmethod
     def register(
@@ -52,13 +61,19 @@ class ProducerLink(ABC):
         chunk: PullChunk,
         into: torch.Tensor,
         next_chunk: PullChunk | None = None,
-    ) -> None:
-        """Land ``chunk``'s packed bytes in ``into`` (uint8, ``chunk.nbytes``).
+    ) -> str | None:
+        """Land ``chunk``'s packed bytes in ``into`` (uint8, ``chunk.nbytes``)
+        and return the producer's checksum of them (None when off).
         ``next_chunk``, the consumer's next pull from this producer, may be
         requested early so that it is packed while this one is read."""
 
     def abort(self, reason: str) -> None:  # noqa: B027
         """Tell the producer this consumer gave up on the current sync."""
+
+    @abstractmethod
+    def deliver_receipt(self, receipt: dict[str, Any]) -> None:
+        """Hand a receipt to the producer's inbox; raises if it cannot within
+        the transport's control timeout."""
 
     def close(self) -> None:  # noqa: B027
         pass
@@ -107,6 +122,11 @@ class ProducerServer(ABC):
     def fail(self, reason: str) -> None:
         self.producer.fail(reason)
 
+    @property
+    def receipts(self) -> ReceiptInbox:
+        """Where the receipts workers deliver to this producer arrive."""
+        return self.producer.receipts
+
     def close(self) -> None:  # noqa: B027
         pass
 
@@ -151,13 +171,17 @@ class _InProcessLink(ProducerLink):
         chunk: PullChunk,
         into: torch.Tensor,
         next_chunk: PullChunk | None = None,
-    ) -> None:
-        _, packed = self.producer.pack(self.consumer_id, chunk.seq, self.sync_id)
-        into.copy_(packed)
+    ) -> str | None:
+        packed = self.producer.pack(self.consumer_id, chunk.seq, self.sync_id)
+        into.copy_(packed.view)
         self.producer.read_done(self.consumer_id, chunk.seq)
+        return packed.checksum
 
     def abort(self, reason: str) -> None:
         self.producer.fail(f"consumer {self.consumer_id} aborted: {reason}")
+
+    def deliver_receipt(self, receipt: dict[str, Any]) -> None:
+        self.producer.deliver_receipt(receipt)
 
 
 class InProcessTransport(ConsumerTransport):

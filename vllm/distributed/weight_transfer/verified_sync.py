@@ -174,17 +174,23 @@ class TrainerPublication:
         return self.header.checksum is not None
 
     def attach(
-        self, update_info: dict[str, Any], checksums: Sequence[str | None] = ()
+        self,
+        update_info: dict[str, Any],
+        checksums: Sequence[str | None] = (),
+        *,
+        payload: bool = True,
     ) -> dict[str, Any]:
         """``update_info`` plus the header (the first message also carries the
         manifest) and, when checksums are on, one checksum per payload buffer
-        of the message, in the backend's buffer order."""
+        of the message, in the backend's buffer order. ``payload=False``: the
+        message carries no payload buffers; their bytes travel, and are
+        checksummed, another way (``sharded_rdt``'s producers)."""
         header = (
             self.header if not self._sent_manifest else self.header.without_manifest()
         )
         self._sent_manifest = True
         sums = None
-        if self.checksums:
+        if self.checksums and payload:
             sums = [c for c in checksums if c is not None]
             if len(sums) != len(checksums) or not sums:
                 raise ValueError(
@@ -263,8 +269,9 @@ class TrainerPublication:
 class WorkerPublication:
     """One worker engine's side of every publication; see the module docstring.
 
-    ``manifest_for(header)`` supplies the manifest when messages carry only
-    its digest (``sharded_rdt`` builds it from its init info);
+    ``manifest_for(header)`` supplies the engine's own manifest
+    (``sharded_rdt`` builds it from its init info): it stands in when messages
+    carry only the digest, and a manifest a message does carry must equal it;
     ``expected_for(header, manifest)`` supplies this worker's per-name bytes
     when it receives slices. ``producer_call`` delivers receipts on the
     ``"producer"`` channel.
@@ -313,8 +320,16 @@ class WorkerPublication:
         self.message_checksums = checksums
         if header is not None and self.checker is None:
             manifest = header.manifest
-            if manifest is None and self._manifest_for is not None:
-                manifest = self._manifest_for(header)
+            own = self._manifest_for(header) if self._manifest_for else None
+            if manifest is None:
+                manifest = own
+            elif own is not None and (diff := own.difference(manifest)):
+                raise ManifestMismatch(
+                    f"publication {header.publication_id}'s manifest differs from "
+                    f"the one this engine was initialized with: {diff}; trainer "
+                    "and server disagree on the model's structure (re-run "
+                    "init_weight_transfer_engine after changing it)"
+                )
             if manifest is None:
                 raise ManifestMismatch(
                     f"publication {header.publication_id}'s first message carries "
