@@ -85,3 +85,27 @@ def test_plan_rejects_bad_settings_and_duplicate_names():
         plan_transfer([meta("a", 1)], packed=True, alignment=48)
     with pytest.raises(ValueError, match="lists 'a' twice"):
         plan_transfer([meta("a", 1), meta("a", 2)], packed=True)
+
+
+def test_overlapped_plan_alternates_two_half_cap_buffers():
+    metas = [meta(f"t{i}", 16) for i in range(8)]  # 64 bytes each, 512 in all
+    plan = plan_transfer(metas, packed=True, buffer_cap_bytes=256, overlap=True)
+    assert plan.num_buffers == 2 and plan.buffer_nbytes == 128
+    assert [c.names for c in plan.chunks] == [
+        [f"t{2 * i}", f"t{2 * i + 1}"] for i in range(4)
+    ]
+    assert [plan.buffer_of(c) for c in plan.chunks] == [0, 1, 0, 1]
+    # a tensor larger than half the cap keeps the single buffer (memory bound)
+    big = plan_transfer(
+        [meta("big", 48), meta("a", 16)],
+        packed=True,
+        buffer_cap_bytes=200,
+        overlap=True,
+    )
+    assert big.num_buffers == 1 and big.buffer_nbytes == 200
+
+
+def test_a_model_within_the_cap_is_one_chunk_even_with_overlap():
+    metas = [meta(f"t{i}", 16) for i in range(3)]
+    plan = plan_transfer(metas, packed=True, buffer_cap_bytes=1 << 20, overlap=True)
+    assert plan.num_buffers == 1 and len(plan.chunks) == 1

@@ -12,6 +12,7 @@ served version."""
 import gc
 import json
 import os
+import time
 import weakref
 
 import pytest
@@ -453,3 +454,112 @@ def test_checksums_need_a_client_that_can_verify():
             client=UpstreamStyleClient(),
             source=RecordingSource(model_tensors(1), []),
         )
+
+
+class SlowLoopbackClient(LoopbackClient):
+    """A loopback whose updates take a while and record when they run, and
+    whether two calls ever overlapped. With ``await_materialized``, update
+    ``k`` waits (up to 10 s) until the source has materialized more than
+    ``await_materialized * k`` tensors (when fewer than ``total_tensors``) and
+    records whether that happened."""
+
+    def __init__(
+        self, events, fail_on_update=None, await_materialized=None, total_tensors=0
+    ):
+        super().__init__(events)
+        self.total_tensors = total_tensors
+        self.active = 0
+        self.max_active = 0
+        self.fail_on_update = fail_on_update
+        self.updates = 0
+        self.await_materialized = await_materialized
+        self.saw_next_chunk: list[bool] = []
+
+    def _materialized(self):
+        return sum(1 for e in list(self.events) if e[0] == "materialize")
+
+    def update_weights(self, update_info):
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            if "abort" not in update_info:
+                self.updates += 1
+                self.events.append(("update-begin", self.updates))
+                time.sleep(0.05)
+                target = (self.await_materialized or 0) * self.updates
+                if self.await_materialized and target < self.total_tensors:
+                    deadline = time.monotonic() + 10.0
+                    while (
+                        self._materialized() <= target and time.monotonic() < deadline
+                    ):
+                        time.sleep(0.01)
+                    self.saw_next_chunk.append(self._materialized() > target)
+                if self.updates == self.fail_on_update:
+                    raise RuntimeError(f"update {self.updates} failed")
+            super().update_weights(update_info)
+            if "abort" not in update_info:
+                self.events.append(("update-end", self.updates))
+        finally:
+            self.active -= 1
+
+
+def small_tensors(n=12):
+    gen = torch.Generator().manual_seed(1)
+    return {f"w{i}": torch.randn(16, 4, generator=gen) for i in range(n)}  # 256 B
+
+
+def test_overlap_packs_the_next_chunk_while_the_last_one_loads():
+    tensors = small_tensors()
+    events: list = []
+    # two tensors per chunk: update k waits for chunk k + 1's first tensor
+    client = SlowLoopbackClient(events, await_materialized=2, total_tensors=12)
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=1024),
+        client=client,
+        source=RecordingSource(tensors, events),
+    )
+    engine.send_weights()
+    plan = engine.last_plan
+    assert plan is not None and plan.num_buffers == 2 and len(plan.chunks) == 6
+    for name, t in tensors.items():
+        assert torch.equal(client.received[name], t), name
+    assert client.max_active == 1  # never two update calls at once
+    # while update k ran, the trainer materialized chunk k + 1
+    assert client.saw_next_chunk == [True] * 5
+    assert len(shm_files()) == 2  # both halves kept for the next sync
+    engine.shutdown()
+    assert shm_files() == set()
+
+
+def test_overlap_off_sends_one_chunk_at_a_time():
+    events: list = []
+    client = SlowLoopbackClient(events)
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=1024, overlap_chunks=False),
+        client=client,
+        source=RecordingSource(small_tensors(), events),
+    )
+    engine.send_weights()
+    assert engine.last_plan is not None and engine.last_plan.num_buffers == 1
+    for k in range(1, client.updates + 1):
+        begin = events.index(("update-begin", k))
+        end = events.index(("update-end", k))
+        assert not any(e[0] == "materialize" for e in events[begin:end])
+    engine.shutdown()
+
+
+def test_a_failing_update_in_flight_is_raised_and_aborted_after_it_returns():
+    events: list = []
+    client = SlowLoopbackClient(events, fail_on_update=2)
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=1024),
+        client=client,
+        source=RecordingSource(small_tensors(), events),
+    )
+    with pytest.raises(RuntimeError, match="update 2 failed"):
+        engine.send_weights()
+    assert client.max_active == 1
+    assert client.updates == 2  # nothing sent after the failure
+    assert client.calls[-2:] == ["abort", "finish"]
+    assert shm_files() == set()  # a failed sync drops the kept buffers
+    assert is_fenced_version(client.versions[-1])

@@ -19,16 +19,24 @@ rank calls it; the rank with ``init_info.rank == 0`` is the sender)::
             each against the metadata), copy each into the chunk's buffer,
             drop it; the next tensor is not requested before the chunk is sent
         all ranks exchange handles (a barrier)    ; sender merges them by device
+        sender: wait for the previous chunk's update_weights ; all ranks agree
         sender: client.update_weights(pub.attach(chunk info, checksums))
-            ; all ranks agree (barrier), so no rank reuses a buffer its
-            colocated worker still reads
+            ; with one buffer it is waited for here; with two (overlap) it
+            runs on a helper thread while every rank fills the other buffer.
+            Either way no rank refills a buffer its colocated worker still
+            reads: a buffer is refilled two chunks later, after the barrier
+            on the call that read it
     sender: client.finish_weight_update()         ; all ranks agree
     sender: pub.verify(every worker's receipt), then
             client.update_weight_version(weight_version) ; all ranks agree
 
 Packed mode (the default) reuses one buffer per trainer rank for every chunk,
 sized from the metadata: the model's aligned size capped at
-``packed_buffer_size_bytes``, but at least the largest tensor. Unpacked mode
+``packed_buffer_size_bytes``, but at least the largest tensor. With
+``overlap_chunks`` (default on) a model larger than the cap whose tensors all
+fit in half of it travels through two half-size buffers in turn, so packing
+overlaps the workers' loading. CPU buffers are kept from one sync to the next
+(``keep_packed_buffer``). Unpacked mode
 exports each tensor separately and keeps every exported tensor alive until all
 workers have read it (the barrier after its chunk).
 
@@ -64,7 +72,8 @@ HTTP and Ray clients bound every call to the server.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
@@ -180,6 +189,12 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     it. The default (``None``) keeps shared-memory buffers, whose pages cost
     more to create than to fill, and frees GPU buffers, so a colocated engine
     gets that memory back between syncs.
+
+    ``overlap_chunks`` (default on) splits the packed buffer into two halves
+    when the model spans several chunks and no tensor is larger than half the
+    cap: the trainer fills one half while the workers load the other, with at
+    most one ``update_weights`` call in flight (made from a helper thread).
+    The memory stays within the cap.
     """
 
     backend: ClassVar[str] = "ipc"
@@ -193,6 +208,7 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     model_version: int | None = None
     receipt_timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S
     keep_packed_buffer: bool | None = None
+    overlap_chunks: bool = True
 
     def __post_init__(self) -> None:
         if self.packed_buffer_size_bytes <= 0:
@@ -302,6 +318,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         model_version: int | None = None,
         receipt_timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S,
         keep_packed_buffer: bool | None = None,
+        overlap_chunks: bool = True,
     ) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.rank = rank if rank is not None else (0 if is_sender else 1)
@@ -321,8 +338,9 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         self._pub: TrainerPublication | None = None
         self.last_publication: TrainerPublication | None = None
         self.keep_packed_buffer = keep_packed_buffer
-        # The packed buffer kept between syncs (see ``keep_packed_buffer``).
-        self._kept_buffer: ExportedBuffer | None = None
+        self.overlap_chunks = overlap_chunks
+        # Packed buffers kept between syncs, by buffer index in the plan.
+        self._kept_buffers: dict[int, ExportedBuffer] = {}
 
     @classmethod
     def trainer_init(
@@ -350,6 +368,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
             model_version=init_info.model_version,
             receipt_timeout_s=init_info.receipt_timeout_s,
             keep_packed_buffer=init_info.keep_packed_buffer,
+            overlap_chunks=init_info.overlap_chunks,
         )
         if engine.is_sender and init_info.verify_publication:
             missing = [
@@ -411,7 +430,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         try:
             error = self._call_server("start_weight_update")
             self.group.exchange(None, error, "start_weight_update")
-            buffers: list[ExportedBuffer] = []
+            buffers: dict[int, ExportedBuffer] = {}
             try:
                 try:
                     self._send_chunks(plan, metas, buffers)
@@ -428,12 +447,12 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
                     self._abort_on_server(f"trainer rank {self.rank}: {e}")
                     # A worker that timed out may still be reading the kept
                     # buffer; the next sync writes into a new one.
-                    self._drop_kept_buffer()
+                    self._drop_kept_buffers()
                     raise
             finally:
                 # Workers release their mappings at finish; only then is the
                 # packed buffer dropped, so CUDA can reclaim it at once.
-                for buffer in buffers:
+                for buffer in buffers.values():
                     buffer.close()
                 release_exported_cuda_memory()
             if self.verify_publication:
@@ -497,6 +516,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
                 packed=self.packed,
                 buffer_cap_bytes=self.packed_buffer_size_bytes,
                 alignment=self.alignment_bytes,
+                overlap=self.overlap_chunks,
             )
             self._plan_cache = (key, plan)
             self._chunk_fields = [_packed_chunk_fields(c) for c in plan.chunks]
@@ -564,30 +584,50 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         self,
         plan: TransferPlan,
         metas: list[ParamMeta],
-        buffers: list[ExportedBuffer],
+        buffers: dict[int, ExportedBuffer],
     ) -> None:
-        """Send every chunk; the packed buffer, once made, is put in ``buffers``."""
+        """Send every chunk; packed buffers freed after the sync go in
+        ``buffers`` (by buffer index)."""
         assert self.source is not None
         cursor = _SourceCursor(self.source, metas)
-        buffer: ExportedBuffer | None = None
-        for chunk in plan.chunks:
-            if plan.packed:
-                buffer = self._send_packed_chunk(plan, chunk, cursor, buffer, buffers)
-            else:
+        if not plan.packed:
+            for chunk in plan.chunks:
                 self._send_unpacked_chunk(chunk, cursor)
+            cursor.finish()
+            return
+        in_flight = _UpdateInFlight(asynchronous=plan.num_buffers > 1)
+        try:
+            for chunk in plan.chunks:
+                self._send_packed_chunk(plan, chunk, cursor, buffers, in_flight)
+            self._settle(in_flight)
+        finally:
+            in_flight.close()
         cursor.finish()
+
+    def _settle(self, in_flight: _UpdateInFlight) -> None:
+        """Wait for the update call in flight; every rank learns its outcome."""
+        what = in_flight.what
+        if what is None:
+            return
+        error = self._on_sender(what, in_flight.wait)
+        in_flight.reset()
+        self.group.exchange(None, error, what)
 
     def _send_packed_chunk(
         self,
         plan: TransferPlan,
         chunk: Chunk,
         cursor: _SourceCursor,
-        buffer: ExportedBuffer | None,
-        owned: list[ExportedBuffer],
-    ) -> ExportedBuffer | None:
+        owned: dict[int, ExportedBuffer],
+        in_flight: _UpdateInFlight,
+    ) -> None:
+        """Fill this chunk's buffer, share the handles, and hand the update
+        call to ``in_flight`` once the call before it (which may still read
+        the other buffer, never this one) has returned."""
         error: str | None = None
         device: torch.device | None = None
         checksum: str | None = None
+        buffer: ExportedBuffer | None = None
         # Copies from resident tensors are batched into one fused copy per dtype;
         # any other tensor is copied at once and dropped before the next one is
         # materialized.
@@ -597,7 +637,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
                 tensor = cursor.next()
                 if buffer is None:
                     buffer = self._packed_buffer(
-                        plan.buffer_nbytes, tensor.device, owned
+                        plan.buffer_of(chunk), plan.buffer_nbytes, tensor.device, owned
                     )
                 assert buffer.tensor is not None
                 device = buffer.tensor.device
@@ -626,52 +666,61 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
             (key, buffer.handle.to_dict(), checksum) if buffer is not None else None
         )
         handles = self.group.exchange(payload, error, f"chunk {chunk.index}")
-        error = None
+        self._settle(in_flight)
+        what = f"update_weights of chunk {chunk.index}"
         if self.is_sender:
             given = [p for p in handles.values() if p is not None]
             merged = {k: h for k, h, _ in given}
-            message = {**self._chunk_fields[chunk.index], "ipc_handles": merged}
-            error = self._on_sender(
-                f"update_weights of chunk {chunk.index}",
-                lambda: self.client.update_weights(
-                    self._attach(
-                        message, f"chunk {chunk.index}", [[c] for _, _, c in given]
-                    )
-                ),
+            message = self._attach(
+                {**self._chunk_fields[chunk.index], "ipc_handles": merged},
+                f"chunk {chunk.index}",
+                [[c] for _, _, c in given],
             )
-        self.group.exchange(None, error, f"update_weights of chunk {chunk.index}")
-        return buffer
+            in_flight.start(what, lambda: self.client.update_weights(message))
+        else:
+            in_flight.start(what, None)
+        if not in_flight.asynchronous:
+            self._settle(in_flight)
 
     def _packed_buffer(
-        self, nbytes: int, device: torch.device, owned: list[ExportedBuffer]
+        self,
+        index: int,
+        nbytes: int,
+        device: torch.device,
+        owned: dict[int, ExportedBuffer],
     ) -> ExportedBuffer:
-        """This sync's packed buffer: the kept one when it fits, else a new
-        one, which is kept or put in ``owned`` (freed after the sync)."""
+        """Packed buffer ``index`` of this sync: the kept one when it fits,
+        else a new one, which is kept or put in ``owned`` (freed after the
+        sync). A buffer made this sync is reused by its later chunks."""
+        if index in owned:
+            return owned[index]
         keep = self.keep_packed_buffer
         if keep is None:
             keep = device.type == "cpu"
-        kept = self._kept_buffer
+        kept = self._kept_buffers.get(index)
         if kept is not None:
             assert kept.tensor is not None
             if kept.tensor.device == device and kept.tensor.numel() >= nbytes:
                 return kept
-            self._drop_kept_buffer()
+            del self._kept_buffers[index]
+            kept.close()
         buffer = allocate_buffer(nbytes, device)
         if keep:
-            self._kept_buffer = buffer
+            self._kept_buffers[index] = buffer
         else:
-            owned.append(buffer)
+            owned[index] = buffer
         return buffer
 
-    def _drop_kept_buffer(self) -> None:
-        buffer, self._kept_buffer = self._kept_buffer, None
-        if buffer is not None:
+    def _drop_kept_buffers(self) -> None:
+        kept, self._kept_buffers = self._kept_buffers, {}
+        for buffer in kept.values():
             buffer.close()
+        if kept:
             release_exported_cuda_memory()
 
     def shutdown(self) -> None:
-        """Free the packed buffer kept between syncs, if any."""
-        self._drop_kept_buffer()
+        """Free the packed buffers kept between syncs, if any."""
+        self._drop_kept_buffers()
 
     def _send_unpacked_chunk(self, chunk: Chunk, cursor: _SourceCursor) -> None:
         error: str | None = None
@@ -721,6 +770,64 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         finally:
             for buf in exported:
                 buf.close()
+
+
+class _UpdateInFlight:
+    """The sender's ``update_weights`` call of one chunk, at most one at a
+    time: run at once (``asynchronous=False``) or on a helper thread, so the
+    trainer fills the next chunk's buffer meanwhile. Every rank records the
+    call's name (``what``; non-senders with no call) so that all ranks settle
+    the same calls in the same order."""
+
+    def __init__(self, asynchronous: bool) -> None:
+        self.asynchronous = asynchronous
+        self.what: str | None = None
+        self._pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="ipc-update")
+            if asynchronous
+            else None
+        )
+        self._future: Future[None] | None = None
+        self._error: BaseException | None = None
+
+    def start(self, what: str, call: Callable[[], None] | None) -> None:
+        assert self.what is None, f"{self.what} is still in flight"
+        self.what = what
+        if call is None:
+            return
+        if self._pool is not None:
+            self._future = self._pool.submit(call)
+            return
+        try:
+            call()
+        except BaseException as e:
+            self._error = e
+
+    def wait(self) -> None:
+        """Wait for the call in flight; raise its error. The client bounds
+        every call it makes with its own timeout."""
+        future, error = self._future, self._error
+        self._future = self._error = None
+        if future is not None:
+            future.result()
+        if error is not None:
+            raise error
+
+    def reset(self) -> None:
+        self.what = None
+        self._future = self._error = None
+
+    def close(self) -> None:
+        """Wait out a call still in flight (after a failure elsewhere), so it
+        never overlaps the abort that follows."""
+        future, self._future = self._future, None
+        if future is not None:
+            try:
+                future.result()
+            except BaseException as e:
+                logger.debug("ipc: %s failed after an earlier error: %s", self.what, e)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 def _trainer_device() -> str:

@@ -13,6 +13,12 @@ never less than the largest tensor, so every tensor fits. Tensors are placed in
 metadata order at offsets rounded up to ``alignment`` bytes; a tensor that would
 cross the end of the buffer starts the next chunk.
 
+Overlapped packed plan (``overlap=True``, a model larger than the cap, and
+no tensor larger than half the cap): two buffers of half the cap each, used
+alternately, so the trainer fills chunk ``k + 1`` while the workers load
+chunk ``k``; together they take no more memory than the one buffer would.
+Chunk ``k`` lives in buffer ``k % num_buffers``.
+
 Unpacked plan: every tensor is its own buffer (offset 0). Chunks still group
 tensors so that the bytes exported at once stay within ``buffer_cap_bytes``
 (at least one tensor per chunk).
@@ -66,8 +72,12 @@ class Chunk:
 class TransferPlan:
     packed: bool
     alignment: int
-    buffer_nbytes: int  # packed: the one buffer's size; unpacked: 0
+    buffer_nbytes: int  # packed: each buffer's size; unpacked: 0
     chunks: tuple[Chunk, ...]
+    num_buffers: int = 1  # packed: chunk k uses buffer k % num_buffers
+
+    def buffer_of(self, chunk: Chunk) -> int:
+        return chunk.index % self.num_buffers if self.num_buffers else 0
 
     @property
     def num_tensors(self) -> int:
@@ -93,6 +103,7 @@ def plan_transfer(
     packed: bool,
     buffer_cap_bytes: int = DEFAULT_BUFFER_CAP_BYTES,
     alignment: int = DEFAULT_ALIGNMENT,
+    overlap: bool = False,
 ) -> TransferPlan:
     """Split ``metas`` (in order) into chunks; see the module docstring."""
     if buffer_cap_bytes <= 0:
@@ -112,6 +123,12 @@ def plan_transfer(
         if packed
         else buffer_cap_bytes
     )
+    num_buffers = 1 if packed else 0
+    total = sum(align_up(tensor_nbytes(m.dtype, m.shape), alignment) for m in metas)
+    largest = max((tensor_nbytes(m.dtype, m.shape) for m in metas), default=0)
+    if packed and overlap and total > limit and 2 * largest <= buffer_cap_bytes:
+        limit = buffer_cap_bytes // 2
+        num_buffers = 2
     chunks: list[Chunk] = []
     current: list[TensorSlot] = []
     cursor = 0
@@ -135,4 +152,5 @@ def plan_transfer(
         alignment=alignment,
         buffer_nbytes=limit if packed else 0,
         chunks=tuple(chunks),
+        num_buffers=num_buffers,
     )
