@@ -245,12 +245,13 @@ def rl_app(registry, monkeypatch):
     return app
 
 
-def push(app: FastAPI, ok: bool = True, **client_kwargs) -> None:
+def push(app: FastAPI, ok: bool = True, info=None, **client_kwargs) -> None:
     """One start -> update -> finish through the app; the update fails if not ok."""
     app.state.engine_client.fail_update = not ok
     client = TestClient(app, raise_server_exceptions=False, **client_kwargs)
     assert client.post("/start_weight_update").status_code == 200
-    info = attach_publication({"names": []}, header())
+    if info is None:
+        info = attach_publication({"names": []}, header())
     updated = client.post("/update_weights", json={"update_info": info})
     assert updated.status_code == (200 if ok else 500)
     if ok:
@@ -266,6 +267,13 @@ def test_rl_routes_record_sync_metrics_without_flags(registry, rl_app):
     assert value(registry, "vllm:weight_transfer_bytes_total", backend="ipc") == 1024
     labels = {"backend": "ipc", "phase": "update"}
     assert value(registry, "vllm:weight_transfer_failures_total", **labels) == 1
+
+
+def test_without_a_header_the_configured_backend_is_the_label(registry, rl_app):
+    rl_app.state.engine_client = FakeEngine("nccl")
+    push(rl_app, info={"names": []})
+    assert value(registry, "vllm:weight_transfer_syncs_total", backend="nccl") == 1
+    assert value(registry, "vllm:weight_transfer_bytes_total", backend="nccl") == 0
 
 
 def test_the_observed_paths_are_upstream_rl_routes(rl_app):
