@@ -460,8 +460,13 @@ class ShardedRDTTrainerWeightTransferEngine(
             group.exchange(
                 None, self._call("finish_weight_update"), "finish_weight_update"
             )
-            if pub is not None:
-                error = self._on_sender(lambda: self._commit(pub, live, weight_version))
+            if self.init_info.verify_publication:
+                # Every rank joins; only the sender holds the publication.
+                error = (
+                    self._on_sender(lambda: self._commit(pub, live, weight_version))
+                    if pub is not None
+                    else None
+                )
                 group.exchange(None, error, "verify receipts")
             elif weight_version is not None and self.is_sender:
                 set_served_version(self.client, weight_version)

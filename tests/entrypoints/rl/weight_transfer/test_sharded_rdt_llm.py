@@ -7,6 +7,11 @@ loopback. After every sync, vLLM's greedy tokens and logprobs equal a Hugging
 Face forward pass of the trainer's weights, and each worker pulled exactly the
 bytes its plan names.
 
+Verified publication on the dense TP=1 engine: a byte flipped in transit is
+caught with checksums on, a manifest that contradicts the served model is
+refused before any weight changes, a worker failing mid-update is fenced until
+a full resync, and the served version changes only once every receipt verified.
+
 One engine per (model, TP) combination, shared by the tests of that
 combination; each test pushes the state it checks.
 """
@@ -90,6 +95,10 @@ def test_one_rank_two_successive_syncs(engine):
             for r in receipts:
                 assert r["transport"] == "nixl"
                 assert r["bytes"] == r["planned_bytes"] > 0
+                assert r["publication_id"] is not None
+            assert all(
+                s["state"] == "committed" for s in ray.get(llm.fence_status.remote())
+            )
     finally:
         ray.get([t.shutdown.remote() for t in ranks])
         for t in ranks:
@@ -130,6 +139,141 @@ def test_a_trainer_failure_mid_sync_fails_both_sides_and_the_next_sync_recovers(
         assert "injected trainer failure" in error
         ray.get(llm.greedy.remote())  # the engine keeps serving
         _sync_and_check(llm, ranks, 105)
+    finally:
+        ray.get([t.shutdown.remote() for t in ranks])
+        for t in ranks:
+            ray.kill(t)
+
+
+def _dense_tp1_only(engine) -> None:
+    _, model_dir, tp = engine
+    if tp != 1 or "moe" in model_dir:
+        pytest.skip("one engine (dense, TP=1) is enough for verified publication")
+
+
+def _states(llm) -> list[str]:
+    return [s["state"] for s in ray.get(llm.fence_status.remote())]
+
+
+def test_the_version_changes_only_after_every_receipt_verified(engine):
+    _dense_tp1_only(engine)
+    llm, model_dir, tp = engine
+    ranks = _trainer(model_dir, 1)
+    try:
+        ray.get(ranks[0].init.remote(llm, num_consumers=tp))
+        before = ray.get(llm.weight_version.remote())
+        ray.get(ranks[0].randomize.remote(110))
+        ray.get(ranks[0].send.remote(weight_version="step-110"))
+        # finish_weight_update returned with the old version still served.
+        assert ray.get(llm.version_seen_at_finish.remote()) == before
+        assert ray.get(llm.weight_version.remote()) == "step-110"
+        assert_same_greedy(
+            ray.get(llm.greedy.remote()),
+            ray.get(ranks[0].greedy.remote()),
+            atol=logprob_atol("float32"),
+        )
+    finally:
+        ray.get([t.shutdown.remote() for t in ranks])
+        for t in ranks:
+            ray.kill(t)
+
+
+def test_checksums_catch_a_byte_flipped_in_transit_and_a_resync_recovers(engine):
+    _dense_tp1_only(engine)
+    llm, model_dir, tp = engine
+    ranks = _trainer(model_dir, 1)
+    try:
+        ray.get(
+            ranks[0].init.remote(
+                llm, num_consumers=tp, verify_checksums=True, stall_timeout_s=20.0
+            )
+        )
+        receipts = _sync_and_check(llm, ranks, 111)
+        assert all(r["checksums_verified"] == r["chunks"] > 1 for r in receipts)
+
+        ray.get(ranks[0].randomize.remote(112))
+        ray.get(ranks[0].flip_byte_after_checksum.remote(seq=1))
+        error = ray.get(
+            ranks[0].send_expecting_failure.remote(weight_version="step-112"),
+            timeout=120,
+        )
+        assert "ChecksumMismatch" in error and "chunk seq 1" in error
+        assert ray.get(llm.weight_version.remote()).startswith("fenced:")
+        # Chunk 0 had landed: the engine is fenced and says how to recover.
+        assert _states(llm) == ["fenced"]
+        errors = ray.get(llm.engine_finish_errors.remote())
+        assert errors[0] is not None and "full resync is required" in errors[0]
+        ray.get(llm.greedy.remote())  # the server keeps serving
+
+        ray.get(ranks[0].send.remote(weight_version="step-112"))
+        assert _states(llm) == ["committed"]
+        assert ray.get(llm.weight_version.remote()) == "step-112"
+        assert_same_greedy(
+            ray.get(llm.greedy.remote()),
+            ray.get(ranks[0].greedy.remote()),
+            atol=logprob_atol("float32"),
+        )
+    finally:
+        ray.get([t.shutdown.remote() for t in ranks])
+        for t in ranks:
+            ray.kill(t)
+
+
+def test_a_manifest_mismatch_is_refused_before_any_weight_changes(engine):
+    _dense_tp1_only(engine)
+    llm, model_dir, tp = engine
+    ranks = _trainer(model_dir, 1)
+    try:
+        ray.get(ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=20.0))
+        _sync_and_check(llm, ranks, 113)
+        served = ray.get(llm.greedy.remote())
+        name = ray.get(ranks[0].param_names.remote())[-1]
+
+        ray.get(ranks[0].randomize.remote(114))
+        error = ray.get(ranks[0].send_with_wrong_shape.remote(name), timeout=120)
+        assert "manifest differs" in error and name in error
+        assert ray.get(llm.weight_version.remote()).startswith("fenced:")
+        # Refused before anything was pulled: not fenced, the old weights serve.
+        status = ray.get(llm.fence_status.remote())[0]
+        assert status["state"] == "committed"
+        assert name in status["last_failure"]
+        assert_same_greedy(
+            ray.get(llm.greedy.remote()), served, atol=logprob_atol("float32")
+        )
+        _sync_and_check(llm, ranks, 115)
+    finally:
+        ray.get([t.shutdown.remote() for t in ranks])
+        for t in ranks:
+            ray.kill(t)
+
+
+def test_a_worker_failing_mid_update_is_fenced_until_a_full_resync(engine):
+    _dense_tp1_only(engine)
+    llm, model_dir, tp = engine
+    ranks = _trainer(model_dir, 1)
+    try:
+        ray.get(ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=20.0))
+        ray.get(ranks[0].randomize.remote(116))
+        ray.get(llm.fail_on_chunk.remote(1))
+        error = ray.get(
+            ranks[0].send_expecting_failure.remote(weight_version="step-116"),
+            timeout=120,
+        )
+        assert "injected worker failure at chunk 1" in error
+        assert ray.get(llm.weight_version.remote()).startswith("fenced:")
+        status = ray.get(llm.fence_status.remote())[0]
+        assert status["state"] == "fenced"
+        assert "injected worker failure" in status["reason"]
+        ray.get(llm.greedy.remote())  # the server keeps serving
+
+        ray.get(ranks[0].send.remote(weight_version="step-116"))
+        assert _states(llm) == ["committed"]
+        assert ray.get(llm.weight_version.remote()) == "step-116"
+        assert_same_greedy(
+            ray.get(llm.greedy.remote()),
+            ray.get(ranks[0].greedy.remote()),
+            atol=logprob_atol("float32"),
+        )
     finally:
         ray.get([t.shutdown.remote() for t in ranks])
         for t in ranks:

@@ -81,6 +81,29 @@ class FailingSource(WeightSource):
             yield item
 
 
+class WrongShapeSource(WeightSource):
+    """``inner``, whose metadata announces ``name`` with one more row: a
+    trainer that disagrees with the server on the model's structure."""
+
+    def __init__(self, inner: WeightSource, name: str) -> None:
+        self.inner = inner
+        self.name = name
+
+    def metadata(self) -> list[ParamMeta]:
+        return [
+            ParamMeta(m.name, m.dtype, (m.shape[0] + 1, *m.shape[1:]))
+            if m.name == self.name
+            else m
+            for m in self.inner.metadata()
+        ]
+
+    def held_names(self) -> Collection[str] | None:
+        return self.inner.held_names()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.inner)
+
+
 class LLMHost:
     """An offline LLM with the sharded_rdt backend, in a Ray actor."""
 
@@ -116,6 +139,8 @@ class LLMHost:
 
     def finish_weight_update(self) -> None:
         self.llm.finish_weight_update()
+        # What a reader saw the moment the server finished the update.
+        self.version_at_finish = self.llm.get_weight_version()
 
     def update_weight_version(self, version: str) -> None:
         self.llm.update_weight_version(version)
@@ -136,9 +161,54 @@ class LLMHost:
     def pids(self) -> list[int]:
         return self.llm.collective_rpc(_pid)
 
+    def weight_version(self) -> str | None:
+        return self.llm.get_weight_version()
+
+    def version_seen_at_finish(self) -> str | None:
+        """The served version right after the last finish_weight_update."""
+        return getattr(self, "version_at_finish", None)
+
+    def fence_status(self) -> list[dict[str, Any]]:
+        """Each worker engine's update state (``FenceStatus.to_dict``)."""
+        return self.llm.collective_rpc(_fence_status)
+
+    def fail_on_chunk(self, index: int) -> None:
+        """Make each worker's next update raise when it lands chunk ``index``."""
+        self.llm.collective_rpc(_fail_on_chunk, args=(index,))
+
+    def engine_finish_errors(self) -> list[str | None]:
+        """Call each worker engine's ``finish_weight_update`` directly; the
+        errors it raised (None where it returned)."""
+        return self.llm.collective_rpc(_engine_finish_error)
+
 
 def _last_receipt(worker: Any) -> dict[str, Any] | None:
     return worker.weight_transfer_engine.last_receipt
+
+
+def _fence_status(worker: Any) -> dict[str, Any]:
+    return worker.weight_transfer_engine.fence_status
+
+
+def _fail_on_chunk(worker: Any, index: int) -> None:
+    lander = worker.weight_transfer_engine._lander
+    land = lander.land
+
+    def failing_land(i: int, data: torch.Tensor) -> None:
+        if i == index:
+            lander.land = land  # one failure only
+            raise RuntimeError(f"injected worker failure at chunk {i}")
+        land(i, data)
+
+    lander.land = failing_land
+
+
+def _engine_finish_error(worker: Any) -> str | None:
+    try:
+        worker.weight_transfer_engine.finish_weight_update()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def _pid(worker: Any) -> int:
@@ -172,6 +242,7 @@ class TrainerRank:
         hold: str = "all",
         stall_timeout_s: float = 60.0,
         transport: str = "auto",
+        verify_checksums: bool = False,
     ) -> dict[str, Any]:
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
@@ -190,6 +261,7 @@ class TrainerRank:
                 num_consumers=num_consumers,
                 stall_timeout_s=stall_timeout_s,
                 transport=transport,
+                verify_checksums=verify_checksums,
                 rank=self.rank,
             ),
             client=RayVLLMWeightSyncClient(llm),
@@ -202,8 +274,20 @@ class TrainerRank:
 
         randomize_weights_(self.model, seed)
 
-    def send(self, live_consumer_ids: list[int] | None = None) -> None:
-        self.engine.send_weights(live_consumer_ids)
+    def send(
+        self,
+        live_consumer_ids: list[int] | None = None,
+        weight_version: str | None = None,
+    ) -> None:
+        self.engine.send_weights(live_consumer_ids, weight_version=weight_version)
+
+    def send_expecting_failure(self, weight_version: str | None = None) -> str:
+        """A sync that must fail; returns the error the engine raised."""
+        try:
+            self.engine.send_weights(weight_version=weight_version)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        raise AssertionError("send_weights did not fail")
 
     def send_failing(self, after: int) -> str:
         """A sync whose source raises after ``after`` tensors; returns the
@@ -211,12 +295,37 @@ class TrainerRank:
         source = self.engine.source
         self.engine.source = FailingSource(source, after)
         try:
-            self.engine.send_weights()
-        except Exception as e:
-            return f"{type(e).__name__}: {e}"
+            return self.send_expecting_failure()
         finally:
             self.engine.source = source
-        raise AssertionError("send_weights did not fail")
+
+    def send_with_wrong_shape(self, name: str) -> str:
+        """A sync whose metadata announces ``name`` with a wrong shape; returns
+        the error the engine raised."""
+        source = self.engine.source
+        self.engine.source = WrongShapeSource(source, name)
+        try:
+            return self.send_expecting_failure()
+        finally:
+            self.engine.source = source
+
+    def flip_byte_after_checksum(self, seq: int) -> None:
+        """Flip one byte of the next chunk ``seq`` this rank's producer packs,
+        after its checksum was taken (a fault in transit)."""
+        producer = self.engine.producer
+        pack = producer.pack
+
+        def corrupting_pack(consumer_id: int, s: int, sync_id: Any = None) -> Any:
+            packed = pack(consumer_id, s, sync_id)
+            if s == seq:
+                producer.pack = pack  # one fault only
+                packed.view[packed.view.numel() // 2] ^= 0x01
+            return packed
+
+        producer.pack = corrupting_pack
+
+    def param_names(self) -> list[str]:
+        return [n for n, _ in self.model.named_parameters()]
 
     def greedy(self) -> Any:
         from vllm.distributed.weight_transfer.testing import hf_greedy
