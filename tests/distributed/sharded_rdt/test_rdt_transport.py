@@ -2,7 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Ray Direct Transport between real Ray actors on CPU: a producer actor serves
 packed chunks through a ``tensor_transport="nixl"`` method to a consumer actor
-created with ``enable_tensor_transport=True``, resolved by name."""
+created with ``enable_tensor_transport=True``, resolved by name; the producer's
+checksums match the bytes received, and a receipt the consumer delivers is
+what the trainer collects."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import time
 import pytest
 import torch
 
+from vllm.distributed.weight_transfer.publication import Receipt, coverage_digest
 from vllm.distributed.weight_transfer.testing.sharded_rdt_procs import (
     toy_names,
     toy_pull_plan,
@@ -22,6 +25,20 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("nixl")
 
 LAYERS, ROWS, COLS, KEEP = 3, 32, 16, 8
+RECEIPT = Receipt(
+    publication_id="ab" * 16,
+    model_version=3,
+    worker_rank=0,
+    worker_device="cpu:toy:0",
+    manifest_digest=coverage_digest(()),
+    scope="full",
+    tensors_landed=5,
+    bytes_landed=2560,
+    expected_bytes=2560,
+    complete=True,
+    coverage=coverage_digest(()),
+    checksums_verified=5,
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +62,7 @@ def test_rdt_pulls_between_ray_actors(ray_cluster):
             group_lens=[1] * len(names),
             served_names=names,
             stall_timeout_s=60.0,
+            checksums=True,
         ),
         name="rdt-test-producer",
         namespace="sharded-rdt-test",
@@ -60,6 +78,8 @@ def test_rdt_pulls_between_ray_actors(ray_cluster):
             "sharded-rdt-test",
             [c.to_json() for c in pulls.chunks],
             pulls.digest(0),
+            checksums=True,
+            receipt=RECEIPT.to_dict(),
         )
         tensors = toy_tensors(LAYERS, ROWS, COLS, seed=5)
         deadline = time.monotonic() + 120
@@ -78,5 +98,8 @@ def test_rdt_pulls_between_ray_actors(ray_cluster):
         got = ray.get(ref, timeout=120)
         for name in names:
             assert torch.equal(got[name], tensors[name][:KEEP])
+        # The receipt the consumer delivered, read through the actor's inbox.
+        assert server.receipts.collect(RECEIPT.publication_id, [0], 30) == [RECEIPT]
+        server.receipts.discard(RECEIPT.publication_id)
     finally:
         server.close()

@@ -348,7 +348,11 @@ class ToyRdtConsumer:
         namespace: str | None,
         chunks: list[dict[str, Any]],
         digest: str,
+        checksums: bool = False,
+        receipt: dict[str, Any] | None = None,
     ) -> dict[str, torch.Tensor]:
+        """Pull every chunk (with ``checksums``, check each producer checksum
+        against the bytes that arrived), then deliver ``receipt`` if given."""
         from vllm.distributed.weight_transfer.sharded_rdt_chunks import PullChunk
         from vllm.distributed.weight_transfer.sharded_rdt_ray import (
             RdtConsumerTransport,
@@ -358,14 +362,25 @@ class ToyRdtConsumer:
         transport = RdtConsumerTransport(0, namespace=namespace, stall_timeout_s=60)
         link = transport.connect(0, actor_name)
         link.register(0, parsed, digest)
+        link.checksums = checksums
         self._ready = True
-        return self._pull(link, parsed)
+        out = self._pull(link, parsed)
+        if receipt is not None:
+            link.deliver_receipt(receipt)
+        return out
 
     def _pull(self, link: Any, chunks: list[Any]) -> dict[str, torch.Tensor]:
+        from vllm.distributed.weight_transfer.checksum import payload_checksum
+
         out: dict[str, torch.Tensor] = {}
         for chunk in chunks:
             buffer = torch.empty(chunk.nbytes, dtype=torch.uint8)
-            link.pull(chunk, buffer)
+            checksum = link.pull(chunk, buffer)
+            if link.checksums and checksum != payload_checksum(buffer):
+                raise AssertionError(
+                    f"chunk {chunk.seq}: producer checksum {checksum} differs from "
+                    f"that of the bytes received, {payload_checksum(buffer)}"
+                )
             for packed in chunk.slices:
                 raw = buffer[packed.offset : packed.offset + packed.spec.nbytes]
                 out[packed.spec.source] = (
