@@ -38,6 +38,7 @@ Runs where vLLM is not installed (the lent GPU machine) through the stand-ins in
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -425,7 +426,8 @@ def run_model(shape: ModelShape, layers: int | None, reps: int, buffer_bytes: in
         ]
     parent.send(("stop", None))
     proc.join(60)
-    del tensors, modes
+    del tensors, modes, same
+    gc.collect()  # the per-mode Source classes are freed by the cyclic GC
     torch.cuda.empty_cache()
     return result
 

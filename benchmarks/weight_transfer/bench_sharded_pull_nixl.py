@@ -194,6 +194,7 @@ def producer_main(model: str, tp: int, device_name: str, raw_bytes: int, conn) -
 
         device = torch.device(device_name)
         if device.type == "cuda":
+            device = torch.device("cuda", device.index or 0)
             torch.cuda.set_device(device)
         params = param_list(MODELS[model])
         names = [n for n, _ in params]
@@ -213,10 +214,10 @@ def producer_main(model: str, tp: int, device_name: str, raw_bytes: int, conn) -
         # The raw-read baseline's source, registered before any consumer
         # fetches this agent's metadata.
         raw = torch.empty(raw_bytes, dtype=torch.uint8, device=device)
-        raw.copy_(torch.randint(0, 255, (raw_bytes,), dtype=torch.uint8).to(device))
+        raw.fill_(7)
         server._register(raw)
         mem = "VRAM" if device.type == "cuda" else "DRAM"
-        dev = device.index or 0 if device.type == "cuda" else 0
+        dev = device.index if device.type == "cuda" else 0
         conn.send(
             (
                 "ready",
@@ -259,6 +260,7 @@ def run(model: str, tp: int, device_name: str, rounds: int) -> dict[str, Any]:
 
     device = torch.device(device_name)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
     params = param_list(MODELS[model])
     pulls = pull_plan(params, tp)
