@@ -12,11 +12,14 @@
   its plan and registers its chunks with both producers.
 * Per step, ``send_weights()`` runs on both ranks; each worker pulls exactly
   the slices its weight loaders keep, over NIXL, from the rank that holds them.
-  vLLM's greedy output is then compared with a Hugging Face forward pass of the
-  trainer's weights; the script exits with status 1 on a mismatch.
+  Rank 0 verifies every worker's receipt (and, with ``--checksums``, every
+  pulled chunk was checksummed) before the server reports ``step-<n>`` as its
+  weight version. vLLM's greedy output is then compared with a Hugging Face
+  forward pass of the trainer's weights; the script exits with status 1 on a
+  mismatch.
 
 Run: ``python examples/rl/rlhf_sharded_rdt_cpu.py [--arch qwen3_moe] [--tp 2]
-[--steps 2]``.
+[--steps 2] [--checksums]``.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ class TrainerRank:
         self.model = load_hf_model(model_dir, "float32")
         self.engine: Any = None
 
-    def init(self, llm: Any, num_consumers: int) -> None:
+    def init(self, llm: Any, num_consumers: int, checksums: bool) -> None:
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
         from vllm.distributed.weight_transfer.sharded_rdt_trainer import (
@@ -73,7 +76,10 @@ class TrainerRank:
         )
         self.engine = WeightTransferTrainerFactory.trainer_init(
             ShardedRDTTrainerInitInfo(
-                num_consumers=num_consumers, stall_timeout_s=60.0, rank=self.rank
+                num_consumers=num_consumers,
+                stall_timeout_s=60.0,
+                verify_checksums=checksums,
+                rank=self.rank,
             ),
             client=RayVLLMWeightSyncClient(llm),
             source=source,
@@ -87,9 +93,10 @@ class TrainerRank:
             for _, p in sorted(self.model.named_parameters()):
                 p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.05)
 
-    def send(self) -> float:
+    def send(self, step: int) -> float:
         t0 = time.perf_counter()
-        self.engine.send_weights()
+        # Served as the weight version once every worker's receipt verified.
+        self.engine.send_weights(weight_version=f"step-{step}")
         return time.perf_counter() - t0
 
     def greedy(self) -> Any:
@@ -106,6 +113,9 @@ def main() -> int:
     p.add_argument("--arch", choices=["qwen3", "qwen3_moe"], default="qwen3")
     p.add_argument("--tp", type=int, default=1, help="vLLM tensor parallel size")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument(
+        "--checksums", action="store_true", help="checksum every pulled chunk"
+    )
     args = p.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model_dir = str(build_tiny_model(TinyModelSpec(arch=args.arch)))
@@ -121,12 +131,18 @@ def main() -> int:
         port = s.getsockname()[1]
     rank_actor: Any = ray.remote(num_cpus=0)(TrainerRank)
     ranks = [rank_actor.remote(model_dir, r, 2, port) for r in range(2)]
-    ray.get([t.init.remote(llm, num_consumers=args.tp) for t in ranks])
+    ray.get(
+        [
+            t.init.remote(llm, num_consumers=args.tp, checksums=args.checksums)
+            for t in ranks
+        ]
+    )
 
     failures = 0
     for step in range(1, args.steps + 1):
         ray.get([t.train_step.remote(step) for t in ranks])
-        seconds = ray.get([t.send.remote() for t in ranks])
+        seconds = ray.get([t.send.remote(step) for t in ranks])
+        version = ray.get(llm.weight_version.remote())
         got = ray.get(llm.greedy.remote())
         want = ray.get(ranks[0].greedy.remote())
         try:
@@ -138,12 +154,15 @@ def main() -> int:
         receipts = ray.get(llm.receipts.remote())
         pulled = [
             f"worker {r['consumer_id']}: {r['bytes']} B from ranks "
-            f"{r['bytes_by_producer']}"
+            f"{r['bytes_by_producer']}, {r['checksums_verified']} checksums"
             for r in receipts
         ]
+        if version != f"step-{step}":
+            failures += 1
         print(
             f"step {step}: send_weights {max(seconds) * 1e3:.0f} ms; "
-            f"{'; '.join(pulled)}; vLLM == HF oracle: {ok}"
+            f"{'; '.join(pulled)}; served version {version!r}; "
+            f"vLLM == HF oracle: {ok}"
         )
     ray.get([t.shutdown.remote() for t in ranks])
     ray.shutdown()
