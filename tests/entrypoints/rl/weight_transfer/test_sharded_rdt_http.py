@@ -3,11 +3,14 @@
 """sharded_rdt under ``vllm serve`` (default executor, TP=2) driven over HTTP: the
 worker init info travels as JSON through ``/init_weight_transfer_engine``, each
 worker pulls its half over direct NIXL, and ``/v1/completions`` then matches a
-Hugging Face forward pass of the trainer's weights."""
+Hugging Face forward pass of the trainer's weights. Checksums are on: every
+pulled chunk is verified, both workers' receipts come back through the
+producer, and ``/weight_info`` shows the step once they verified."""
 
 from __future__ import annotations
 
 import pytest
+import requests
 
 from vllm.distributed.weight_transfer.testing import (
     TinyModelSpec,
@@ -29,6 +32,7 @@ def test_serve_pulls_over_nixl_and_matches_the_oracle():
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.sharded_rdt_trainer import (
         ShardedRDTTrainerInitInfo,
+        ShardedRDTTrainerWeightTransferEngine,
     )
     from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
     from vllm.distributed.weight_transfer.testing.server import serve
@@ -39,14 +43,24 @@ def test_serve_pulls_over_nixl_and_matches_the_oracle():
         model_dir, weight_transfer_backend="sharded_rdt", tensor_parallel_size=2
     ) as server:
         engine = WeightTransferTrainerFactory.trainer_init(
-            ShardedRDTTrainerInitInfo(num_consumers=2, stall_timeout_s=60.0, rank=0),
+            ShardedRDTTrainerInitInfo(
+                num_consumers=2, stall_timeout_s=60.0, verify_checksums=True, rank=0
+            ),
             client=HTTPVLLMWeightSyncClient(server.base_url),
             source=CheckpointNamesSource(model),
         )
+        assert isinstance(engine, ShardedRDTTrainerWeightTransferEngine)
         try:
             for seed in (201, 202):
                 randomize_weights_(model, seed)
-                engine.send_weights()
+                engine.send_weights(weight_version=f"seed-{seed}")
+                assert requests.get(f"{server.base_url}/weight_info").json() == {
+                    "weight_version": f"seed-{seed}"
+                }
+                assert engine.last_publication is not None
+                verified = engine.last_publication.verified
+                assert verified is not None
+                assert verified.workers == (0, 1) and verified.checksums_verified > 0
                 assert_same_greedy(
                     completions_greedy(server.base_url, server.model),
                     hf_greedy(model),
