@@ -252,3 +252,56 @@ def test_a_sync_that_failed_before_the_first_pull_is_reported_at_once():
     links[0].sync_id = 8  # the next sync is served normally
     results, errors = _run(producer, links, pulls, _tensors(2))
     assert not errors and len(results[0]) == len(NAMES)
+
+
+def test_checksums_cover_the_packed_bytes_and_sharers_get_the_same_one():
+    from vllm.distributed.weight_transfer.checksum import payload_checksum
+
+    producer = _producer(workers_per_replica=1, checksums=True)
+    _, links, pulls = _consumers(producer, [_plan((0, 3)), _plan((0, 3))])
+    seen: list[list[tuple[str | None, str]]] = [[], []]
+    real_pull = [link.pull for link in links]
+    for i, link in enumerate(links):
+
+        def pull(chunk, into, next_chunk=None, i=i):
+            checksum = real_pull[i](chunk, into, next_chunk)
+            seen[i].append((checksum, payload_checksum(into)))
+            return checksum
+
+        link.pull = pull
+    _, errors = _run(producer, links, pulls, _tensors(4))
+    assert not errors
+    assert producer.packed_bytes == pulls[0].payload_bytes  # packed once
+    for got in seen:
+        assert len(got) == len(pulls[0].chunks)
+        assert all(theirs == mine for theirs, mine in got)
+    assert [c for c, _ in seen[0]] == [c for c, _ in seen[1]]
+    with pytest.raises(ProducerError, match="between pack and read_done"):
+        producer.packed_checksum(0, 0)  # read and released
+
+
+def test_checksums_off_by_default_and_receipts_reach_the_inbox():
+    from vllm.distributed.weight_transfer.publication import Receipt, coverage_digest
+
+    producer = _producer()
+    _, links, pulls = _consumers(producer, [_plan((0, 3))])
+    producer.begin_sync([0])
+    producer.publish(0, {NAMES[0]: _tensors(5)[NAMES[0]]})
+    packed = producer.pack(0, 0)
+    assert packed.checksum is None and producer.packed_checksum(0, 0) is None
+    producer.fail("test over")
+    receipt = Receipt(
+        publication_id="cd" * 16,
+        model_version=1,
+        worker_rank=0,
+        worker_device="cpu:toy:0",
+        manifest_digest=coverage_digest(()),
+        scope="full",
+        tensors_landed=0,
+        bytes_landed=0,
+        expected_bytes=0,
+        complete=True,
+        coverage=coverage_digest(()),
+    )
+    links[0].deliver_receipt(receipt.to_dict())
+    assert producer.receipts.collect(receipt.publication_id, [0], 1.0) == [receipt]

@@ -392,12 +392,11 @@ class ShardedRDTWeightTransferEngine(
     def finish_weight_update(self) -> None:
         session, self._session = self._session, None
         if self.pub.fence.state != WeightState.UPDATING:
-            # Fenced: refuse with the reason. Otherwise an earlier failure
-            # closed the update with the weights intact.
-            if self.pub.fence.state == WeightState.FENCED:
-                self.pub.fence.check_open("finish_weight_update")
             if session is not None and session.is_open:
                 session.abort()
+            if self.pub.fence.state == WeightState.FENCED:
+                self.pub.fence.check_open("finish_weight_update")  # says why
+            # An earlier failure closed the update with the weights intact.
             return
         try:
             if session is not None and session.is_open:
