@@ -40,22 +40,24 @@ Run: ``python benchmarks/weight_transfer/bench_ipc_cpu.py [--tp 2] [--rounds 3]`
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
 import platform
-import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
+from _bench_common import (
+    REPO,
+    TimedClient,
+    child_rss_bytes,
+    git_commit,
+    max_rss_bytes,
+    median_memcpy_s,
+)
 
 # 292 M parameters, 1.17 GB (1.09 GiB) of float32 weights.
 BENCH_SPEC = dict(
@@ -84,81 +86,6 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     return p.parse_args()
-
-
-def max_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
-def median_memcpy_s(nbytes: int, repeats: int = 5) -> float:
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # fault every page in before timing
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    del src, dst
-    return statistics.median(times)
-
-
-def child_rss_bytes() -> dict[str, int]:
-    """RSS of each child process (vLLM's engine core and workers), by name."""
-    try:
-        import psutil
-    except ImportError:
-        return {}
-    out = {}
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            out[f"{child.name()}[{child.pid}]"] = child.memory_info().rss
-    return out
-
-
-class TimedClient:
-    """Wraps a weight-sync client and adds up the wall time of each method, so a
-    sync splits into server-side time (inside the calls) and trainer-side time
-    (packing, between the calls)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.seconds: dict[str, float] = {}
-
-    def reset(self) -> None:
-        self.seconds = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)  # other client methods, untimed
-
-    def _timed(self, method: str, *args: Any, **kwargs: Any) -> None:
-        t0 = time.perf_counter()
-        try:
-            getattr(self.inner, method)(*args, **kwargs)
-        finally:
-            dt = time.perf_counter() - t0
-            self.seconds[method] = self.seconds.get(method, 0.0) + dt
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self._timed("init_weight_transfer_engine", init_info)
-
-    def start_weight_update(self) -> None:
-        self._timed("start_weight_update")
-
-    def update_weights(self, update_info: Any) -> None:
-        self._timed("update_weights", update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._timed("finish_weight_update", weight_version)
-
-
-def git_commit() -> str | None:
-    try:
-        return subprocess.check_output(
-            ["git", "-C", str(REPO), "describe", "--always", "--dirty"], text=True
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def main() -> int:

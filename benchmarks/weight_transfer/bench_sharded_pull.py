@@ -19,16 +19,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import multiprocessing
 import os
 import platform
 import statistics
-import subprocess
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
+from _bench_common import RESULTS, git_commit, raw_nixl_read_s
 
 from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -46,7 +44,6 @@ from vllm.distributed.weight_transfer.testing import (
     randomize_weights_,
     vllm_greedy,
 )
-from vllm.distributed.weight_transfer.testing.sharded_rdt_procs import raw_read_main
 
 BENCH_SPEC = dict(
     arch="qwen3",
@@ -59,40 +56,6 @@ BENCH_SPEC = dict(
     vocab_size=32000,
     init_std=0.02,
 )
-RESULTS = Path(__file__).resolve().parents[1] / "results"
-
-
-def raw_nixl_read_s(nbytes: int, repeats: int = 3) -> list[float]:
-    """Seconds of a single NIXL READ of ``nbytes`` from this process by another."""
-    from vllm.distributed.weight_transfer.sharded_rdt_nixl import make_agent, register
-
-    agent = make_agent(f"raw-target-{os.getpid()}")
-    source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-    register(agent, source)
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(
-        target=raw_read_main,
-        args=(agent.get_agent_metadata(), source.data_ptr(), nbytes, repeats, child),
-    )
-    proc.start()
-    if not parent.poll(300):
-        proc.kill()
-        raise TimeoutError("raw NIXL reader did not report within 300 s")
-    kind, value = parent.recv()
-    proc.join(30)
-    if kind != "times":
-        raise RuntimeError(f"raw NIXL reader failed:\n{value}")
-    return value
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], text=True
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:

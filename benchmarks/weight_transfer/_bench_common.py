@@ -1,0 +1,149 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Measurements shared by the CPU weight-transfer benchmarks: the machine's
+copy and NIXL floors, process memory, per-call timing of a weight-sync client,
+and the run's provenance. Scripts in this folder import it by its bare name
+(the folder is on ``sys.path`` when a script runs)."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def max_rss_bytes() -> int:
+    """Peak RSS of this process so far (``ru_maxrss`` is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memcpy_times_s(nbytes: int, repeats: int = 5) -> list[float]:
+    """Seconds of ``repeats`` ``copy_`` calls of ``nbytes`` between two warm,
+    preallocated flat tensors: the machine's copy bandwidth right now."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault every page in before timing
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    return times
+
+
+def median_memcpy_s(nbytes: int, repeats: int = 5) -> float:
+    return statistics.median(memcpy_times_s(nbytes, repeats))
+
+
+def raw_nixl_read_s(
+    nbytes: int, repeats: int = 3, timeout_s: float = 300
+) -> list[float]:
+    """Seconds of each single NIXL READ of ``nbytes`` from this process by a
+    spawned reader process (UCX over loopback, DRAM to DRAM)."""
+    from vllm.distributed.weight_transfer.sharded_rdt_nixl import make_agent, register
+    from vllm.distributed.weight_transfer.testing.sharded_rdt_procs import (
+        raw_read_main,
+    )
+
+    agent = make_agent(f"raw-target-{os.getpid()}")
+    source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    register(agent, source)
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(
+        target=raw_read_main,
+        args=(agent.get_agent_metadata(), source.data_ptr(), nbytes, repeats, child),
+    )
+    proc.start()
+    if not parent.poll(timeout_s):
+        proc.kill()
+        raise TimeoutError(f"raw NIXL reader did not report within {timeout_s} s")
+    kind, value = parent.recv()
+    proc.join(30)
+    if kind != "times":
+        raise RuntimeError(f"raw NIXL reader failed:\n{value}")
+    return value
+
+
+def child_rss_bytes() -> dict[str, int]:
+    """RSS of each descendant process (vLLM's engine core and workers), by name."""
+    try:
+        import psutil
+    except ImportError:
+        return {}
+    out = {}
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            out[f"{child.name()}[{child.pid}]"] = child.memory_info().rss
+    return out
+
+
+class TimedClient:
+    """Wraps a weight-sync client and adds up the wall time of each method, so a
+    sync splits into server-side time (inside the calls) and trainer-side time
+    (packing, between the calls)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.seconds: dict[str, float] = {}
+
+    def reset(self) -> None:
+        self.seconds = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)  # other client methods, untimed
+
+    def _timed(self, method: str, *args: Any, **kwargs: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            getattr(self.inner, method)(*args, **kwargs)
+        finally:
+            dt = time.perf_counter() - t0
+            self.seconds[method] = self.seconds.get(method, 0.0) + dt
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._timed("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._timed("start_weight_update")
+
+    def update_weights(self, update_info: Any) -> None:
+        self._timed("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._timed("finish_weight_update", weight_version)
+
+
+def git_commit() -> str | None:
+    """The checkout this run imports (``-dirty`` when it has local changes)."""
+    try:
+        return subprocess.check_output(
+            ["git", "-C", str(REPO), "describe", "--always", "--dirty"], text=True
+        ).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "omp_num_threads": torch.get_num_threads(),
+        "mem_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "load_avg_1m": os.getloadavg()[0],
+    }
