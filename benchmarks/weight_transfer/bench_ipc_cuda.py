@@ -16,8 +16,8 @@ into the worker's. Measured, per model:
                     the buffer once and copies each view into its destination;
 * ``fork_packed_no_overlap`` / ``fork_packed_keep_buffer``: the same with
                     ``overlap_chunks=False`` / ``keep_packed_buffer=True``;
-* ``fork_packed_2x_cap`` twice the cap (two buffers of upstream's size,
-                    kept): what a user gets by giving the fork more memory;
+* ``fork_packed_2x_cap`` twice the cap (kept): what a user gets by giving the
+                    fork more memory;
 * ``fork_unpacked`` the same with one exported tensor per parameter (no packing
                     copy; every parameter's memory is shared in place);
 * ``upstream_packed`` upstream 0.32's ``packed_ipc_producer`` ->
@@ -314,7 +314,7 @@ def bench_fork(
         "seconds": min(times),
         "all_seconds": times,
         "chunks": len(engine.last_plan.chunks),
-        "buffers": engine.last_plan.num_buffers,
+        "overlapped": engine.last_plan.overlapped,
         "buffer_cap_bytes": buffer_bytes,
         "trainer_extra_peak_bytes": max(peaks),
         "checksum": _call(conn, "checksum"),
@@ -386,13 +386,13 @@ def run_model(shape: ModelShape, layers: int | None, reps: int, buffer_bytes: in
     result["d2d_copy"] = bench_d2d(tensors, nbytes, reps)
     same = (tensors, parent, reps, True, buffer_bytes)
     modes: dict[str, tuple[Callable[..., dict], tuple, dict]] = {
-        # the defaults: two half-cap buffers when every tensor fits in half of
-        # the cap, GPU buffers freed after each sync
+        # the defaults: chunks alternate between the buffer's halves (a tensor
+        # larger than a half travels alone); GPU buffers freed after each sync
         "fork_packed": (bench_fork, same, {}),
         "upstream_packed": (bench_upstream, (tensors, parent, reps, buffer_bytes), {}),
         "fork_packed_no_overlap": (bench_fork, same, {"overlap_chunks": False}),
         "fork_packed_keep_buffer": (bench_fork, same, {"keep_packed_buffer": True}),
-        # twice the cap: two buffers of upstream's size (twice its memory)
+        # twice the cap (twice upstream's memory)
         "fork_packed_2x_cap": (
             bench_fork,
             (tensors, parent, reps, True, 2 * buffer_bytes),

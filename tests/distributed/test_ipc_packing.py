@@ -87,25 +87,30 @@ def test_plan_rejects_bad_settings_and_duplicate_names():
         plan_transfer([meta("a", 1), meta("a", 2)], packed=True)
 
 
-def test_overlapped_plan_alternates_two_half_cap_buffers():
+def test_overlapped_plan_alternates_the_two_halves_of_one_buffer():
     metas = [meta(f"t{i}", 16) for i in range(8)]  # 64 bytes each, 512 in all
     plan = plan_transfer(metas, packed=True, buffer_cap_bytes=256, overlap=True)
-    assert plan.num_buffers == 2 and plan.buffer_nbytes == 128
+    assert plan.overlapped and plan.buffer_nbytes == 256
     assert [c.names for c in plan.chunks] == [
         [f"t{2 * i}", f"t{2 * i + 1}"] for i in range(4)
     ]
-    assert [plan.buffer_of(c) for c in plan.chunks] == [0, 1, 0, 1]
-    # a tensor larger than half the cap keeps the single buffer (memory bound)
-    big = plan_transfer(
-        [meta("big", 48), meta("a", 16)],
-        packed=True,
-        buffer_cap_bytes=200,
-        overlap=True,
-    )
-    assert big.num_buffers == 1 and big.buffer_nbytes == 200
+    assert [c.span for c in plan.chunks] == [(0, 128), (128, 256)] * 2
+    pairs = zip(plan.chunks, plan.chunks[1:], strict=False)
+    assert not any(a.overlaps(b) for a, b in pairs)
+
+
+def test_a_tensor_larger_than_half_the_buffer_travels_alone_from_its_start():
+    metas = [meta("a", 16), meta("big", 48), meta("b", 16), meta("c", 16)]
+    plan = plan_transfer(metas, packed=True, buffer_cap_bytes=256, overlap=True)
+    assert plan.overlapped and plan.buffer_nbytes == 256
+    assert [c.names for c in plan.chunks] == [["a"], ["big"], ["b", "c"]]
+    assert [c.span for c in plan.chunks] == [(0, 64), (0, 192), (0, 128)]
+    # the lone tensor's chunk shares bytes with both neighbours, so it waits
+    assert plan.chunks[1].overlaps(plan.chunks[0])
+    assert plan.chunks[2].overlaps(plan.chunks[1])
 
 
 def test_a_model_within_the_cap_is_one_chunk_even_with_overlap():
-    metas = [meta(f"t{i}", 16) for i in range(3)]
+    metas = [meta(f"t{i}", 3) for i in range(3)]
     plan = plan_transfer(metas, packed=True, buffer_cap_bytes=1 << 20, overlap=True)
-    assert plan.num_buffers == 1 and len(plan.chunks) == 1
+    assert not plan.overlapped and len(plan.chunks) == 1

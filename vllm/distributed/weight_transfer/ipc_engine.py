@@ -21,11 +21,11 @@ rank calls it; the rank with ``init_info.rank == 0`` is the sender)::
         all ranks exchange handles (a barrier)    ; sender merges them by device
         sender: wait for the previous chunk's update_weights ; all ranks agree
         sender: client.update_weights(pub.attach(chunk info, checksums))
-            ; with one buffer it is waited for here; with two (overlap) it
-            runs on a helper thread while every rank fills the other buffer.
-            Either way no rank refills a buffer its colocated worker still
-            reads: a buffer is refilled two chunks later, after the barrier
-            on the call that read it
+            ; without overlap it is waited for here; with overlap it runs on
+            a helper thread while every rank fills the next chunk into the
+            other half of the buffer. Either way no rank overwrites bytes its
+            colocated worker still reads: a chunk that shares bytes with the
+            one in flight waits for that call (and its barrier) first
     sender: client.finish_weight_update()         ; all ranks agree
     sender: pub.verify(every worker's receipt), then
             client.update_weight_version(weight_version) ; all ranks agree
@@ -33,10 +33,10 @@ rank calls it; the rank with ``init_info.rank == 0`` is the sender)::
 Packed mode (the default) reuses one buffer per trainer rank for every chunk,
 sized from the metadata: the model's aligned size capped at
 ``packed_buffer_size_bytes``, but at least the largest tensor. With
-``overlap_chunks`` (default on) a model larger than the cap whose tensors all
-fit in half of it travels through two half-size buffers in turn, so packing
-overlaps the workers' loading. CPU buffers are kept from one sync to the next
-(``keep_packed_buffer``). Unpacked mode
+``overlap_chunks`` (default on) a model larger than the buffer travels in
+chunks that alternate between the buffer's two halves, so packing overlaps the
+workers' loading; a tensor larger than half the buffer travels alone. CPU
+buffers are kept from one sync to the next (``keep_packed_buffer``). Unpacked mode
 exports each tensor separately and keeps every exported tensor alive until all
 workers have read it (the barrier after its chunk).
 
@@ -190,11 +190,12 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     more to create than to fill, and frees GPU buffers, so a colocated engine
     gets that memory back between syncs.
 
-    ``overlap_chunks`` (default on) splits the packed buffer into two halves
-    when the model spans several chunks and no tensor is larger than half the
-    cap: the trainer fills one half while the workers load the other, with at
-    most one ``update_weights`` call in flight (made from a helper thread).
-    The memory stays within the cap.
+    ``overlap_chunks`` (default on) lets chunks alternate between the packed
+    buffer's two halves when the model spans several chunks: the trainer
+    fills one half while the workers load the other, with at most one
+    ``update_weights`` call in flight (made from a helper thread). A tensor
+    larger than half the buffer travels alone and waits for the call before
+    it. The buffer is the same size either way.
     """
 
     backend: ClassVar[str] = "ipc"
@@ -339,8 +340,8 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         self.last_publication: TrainerPublication | None = None
         self.keep_packed_buffer = keep_packed_buffer
         self.overlap_chunks = overlap_chunks
-        # Packed buffers kept between syncs, by buffer index in the plan.
-        self._kept_buffers: dict[int, ExportedBuffer] = {}
+        # The packed buffer kept between syncs (see ``keep_packed_buffer``).
+        self._kept_buffer: ExportedBuffer | None = None
 
     @classmethod
     def trainer_init(
@@ -430,7 +431,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         try:
             error = self._call_server("start_weight_update")
             self.group.exchange(None, error, "start_weight_update")
-            buffers: dict[int, ExportedBuffer] = {}
+            buffers: list[ExportedBuffer] = []
             try:
                 try:
                     self._send_chunks(plan, metas, buffers)
@@ -447,12 +448,12 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
                     self._abort_on_server(f"trainer rank {self.rank}: {e}")
                     # A worker that timed out may still be reading the kept
                     # buffer; the next sync writes into a new one.
-                    self._drop_kept_buffers()
+                    self._drop_kept_buffer()
                     raise
             finally:
                 # Workers release their mappings at finish; only then is the
                 # packed buffer dropped, so CUDA can reclaim it at once.
-                for buffer in buffers.values():
+                for buffer in buffers:
                     buffer.close()
                 release_exported_cuda_memory()
             if self.verify_publication:
@@ -584,10 +585,10 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         self,
         plan: TransferPlan,
         metas: list[ParamMeta],
-        buffers: dict[int, ExportedBuffer],
+        buffers: list[ExportedBuffer],
     ) -> None:
-        """Send every chunk; packed buffers freed after the sync go in
-        ``buffers`` (by buffer index)."""
+        """Send every chunk; a packed buffer freed after the sync goes in
+        ``buffers``."""
         assert self.source is not None
         cursor = _SourceCursor(self.source, metas)
         if not plan.packed:
@@ -595,10 +596,15 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
                 self._send_unpacked_chunk(chunk, cursor)
             cursor.finish()
             return
-        in_flight = _UpdateInFlight(asynchronous=plan.num_buffers > 1)
+        in_flight = _UpdateInFlight(asynchronous=plan.overlapped)
         try:
+            previous: Chunk | None = None
             for chunk in plan.chunks:
+                if previous is not None and chunk.overlaps(previous):
+                    # The call in flight still reads these bytes.
+                    self._settle(in_flight)
                 self._send_packed_chunk(plan, chunk, cursor, buffers, in_flight)
+                previous = chunk
             self._settle(in_flight)
         finally:
             in_flight.close()
@@ -618,12 +624,12 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         plan: TransferPlan,
         chunk: Chunk,
         cursor: _SourceCursor,
-        owned: dict[int, ExportedBuffer],
+        owned: list[ExportedBuffer],
         in_flight: _UpdateInFlight,
     ) -> None:
-        """Fill this chunk's buffer, share the handles, and hand the update
-        call to ``in_flight`` once the call before it (which may still read
-        the other buffer, never this one) has returned."""
+        """Fill this chunk's part of the buffer, share the handles, and hand
+        the update call to ``in_flight`` once the call before it (which may
+        still read the other half, never this chunk's bytes) has returned."""
         error: str | None = None
         device: torch.device | None = None
         checksum: str | None = None
@@ -637,7 +643,7 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
                 tensor = cursor.next()
                 if buffer is None:
                     buffer = self._packed_buffer(
-                        plan.buffer_of(chunk), plan.buffer_nbytes, tensor.device, owned
+                        plan.buffer_nbytes, tensor.device, owned
                     )
                 assert buffer.tensor is not None
                 device = buffer.tensor.device
@@ -656,7 +662,8 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
             batched.clear()
             _sync_device(device)
             if buffer is not None and buffer.tensor is not None:
-                checksum = self._checksum(buffer.tensor[: _extent(chunk)])
+                start, end = chunk.span
+                checksum = self._checksum(buffer.tensor[start:end])
         except Exception as e:
             error = str(e)
             if self.group.world_size == 1:
@@ -683,44 +690,38 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
             self._settle(in_flight)
 
     def _packed_buffer(
-        self,
-        index: int,
-        nbytes: int,
-        device: torch.device,
-        owned: dict[int, ExportedBuffer],
+        self, nbytes: int, device: torch.device, owned: list[ExportedBuffer]
     ) -> ExportedBuffer:
-        """Packed buffer ``index`` of this sync: the kept one when it fits,
-        else a new one, which is kept or put in ``owned`` (freed after the
-        sync). A buffer made this sync is reused by its later chunks."""
-        if index in owned:
-            return owned[index]
+        """This sync's packed buffer: the one already in use or kept when it
+        fits, else a new one, which is kept or put in ``owned`` (freed after
+        the sync)."""
+        if owned:
+            return owned[0]
         keep = self.keep_packed_buffer
         if keep is None:
             keep = device.type == "cpu"
-        kept = self._kept_buffers.get(index)
+        kept = self._kept_buffer
         if kept is not None:
             assert kept.tensor is not None
             if kept.tensor.device == device and kept.tensor.numel() >= nbytes:
                 return kept
-            del self._kept_buffers[index]
-            kept.close()
+            self._drop_kept_buffer()
         buffer = allocate_buffer(nbytes, device)
         if keep:
-            self._kept_buffers[index] = buffer
+            self._kept_buffer = buffer
         else:
-            owned[index] = buffer
+            owned.append(buffer)
         return buffer
 
-    def _drop_kept_buffers(self) -> None:
-        kept, self._kept_buffers = self._kept_buffers, {}
-        for buffer in kept.values():
+    def _drop_kept_buffer(self) -> None:
+        buffer, self._kept_buffer = self._kept_buffer, None
+        if buffer is not None:
             buffer.close()
-        if kept:
             release_exported_cuda_memory()
 
     def shutdown(self) -> None:
-        """Free the packed buffers kept between syncs, if any."""
-        self._drop_kept_buffers()
+        """Free the packed buffer kept between syncs, if any."""
+        self._drop_kept_buffer()
 
     def _send_unpacked_chunk(self, chunk: Chunk, cursor: _SourceCursor) -> None:
         error: str | None = None
@@ -835,11 +836,6 @@ def _trainer_device() -> str:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return device_identity(torch.device("cuda", torch.cuda.current_device()))
     return device_identity("cpu")
-
-
-def _extent(chunk: Chunk) -> int:
-    """Bytes of the packed buffer that ``chunk`` uses."""
-    return max((s.offset + s.nbytes for s in chunk.slots), default=0)
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -983,8 +979,8 @@ class IPCWeightTransferEngine(
         handles = [handle for _, handle in selected]
         self.last_update_keys.update(key for key, _ in selected)
         buffers = [importer.open(h) for h in handles]
-        for i, extent in enumerate(_extents(views, len(buffers))):
-            self.pub.check_buffer(i, buffers[i][:extent])
+        for i, (start, end) in enumerate(_spans(views, len(buffers))):
+            self.pub.check_buffer(i, buffers[i][start:end])
         weights = []
         for view in views:
             raw = buffers[view.buffer][view.offset : view.offset + view.nbytes]
@@ -1083,12 +1079,16 @@ class IPCWeightTransferEngine(
             self._importer.close()
 
 
-def _extents(views: list[Any], n_buffers: int) -> list[int]:
-    """Per buffer, the bytes its views use (what the trainer checksummed)."""
-    extents = [0] * n_buffers
+def _spans(views: list[Any], n_buffers: int) -> list[tuple[int, int]]:
+    """Per buffer, the ``(start, end)`` of the bytes its views use: what the
+    trainer checksummed."""
+    starts: list[int | None] = [None] * n_buffers
+    ends = [0] * n_buffers
     for view in views:
-        extents[view.buffer] = max(extents[view.buffer], view.offset + view.nbytes)
-    return extents
+        first = starts[view.buffer]
+        starts[view.buffer] = view.offset if first is None else min(first, view.offset)
+        ends[view.buffer] = max(ends[view.buffer], view.offset + view.nbytes)
+    return [(start or 0, end) for start, end in zip(starts, ends, strict=True)]
 
 
 def _worker_rank(vllm_config: Any) -> int:

@@ -13,11 +13,12 @@ never less than the largest tensor, so every tensor fits. Tensors are placed in
 metadata order at offsets rounded up to ``alignment`` bytes; a tensor that would
 cross the end of the buffer starts the next chunk.
 
-Overlapped packed plan (``overlap=True``, a model larger than the cap, and
-no tensor larger than half the cap): two buffers of half the cap each, used
-alternately, so the trainer fills chunk ``k + 1`` while the workers load
-chunk ``k``; together they take no more memory than the one buffer would.
-Chunk ``k`` lives in buffer ``k % num_buffers``.
+Overlapped packed plan (``overlap=True`` and a model larger than the buffer):
+the same one buffer, split in two halves that chunks use in turn, so the
+trainer fills chunk ``k + 1`` in one half while the workers load chunk ``k``
+from the other. A tensor larger than half the buffer travels alone from the
+buffer's start; its chunk overlaps both halves, so it waits for the chunk
+before it (``Chunk.overlaps``). The memory is the same as without overlap.
 
 Unpacked plan: every tensor is its own buffer (offset 0). Chunks still group
 tensors so that the bytes exported at once stay within ``buffer_cap_bytes``
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from vllm.distributed.weight_transfer.base import ParamMeta
 from vllm.distributed.weight_transfer.ipc_wire import dtype_name, tensor_nbytes
@@ -64,6 +66,22 @@ class Chunk:
         return max((s.offset + s.nbytes for s in self.slots), default=0)
 
     @property
+    def span(self) -> tuple[int, int]:
+        """``(start, end)``: the bytes of the packed buffer this chunk uses."""
+        if not self.slots:
+            return (0, 0)
+        return (
+            min(s.offset for s in self.slots),
+            max(s.offset + s.nbytes for s in self.slots),
+        )
+
+    def overlaps(self, other: Chunk) -> bool:
+        """True when this chunk and ``other`` use common bytes of the buffer."""
+        start, end = self.span
+        other_start, other_end = other.span
+        return start < other_end and other_start < end
+
+    @property
     def names(self) -> list[str]:
         return [s.name for s in self.slots]
 
@@ -72,12 +90,9 @@ class Chunk:
 class TransferPlan:
     packed: bool
     alignment: int
-    buffer_nbytes: int  # packed: each buffer's size; unpacked: 0
+    buffer_nbytes: int  # packed: the one buffer's size; unpacked: 0
     chunks: tuple[Chunk, ...]
-    num_buffers: int = 1  # packed: chunk k uses buffer k % num_buffers
-
-    def buffer_of(self, chunk: Chunk) -> int:
-        return chunk.index % self.num_buffers if self.num_buffers else 0
+    overlapped: bool = False  # packed: chunks alternate between two halves
 
     @property
     def num_tensors(self) -> int:
@@ -118,39 +133,68 @@ def plan_transfer(
             raise ValueError(f"WeightSource.metadata() lists {m.name!r} twice")
         seen.add(m.name)
 
-    limit = (
-        packed_buffer_nbytes(metas, buffer_cap_bytes, alignment)
-        if packed
-        else buffer_cap_bytes
-    )
-    num_buffers = 1 if packed else 0
+    if not packed:
+        return _unpacked_plan(metas, buffer_cap_bytes, alignment)
+    buffer_nbytes = packed_buffer_nbytes(metas, buffer_cap_bytes, alignment)
     total = sum(align_up(tensor_nbytes(m.dtype, m.shape), alignment) for m in metas)
-    largest = max((tensor_nbytes(m.dtype, m.shape) for m in metas), default=0)
-    if packed and overlap and total > limit and 2 * largest <= buffer_cap_bytes:
-        limit = buffer_cap_bytes // 2
-        num_buffers = 2
+    overlapped = overlap and total > buffer_nbytes
+    half = buffer_nbytes // 2 // alignment * alignment if overlapped else 0
+    if overlapped and half == 0:
+        overlapped, half = False, 0
+    region_size = half if overlapped else buffer_nbytes
+    chunks: list[Chunk] = []
+    current: list[TensorSlot] = []
+    region = 0  # 0: the first half (or the whole buffer), 1: the second half
+    cursor = 0  # bytes used in the current region
+
+    def flush() -> None:
+        nonlocal current
+        if current:
+            chunks.append(Chunk(len(chunks), tuple(current)))
+            current = []
+
+    for m in metas:
+        nbytes = tensor_nbytes(m.dtype, m.shape)
+        slot = partial(TensorSlot, m.name, dtype_name(m.dtype), tuple(m.shape))
+        if nbytes > region_size:  # only when overlapped: it travels alone
+            flush()
+            chunks.append(Chunk(len(chunks), (slot(0, nbytes),)))
+            region, cursor = 0, 0
+            continue
+        offset = align_up(cursor, alignment)
+        if current and offset + nbytes > region_size:
+            flush()
+            region = 1 - region if overlapped else 0
+            offset = 0
+        current.append(slot(region * half + offset, nbytes))
+        cursor = offset + nbytes
+    flush()
+    return TransferPlan(
+        packed=True,
+        alignment=alignment,
+        buffer_nbytes=buffer_nbytes,
+        chunks=tuple(chunks),
+        overlapped=overlapped,
+    )
+
+
+def _unpacked_plan(
+    metas: Sequence[ParamMeta], buffer_cap_bytes: int, alignment: int
+) -> TransferPlan:
     chunks: list[Chunk] = []
     current: list[TensorSlot] = []
     cursor = 0
     for m in metas:
         nbytes = tensor_nbytes(m.dtype, m.shape)
-        offset = align_up(cursor, alignment) if packed else 0
-        used = offset + nbytes if packed else cursor + nbytes
-        if current and used > limit:
+        if current and cursor + nbytes > buffer_cap_bytes:
             chunks.append(Chunk(len(chunks), tuple(current)))
             current, cursor = [], 0
-            offset = 0
-            used = nbytes
         current.append(
-            TensorSlot(m.name, dtype_name(m.dtype), tuple(m.shape), offset, nbytes)
+            TensorSlot(m.name, dtype_name(m.dtype), tuple(m.shape), 0, nbytes)
         )
-        cursor = used
+        cursor += nbytes
     if current:
         chunks.append(Chunk(len(chunks), tuple(current)))
     return TransferPlan(
-        packed=packed,
-        alignment=alignment,
-        buffer_nbytes=limit if packed else 0,
-        chunks=tuple(chunks),
-        num_buffers=num_buffers,
+        packed=False, alignment=alignment, buffer_nbytes=0, chunks=tuple(chunks)
     )
