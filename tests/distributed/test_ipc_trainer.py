@@ -565,3 +565,22 @@ def test_a_failing_update_in_flight_is_raised_and_aborted_after_it_returns():
     assert client.calls[-2:] == ["abort", "finish"]
     assert shm_files() == set()  # a failed sync drops the kept buffers
     assert is_fenced_version(client.versions[-1])
+
+
+def test_a_client_of_several_engines_is_refused_while_verifying():
+    class TwoEngineClient(LoopbackClient):
+        handles = ["engine-a", "engine-b"]  # like RayVLLMWeightSyncClient
+
+    with pytest.raises(ValueError, match="drives 2 vLLM engines"):
+        IPCTrainerWeightTransferEngine.trainer_init(
+            IPCTrainerInitInfo(rank=0),
+            client=TwoEngineClient(),
+            source=RecordingSource(model_tensors(), []),
+        )
+    client = TwoEngineClient()
+    IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, verify_publication=False),
+        client=client,
+        source=RecordingSource(model_tensors(), []),
+    ).send_weights()
+    assert client.calls[-1] == "finish"

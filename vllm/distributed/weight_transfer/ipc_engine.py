@@ -372,6 +372,17 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
             overlap_chunks=init_info.overlap_chunks,
         )
         if engine.is_sender and init_info.verify_publication:
+            engines = len(getattr(client, "handles", None) or [client])
+            if engines > 1:
+                # Each engine numbers its workers from 0, so their receipts
+                # would collide in the one receipt directory.
+                raise ValueError(
+                    f"{type(client).__name__} drives {engines} vLLM engines, but "
+                    "verified publication needs one engine per trainer engine "
+                    "(the engines' workers share receipt ranks). Create one "
+                    "trainer engine and client per vLLM engine, or pass "
+                    "verify_publication=False to send without receipts."
+                )
             missing = [
                 m
                 for m in ("get_world_size", "update_weight_version")
