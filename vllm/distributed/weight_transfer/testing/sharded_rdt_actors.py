@@ -164,6 +164,10 @@ class LLMHost:
     def weight_version(self) -> str | None:
         return self.llm.get_weight_version()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop KV blocks cached under the previous weights."""
+        return bool(self.llm.reset_prefix_cache())
+
     def version_seen_at_finish(self) -> str | None:
         """The served version right after the last finish_weight_update."""
         return getattr(self, "version_at_finish", None)
