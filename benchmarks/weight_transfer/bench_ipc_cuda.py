@@ -221,17 +221,27 @@ class PipeClient:
 
     def update_weights(self, update_info) -> None:
         self.conn.send(("fork_update", json.dumps(update_info)))
-        if self.conn.recv() != "ok":
+        if _reply(self.conn) != "ok":
             raise RuntimeError("worker failed")
 
     def finish_weight_update(self, weight_version=None) -> None:
         self.conn.send(("fork_finish", None))
-        self.conn.recv()
+        _reply(self.conn)
+
+
+WORKER_TIMEOUT_S = 120.0
+
+
+def _reply(conn, timeout_s: float = WORKER_TIMEOUT_S):
+    """The worker's answer; a worker that died or hangs fails the run."""
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"the worker process did not answer within {timeout_s}s")
+    return conn.recv()
 
 
 def _call(conn, kind, payload=None):
     conn.send((kind, payload))
-    return conn.recv()
+    return _reply(conn)
 
 
 # --------------------------------------------------------------------------
@@ -372,7 +382,9 @@ def run_model(shape: ModelShape, layers: int | None, reps: int, buffer_bytes: in
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_worker, args=(child, params), daemon=True)
     proc.start()
-    assert parent.recv() == "ready"
+    # The worker sets up CUDA and its destinations first.
+    ready = _reply(parent, timeout_s=300.0)
+    assert ready == "ready", ready
     tensors = make_tensors(params, seed=0)
     expected = checksum(tensors)
     result: dict = {
