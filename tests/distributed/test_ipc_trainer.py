@@ -567,20 +567,71 @@ def test_a_failing_update_in_flight_is_raised_and_aborted_after_it_returns():
     assert is_fenced_version(client.versions[-1])
 
 
-def test_a_client_of_several_engines_is_refused_while_verifying():
-    class TwoEngineClient(LoopbackClient):
-        handles = ["engine-a", "engine-b"]  # like RayVLLMWeightSyncClient
+class TwoEngineClient:
+    """Two loopback engines behind one client, as a Ray client over two
+    actors: every call goes to both, and each engine's one worker has rank 0
+    on its own device."""
 
-    with pytest.raises(ValueError, match="drives 2 vLLM engines"):
-        IPCTrainerWeightTransferEngine.trainer_init(
-            IPCTrainerInitInfo(rank=0),
-            client=TwoEngineClient(),
-            source=RecordingSource(model_tensors(), []),
-        )
+    def __init__(self, silent_second=False):
+        self.engines = [LoopbackClient(), LoopbackClient()]
+        self.handles = ["engine-a", "engine-b"]
+        for i, engine in enumerate(self.engines):
+            engine.pub = WorkerPublication(
+                backend="ipc", worker_rank=0, worker_device=f"cpu:engine{i}:0"
+            )
+        self.silent_second = silent_second
+
+    def _all(self, method, *args):
+        for i, engine in enumerate(self.engines):
+            if method == "finish_weight_update" and i == 1 and self.silent_second:
+                continue  # this engine never finishes: no receipt
+            getattr(engine, method)(*args)
+
+    def init_weight_transfer_engine(self, init_info):
+        self._all("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self):
+        self._all("start_weight_update")
+
+    def update_weights(self, update_info):
+        self._all("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version=None):
+        self._all("finish_weight_update", weight_version)
+
+    def update_weight_version(self, new_version):
+        self._all("update_weight_version", new_version)
+
+    def get_world_size(self):
+        return 2
+
+
+def test_one_client_over_two_engines_is_verified_by_both_receipts():
+    tensors = model_tensors()
     client = TwoEngineClient()
-    IPCTrainerWeightTransferEngine.trainer_init(
-        IPCTrainerInitInfo(rank=0, verify_publication=False),
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=300),
+        client=client,
+        source=RecordingSource(tensors, []),
+    )
+    engine.send_weights(weight_version="v1")
+    assert engine.last_publication is not None
+    verified = engine.last_publication.verified
+    assert verified is not None and verified.workers == (0, 0)
+    for loopback in client.engines:
+        assert loopback.versions == ["v1"]
+        for name, t in tensors.items():
+            assert torch.equal(loopback.received[name], t), name
+    engine.shutdown()
+
+
+def test_an_engine_without_a_receipt_fails_the_sync_naming_the_count():
+    client = TwoEngineClient(silent_second=True)
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, receipt_timeout_s=0.5),
         client=client,
         source=RecordingSource(model_tensors(), []),
-    ).send_weights()
-    assert client.calls[-1] == "finish"
+    )
+    with pytest.raises(TimeoutError, match="1 of 2 worker"):
+        engine.send_weights(weight_version="v1")
+    assert is_fenced_version(client.engines[0].versions[-1])

@@ -2,6 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Receipt channels: the shared-memory directory and the producer inbox."""
 
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -23,6 +24,7 @@ from vllm.distributed.weight_transfer.receipts import (
     ReceiptTimeoutError,
     ShmReceiptBox,
     ShmReceiptSink,
+    receipt_file_name,
     sink_for,
 )
 from vllm.distributed.weight_transfer.verification import (
@@ -100,17 +102,33 @@ def test_a_failure_receipt_ends_the_wait_early(tmp_path):
 def test_sink_writes_atomically_and_leaves_no_temp_files(tmp_path):
     h = header()
     with ShmReceiptBox(h.publication_id, root=tmp_path) as box:
-        ShmReceiptSink(box.path).deliver(receipt(h, 3))
-        assert os.listdir(box.path) == ["worker-3.json"]
-        assert json.loads((box.path / "worker-3.json").read_text())["worker_rank"] == 3
+        r = receipt(h, 3)
+        ShmReceiptSink(box.path).deliver(r)
+        [name] = os.listdir(box.path)
+        assert name == receipt_file_name(r) and name.startswith("worker-3-")
+        assert json.loads((box.path / name).read_text())["worker_rank"] == 3
 
 
-def test_box_rejects_a_file_claiming_another_rank(tmp_path):
+def test_box_rejects_a_file_claiming_another_worker(tmp_path):
     h = header()
     with ShmReceiptBox(h.publication_id, root=tmp_path) as box:
-        (box.path / "worker-0.json").write_text(json.dumps(receipt(h, 1).to_dict()))
+        name = receipt_file_name(receipt(h, 0))
+        (box.path / name).write_text(json.dumps(receipt(h, 1).to_dict()))
         with pytest.raises(ValueError, match="holds the receipt of worker 1"):
             box.read()
+
+
+def test_workers_of_two_engines_sharing_a_rank_are_both_collected(tmp_path):
+    h = header()
+    with ShmReceiptBox(h.publication_id, root=tmp_path) as box:
+        for device in ("cuda:GPU-a", "cuda:GPU-b"):
+            r = dataclasses.replace(receipt(h, 0), worker_device=device)
+            ShmReceiptSink(box.path).deliver(r)
+        got = box.collect(2, timeout_s=30)
+        assert sorted(r.worker_device for r in got) == ["cuda:GPU-a", "cuda:GPU-b"]
+        assert verify_receipts(h, got, 2).workers == (0, 0)
+        with pytest.raises(ReceiptTimeoutError, match="1 of 3 worker"):
+            box.collect(3, timeout_s=0.1)
 
 
 def test_sink_refuses_foreign_directories_and_missing_trainer(tmp_path):

@@ -372,17 +372,6 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
             overlap_chunks=init_info.overlap_chunks,
         )
         if engine.is_sender and init_info.verify_publication:
-            engines = len(getattr(client, "handles", None) or [client])
-            if engines > 1:
-                # Each engine numbers its workers from 0, so their receipts
-                # would collide in the one receipt directory.
-                raise ValueError(
-                    f"{type(client).__name__} drives {engines} vLLM engines, but "
-                    "verified publication needs one engine per trainer engine "
-                    "(the engines' workers share receipt ranks). Create one "
-                    "trainer engine and client per vLLM engine, or pass "
-                    "verify_publication=False to send without receipts."
-                )
             missing = [
                 m
                 for m in ("get_world_size", "update_weight_version")
@@ -512,9 +501,13 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         """Verify every worker's receipt, then make the version visible."""
         pub = self._pub
         assert pub is not None
-        pub.verify(
-            range(served_world_size(self.client)), timeout_s=self.receipt_timeout_s
-        )
+        workers = served_world_size(self.client)
+        # One engine: its workers are ranks 0..n-1. Several engines behind one
+        # client (a Ray client over several actors) each number their workers
+        # from 0, so the trainer waits for that many distinct workers instead.
+        engines = len(getattr(self.client, "handles", None) or [self.client])
+        expected: range | int = range(workers) if engines == 1 else workers
+        pub.verify(expected, timeout_s=self.receipt_timeout_s)
         self.last_publication = pub
         if weight_version is not None:
             set_served_version(self.client, weight_version)

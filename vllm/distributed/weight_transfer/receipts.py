@@ -10,9 +10,11 @@ publication header:
   ``ShmReceiptBox``, a private directory ``vllm-wt-receipts-<publication id>``
   under ``/dev/shm`` (or the temp dir where ``/dev/shm`` is missing), and puts
   its path in the header. Each worker's ``ShmReceiptSink`` writes
-  ``worker-<rank>.json`` atomically (temp file + rename). After
-  ``finish_weight_update`` returns, the trainer ``collect``s the expected
-  ranks, waiting at most ``timeout_s``, then deletes the directory.
+  ``worker-<rank>-<device tag>.json`` atomically (temp file + rename); the
+  device tag tells apart workers of different engines that share a rank.
+  After ``finish_weight_update`` returns, the trainer ``collect``s the
+  expected ranks (or, for several engines, the expected number of workers),
+  waiting at most ``timeout_s``, then deletes the directory.
 * ``"producer"`` (``sharded_rdt``): the worker hands its receipt to a trainer
   producer actor it already talks to, through a ``CallbackReceiptSink``
   wrapping that call (for example ``ray.get(actor.deliver_receipt.remote(d),
@@ -20,11 +22,14 @@ publication header:
   on it.
 
 Every wait is bounded; a timeout names the workers that did not answer.
+Workers are identified by ``(rank, device)`` (``worker_key``): ranks alone
+repeat across engines.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -32,7 +37,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -44,7 +49,22 @@ from vllm.distributed.weight_transfer.publication import (
 RECEIPT_DIR_PREFIX = "vllm-wt-receipts-"
 DEFAULT_RECEIPT_TIMEOUT_S = 60.0
 _RECEIPT_DIR_RE = re.compile(r"^vllm-wt-receipts-[A-Za-z0-9_-]{8,64}$")
-_RECEIPT_FILE_RE = re.compile(r"^worker-(\d+)\.json$")
+_RECEIPT_FILE_RE = re.compile(r"^worker-(\d+)-([0-9a-f]{16})\.json$")
+
+# A worker's identity: its rank within its engine and its device identity.
+WorkerKey = tuple[int, str]
+# What a trainer waits for: these worker ranks (one engine), or this many
+# distinct workers (several engines, whose ranks repeat).
+ExpectedWorkers = Collection[int] | int
+
+
+def worker_key(receipt: Receipt) -> WorkerKey:
+    return (receipt.worker_rank, receipt.worker_device)
+
+
+def receipt_file_name(receipt: Receipt) -> str:
+    tag = hashlib.sha256(receipt.worker_device.encode()).hexdigest()[:16]
+    return f"worker-{receipt.worker_rank}-{tag}.json"
 
 
 class ReceiptTimeoutError(TimeoutError):
@@ -89,9 +109,9 @@ class ShmReceiptBox:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def read(self) -> dict[int, Receipt]:
-        """Every receipt present now, by worker rank."""
-        out: dict[int, Receipt] = {}
+    def read(self) -> dict[WorkerKey, Receipt]:
+        """Every receipt present now, by worker."""
+        out: dict[WorkerKey, Receipt] = {}
         for entry in sorted(os.listdir(self.path)):
             m = _RECEIPT_FILE_RE.match(entry)
             if m is None:
@@ -101,17 +121,17 @@ class ShmReceiptBox:
                 receipt = Receipt.from_dict(json.loads(file.read_text()))
             except (OSError, ValueError) as e:
                 raise ValueError(f"receipt file {file} is unreadable: {e}") from e
-            if receipt.worker_rank != int(m.group(1)):
+            if receipt_file_name(receipt) != entry:
                 raise ValueError(
                     f"receipt file {file} holds the receipt of worker "
-                    f"{receipt.worker_rank}"
+                    f"{receipt.worker_rank} ({receipt.worker_device})"
                 )
-            out[receipt.worker_rank] = receipt
+            out[worker_key(receipt)] = receipt
         return out
 
     def collect(
         self,
-        expected_workers: Collection[int],
+        expected_workers: ExpectedWorkers,
         timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S,
     ) -> list[Receipt]:
         """Wait until every expected worker's receipt is here, or one failed."""
@@ -145,7 +165,7 @@ class ShmReceiptSink:
                 "published this update is gone or runs on another host (the shm "
                 "receipt channel needs a colocated trainer)"
             )
-        final = self.path / f"worker-{receipt.worker_rank}.json"
+        final = self.path / receipt_file_name(receipt)
         fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".tmp-", suffix=".json")
         try:
             with os.fdopen(fd, "w") as f:
@@ -196,11 +216,12 @@ class ReceiptInbox:
     def collect(
         self,
         publication_id: str,
-        expected_workers: Collection[int],
+        expected_workers: ExpectedWorkers,
         timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S,
     ) -> list[Receipt]:
-        def read() -> dict[int, Receipt]:  # called with the lock held
-            return dict(self._receipts.get(publication_id, {}))
+        def read() -> dict[WorkerKey, Receipt]:  # called with the lock held
+            got = self._receipts.get(publication_id, {})
+            return {worker_key(r): r for r in got.values()}
 
         return _wait(
             read,
@@ -236,31 +257,40 @@ def sink_for(
     return None
 
 
+def _missing(have: Mapping[WorkerKey, Receipt], expected: ExpectedWorkers) -> str:
+    """Who has not delivered yet (empty when nobody)."""
+    if isinstance(expected, int):
+        short = expected - len(have)
+        return f"{short} of {expected} worker(s)" if short > 0 else ""
+    ranks = {rank for rank, _ in have}
+    missing = [w for w in sorted(set(expected)) if w not in ranks]
+    return f"worker(s) {missing}" if missing else ""
+
+
 def _wait(
-    read: Callable[[], dict[int, Receipt]],
-    expected_workers: Collection[int],
+    read: Callable[[], Mapping[WorkerKey, Receipt]],
+    expected_workers: ExpectedWorkers,
     timeout_s: float,
     where: str,
     cond: threading.Condition | None = None,
 ) -> list[Receipt]:
-    expected = sorted(set(expected_workers))
     deadline = time.monotonic() + timeout_s
     poll_s = 0.001
     with cond if cond is not None else contextlib.nullcontext():
         while True:
             have = read()
             # A failed worker ends the wait at once; verify_receipts reports it.
-            if all(w in have for w in expected) or any(
+            if not _missing(have, expected_workers) or any(
                 r.error is not None for r in have.values()
             ):
-                return [have[w] for w in sorted(have)]
+                return [have[k] for k in sorted(have)]
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                missing = [w for w in expected if w not in have]
+                got = [f"{rank} ({device})" for rank, device in sorted(have)]
                 raise ReceiptTimeoutError(
-                    f"no receipt from worker(s) {missing} in {where} after "
-                    f"{timeout_s:.1f}s (got {sorted(have)} of {expected}); those "
-                    "workers did not finish the update or cannot reach the trainer"
+                    f"no receipt from {_missing(have, expected_workers)} in "
+                    f"{where} after {timeout_s:.1f}s (got {got}); those workers "
+                    "did not finish the update or cannot reach the trainer"
                 )
             if cond is not None:
                 cond.wait(timeout=remaining)

@@ -82,7 +82,7 @@ class _ProducerActorBase:
         self.producer.deliver_receipt(receipt)
 
     def collect_receipts(
-        self, publication_id: str, expected_workers: list[int], timeout_s: float
+        self, publication_id: str, expected_workers: list[int] | int, timeout_s: float
     ) -> dict[str, Any]:
         """``{"receipts": [...]}``, or ``{"timeout": message}``."""
         try:
@@ -148,14 +148,17 @@ class ActorReceiptInbox(ReceiptInbox):
     def collect(
         self,
         publication_id: str,
-        expected_workers: Collection[int],
+        expected_workers: Collection[int] | int,
         timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S,
     ) -> list[Receipt]:
         import ray
 
-        ref = self._actor.collect_receipts.remote(
-            publication_id, sorted(set(expected_workers)), timeout_s
+        expected = (
+            expected_workers
+            if isinstance(expected_workers, int)
+            else sorted(set(expected_workers))
         )
+        ref = self._actor.collect_receipts.remote(publication_id, expected, timeout_s)
         result = ray.get(ref, timeout=timeout_s + self._timeout_s)
         if "timeout" in result:
             raise ReceiptTimeoutError(result["timeout"])

@@ -239,7 +239,7 @@ class VerifiedPublication:
 def verify_receipts(
     header: PublicationHeader,
     receipts: Iterable[Receipt],
-    expected_workers: Collection[int],
+    expected_workers: Collection[int] | int,
     *,
     delivery: Delivery = "full",
     expected_coverage: str | Mapping[int, str] | None = None,
@@ -253,26 +253,49 @@ def verify_receipts(
     ``expected_coverage`` (one digest for all, or per rank) to also pin which
     tensors and byte counts landed. For ``scope="partial"`` pass the coverage of
     what was sent (``coverage_digest``); completeness against the manifest is
-    not required. Raises ``ReceiptError`` listing every problem found.
+    not required. ``expected_workers`` is the set of worker ranks (one
+    engine), or the number of distinct workers (several engines, whose ranks
+    repeat; workers are then told apart by ``(rank, device)``). Raises
+    ``ReceiptError`` listing every problem found.
     """
     problems: list[str] = []
-    by_rank: dict[int, Receipt] = {}
+    by_key: dict[tuple[int, str], Receipt] = {}
     for receipt in receipts:
-        if receipt.worker_rank in by_rank:
-            problems.append(f"worker {receipt.worker_rank} sent two receipts")
-        by_rank[receipt.worker_rank] = receipt
-    expected = sorted(set(expected_workers))
-    missing = [w for w in expected if w not in by_rank]
-    if missing:
-        problems.append(f"no receipt from worker(s) {missing}")
-    unexpected = sorted(set(by_rank) - set(expected))
-    if unexpected:
-        problems.append(f"receipts from unexpected worker(s) {unexpected}")
+        key = (receipt.worker_rank, receipt.worker_device)
+        if key in by_key:
+            problems.append(
+                f"worker {receipt.worker_rank} ({receipt.worker_device}) sent two "
+                "receipts"
+            )
+        by_key[key] = receipt
+    if isinstance(expected_workers, int):
+        checked = sorted(by_key)
+        if len(checked) != expected_workers:
+            problems.append(
+                f"receipts from {len(checked)} worker(s) "
+                f"{[f'{rank} ({dev})' for rank, dev in checked]}, expected "
+                f"{expected_workers}"
+            )
+        workers = tuple(rank for rank, _ in checked)
+    else:
+        by_rank: dict[int, Receipt] = {}
+        for (rank, _), receipt in sorted(by_key.items()):
+            if rank in by_rank:
+                problems.append(f"worker {rank} sent two receipts")
+            by_rank[rank] = receipt
+        expected = sorted(set(expected_workers))
+        missing = [w for w in expected if w not in by_rank]
+        if missing:
+            problems.append(f"no receipt from worker(s) {missing}")
+        unexpected = sorted(set(by_rank) - set(expected))
+        if unexpected:
+            problems.append(f"receipts from unexpected worker(s) {unexpected}")
+        checked = [(w, by_rank[w].worker_device) for w in expected if w in by_rank]
+        workers = tuple(expected)
     checksums = 0
-    for rank in expected:
-        r = by_rank.get(rank)
-        if r is None:
-            continue
+    for key in checked:
+        rank = key[0]
+        r = by_key[key]
         who = f"worker {rank} ({r.worker_device})"
         if r.error is not None:
             problems.append(f"{who} failed: {r.error}")
@@ -331,7 +354,7 @@ def verify_receipts(
     return VerifiedPublication(
         publication_id=header.publication_id,
         model_version=header.model_version,
-        workers=tuple(expected),
-        bytes_landed=sum(by_rank[w].bytes_landed for w in expected),
+        workers=workers,
+        bytes_landed=sum(by_key[k].bytes_landed for k in checked),
         checksums_verified=checksums,
     )

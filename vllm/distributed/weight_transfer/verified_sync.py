@@ -208,9 +208,11 @@ class TrainerPublication:
 
     def collect(
         self,
-        expected_workers: Collection[int],
+        expected_workers: Collection[int] | int,
         timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S,
     ) -> list[Receipt]:
+        """Every expected receipt (ranks, or a number of workers; see
+        ``verify_receipts``), waiting at most ``timeout_s``."""
         if self.box is not None:
             return self.box.collect(expected_workers, timeout_s)
         if self.inbox is not None:
@@ -223,7 +225,7 @@ class TrainerPublication:
 
     def verify(
         self,
-        expected_workers: Collection[int],
+        expected_workers: Collection[int] | int,
         *,
         timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S,
         delivery: Delivery = "full",
