@@ -254,6 +254,56 @@ def test_a_sync_that_failed_before_the_first_pull_is_reported_at_once():
     assert not errors and len(results[0]) == len(NAMES)
 
 
+def test_an_abort_for_a_sync_not_yet_begun_fails_it_when_it_begins():
+    # A worker refuses the update (say, its manifest check) before this
+    # trainer rank calls begin_sync: the abort must not be lost.
+    producer = _producer(stall_timeout_s=30.0)
+    _, links, pulls = _consumers(producer, [_plan((0, 3))])
+    links[0].sync_id = 4
+    links[0].abort("ManifestMismatch: head.weight")
+    producer.begin_sync([0], sync_id=4)
+    started = time.monotonic()
+    with pytest.raises(ProducerError, match="head.weight"):
+        producer.wait_credit()
+        producer.publish(0, {NAMES[0]: _tensors(1)[NAMES[0]]})
+        producer.wait_credit()
+        producer.publish(1, {NAMES[1]: _tensors(1)[NAMES[1]]})
+        producer.wait_credit()
+    assert time.monotonic() - started < 5.0
+    # the next sync is unaffected
+    links[0].sync_id = 5
+    producer.begin_sync([0], sync_id=5)
+    producer.fail("end the test sync")  # nothing pending for sync 6
+    links[0].sync_id = 6
+    results, errors = _run_with_id(producer, links, pulls, _tensors(2), 6)
+    assert not errors and len(results[0]) == len(NAMES)
+
+
+def _run_with_id(producer, links, pulls, tensors, sync_id):
+    results: list[dict] = [{} for _ in links]
+    errors: list[Exception] = []
+
+    def consume(i):
+        try:
+            _pull_all(links[i], pulls[i], results[i])
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(links))]
+    for t in threads:
+        t.start()
+    try:
+        producer.begin_sync(range(producer_live(producer)), sync_id=sync_id)
+        for gi, name in enumerate(NAMES):
+            producer.wait_credit()
+            producer.publish(gi, {name: tensors[name]})
+        producer.end_sync()
+    finally:
+        for t in threads:
+            t.join(10)
+    return results, errors
+
+
 def test_checksums_cover_the_packed_bytes_and_sharers_get_the_same_one():
     from vllm.distributed.weight_transfer.checksum import payload_checksum
 

@@ -172,10 +172,11 @@ class Consumers:
         pub = self.pubs[cid]
         got = self.received[cid]
         landed = False
+        for link in self.links[cid]:
+            # As the engine does: known before any check, so an abort names it.
+            link.sync_id = update_info["sync_id"]
         try:
-            info = pub.begin_message(dict(update_info))
-            for link in self.links[cid]:
-                link.sync_id = info["sync_id"]
+            pub.begin_message(dict(update_info))
             for chunk in self.pulls[cid].chunks:
                 buf = torch.empty(chunk.nbytes, dtype=torch.uint8)
                 checksum = self.links[cid][chunk.producer].pull(chunk, buf)

@@ -337,6 +337,12 @@ class ShardedRDTWeightTransferEngine(
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # Overrides the base class, which synchronizes an accelerator this
         # engine may not have; every pull has landed when this returns.
+        sync_id = update_info.get("sync_id") if isinstance(update_info, dict) else None
+        if isinstance(sync_id, int):
+            # Known before any check, so an abort below names this sync even
+            # when it fails before the first pull.
+            for link in self._links:
+                link.sync_id = sync_id
         try:
             info = self.pub.begin_message(update_info)
             self.receive_weights(self.parse_update_info(info))

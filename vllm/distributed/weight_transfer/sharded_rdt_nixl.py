@@ -14,7 +14,7 @@ worker runs its own NIXL agent. Per consumer and producer, one connection:
                                        <- {"id": i, "addr", "nbytes", "checksum"}
     NIXL READ of the packed bytes into the consumer's registered receive buffer
     {"op": "done", "seq": s}           -> Producer.read_done (no reply)
-    {"op": "abort", "reason"}          -> Producer.fail (own connection)
+    {"op": "abort", "reason", "sync"}  -> Producer.fail (own connection)
     {"op": "receipt", "receipt", "id"} -> Producer.deliver_receipt (own
                                        <- {"id"}      connection, at finish)
 
@@ -278,7 +278,8 @@ class NixlProducerServer(ProducerServer):
             return None
         if op == "abort":
             producer.fail(
-                f"consumer {message.get('consumer_id')} aborted: {message['reason']}"
+                f"consumer {message.get('consumer_id')} aborted: {message['reason']}",
+                sync_id=message.get("sync"),
             )
             return None
         raise ValueError(f"unknown sharded_rdt control op {op!r}")
@@ -449,7 +450,12 @@ class _NixlLink(ProducerLink):
         with Client(self._address, authkey=self._authkey) as conn:
             _send(
                 conn,
-                {"op": "abort", "consumer_id": self.consumer_id, "reason": reason},
+                {
+                    "op": "abort",
+                    "consumer_id": self.consumer_id,
+                    "reason": reason,
+                    "sync": self.sync_id,
+                },
             )
 
     def deliver_receipt(self, receipt: dict[str, Any]) -> None:

@@ -189,6 +189,7 @@ class Producer:
         self._gen = 0  # sync generation, bumped by begin_sync
         self._error: ProducerError | None = None
         self._error_gen = 0  # the generation the error belongs to
+        self._doomed: dict[int, str] = {}  # sync id -> failure before it began
         self._last_progress = time.monotonic()
         self.packed_bytes = 0
         self.max_resident = 0
@@ -470,6 +471,11 @@ class Producer:
             self.max_resident = 0
             self._active = True
             self._progress()
+            # A consumer that gave up on this sync before it began.
+            doomed = self._doomed.pop(self._gen, None)
+            self._doomed = {k: v for k, v in self._doomed.items() if k > self._gen}
+            if doomed is not None:
+                self._set_error(doomed)
 
     def wait_credit(self) -> None:
         """Block until another group may be published."""
@@ -514,8 +520,15 @@ class Producer:
             self._active = False
             self._resident = {}
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, sync_id: int | None = None) -> None:
+        """Fail the current sync, waking every waiter. A failure for a sync
+        this rank has not begun yet (``sync_id`` ahead of it: a worker refused
+        the update before this trainer rank called ``begin_sync``) fails that
+        sync as soon as it begins."""
         with self._cond:
+            if sync_id is not None and sync_id > self._gen:
+                self._doomed.setdefault(sync_id, reason)
+                return
             self._set_error(reason)
 
     def close(self) -> None:

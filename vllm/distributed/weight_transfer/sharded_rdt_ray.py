@@ -72,8 +72,8 @@ class _ProducerActorBase:
     def read_done(self, consumer_id: int, seq: int) -> None:
         self.producer.read_done(consumer_id, seq)
 
-    def abort(self, consumer_id: int, reason: str) -> None:
-        self.producer.fail(f"consumer {consumer_id} aborted: {reason}")
+    def abort(self, consumer_id: int, reason: str, sync_id: int | None = None) -> None:
+        self.producer.fail(f"consumer {consumer_id} aborted: {reason}", sync_id)
 
     def packed_checksum(self, consumer_id: int, seq: int) -> str | None:
         return self.producer.packed_checksum(consumer_id, seq)
@@ -318,7 +318,7 @@ class _RdtLink(ProducerLink):
         return checksum
 
     def abort(self, reason: str) -> None:
-        self.actor.abort.remote(self.consumer_id, reason)
+        self.actor.abort.remote(self.consumer_id, reason, self.sync_id)
 
     def deliver_receipt(self, receipt: dict[str, Any]) -> None:
         self._get(

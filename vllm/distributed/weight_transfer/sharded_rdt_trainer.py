@@ -444,18 +444,21 @@ class ShardedRDTTrainerWeightTransferEngine(
                 if pool is not None
                 else None
             )
-            error: str | None = None
+            # (when, what) of each failure: the first is the cause, later ones
+            # usually follow from it.
+            failures: list[tuple[float, str]] = []
+            if future is not None:
+                future.add_done_callback(lambda f: self._on_update_done(f, failures))
             try:
                 self._gather(live, future)
             except Exception as e:
-                error = f"{type(e).__name__}: {e}"
+                failures.append((time.monotonic(), f"{type(e).__name__}: {e}"))
             if future is not None:
-                try:
-                    future.result()
-                except Exception as e:
-                    error = error or f"update_weights: {e}"
+                # Its failure is in ``failures`` (the callback has run).
+                concurrent.futures.wait([future])
             if pool is not None:
                 pool.shutdown(wait=False)
+            error = "; then ".join(m for _, m in sorted(failures)) or None
             group.exchange(None, error, "sharded_rdt send_weights")
             group.exchange(
                 None, self._call("finish_weight_update"), "finish_weight_update"
@@ -540,6 +543,21 @@ class ShardedRDTTrainerWeightTransferEngine(
                 raise
             return f"{method}: {e}"
         return None
+
+    def _on_update_done(
+        self, future: concurrent.futures.Future[Any], failures: list[tuple[float, str]]
+    ) -> None:
+        """A failed ``update_weights`` (a worker refused the update, e.g. its
+        manifest check) fails this rank's producer at once, so a trainer
+        waiting for consumers that will never pull wakes up now rather than
+        after the stall timeout."""
+        error = future.exception()
+        if error is None:
+            return
+        failures.append((time.monotonic(), f"update_weights: {error}"))
+        server = self._server
+        if server is not None:
+            server.fail(f"a worker's update_weights failed: {error}")
 
     def _gather(
         self, live: list[int], future: concurrent.futures.Future[Any] | None

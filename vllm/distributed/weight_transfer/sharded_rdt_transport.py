@@ -178,7 +178,9 @@ class _InProcessLink(ProducerLink):
         return packed.checksum
 
     def abort(self, reason: str) -> None:
-        self.producer.fail(f"consumer {self.consumer_id} aborted: {reason}")
+        self.producer.fail(
+            f"consumer {self.consumer_id} aborted: {reason}", sync_id=self.sync_id
+        )
 
     def deliver_receipt(self, receipt: dict[str, Any]) -> None:
         self.producer.deliver_receipt(receipt)
