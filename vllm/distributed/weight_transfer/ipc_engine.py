@@ -83,7 +83,6 @@ from vllm.config.weight_transfer import WeightTransferConfig
 from vllm.distributed.weight_transfer.base import (
     ParamMeta,
     TrainerInitInfo,
-    TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
     WeightSource,
     WeightTransferEngine,
@@ -100,6 +99,7 @@ from vllm.distributed.weight_transfer.fencing import (
     fenced_message,
     set_served_version,
 )
+from vllm.distributed.weight_transfer.full_resync import FullResyncTrainerEngine
 from vllm.distributed.weight_transfer.ipc_dataplane import (
     BufferImporter,
     ExportedBuffer,
@@ -126,7 +126,6 @@ from vllm.distributed.weight_transfer.layerwise_session import (
     LayerwiseReloadSession,
 )
 from vllm.distributed.weight_transfer.receipts import DEFAULT_RECEIPT_TIMEOUT_S
-from vllm.distributed.weight_transfer.sources import require_source
 from vllm.distributed.weight_transfer.trainer_group import (
     TrainerGroup,
     make_trainer_group,
@@ -298,7 +297,7 @@ def _sync_device(device: torch.device | None) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitInfo]):
+class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]):
     """Trainer side of the ``ipc`` backend; see the module docstring."""
 
     init_info_cls = IPCTrainerInitInfo
@@ -344,14 +343,12 @@ class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitI
         self._kept_buffer: ExportedBuffer | None = None
 
     @classmethod
-    def trainer_init(
+    def from_init_info(
         cls,
         init_info: IPCTrainerInitInfo,
-        *,
         client: VLLMWeightSyncClient,
-        source: WeightSource | None = None,
+        source: WeightSource,
     ) -> Self:
-        source = require_source(source, "ipc")
         group = make_trainer_group(
             init_info.rank, init_info.process_group, init_info.timeout_s
         )

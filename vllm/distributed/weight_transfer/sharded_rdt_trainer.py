@@ -49,12 +49,12 @@ import torch
 from vllm.distributed.weight_transfer.base import (
     ParamMeta,
     TrainerInitInfo,
-    TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
     WeightSource,
     layerwise_groups,
 )
 from vllm.distributed.weight_transfer.fencing import set_served_version
+from vllm.distributed.weight_transfer.full_resync import FullResyncTrainerEngine
 from vllm.distributed.weight_transfer.receipts import DEFAULT_RECEIPT_TIMEOUT_S
 from vllm.distributed.weight_transfer.sharded_rdt_common import (
     DEFAULT_GATHER_LOOKAHEAD,
@@ -70,7 +70,6 @@ from vllm.distributed.weight_transfer.sharded_rdt_transport import (
     InProcessServer,
     ProducerServer,
 )
-from vllm.distributed.weight_transfer.sources import require_source
 from vllm.distributed.weight_transfer.trainer_group import (
     TrainerGroup,
     make_trainer_group,
@@ -196,7 +195,7 @@ def ownership_table(
 
 
 class ShardedRDTTrainerWeightTransferEngine(
-    TrainerWeightTransferEngine[ShardedRDTTrainerInitInfo]
+    FullResyncTrainerEngine[ShardedRDTTrainerInitInfo]
 ):
     """See the module docstring."""
 
@@ -231,14 +230,12 @@ class ShardedRDTTrainerWeightTransferEngine(
     # -- init ----------------------------------------------------------------
 
     @classmethod
-    def trainer_init(
+    def from_init_info(
         cls,
         init_info: ShardedRDTTrainerInitInfo,
-        *,
         client: VLLMWeightSyncClient,
-        source: WeightSource | None = None,
+        source: WeightSource,
     ) -> Self:
-        source = require_source(source, "sharded_rdt")
         engine = cls(
             client=client,
             source=source,

@@ -127,14 +127,3 @@ class CheckpointNamesSource(WeightSource):
             down = materialize_full_tensor(fused_down).detach()
             yield from _expert_views(prefix, module, gate_up, down)
             del gate_up, down
-
-
-def require_source(source: WeightSource | None, backend: str) -> WeightSource:
-    """``source`` itself; a ``ValueError`` naming ``backend`` when it is missing
-    (every full-resync trainer engine reads the weights it sends from one)."""
-    if source is None:
-        raise ValueError(
-            f"the {backend} backend needs source= (a WeightSource such as "
-            "ModuleSource(model)) at trainer_init"
-        )
-    return source
