@@ -23,6 +23,20 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 
+# The generated Qwen3 the CPU benchmarks sync (``TinyModelSpec`` fields); each
+# benchmark picks its depth (``num_layers``). 18 layers: 292 M parameters,
+# 1.17 GB in float32.
+QWEN3_BENCH_SHAPE: dict[str, Any] = dict(
+    arch="qwen3",
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=64,
+    vocab_size=32000,
+    init_std=0.02,
+)
+
 
 def max_rss_bytes() -> int:
     """Peak RSS of this process so far (``ru_maxrss`` is in KiB on Linux)."""

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from _bench_common import (
+    QWEN3_BENCH_SHAPE,
     RESULTS,
     TimedClient,
     child_rss_bytes,
@@ -59,16 +60,7 @@ from _bench_common import (
 GIB = 2**30
 
 # The shape of bench_ipc_cpu's model; only the depth changes with the size.
-BASE_SPEC: dict[str, Any] = dict(
-    arch="qwen3",
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_heads=16,
-    num_kv_heads=8,
-    head_dim=64,
-    vocab_size=32000,
-    init_std=0.02,
-)
+BASE_SPEC: dict[str, Any] = QWEN3_BENCH_SHAPE
 STEPS = ("floors", "ipc", "sharded_rdt", "reload")
 
 
@@ -191,6 +183,29 @@ def _run_syncs(
     return syncs
 
 
+def _measure(
+    llm: Any,
+    model: Any,
+    rounds: int,
+    rss_before: int,
+    sync: Callable[[], dict[str, Any]],
+) -> dict[str, Any]:
+    """The syncs, then what every engine step reports after them: trainer
+    and worker memory, and the oracle."""
+    syncs = _run_syncs(rounds, model, sync)
+    rss_after = max_rss_bytes()
+    workers = child_rss_bytes()
+    match, mismatch = _oracle(llm, model)
+    return {
+        "syncs": syncs,
+        "trainer_peak_rss_bytes_before_sync": rss_before,
+        "trainer_peak_rss_bytes": rss_after,
+        "child_rss_bytes": workers,
+        "oracle_match": match,
+        "oracle_mismatch": mismatch,
+    }
+
+
 def step_floors(num_layers: int, rounds: int) -> dict[str, Any]:
     nbytes = model_bytes(num_layers)
     memcpy = memcpy_times_s(nbytes)
@@ -229,10 +244,7 @@ def step_ipc(num_layers: int, rounds: int) -> dict[str, Any]:
         phases["trainer_side"] = round(total - sum(client.seconds.values()), 4)
         return {"phases_s": phases}
 
-    syncs = _run_syncs(rounds, model, sync)
-    rss_after = max_rss_bytes()
-    workers = child_rss_bytes()
-    match, mismatch = _oracle(llm, model)
+    measured = _measure(llm, model, rounds, rss_before, sync)
     plan = getattr(trainer, "last_plan", None)
     trainer.shutdown()
     stopped = _stop_llm(llm)
@@ -240,14 +252,9 @@ def step_ipc(num_layers: int, rounds: int) -> dict[str, Any]:
         "bytes": nbytes,
         "model_dir": model_dir.name,
         "llm_start_s": start_s,
-        "syncs": syncs,
         "buffer_nbytes": plan.buffer_nbytes if plan else None,
         "chunks": len(plan.chunks) if plan else None,
-        "trainer_peak_rss_bytes_before_sync": rss_before,
-        "trainer_peak_rss_bytes": rss_after,
-        "child_rss_bytes": workers,
-        "oracle_match": match,
-        "oracle_mismatch": mismatch,
+        **measured,
         **stopped,
     }
 
@@ -279,10 +286,7 @@ def step_sharded_rdt(num_layers: int, rounds: int) -> dict[str, Any]:
             for key in ("bytes", "chunks", "seconds", "pull_seconds", "land_seconds")
         }
 
-    syncs = _run_syncs(rounds, model, sync)
-    rss_after = max_rss_bytes()
-    workers = child_rss_bytes()
-    match, mismatch = _oracle(llm, model)
+    measured = _measure(llm, model, rounds, rss_before, sync)
     trainer.shutdown()
     stopped = _stop_llm(llm)
     return {
@@ -290,12 +294,7 @@ def step_sharded_rdt(num_layers: int, rounds: int) -> dict[str, Any]:
         "model_dir": model_dir.name,
         "llm_start_s": start_s,
         "trainer_init_s": init_s,
-        "syncs": syncs,
-        "trainer_peak_rss_bytes_before_sync": rss_before,
-        "trainer_peak_rss_bytes": rss_after,
-        "child_rss_bytes": workers,
-        "oracle_match": match,
-        "oracle_mismatch": mismatch,
+        **measured,
         **stopped,
     }
 
@@ -318,10 +317,7 @@ def step_reload(num_layers: int, rounds: int) -> dict[str, Any]:
         return {"save_s": saved - t0, "reload_s": time.perf_counter() - saved}
 
     try:
-        syncs = _run_syncs(rounds, model, sync)
-        rss_after = max_rss_bytes()
-        workers = child_rss_bytes()
-        match, mismatch = _oracle(llm, model)
+        measured = _measure(llm, model, rounds, rss_before, sync)
         files = sorted(p.name for p in ckpt.iterdir())
     finally:
         shutil.rmtree(ckpt, ignore_errors=True)
@@ -331,12 +327,7 @@ def step_reload(num_layers: int, rounds: int) -> dict[str, Any]:
         "model_dir": model_dir.name,
         "llm_start_s": start_s,
         "checkpoint_files": files,
-        "syncs": syncs,
-        "trainer_peak_rss_bytes_before_sync": rss_before,
-        "trainer_peak_rss_bytes": rss_after,
-        "child_rss_bytes": workers,
-        "oracle_match": match,
-        "oracle_mismatch": mismatch,
+        **measured,
         **stopped,
     }
 

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import torch
 from _bench_common import (
+    QWEN3_BENCH_SHAPE,
     REPO,
     TimedClient,
     child_rss_bytes,
@@ -60,17 +61,7 @@ from _bench_common import (
 )
 
 # 292 M parameters, 1.17 GB (1.09 GiB) of float32 weights.
-BENCH_SPEC = dict(
-    arch="qwen3",
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_layers=18,
-    num_heads=16,
-    num_kv_heads=8,
-    head_dim=64,
-    vocab_size=32000,
-    init_std=0.02,
-)
+BENCH_SPEC = {**QWEN3_BENCH_SHAPE, "num_layers": 18}
 
 
 def parse_args() -> argparse.Namespace:

@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 import torch
-from _bench_common import RESULTS, git_commit, raw_nixl_read_s
+from _bench_common import QWEN3_BENCH_SHAPE, RESULTS, git_commit, raw_nixl_read_s
 
 from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -45,17 +45,7 @@ from vllm.distributed.weight_transfer.testing import (
     vllm_greedy,
 )
 
-BENCH_SPEC = dict(
-    arch="qwen3",
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_layers=8,
-    num_heads=16,
-    num_kv_heads=8,
-    head_dim=64,
-    vocab_size=32000,
-    init_std=0.02,
-)
+BENCH_SPEC = {**QWEN3_BENCH_SHAPE, "num_layers": 8}
 
 
 def main() -> None:

@@ -18,7 +18,9 @@ combination; each test pushes the state it checks.
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import Iterator
 
 import pytest
 
@@ -63,31 +65,43 @@ def engine(request, ray_cluster):
     ray.kill(llm)
 
 
-def _trainer(model_dir: str, world: int):
+@contextlib.contextmanager
+def _trainers(model_dir: str, world: int) -> Iterator[list]:
+    """``world`` trainer-rank actors, shut down and killed afterwards."""
     from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
         TrainerRank,
     )
 
     port = _free_port()
     cls = ray.remote(num_cpus=0)(TrainerRank)
-    return [cls.remote(model_dir, r, world, port) for r in range(world)]
+    ranks = [cls.remote(model_dir, r, world, port) for r in range(world)]
+    try:
+        yield ranks
+    finally:
+        ray.get([t.shutdown.remote() for t in ranks])
+        for t in ranks:
+            ray.kill(t)
+
+
+def _assert_serves_trainer(llm, rank) -> None:
+    """vLLM's greedy output equals a HF forward of ``rank``'s weights."""
+    assert_same_greedy(
+        ray.get(llm.greedy.remote()),
+        ray.get(rank.greedy.remote()),
+        atol=logprob_atol("float32"),
+    )
 
 
 def _sync_and_check(llm, ranks, seed: int) -> list[dict]:
     ray.get([t.randomize.remote(seed) for t in ranks])
     ray.get([t.send.remote() for t in ranks])
-    assert_same_greedy(
-        ray.get(llm.greedy.remote()),
-        ray.get(ranks[0].greedy.remote()),
-        atol=logprob_atol("float32"),
-    )
+    _assert_serves_trainer(llm, ranks[0])
     return ray.get(llm.receipts.remote())
 
 
 def test_one_rank_two_successive_syncs(engine):
     llm, model_dir, tp = engine
-    ranks = _trainer(model_dir, 1)
-    try:
+    with _trainers(model_dir, 1) as ranks:
         ray.get(ranks[0].init.remote(llm, num_consumers=tp))
         for seed in (101, 102):  # in-place updates between syncs
             receipts = _sync_and_check(llm, ranks, seed)
@@ -99,16 +113,11 @@ def test_one_rank_two_successive_syncs(engine):
             assert all(
                 s["state"] == "committed" for s in ray.get(llm.fence_status.remote())
             )
-    finally:
-        ray.get([t.shutdown.remote() for t in ranks])
-        for t in ranks:
-            ray.kill(t)
 
 
 def test_two_ranks_each_holding_half_the_groups(engine):
     llm, model_dir, tp = engine
-    ranks = _trainer(model_dir, 2)
-    try:
+    with _trainers(model_dir, 2) as ranks:
         payloads = ray.get(
             [t.init.remote(llm, num_consumers=tp, hold="half") for t in ranks]
         )
@@ -119,10 +128,6 @@ def test_two_ranks_each_holding_half_the_groups(engine):
             assert r["bytes"] == r["planned_bytes"]
             assert set(r["bytes_by_producer"]) == {"0", "1"}
             assert all(n > 0 for n in r["bytes_by_producer"].values())
-    finally:
-        ray.get([t.shutdown.remote() for t in ranks])
-        for t in ranks:
-            ray.kill(t)
 
 
 def test_a_trainer_failure_mid_sync_fails_both_sides_and_the_next_sync_recovers(
@@ -131,18 +136,13 @@ def test_a_trainer_failure_mid_sync_fails_both_sides_and_the_next_sync_recovers(
     llm, model_dir, tp = engine
     if tp != 1 or "moe" in model_dir:
         pytest.skip("one engine (dense, TP=1) is enough for the failure path")
-    ranks = _trainer(model_dir, 1)
-    try:
+    with _trainers(model_dir, 1) as ranks:
         ray.get(ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=20.0))
         ray.get(ranks[0].randomize.remote(104))
         error = ray.get(ranks[0].send_failing.remote(after=5), timeout=120)
         assert "injected trainer failure" in error
         ray.get(llm.greedy.remote())  # the engine keeps serving
         _sync_and_check(llm, ranks, 105)
-    finally:
-        ray.get([t.shutdown.remote() for t in ranks])
-        for t in ranks:
-            ray.kill(t)
 
 
 def _dense_tp1_only(engine) -> None:
@@ -158,8 +158,7 @@ def _states(llm) -> list[str]:
 def test_the_version_changes_only_after_every_receipt_verified(engine):
     _dense_tp1_only(engine)
     llm, model_dir, tp = engine
-    ranks = _trainer(model_dir, 1)
-    try:
+    with _trainers(model_dir, 1) as ranks:
         ray.get(ranks[0].init.remote(llm, num_consumers=tp))
         before = ray.get(llm.weight_version.remote())
         ray.get(ranks[0].randomize.remote(110))
@@ -167,22 +166,13 @@ def test_the_version_changes_only_after_every_receipt_verified(engine):
         # finish_weight_update returned with the old version still served.
         assert ray.get(llm.version_seen_at_finish.remote()) == before
         assert ray.get(llm.weight_version.remote()) == "step-110"
-        assert_same_greedy(
-            ray.get(llm.greedy.remote()),
-            ray.get(ranks[0].greedy.remote()),
-            atol=logprob_atol("float32"),
-        )
-    finally:
-        ray.get([t.shutdown.remote() for t in ranks])
-        for t in ranks:
-            ray.kill(t)
+        _assert_serves_trainer(llm, ranks[0])
 
 
 def test_checksums_catch_a_byte_flipped_in_transit_and_a_resync_recovers(engine):
     _dense_tp1_only(engine)
     llm, model_dir, tp = engine
-    ranks = _trainer(model_dir, 1)
-    try:
+    with _trainers(model_dir, 1) as ranks:
         ray.get(
             ranks[0].init.remote(
                 llm, num_consumers=tp, verify_checksums=True, stall_timeout_s=20.0
@@ -208,22 +198,13 @@ def test_checksums_catch_a_byte_flipped_in_transit_and_a_resync_recovers(engine)
         ray.get(ranks[0].send.remote(weight_version="step-112"))
         assert _states(llm) == ["committed"]
         assert ray.get(llm.weight_version.remote()) == "step-112"
-        assert_same_greedy(
-            ray.get(llm.greedy.remote()),
-            ray.get(ranks[0].greedy.remote()),
-            atol=logprob_atol("float32"),
-        )
-    finally:
-        ray.get([t.shutdown.remote() for t in ranks])
-        for t in ranks:
-            ray.kill(t)
+        _assert_serves_trainer(llm, ranks[0])
 
 
 def test_a_manifest_mismatch_is_refused_before_any_weight_changes(engine):
     _dense_tp1_only(engine)
     llm, model_dir, tp = engine
-    ranks = _trainer(model_dir, 1)
-    try:
+    with _trainers(model_dir, 1) as ranks:
         ray.get(ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=20.0))
         _sync_and_check(llm, ranks, 113)
         served = ray.get(llm.greedy.remote())
@@ -241,17 +222,12 @@ def test_a_manifest_mismatch_is_refused_before_any_weight_changes(engine):
             ray.get(llm.greedy.remote()), served, atol=logprob_atol("float32")
         )
         _sync_and_check(llm, ranks, 115)
-    finally:
-        ray.get([t.shutdown.remote() for t in ranks])
-        for t in ranks:
-            ray.kill(t)
 
 
 def test_a_worker_failing_mid_update_is_fenced_until_a_full_resync(engine):
     _dense_tp1_only(engine)
     llm, model_dir, tp = engine
-    ranks = _trainer(model_dir, 1)
-    try:
+    with _trainers(model_dir, 1) as ranks:
         ray.get(ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=20.0))
         ray.get(ranks[0].randomize.remote(116))
         ray.get(llm.fail_on_chunk.remote(1))
@@ -269,12 +245,4 @@ def test_a_worker_failing_mid_update_is_fenced_until_a_full_resync(engine):
         ray.get(ranks[0].send.remote(weight_version="step-116"))
         assert _states(llm) == ["committed"]
         assert ray.get(llm.weight_version.remote()) == "step-116"
-        assert_same_greedy(
-            ray.get(llm.greedy.remote()),
-            ray.get(ranks[0].greedy.remote()),
-            atol=logprob_atol("float32"),
-        )
-    finally:
-        ray.get([t.shutdown.remote() for t in ranks])
-        for t in ranks:
-            ray.kill(t)
+        _assert_serves_trainer(llm, ranks[0])
