@@ -8,6 +8,7 @@ and the run's provenance. Scripts in this folder import it by its bare name
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import os
 import platform
@@ -161,3 +162,13 @@ def machine_info() -> dict[str, Any]:
         "mem_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         "load_avg_1m": os.getloadavg()[0],
     }
+
+
+def emit_json(doc: dict[str, Any], out: str | None) -> None:
+    """Print ``doc`` and, when ``out`` is given, write it there."""
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            f.write(text + "\n")

@@ -41,13 +41,13 @@ import argparse
 import gc
 import json
 import multiprocessing as mp
-import os
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from _bench_common import emit_json
 
 DTYPE = torch.bfloat16
 
@@ -478,12 +478,7 @@ def main() -> None:
             run_model(s, layers, args.reps, buffer_bytes) for s, layers in runs
         ],
     }
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_json(doc, args.out)
 
 
 if __name__ == "__main__":

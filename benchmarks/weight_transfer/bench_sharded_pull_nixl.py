@@ -40,7 +40,6 @@ Run (CPU here; on the lent GPU machine through the stand-ins of
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -51,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+from _bench_common import emit_json
 
 DTYPE = torch.bfloat16
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -387,12 +387,7 @@ def main() -> None:
         },
         "results": results,
     }
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_json(doc, args.out)
 
 
 if __name__ == "__main__":
