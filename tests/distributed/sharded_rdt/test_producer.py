@@ -91,8 +91,8 @@ def _consumers(producer, plans):
     return server, links, pulls
 
 
-def _serve(producer, tensors, on_publish=None):
-    producer.begin_sync(range(producer_live(producer)))
+def _serve(producer, tensors, on_publish=None, sync_id=None):
+    producer.begin_sync(range(producer_live(producer)), sync_id)
     for gi, name in enumerate(NAMES):
         producer.wait_credit()
         producer.publish(gi, {name: tensors[name]})
@@ -105,7 +105,7 @@ def producer_live(producer):
     return len(producer._consumers)
 
 
-def _run(producer, links, pulls, tensors, delay=0.0, on_publish=None):
+def _run(producer, links, pulls, tensors, delay=0.0, on_publish=None, sync_id=None):
     results: list[dict] = [{} for _ in links]
     errors = []
 
@@ -119,7 +119,7 @@ def _run(producer, links, pulls, tensors, delay=0.0, on_publish=None):
     for t in threads:
         t.start()
     try:
-        _serve(producer, tensors, on_publish)
+        _serve(producer, tensors, on_publish, sync_id)
     finally:
         for t in threads:
             t.join(10)
@@ -275,33 +275,8 @@ def test_an_abort_for_a_sync_not_yet_begun_fails_it_when_it_begins():
     producer.begin_sync([0], sync_id=5)
     producer.fail("end the test sync")  # nothing pending for sync 6
     links[0].sync_id = 6
-    results, errors = _run_with_id(producer, links, pulls, _tensors(2), 6)
+    results, errors = _run(producer, links, pulls, _tensors(2), sync_id=6)
     assert not errors and len(results[0]) == len(NAMES)
-
-
-def _run_with_id(producer, links, pulls, tensors, sync_id):
-    results: list[dict] = [{} for _ in links]
-    errors: list[Exception] = []
-
-    def consume(i):
-        try:
-            _pull_all(links[i], pulls[i], results[i])
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(links))]
-    for t in threads:
-        t.start()
-    try:
-        producer.begin_sync(range(producer_live(producer)), sync_id=sync_id)
-        for gi, name in enumerate(NAMES):
-            producer.wait_credit()
-            producer.publish(gi, {name: tensors[name]})
-        producer.end_sync()
-    finally:
-        for t in threads:
-            t.join(10)
-    return results, errors
 
 
 def test_checksums_cover_the_packed_bytes_and_sharers_get_the_same_one():
