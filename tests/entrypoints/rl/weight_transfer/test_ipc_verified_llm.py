@@ -66,7 +66,7 @@ from vllm.distributed.weight_transfer.testing.ipc_faults import (
     fail_load_once,
     worker_fence_status,
 )
-from vllm.distributed.weight_transfer.testing.server import serve
+from vllm.distributed.weight_transfer.testing.server import metric_value, serve
 
 pytestmark = pytest.mark.slow
 
@@ -269,20 +269,6 @@ def test_worker_failing_mid_update_fences_until_a_full_resync(rig):
 # HTTP
 
 
-def metric(text: str, name: str, **labels: str) -> float:
-    """The value of one sample in Prometheus text format (0 when absent)."""
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        key, value = line.rsplit(" ", 1)
-        sample, _, label_text = key.partition("{")
-        got = ",".join(sorted(label_text.rstrip("}").split(","))) if label_text else ""
-        if sample == name and got == want:
-            return float(value)
-    return 0.0
-
-
 def test_http_sync_commits_then_a_rejected_one_fences_the_version(tiny_model_dir):
     model = load_hf_model(tiny_model_dir, "float32")
     randomize_weights_(model, seed=9)
@@ -317,10 +303,15 @@ def test_http_sync_commits_then_a_rejected_one_fences_the_version(tiny_model_dir
         assert is_fenced_version(weight_version())
 
         text = requests.get(f"{server.base_url}/metrics", timeout=30).text
-        assert metric(text, "vllm:weight_transfer_syncs_total", backend="ipc") == 1
+        assert (
+            metric_value(text, "vllm:weight_transfer_syncs_total", backend="ipc") == 1
+        )
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        assert metric(text, "vllm:weight_transfer_bytes_total", backend="ipc") == nbytes
-        failures = metric(
+        assert (
+            metric_value(text, "vllm:weight_transfer_bytes_total", backend="ipc")
+            == nbytes
+        )
+        failures = metric_value(
             text, "vllm:weight_transfer_failures_total", backend="ipc", phase="update"
         )
         assert failures == 1

@@ -30,23 +30,9 @@ from vllm.distributed.weight_transfer.testing import (
     completions_greedy,
     load_hf_model,
 )
-from vllm.distributed.weight_transfer.testing.server import serve
+from vllm.distributed.weight_transfer.testing.server import metric_value, serve
 
 pytestmark = pytest.mark.slow
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """The value of one sample in Prometheus text format (0 when absent)."""
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        key, value = line.rsplit(" ", 1)
-        sample, _, label_text = key.partition("{")
-        got = ",".join(sorted(label_text.rstrip("}").split(","))) if label_text else ""
-        if sample == name and got == want:
-            return float(value)
-    return 0.0
 
 
 @pytest.fixture(scope="module")
@@ -80,18 +66,23 @@ def test_sync_metrics_appear_on_metrics(server, tiny_model_dir):
     assert not rejected.ok  # the worker closes the update on any failure
 
     text = requests.get(f"{server.base_url}/metrics", timeout=30).text
-    assert metric(text, "vllm:weight_transfer_syncs_total", backend="ipc") == 1
+    assert metric_value(text, "vllm:weight_transfer_syncs_total", backend="ipc") == 1
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert metric(text, "vllm:weight_transfer_bytes_total", backend="ipc") == nbytes
-    assert metric(text, "vllm:weight_transfer_sync_seconds_count", backend="ipc") == 1
     assert (
-        metric(
+        metric_value(text, "vllm:weight_transfer_bytes_total", backend="ipc") == nbytes
+    )
+    assert (
+        metric_value(text, "vllm:weight_transfer_sync_seconds_count", backend="ipc")
+        == 1
+    )
+    assert (
+        metric_value(
             text, "vllm:weight_transfer_failures_total", backend="ipc", phase="update"
         )
         == 1
     )
     for operation in ("start", "update", "finish"):
-        count = metric(
+        count = metric_value(
             text,
             "vllm:rl_weight_update_operation_duration_seconds_count",
             operation=operation,

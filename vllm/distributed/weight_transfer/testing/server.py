@@ -266,3 +266,15 @@ def serve(
         server.stop()
         if tmp_dir is not None and not failed:
             shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of the sample ``name{labels}`` (labels matched exactly) in a
+    ``/metrics`` response in Prometheus text format; 0 when absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return 0.0
