@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """End to end through an offline ``LLM`` on CPU: the ``ipc`` backend lands the
-trainer's weights, and vLLM's greedy tokens and logprobs equal a Hugging Face
-forward pass of those weights after every update.
+trainer's weights, and after every update vLLM serves bit for bit what a fresh
+vLLM load of those weights serves (``testing.fresh_load``); in float32 its
+greedy tokens and logprobs also equal a Hugging Face forward pass.
 
 One engine per (model, dtype, TP) combination, shared by every scenario in this
 file: dense bf16 and MoE fp32 at TP=1, dense fp32 and MoE bf16 at TP=2. Each
@@ -29,14 +30,17 @@ from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
 from vllm.distributed.weight_transfer.testing import (
+    WORKER_EXTENSION,
+    FreshLoadOracle,
     GreedyResult,
     TinyModelSpec,
-    assert_same_greedy,
+    assert_bit_identical,
+    assert_serves_weights,
     build_tiny_model,
-    hf_greedy,
     load_hf_model,
-    logprob_atol,
+    offline_worker_call,
     randomize_weights_,
+    save_checkpoint,
     vllm_greedy,
 )
 from vllm.distributed.weight_transfer.testing.multirank import (
@@ -44,9 +48,6 @@ from vllm.distributed.weight_transfer.testing.multirank import (
     serve_relayed_calls,
     start_trainer_ranks,
     worker_ipc_update_keys,
-)
-from vllm.distributed.weight_transfer.testing.teacher_forced import (
-    assert_greedy_matches_model,
 )
 
 pytestmark = pytest.mark.slow
@@ -74,6 +75,11 @@ COMBOS = [
 ]
 
 
+ENGINE_ARGS: dict[str, Any] = dict(
+    enforce_eager=True, max_model_len=256, max_num_seqs=4, seed=0
+)
+
+
 @dataclass
 class Rig:
     combo: Combo
@@ -82,8 +88,8 @@ class Rig:
     trainer_model: torch.nn.Module
 
     @property
-    def atol(self) -> float:
-        return logprob_atol(self.combo.dtype)
+    def oracle(self) -> FreshLoadOracle:
+        return FreshLoadOracle(offline_worker_call(self.llm), self.greedy)
 
     def source(self) -> WeightSource:
         if self.combo.arch == "qwen3_moe":
@@ -102,14 +108,11 @@ class Rig:
     def greedy(self) -> GreedyResult:
         return vllm_greedy(self.llm)
 
-    def assert_serves(self, model: torch.nn.Module | None = None) -> None:
-        """vLLM's greedy output is the HF oracle's for ``model`` (default: the
-        trainer model). bf16 runs tolerate near-ties (see teacher_forced)."""
+    def assert_serves(self, model: torch.nn.Module | None = None) -> GreedyResult:
+        """vLLM serves exactly what a fresh load of ``model`` (default: the
+        trainer model) serves; in fp32 also the HF forward's output."""
         model = model if model is not None else self.trainer_model
-        if self.combo.dtype == "float32":
-            assert_same_greedy(self.greedy(), hf_greedy(model), atol=self.atol)
-        else:
-            assert_greedy_matches_model(self.greedy(), model, atol=self.atol)
+        return assert_serves_weights(self.oracle, model, dtype=self.combo.dtype)
 
 
 @pytest.fixture(scope="module", params=COMBOS, ids=lambda c: c.id)
@@ -134,12 +137,10 @@ def rig(request):
     llm = LLM(
         model=str(model_dir),
         dtype=combo.dtype,  # type: ignore[arg-type]
-        enforce_eager=True,
-        max_model_len=256,
-        max_num_seqs=4,
-        seed=0,
         tensor_parallel_size=combo.tp,
         weight_transfer_config=WeightTransferConfig(backend="ipc"),
+        worker_extension_cls=WORKER_EXTENSION,
+        **ENGINE_ARGS,
     )
     try:
         yield Rig(combo, llm, model_dir, load_hf_model(model_dir, combo.dtype))
@@ -197,9 +198,7 @@ def test_pushing_unchanged_weights_leaves_the_output_unchanged(rig):
     rig.assert_serves()
     before = rig.greedy()
     rig.push()
-    after = rig.greedy()
-    assert after.tokens == before.tokens
-    assert_same_greedy(after, before, atol=1e-4, what="vLLM after a no-op push")
+    assert_bit_identical(rig.greedy(), before, what="vLLM after a no-op push")
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -314,3 +313,71 @@ def test_two_rank_trainer_feeds_each_worker_from_its_own_rank(rig):
     rig.assert_serves(trainer_model)
     # keep the shared rig's trainer model in step with the engine
     rig.trainer_model.load_state_dict(trainer_model.state_dict())
+
+
+class OneWrongByteSource(WeightSource):
+    """``inner`` with one byte of tensor ``name`` flipped in a copy: the top
+    mantissa bit of its first element (the trainer's tensor is untouched)."""
+
+    def __init__(self, inner: WeightSource, name: str) -> None:
+        self.inner, self.name = inner, name
+
+    def metadata(self) -> list[ParamMeta]:
+        return self.inner.metadata()
+
+    def __iter__(self):
+        for name, tensor in self.inner:
+            if name == self.name:
+                tensor = tensor.detach().clone().contiguous()
+                raw = tensor.view(-1).view(torch.uint8)
+                raw[tensor.element_size() - 2] ^= 0x40
+            yield name, tensor
+
+
+def test_one_wrong_byte_of_one_expert_fails_the_oracle(rig):
+    """The gate is sharp: a sync that lands one wrong byte of one expert (one
+    MLP weight for dense models) does not pass it."""
+    name = (
+        "model.layers.0.mlp.experts.0.gate_proj.weight"
+        if rig.combo.arch == "qwen3_moe"
+        else "model.layers.0.mlp.gate_proj.weight"
+    )
+    randomize_weights_(rig.trainer_model, seed=19)
+    rig.push(OneWrongByteSource(rig.source(), name))
+    with pytest.raises(AssertionError, match="fresh load"):
+        rig.oracle.assert_serves(rig.trainer_model)
+    rig.push()
+    rig.assert_serves()
+
+
+def test_the_fresh_load_reference_equals_a_separately_started_engine(rig, tmp_path):
+    """What ``FreshLoadOracle`` measures inside the engine under test is what
+    a second engine, started on a checkpoint of the trainer's weights, serves.
+    Run on the combination whose HF comparison depends on the CPU (MoE, bf16,
+    TP=2); the other combinations share its code path."""
+    if rig.combo != Combo("qwen3_moe", "bfloat16", 2):
+        pytest.skip("one separately started engine is enough")
+    import shutil
+
+    from vllm import LLM
+
+    randomize_weights_(rig.trainer_model, seed=11)
+    rig.push()
+    served = rig.assert_serves()
+    checkpoint = save_checkpoint(rig.trainer_model, tmp_path / "checkpoint")
+    for extra in ("tokenizer.json", "tokenizer_config.json"):
+        if (rig.model_dir / extra).exists():
+            shutil.copy(rig.model_dir / extra, checkpoint / extra)
+    fresh = LLM(
+        model=str(checkpoint),
+        dtype=rig.combo.dtype,
+        tensor_parallel_size=rig.combo.tp,
+        **ENGINE_ARGS,
+    )
+    try:
+        assert_bit_identical(
+            vllm_greedy(fresh), served, what="a separately started engine"
+        )
+    finally:
+        fresh.llm_engine.engine_core.shutdown()
+        del fresh

@@ -39,6 +39,16 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm.distributed.weight_transfer.testing.fresh_load import (
+    WORKER_EXTENSION,
+    FreshLoadOracle,
+    http_worker_call,
+)
+from vllm.distributed.weight_transfer.testing.oracle import (
+    GreedyResult,
+    completions_greedy,
+)
+
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
 _STOP_GRACE_S = 20.0
 _LOG_TAIL_LINES = 60
@@ -75,8 +85,11 @@ def serve_args(
     max_num_seqs: int = 4,
     tensor_parallel_size: int = 1,
     extra_args: Sequence[str] = (),
+    fresh_load_oracle: bool = True,
 ) -> list[str]:
-    """The argument list after ``vllm`` for one server."""
+    """The argument list after ``vllm`` for one server. ``fresh_load_oracle``
+    installs the worker methods of ``testing.fresh_load`` (see
+    ``ServerProcess.fresh_load_oracle``)."""
     args = [
         "serve",
         str(model_dir),
@@ -101,6 +114,8 @@ def serve_args(
             "--weight-transfer-config",
             f'{{"backend": "{weight_transfer_backend}"}}',
         ]
+    if fresh_load_oracle:
+        args += ["--worker-extension-cls", WORKER_EXTENSION]
     return args + list(extra_args)
 
 
@@ -144,6 +159,19 @@ class ServerProcess:
         except OSError as e:
             return f"<log {self.log_path} unreadable: {e}>"
         return "\n".join(text.splitlines()[-lines:])
+
+    def greedy(self) -> GreedyResult:
+        """The oracle prompts through ``/v1/completions``, after resetting the
+        prefix cache (KV blocks cached before an update hold old activations)."""
+        import requests
+
+        requests.post(f"{self.base_url}/reset_prefix_cache", timeout=60)
+        return completions_greedy(self.base_url, self.model)
+
+    def fresh_load_oracle(self) -> FreshLoadOracle:
+        """The same-engine oracle for this server (started with
+        ``fresh_load_oracle=True``, the default)."""
+        return FreshLoadOracle(http_worker_call(self.base_url), self.greedy)
 
     def is_alive(self) -> bool:
         return self.process.poll() is None
@@ -212,6 +240,7 @@ def serve(
     max_num_seqs: int = 4,
     tensor_parallel_size: int = 1,
     extra_args: Sequence[str] = (),
+    fresh_load_oracle: bool = True,
     env: Mapping[str, str] | None = None,
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     log_path: str | os.PathLike[str] | None = None,
@@ -231,6 +260,7 @@ def serve(
         max_num_seqs=max_num_seqs,
         tensor_parallel_size=tensor_parallel_size,
         extra_args=extra_args,
+        fresh_load_oracle=fresh_load_oracle,
     )
     full_env = server_env(tensor_parallel_size, env)
     tmp_dir = None
