@@ -15,9 +15,12 @@ What happens:
    shared memory (``/dev/shm``), the HTTP routes carry only their description.
    ``send_weights`` returns once every worker's receipt is verified; the
    trainer then resets the prefix cache (``POST /reset_prefix_cache``).
-4. After every step the served greedy completion is compared with a Hugging
-   Face forward pass of the trainer's weights (the oracle). The script exits
-   with status 1 if they ever differ.
+4. After every step the served greedy completion is compared with two
+   oracles: what the same server serves, bit for bit, when its workers load
+   the trainer's weights fresh from a checkpoint (``testing.fresh_load``), and
+   a Hugging Face forward pass of the trainer's weights (float32, within a
+   small logprob tolerance). The script exits with status 1 if either ever
+   differs.
 
 Run: ``python examples/rl/rlhf_ipc_cpu_demo.py`` (or ``make demo``).
 Options: ``--arch qwen3_moe``, ``--tp 2``, ``--steps 3``, ``--model-dir DIR``.
@@ -107,6 +110,17 @@ def matches(served: GreedyResult, oracle: GreedyResult, atol: float) -> bool:
     )
 
 
+def check(
+    served: GreedyResult, fresh: GreedyResult, hf: GreedyResult, atol: float
+) -> bool:
+    """Print and return whether ``served`` equals both oracles."""
+    exact = served == fresh
+    close = matches(served, hf, atol)
+    print(f"  served == fresh vLLM load of the trainer's weights (bit-exact): {exact}")
+    print(f"  served == HF forward of the trainer's weights (atol {atol}): {close}")
+    return exact and close
+
+
 def main() -> int:
     args = parse_args()
     t_start = time.perf_counter()
@@ -137,12 +151,12 @@ def main() -> int:
             f"{time.perf_counter() - t_serve:.1f} s (backend ipc)"
         )
 
-        served = completions_greedy(server.base_url, server.model)
-        ok = matches(served, hf_greedy(model), atol)
+        fresh_load = server.fresh_load_oracle()
+        served = server.greedy()
+        ok = check(served, fresh_load.expected(model), hf_greedy(model), atol)
         all_match &= ok
         print("before any update:")
         show("served", served, tokenizer)
-        print(f"  served == HF oracle: {ok}")
 
         trainer = WeightTransferTrainerFactory.trainer_init(
             IPCTrainerInitInfo(rank=0, packed=True),
@@ -164,14 +178,13 @@ def main() -> int:
             plan = trainer.last_plan
             chunks = len(plan.chunks) if plan is not None else "?"
             served = completions_greedy(server.base_url, server.model)
-            ok = matches(served, hf_greedy(model), atol)
-            all_match &= ok
             print(
                 f"step {step}: loss {loss:.3f}; send_weights {sync_s * 1e3:.0f} ms "
                 f"({nbytes / 2**20:.1f} MiB in {chunks} chunk(s))"
             )
             show("served", served, tokenizer)
-            print(f"  served == HF oracle: {ok}")
+            ok = check(served, fresh_load.expected(model), hf_greedy(model), atol)
+            all_match &= ok
 
     print(
         f"oracle match on every step: {all_match} "

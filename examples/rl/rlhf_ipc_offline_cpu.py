@@ -6,8 +6,10 @@ The same flow as ``rlhf_ipc_cpu_demo.py`` without a server: the ``LLM`` runs
 its workers as child processes, the trainer drives them through
 ``OfflineLLMWeightSyncClient(llm)`` (``init -> start -> update* -> finish`` as
 ``LLM`` method calls) and the weights travel through POSIX shared memory.
-After every step vLLM's greedy output is compared with a Hugging Face forward
-pass of the trainer's weights; the script exits with status 1 on a mismatch.
+After every step vLLM's greedy output is compared with what the same engine
+serves, bit for bit, when its workers load the trainer's weights fresh from a
+checkpoint, and with a Hugging Face forward pass of them (float32, within a
+small logprob tolerance); the script exits with status 1 on a mismatch.
 
 Run: ``python examples/rl/rlhf_ipc_offline_cpu.py [--arch qwen3_moe] [--tp 2]
 [--steps 3] [--model-dir DIR]``.
@@ -29,12 +31,13 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
 from vllm.distributed.weight_transfer.testing import (
+    WORKER_EXTENSION,
+    FreshLoadOracle,
     TinyModelSpec,
-    assert_same_greedy,
+    assert_serves_weights,
     build_tiny_model,
-    hf_greedy,
     load_hf_model,
-    logprob_atol,
+    offline_worker_call,
     vllm_greedy,
 )
 
@@ -78,7 +81,6 @@ def main() -> int:
 
     model_dir = args.model_dir or build_tiny_model(TinyModelSpec(arch=args.arch))
     model = load_hf_model(model_dir, "float32")
-    atol = logprob_atol("float32")
 
     t0 = time.perf_counter()
     llm = LLM(
@@ -90,13 +92,15 @@ def main() -> int:
         seed=0,
         tensor_parallel_size=args.tp,
         weight_transfer_config=WeightTransferConfig(backend="ipc"),
+        worker_extension_cls=WORKER_EXTENSION,  # the fresh-load oracle's methods
     )
+    fresh_load = FreshLoadOracle(offline_worker_call(llm), lambda: vllm_greedy(llm))
     print(f"LLM up in {time.perf_counter() - t0:.1f} s (backend ipc, TP={args.tp})")
 
     failures = 0
     try:
-        assert_same_greedy(vllm_greedy(llm), hf_greedy(model), atol=atol)
-        print("before any update: vLLM == HF oracle: True")
+        assert_serves_weights(fresh_load, model, dtype="float32")
+        print("before any update: vLLM == fresh load (bit-exact) and HF: True")
 
         trainer = WeightTransferTrainerFactory.trainer_init(
             IPCTrainerInitInfo(rank=0, packed=True),
@@ -109,17 +113,18 @@ def main() -> int:
             trainer.send_weights()
             sync_s = time.perf_counter() - t0
             llm.reset_prefix_cache()  # cached KV blocks hold the old weights
-            got, want = vllm_greedy(llm), hf_greedy(model)
             try:
-                assert_same_greedy(got, want, atol=atol)
+                got = assert_serves_weights(fresh_load, model, dtype="float32")
                 ok = True
             except AssertionError as e:
                 ok = False
                 failures += 1
+                got = vllm_greedy(llm)
                 print(f"  {e}")
             print(
                 f"step {step}: send_weights {sync_s * 1e3:.0f} ms; "
-                f"vLLM {[list(t) for t in got.tokens]}; vLLM == HF oracle: {ok}"
+                f"vLLM {[list(t) for t in got.tokens]}; "
+                f"vLLM == fresh load (bit-exact) and HF: {ok}"
             )
     finally:
         llm.llm_engine.engine_core.shutdown()

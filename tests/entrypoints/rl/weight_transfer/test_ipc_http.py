@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """End to end over HTTP: a trainer in this process updates a real ``vllm serve``
-through the ``ipc`` backend, and the served greedy output equals a Hugging Face
-forward pass of the trainer's weights after every update.
+through the ``ipc`` backend, and after every update the server serves bit for
+bit what a fresh vLLM load of the trainer's weights serves, and the same greedy
+output as a Hugging Face forward pass of them (fp32).
 
 One server per module (start-up costs ~30 s on CPU). The tests run in file
 order and each one first puts the trainer model into the state it checks, so
@@ -24,25 +25,25 @@ from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 from vllm.distributed.weight_transfer.testing import (
     GreedyResult,
     TinyModelSpec,
-    assert_same_greedy,
+    assert_serves_weights,
     build_tiny_model,
-    completions_greedy,
     hf_greedy,
     load_hf_model,
-    logprob_atol,
     randomize_weights_,
 )
 from vllm.distributed.weight_transfer.testing.server import ServerProcess, serve
 
 pytestmark = pytest.mark.slow
 
-ATOL = logprob_atol("float32")
-
 
 def served_greedy(server: ServerProcess) -> GreedyResult:
-    # KV blocks cached before an update were computed with the old weights.
-    requests.post(f"{server.base_url}/reset_prefix_cache", timeout=60)
-    return completions_greedy(server.base_url, server.model)
+    return server.greedy()
+
+
+def assert_serves(server: ServerProcess, model: torch.nn.Module) -> None:
+    """The server serves exactly what a fresh load of ``model`` serves, and
+    what a HF forward of it gives."""
+    assert_serves_weights(server.fresh_load_oracle(), model, dtype="float32")
 
 
 def post(server: ServerProcess, route: str, body: dict | None = None):
@@ -71,8 +72,7 @@ def trainer(server: ServerProcess, trainer_model):
 
 
 def test_server_serves_the_checkpoint_before_any_update(server, tiny_model_dir):
-    expected = hf_greedy(load_hf_model(tiny_model_dir, "float32"))
-    assert_same_greedy(served_greedy(server), expected, atol=ATOL)
+    assert_serves(server, load_hf_model(tiny_model_dir, "float32"))
 
 
 def test_send_weights_serves_the_trainers_new_weights(server, trainer, trainer_model):
@@ -83,7 +83,7 @@ def test_send_weights_serves_the_trainers_new_weights(server, trainer, trainer_m
 
     trainer.send_weights()
 
-    assert_same_greedy(served_greedy(server), expected, atol=ATOL)
+    assert_serves(server, trainer_model)
 
 
 def test_second_update_after_in_place_optimizer_like_step(
@@ -93,11 +93,10 @@ def test_second_update_after_in_place_optimizer_like_step(
     with torch.no_grad():
         for _, p in sorted(trainer_model.named_parameters()):
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    expected = hf_greedy(trainer_model)
 
     trainer.send_weights()
 
-    assert_same_greedy(served_greedy(server), expected, atol=ATOL)
+    assert_serves(server, trainer_model)
 
 
 def test_finish_stamps_the_weight_version(server, trainer):
@@ -163,7 +162,6 @@ def test_bad_update_is_refused_and_the_server_keeps_serving(
 ):
     import socket
 
-    expected = hf_greedy(trainer_model)  # what the server holds now
     update_info = BAD_UPDATES[case]
     handles = update_info.get("ipc_handles")
     if isinstance(handles, dict):
@@ -182,16 +180,15 @@ def test_bad_update_is_refused_and_the_server_keeps_serving(
     post(server, "finish_weight_update")
 
     assert server.is_alive()
-    assert_same_greedy(served_greedy(server), expected, atol=ATOL)
+    assert_serves(server, trainer_model)  # what the server held before
 
 
 def test_update_after_failures_succeeds(server, trainer, trainer_model):
     randomize_weights_(trainer_model, seed=4)
-    expected = hf_greedy(trainer_model)
 
     trainer.send_weights()
 
-    assert_same_greedy(served_greedy(server), expected, atol=ATOL)
+    assert_serves(server, trainer_model)
 
 
 def test_moe_tensor_parallel_update():
@@ -202,7 +199,7 @@ def test_moe_tensor_parallel_update():
     model_dir = build_tiny_model(TinyModelSpec(arch="qwen3_moe"))
     model = load_hf_model(model_dir, "float32")
     with serve(model_dir, tensor_parallel_size=2) as moe_server:
-        assert_same_greedy(served_greedy(moe_server), hf_greedy(model), atol=ATOL)
+        assert_serves(moe_server, model)
         trainer = WeightTransferTrainerFactory.trainer_init(
             IPCTrainerInitInfo(rank=0, packed=True),
             client=HTTPVLLMWeightSyncClient(moe_server.base_url, timeout=120),
@@ -211,4 +208,4 @@ def test_moe_tensor_parallel_update():
         for seed in (5, 6):
             randomize_weights_(model, seed=seed)
             trainer.send_weights()
-            assert_same_greedy(served_greedy(moe_server), hf_greedy(model), atol=ATOL)
+            assert_serves(moe_server, model)

@@ -12,7 +12,7 @@ scenarios, and one ``vllm serve`` by the HTTP one:
   rejected before any weight loads: the output is unchanged;
 * a worker failing mid-update leaves the engine fenced and refusing updates
   with the resync message; the trainer gets the error; a full resync recovers
-  output equal to the Hugging Face oracle;
+  output equal to a fresh load of the trainer's weights (and to HF);
 * over HTTP, a committed sync and a rejected one show on ``/metrics`` and
   ``/weight_info``, and the server keeps serving.
 
@@ -53,10 +53,12 @@ from vllm.distributed.weight_transfer.publication import (
     attach_publication,
 )
 from vllm.distributed.weight_transfer.testing import (
-    assert_same_greedy,
-    completions_greedy,
-    hf_greedy,
+    WORKER_EXTENSION,
+    FreshLoadOracle,
+    assert_bit_identical,
+    assert_serves_weights,
     load_hf_model,
+    offline_worker_call,
     randomize_weights_,
     vllm_greedy,
 )
@@ -72,7 +74,6 @@ pytestmark = pytest.mark.slow
 
 # A small cap so every push spans several chunks (the model is ~2 MB).
 CHUNK_CAP = 256 * 1024
-ATOL = 1e-4  # fp32
 RESYNC = "full resync is required"
 
 
@@ -102,7 +103,10 @@ class Rig:
         self.assert_serves_trainer()
 
     def assert_serves_trainer(self) -> None:
-        assert_same_greedy(vllm_greedy(self.llm), hf_greedy(self.model), atol=ATOL)
+        oracle = FreshLoadOracle(
+            offline_worker_call(self.llm), lambda: vllm_greedy(self.llm)
+        )
+        assert_serves_weights(oracle, self.model, dtype="float32")
 
     def fence(self) -> dict[str, Any]:
         (status,) = self.llm.collective_rpc(worker_fence_status)
@@ -125,6 +129,7 @@ def rig(tiny_model_dir: Path) -> Iterator[Rig]:
         max_num_seqs=4,
         seed=0,
         weight_transfer_config=WeightTransferConfig(backend="ipc"),
+        worker_extension_cls=WORKER_EXTENSION,
     )
     try:
         yield Rig(llm, load_hf_model(tiny_model_dir, "float32"))
@@ -216,9 +221,7 @@ def test_manifest_mismatch_is_rejected_before_any_weight_loads(rig):
     source = ResizedSource(ModuleSource(rig.model), "model.norm.weight")
     with pytest.raises(Exception, match="disagrees with the served model"):
         rig.trainer(source=source).send_weights(weight_version="step-6")
-    after = vllm_greedy(rig.llm)
-    assert after.tokens == before.tokens
-    assert_same_greedy(after, before, atol=1e-6, what="vLLM after the rejection")
+    assert_bit_identical(vllm_greedy(rig.llm), before, what="vLLM after the rejection")
     assert rig.fence()["state"] == "committed"  # nothing landed: not fenced
     assert is_fenced_version(rig.llm.get_weight_version())
     rig.push(seed=6, version="step-6")
@@ -291,11 +294,7 @@ def test_http_sync_commits_then_a_rejected_one_fences_the_version(tiny_model_dir
         engine = trainer(ModuleSource(model))
         engine.send_weights(weight_version="11")
         assert weight_version() == "11"
-        assert_same_greedy(
-            completions_greedy(server.base_url, server.model),
-            hf_greedy(model),
-            atol=ATOL,
-        )
+        assert_serves_weights(server.fresh_load_oracle(), model, dtype="float32")
 
         bad = ResizedSource(ModuleSource(model), "model.norm.weight")
         with pytest.raises(requests.HTTPError, match="disagrees with the served model"):
@@ -316,8 +315,4 @@ def test_http_sync_commits_then_a_rejected_one_fences_the_version(tiny_model_dir
         )
         assert failures == 1
         # still serving the committed weights
-        assert_same_greedy(
-            completions_greedy(server.base_url, server.model),
-            hf_greedy(model),
-            atol=ATOL,
-        )
+        assert_serves_weights(server.fresh_load_oracle(), model, dtype="float32")

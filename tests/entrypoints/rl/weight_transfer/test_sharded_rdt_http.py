@@ -2,8 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """sharded_rdt under ``vllm serve`` (default executor, TP=2) driven over HTTP: the
 worker init info travels as JSON through ``/init_weight_transfer_engine``, each
-worker pulls its half over direct NIXL, and ``/v1/completions`` then matches a
-Hugging Face forward pass of the trainer's weights. Checksums are on: every
+worker pulls its half over direct NIXL, and ``/v1/completions`` then serves bit
+for bit what a fresh vLLM load of the trainer's weights serves, and matches a
+Hugging Face forward pass of them. Checksums are on: every
 pulled chunk is verified, both workers' receipts come back through the
 producer, and ``/weight_info`` shows the step once they verified."""
 
@@ -14,12 +15,9 @@ import requests
 
 from vllm.distributed.weight_transfer.testing import (
     TinyModelSpec,
-    assert_same_greedy,
+    assert_serves_weights,
     build_tiny_model,
-    completions_greedy,
-    hf_greedy,
     load_hf_model,
-    logprob_atol,
     randomize_weights_,
 )
 
@@ -61,10 +59,8 @@ def test_serve_pulls_over_nixl_and_matches_the_oracle():
                 verified = engine.last_publication.verified
                 assert verified is not None
                 assert verified.workers == (0, 1) and verified.checksums_verified > 0
-                assert_same_greedy(
-                    completions_greedy(server.base_url, server.model),
-                    hf_greedy(model),
-                    atol=logprob_atol("float32"),
+                assert_serves_weights(
+                    server.fresh_load_oracle(), model, dtype="float32"
                 )
         finally:
             engine.shutdown()

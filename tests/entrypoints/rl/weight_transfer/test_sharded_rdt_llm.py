@@ -3,8 +3,9 @@
 """sharded_rdt end to end on vLLM CPU: a Ray trainer (one rank, or two ranks
 each holding half of the gather groups) serves an offline ``LLM`` running the
 default executor; the workers pull their slices over direct NIXL agents on
-loopback. After every sync, vLLM's greedy tokens and logprobs equal a Hugging
-Face forward pass of the trainer's weights, and each worker pulled exactly the
+loopback. After every sync, vLLM serves bit for bit what a fresh vLLM load of
+the trainer's weights serves, its greedy tokens and logprobs equal a Hugging
+Face forward pass of them, and each worker pulled exactly the
 bytes its plan names.
 
 Verified publication on the dense TP=1 engine: a byte flipped in transit is
@@ -20,12 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import tempfile
 from collections.abc import Iterator
 
 import pytest
 
 from vllm.distributed.weight_transfer.testing import (
     TinyModelSpec,
+    assert_bit_identical,
     assert_same_greedy,
     build_tiny_model,
     logprob_atol,
@@ -84,11 +87,15 @@ def _trainers(model_dir: str, world: int) -> Iterator[list]:
 
 
 def _assert_serves_trainer(llm, rank) -> None:
-    """vLLM's greedy output equals a HF forward of ``rank``'s weights."""
+    """vLLM serves bit for bit what a fresh load of ``rank``'s weights serves,
+    and the same greedy output as a HF forward of them."""
+    served = ray.get(llm.greedy.remote())
+    with tempfile.TemporaryDirectory(prefix="fresh-load-") as checkpoint:
+        ray.get(rank.save_checkpoint.remote(checkpoint))
+        expected = ray.get(llm.fresh_load_greedy.remote(checkpoint))
+    assert_bit_identical(served, expected)
     assert_same_greedy(
-        ray.get(llm.greedy.remote()),
-        ray.get(rank.greedy.remote()),
-        atol=logprob_atol("float32"),
+        served, ray.get(rank.greedy.remote()), atol=logprob_atol("float32")
     )
 
 

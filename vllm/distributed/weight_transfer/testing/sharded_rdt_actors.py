@@ -115,6 +115,7 @@ class LLMHost:
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         from vllm import LLM
         from vllm.config import WeightTransferConfig
+        from vllm.distributed.weight_transfer.testing import WORKER_EXTENSION
 
         self.llm = LLM(
             model=model_dir,
@@ -125,6 +126,7 @@ class LLMHost:
             seed=0,
             tensor_parallel_size=tp,
             weight_transfer_config=WeightTransferConfig(backend="sharded_rdt"),
+            worker_extension_cls=WORKER_EXTENSION,
         )
 
     # The RayVLLMWeightSyncClient surface.
@@ -153,6 +155,17 @@ class LLMHost:
         from vllm.distributed.weight_transfer.testing import vllm_greedy
 
         return vllm_greedy(self.llm)
+
+    def fresh_load_greedy(self, checkpoint_dir: str) -> Any:
+        """What this engine serves with a model loaded fresh from
+        ``checkpoint_dir`` (the served model is put back afterwards)."""
+        from vllm.distributed.weight_transfer.testing import (
+            FreshLoadOracle,
+            offline_worker_call,
+        )
+
+        oracle = FreshLoadOracle(offline_worker_call(self.llm), self.greedy)
+        return oracle.from_checkpoint(checkpoint_dir)
 
     def receipts(self) -> list[dict[str, Any] | None]:
         """What each worker's engine pulled in its last update."""
@@ -335,6 +348,12 @@ class TrainerRank:
         from vllm.distributed.weight_transfer.testing import hf_greedy
 
         return hf_greedy(self.model)
+
+    def save_checkpoint(self, directory: str) -> str:
+        """Write this rank's model as a checkpoint (for the fresh-load oracle)."""
+        from vllm.distributed.weight_transfer.testing import save_checkpoint
+
+        return str(save_checkpoint(self.model, directory))
 
     def shutdown(self) -> None:
         if self.engine is not None:
