@@ -95,3 +95,82 @@ def test_allocated_buffer_of_zero_bytes_is_valid():
     buf = allocate_buffer(0, torch.device("cpu"))
     assert buf.handle.nbytes == 0
     buf.close()
+
+
+# -- hostile segments (a same-host client names the segment) -----------------
+
+
+def _mapping_perms(path: str) -> str:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith(path):
+                return line.split()[1]
+    raise AssertionError(f"{path} is not mapped")
+
+
+def test_a_symlinked_segment_is_refused_and_its_target_untouched(tmp_path):
+    outside = tmp_path / "secret.bin"
+    outside.write_bytes(b"outside!")
+    name = f"vllm-wt-link-{os.getpid()}"
+    os.symlink(outside, os.path.join(SHM_DIR, name))
+    try:
+        with pytest.raises(ValueError, match=f"{name}.*symbolic link"):
+            MappedSegment(ShmHandle(name=name, nbytes=8))
+    finally:
+        os.unlink(os.path.join(SHM_DIR, name))
+    assert outside.read_bytes() == b"outside!"
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_segment_that_is_not_a_regular_file_is_refused(kind):
+    name = f"vllm-wt-{kind}-{os.getpid()}"
+    path = os.path.join(SHM_DIR, name)
+    os.mkdir(path) if kind == "directory" else os.mkfifo(path)
+    try:
+        with pytest.raises(ValueError, match=f"{name}.*not a regular file"):
+            MappedSegment(ShmHandle(name=name, nbytes=0))
+    finally:
+        os.rmdir(path) if kind == "directory" else os.unlink(path)
+
+
+def test_a_segment_owned_by_another_uid_is_refused(monkeypatch):
+    with SharedMemoryBuffer(8) as buf:
+        monkeypatch.setattr(os, "geteuid", lambda: os.stat(SHM_DIR).st_uid + 4242)
+        with pytest.raises(ValueError, match=f"{buf.name}.*owned by uid"):
+            MappedSegment(buf.handle)
+
+
+def test_the_worker_engine_maps_segments_read_only():
+    with SharedMemoryBuffer(8) as buf:
+        importer = BufferImporter(torch.device("cpu"), local_rank=0, writable=False)
+        importer.open(buf.handle)
+        assert _mapping_perms(os.path.join(SHM_DIR, buf.name)) == "r--s"
+        importer.close()
+
+
+def test_a_segment_truncated_between_two_uses_is_refused_not_read():
+    # Reading the kept mapping after the truncation would raise SIGBUS; the
+    # importer must refuse before handing it out.
+    with SharedMemoryBuffer(8192) as buf:
+        importer = BufferImporter(torch.device("cpu"), local_rank=0, writable=False)
+        assert importer.open(buf.handle).sum().item() == 0
+        os.truncate(os.path.join(SHM_DIR, buf.name), 0)
+        with pytest.raises(ValueError, match=f"{buf.name}.*has 0 bytes"):
+            importer.open(buf.handle)
+        importer.close()
+
+
+def test_a_segment_replaced_between_two_uses_is_refused():
+    with SharedMemoryBuffer(16) as buf:
+        importer = BufferImporter(torch.device("cpu"), local_rank=0, writable=False)
+        importer.open(buf.handle)
+        path = os.path.join(SHM_DIR, buf.name)
+        os.unlink(path)
+        with pytest.raises(ValueError, match=f"{buf.name}.*no longer exists"):
+            importer.open(buf.handle)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.ftruncate(fd, 16)
+        os.close(fd)
+        with pytest.raises(ValueError, match=f"{buf.name}.*different file"):
+            importer.open(buf.handle)
+        importer.close()

@@ -11,7 +11,9 @@ device of the source tensors: CUDA tensors go through CUDA IPC
 
 Worker side, ``BufferImporter`` picks this worker's handle out of a
 ``{device_key: handle}`` map (see ``ipc_wire`` for the keys), maps each buffer
-once per update and releases every mapping in ``close()``.
+once per update and releases every mapping in ``close()``. A shared-memory
+mapping kept from an earlier message is re-checked (``MappedSegment.check``)
+each time it is handed out again.
 """
 
 from __future__ import annotations
@@ -105,11 +107,19 @@ def release_exported_cuda_memory() -> None:
 
 
 class BufferImporter:
-    """Worker side: selects, maps and caches the buffers of one update."""
+    """Worker side: selects, maps and caches the buffers of one update.
 
-    def __init__(self, device: torch.device, local_rank: int) -> None:
+    ``writable=False`` maps shared-memory segments read-only (what the worker
+    engine does: it only reads); ``writable=True`` is for tools that edit the
+    trainer's bytes in place.
+    """
+
+    def __init__(
+        self, device: torch.device, local_rank: int, *, writable: bool = True
+    ) -> None:
         self.device = device
         self.local_rank = local_rank
+        self.writable = writable
         self._open: dict[tuple, Any] = {}
         self._gpu_uuid: str | None = None
 
@@ -170,6 +180,8 @@ class BufferImporter:
         if entry is None:
             entry = self._map(handle)
             self._open[key] = entry
+        elif not isinstance(entry, torch.Tensor):
+            entry.check()
         tensor = entry if isinstance(entry, torch.Tensor) else entry.tensor
         assert tensor is not None
         return tensor
@@ -178,7 +190,7 @@ class BufferImporter:
         if isinstance(handle, ShmHandle):
             from vllm.distributed.weight_transfer.shm_buffer import MappedSegment
 
-            return MappedSegment(handle)
+            return MappedSegment(handle, writable=self.writable)
         from vllm.distributed.weight_transfer.cuda_ipc_buffer import (
             import_cuda_bytes,
         )

@@ -1064,7 +1064,7 @@ class IPCWeightTransferEngine(
 
     def _get_importer(self) -> BufferImporter:
         if self._importer is None:
-            self._importer = BufferImporter(self.device, _local_rank())
+            self._importer = BufferImporter(self.device, _local_rank(), writable=False)
         return self._importer
 
     def _abort(self) -> None:

@@ -8,6 +8,14 @@ maps it once and fills it through a uint8 tensor view
 maps the same file once per update and builds typed views into it; it never
 copies the whole buffer.
 
+A worker trusts a segment only if it is what the trainer created: it opens the
+name with ``O_NOFOLLOW`` (a symbolic link is refused, never followed), requires
+a regular file owned by its own uid, and maps it read-only. Before every use of
+a mapping it keeps across messages, ``MappedSegment.check`` re-reads the file's
+size and identity: a segment truncated under a mapping would make any read
+past the new end raise SIGBUS and kill the worker, so a short or replaced
+segment is refused with a ``ValueError`` instead.
+
 Lifetime: the trainer owns the file. ``SharedMemoryBuffer.close()`` drops the
 mapping and unlinks the file (also on error, via ``with``, when the buffer is
 garbage collected, and at interpreter exit); a worker's mapping stays valid
@@ -19,9 +27,11 @@ starts with ``vllm-wt-`` and carries the trainer's pid.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import secrets
+import stat
 import warnings
 import weakref
 
@@ -92,29 +102,89 @@ class SharedMemoryBuffer:
 
 
 class MappedSegment:
-    """Worker side: a segment named by ``handle``, mapped read-write shared."""
+    """Worker side: a segment named by ``handle``, mapped shared.
 
-    def __init__(self, handle: ShmHandle) -> None:
+    ``writable=False`` (the worker engine's case) maps it read-only; a
+    writable mapping is for tools that edit the trainer's bytes in place.
+    The file stays open until ``close()`` so that ``check`` can ``fstat`` it.
+    """
+
+    def __init__(self, handle: ShmHandle, *, writable: bool = False) -> None:
         self.handle = handle
+        self._mapping: mmap.mmap | None = None
+        self.tensor: torch.Tensor | None = None
+        path = _path(handle.name)
+        # O_NONBLOCK: opening a FIFO planted under the name must not block.
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
-            fd = os.open(_path(handle.name), os.O_RDWR)
+            fd = os.open(path, flags | os.O_CLOEXEC)
         except FileNotFoundError as e:
             raise ValueError(
                 f"shared-memory segment {handle.name!r} does not exist on this "
                 "host; the trainer must run on the same host as this worker and "
                 "keep the segment open until update_weights returns"
             ) from e
-        try:
-            size = os.fstat(fd).st_size
-            if size < handle.nbytes:
+        except OSError as e:
+            if e.errno == errno.ELOOP:
                 raise ValueError(
-                    f"shared-memory segment {handle.name!r} has {size} bytes but "
-                    f"the handle claims {handle.nbytes}"
+                    f"shared-memory segment {handle.name!r} is a symbolic link; "
+                    "segments must be regular files the trainer created in "
+                    f"{SHM_DIR}, so it is refused"
+                ) from e
+            raise
+        self._fd: int | None = fd
+        self._finalizer = weakref.finalize(self, os.close, fd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(
+                    f"shared-memory segment {handle.name!r} is not a regular file "
+                    f"(mode {stat.filemode(st.st_mode)}); refusing to map it"
                 )
-            self._mapping: mmap.mmap | None = mmap.mmap(fd, max(handle.nbytes, 1))
-        finally:
-            os.close(fd)
-        self.tensor: torch.Tensor | None = _uint8_view(self._mapping, handle.nbytes)
+            if st.st_uid != os.geteuid():
+                raise ValueError(
+                    f"shared-memory segment {handle.name!r} is owned by uid "
+                    f"{st.st_uid}, not by this worker's uid {os.geteuid()}; the "
+                    "trainer must run as the same user as the vLLM server"
+                )
+            self._identity = (st.st_dev, st.st_ino)
+            self._check_size(st.st_size)
+            access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+            self._mapping = mmap.mmap(fd, max(handle.nbytes, 1), access=access)
+        except BaseException:
+            self.close()
+            raise
+        self.tensor = _uint8_view(self._mapping, handle.nbytes)
+
+    def _check_size(self, size: int) -> None:
+        if size < self.handle.nbytes:
+            raise ValueError(
+                f"shared-memory segment {self.handle.name!r} has {size} bytes but "
+                f"the handle claims {self.handle.nbytes}; the trainer truncated or "
+                "replaced it while it was in use"
+            )
+
+    def check(self) -> None:
+        """Raise ``ValueError`` unless the mapped file still has every byte the
+        handle claims and its name still refers to it; call before reading a
+        mapping kept from an earlier message."""
+        name = self.handle.name
+        if self._fd is None or self._mapping is None:
+            raise ValueError(f"shared-memory segment {name!r} is closed")
+        self._check_size(os.fstat(self._fd).st_size)
+        try:
+            st = os.lstat(_path(name))
+        except FileNotFoundError:
+            raise ValueError(
+                f"shared-memory segment {name!r} no longer exists; the trainer "
+                "released it before the update that names it was done"
+            ) from None
+        if (st.st_dev, st.st_ino) != self._identity:
+            raise ValueError(
+                f"shared-memory segment {name!r} now names a different file than "
+                "the one mapped for this update; the trainer must keep a "
+                "segment until update_weights returns"
+            )
 
     def close(self) -> None:
         self.tensor = None
@@ -122,3 +192,6 @@ class MappedSegment:
             mapping, self._mapping = self._mapping, None
             with contextlib.suppress(BufferError):  # else released with its last view
                 mapping.close()
+        if self._fd is not None:
+            self._fd = None
+            self._finalizer()
