@@ -931,9 +931,15 @@ class IPCWeightTransferEngine(
         self.pub.start()
         self._loaded = False
         self._aborted = False
-        session = LayerwiseReloadSession(self.model, self.model_config)
+        session = LayerwiseReloadSession(
+            self.model, self.model_config, on_abort=self._session_aborted
+        )
         session.start()
         self._session = session
+
+    def _session_aborted(self, reason: str, landed: bool) -> None:
+        """The session aborted itself (a forward pass during landing)."""
+        self.pub.fail(reason, weights_intact=not (landed and self._loaded))
 
     @property
     def fence_status(self) -> dict[str, Any]:
@@ -960,8 +966,10 @@ class IPCWeightTransferEngine(
     def receive_weights(self, update_info: IPCWeightTransferUpdateInfo) -> None:
         if self._session is None or not self._session.is_open:
             raise RuntimeError(
-                "ipc update_weights needs an open update; call start_weight_update "
-                "first"
+                self._session.closed_message("ipc update_weights")
+                if self._session is not None
+                else "ipc update_weights needs an open update; call "
+                "start_weight_update first"
             )
         if update_info.packed != self.packed:
             form = "one object" if update_info.packed else "a list"
@@ -1009,7 +1017,7 @@ class IPCWeightTransferEngine(
             self._aborted = False
             self._release()
             return
-        self._refuse_if_fenced()
+        self._refuse_if_fenced(closing=True)
         session, self._session = self._session, None
         try:
             if self.pub.fence.state != WeightState.UPDATING:
@@ -1047,10 +1055,18 @@ class IPCWeightTransferEngine(
         self._aborted = True
         self._abort()
 
-    def _refuse_if_fenced(self) -> None:
+    def _refuse_if_fenced(self, closing: bool = False) -> None:
         status = self.pub.fence.status
         if status.state == WeightState.FENCED:
-            raise WeightsFencedError(fenced_message(status.reason or "unknown"))
+            message = fenced_message(status.reason or "unknown")
+            if closing:
+                message += (
+                    ". vLLM's worker keeps this update open while "
+                    "finish_weight_update raises: close it with update_weights "
+                    "{'abort': '<reason>'} and then finish_weight_update (the "
+                    "fork's trainers do this on failure), then send a full update"
+                )
+            raise WeightsFencedError(message)
 
     def _check_against_checkpoint(self) -> None:
         """Reject a manifest the served checkpoint contradicts, before loading."""

@@ -5,22 +5,36 @@ receives checkpoint-format tensors (``ipc``, ``sharded_rdt``).
 
 Lifecycle, driven by the worker engine:
 
-1. ``start()`` (from ``start_weight_update``): every layer's kernel tensors are
-   kept aside and the layer is rebuilt on the meta device with buffering weight
-   loaders (``initialize_layerwise_reload``).
-2. ``load(weights, foreign_storages)`` (from ``update_weights``, any number of
-   times): ``model.load_weights``; a layer is materialized, loaded, processed
+1. ``start()`` (from ``start_weight_update``): opens the session and leaves the
+   model untouched, so generation that runs before the first weights arrive
+   uses the served weights.
+2. ``begin_landing()`` (at the first weights; ``load`` calls it): every layer's
+   kernel tensors are kept aside and the layer is rebuilt on the meta device
+   with buffering weight loaders (``initialize_layerwise_reload``). From here
+   until the session closes, a forward pass of the model cannot run on the
+   meta layers: a forward pre-hook aborts the session first (below).
+3. ``load(weights, foreign_storages)`` (from ``update_weights``, any number of
+   times): a name already received in this session is refused before it
+   loads; then ``model.load_weights``; a layer is materialized, loaded, processed
    (fusing, quantization, repacking) and copied back into its kernel tensors as
    soon as all its weights have arrived. Weights of a layer that is still
    incomplete stay buffered; the buffered ones that alias ``foreign_storages``
    (memory the sender will reuse, such as a packed transfer buffer) are copied,
    so once ``load`` returns the session holds no reference into them.
-3. ``finish()`` (from ``finish_weight_update``): layers that got no weights go
-   back to their kernel tensors, the rest are processed
-   (``finalize_layerwise_reload``).
-   ``abort()`` (on any failure): every layer that did not complete goes back to
-   its resident kernel tensors unchanged, so the model keeps serving; layers
-   completed before the failure keep their new weights.
+4. ``finish()`` (from ``finish_weight_update``): the names received must cover
+   every fused group they touch (``update_completeness``); otherwise the
+   session aborts and ``IncompleteUpdateError`` names what is missing. Then
+   layers that got no weights go back to their kernel tensors, the rest are
+   processed (``finalize_layerwise_reload``).
+   ``abort(reason)`` (on any failure): every layer that did not complete goes
+   back to its resident kernel tensors unchanged, so the model keeps serving;
+   layers completed before the failure keep their new weights.
+
+A forward pass while layers are on the meta device (generation was not paused
+for the update) aborts the session with a reason that says so, then runs on the
+restored layers; ``on_abort(reason, landed)`` tells the worker engine, which
+fences the engine when weights had landed. ``aborted_reason`` keeps the reason
+for the trainer's next call.
 
 Processing fix applied during a session: on a weight update, vLLM's unquantized
 MoE method skips the experts' layer-level setup it runs at first load
@@ -33,11 +47,12 @@ result is copied into the kernel tensors.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from vllm.distributed.weight_transfer.update_completeness import FusedGroups
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -66,26 +81,53 @@ def _fused_experts(module: torch.nn.Module) -> tuple[Any, Any] | None:
 class LayerwiseReloadSession:
     """Land one weight update into ``model``; see the module docstring."""
 
-    def __init__(self, model: torch.nn.Module, model_config: Any) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config: Any,
+        on_abort: Callable[[str, bool], None] | None = None,
+    ) -> None:
         self.model = model
         self.model_config = model_config
+        self.on_abort = on_abort
+        self.aborted_reason: str | None = None
         self._hooked: list[Any] = []
         self._open = False
+        self._landing = False
+        self._received: set[str] = set()
+        self._forward_guard: Any = None
 
     @property
     def is_open(self) -> bool:
         return self._open
 
+    @property
+    def landing(self) -> bool:
+        """Whether layers have been moved aside for this update."""
+        return self._landing
+
     def start(self) -> None:
+        if self._open:
+            raise RuntimeError("this layerwise reload session is already open")
+        self._open = True
+        self.aborted_reason = None
+
+    def begin_landing(self) -> None:
+        """Move the layers aside for loading (idempotent)."""
         from vllm.model_executor.model_loader.reload import (
             initialize_layerwise_reload,
         )
 
-        if self._open:
-            raise RuntimeError("this layerwise reload session is already open")
+        if not self._open:
+            raise RuntimeError(self.closed_message("landing"))
+        if self._landing:
+            return
         initialize_layerwise_reload(self.model)
-        self._open = True
+        self._landing = True
         self._hook_experts_resetup()
+        self._forward_guard = self.model.register_forward_pre_hook(
+            self._forward_while_landing
+        )
 
     def load(
         self,
@@ -97,7 +139,19 @@ class LayerwiseReloadSession:
         )
 
         if not self._open:
-            raise RuntimeError("load() needs an open session; call start() first")
+            raise RuntimeError(self.closed_message("load()"))
+        weights = list(weights)
+        names = [name for name, _ in weights]
+        fresh = set(names)
+        repeated = fresh & self._received
+        if len(fresh) != len(names) or repeated:
+            dup = sorted(repeated) or _first_repeats(names)
+            raise ValueError(
+                f"this update carries {dup[0]!r} more than once; each tensor "
+                "may travel once per update"
+            )
+        self.begin_landing()
+        self._received |= fresh
         with torch.no_grad(), disable_mtp_completeness_check():
             self.model.load_weights(weights=weights)  # type: ignore[operator]
         if foreign_storages:
@@ -107,15 +161,22 @@ class LayerwiseReloadSession:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         if not self._open:
-            raise RuntimeError("finish() needs an open session")
+            raise RuntimeError(self.closed_message("finish()"))
+        if not self._landing:
+            self._close()  # nothing arrived: the model was never touched
+            return
         try:
+            groups = FusedGroups.of(
+                self.model, getattr(self.model_config, "hf_config", None)
+            )
+            groups.check(self._received)
             finalize_layerwise_reload(self.model, self.model_config)
-        except BaseException:
-            self.abort()
+        except BaseException as e:
+            self.abort(f"{type(e).__name__}: {e}")
             raise
         self._close()
 
-    def abort(self) -> None:
+    def abort(self, reason: str = "the update was aborted") -> None:
         """Put every layer that did not complete back on its kernel tensors."""
         from vllm.model_executor.model_loader.reload.layerwise import (
             LAYERWISE_INFO,
@@ -123,6 +184,10 @@ class LayerwiseReloadSession:
         )
 
         if not self._open:
+            return
+        self.aborted_reason = reason
+        if not self._landing:
+            self._close()
             return
         restored = 0
         for layer in self.model.modules():
@@ -147,7 +212,34 @@ class LayerwiseReloadSession:
         for quant_method in self._hooked:
             quant_method.__dict__.pop("process_weights_after_loading", None)
         self._hooked.clear()
+        if self._forward_guard is not None:
+            self._forward_guard.remove()
+            self._forward_guard = None
         self._open = False
+        self._landing = False
+        self._received = set()
+
+    def closed_message(self, what: str) -> str:
+        """Why ``what`` cannot run on this closed session, and what to do."""
+        if self.aborted_reason is not None:
+            return (
+                f"{what}: the weight update was aborted ({self.aborted_reason}); "
+                "send {'abort': ...} or call finish_weight_update to close it, "
+                "then start a new full update"
+            )
+        return f"{what} needs an open update; call start_weight_update first"
+
+    def _forward_while_landing(self, module: Any, args: Any) -> None:
+        """Forward pre-hook installed while layers sit on the meta device."""
+        reason = (
+            "the engine ran a forward pass while the weight update was landing "
+            "(generation was not paused); pause generation before "
+            "start_weight_update"
+        )
+        logger.error("Aborting the open weight update: %s", reason)
+        self.abort(reason)
+        if self.on_abort is not None:
+            self.on_abort(reason, True)
 
     def _hook_experts_resetup(self) -> None:
         classes = _resetup_experts_classes()
@@ -189,3 +281,12 @@ class LayerwiseReloadSession:
                         copied += 1
         if copied:
             logger.debug("Copied %d buffered weight(s) out of the transfer", copied)
+
+
+def _first_repeats(names: list[str]) -> list[str]:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            return [name]
+        seen.add(name)
+    return []

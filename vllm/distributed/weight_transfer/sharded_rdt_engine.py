@@ -325,9 +325,15 @@ class ShardedRDTWeightTransferEngine(
             self._session.abort()
         self.pub.start()
         self._landed_any = False
-        session = LayerwiseReloadSession(self.model, self.model_config)
+        session = LayerwiseReloadSession(
+            self.model, self.model_config, on_abort=self._session_aborted
+        )
         session.start()
         self._session = session
+
+    def _session_aborted(self, reason: str, landed: bool) -> None:
+        """The session aborted itself (a forward pass during landing)."""
+        self.pub.fail(reason, weights_intact=not (landed and self._landed_any))
 
     @property
     def fence_status(self) -> dict[str, Any]:
@@ -370,6 +376,7 @@ class ShardedRDTWeightTransferEngine(
             link.sync_id = update_info.sync_id
             link.checksums = header is not None and header.checksum is not None
         lander = self._lander
+        self._session.begin_landing()
         lander.begin()
         pulled, timing = self._run_pulls(lander)
         elapsed = time.perf_counter() - started

@@ -22,6 +22,7 @@ order.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -316,3 +317,106 @@ def test_http_sync_commits_then_a_rejected_one_fences_the_version(tiny_model_dir
         assert failures == 1
         # still serving the committed weights
         assert_serves_weights(server.fresh_load_oracle(), model, dtype="float32")
+
+
+# ---------------------------------------------------------------------------
+# The invariant under hostile or careless clients: the served model is the old
+# weights, the trainer's new weights, or fenced with a named cause; the engine
+# keeps answering.
+
+
+class NamesSource(WeightSource):
+    """Only ``names`` of ``inner``."""
+
+    def __init__(self, inner: WeightSource, names: set[str]) -> None:
+        self.inner, self.names = inner, names
+
+    def metadata(self) -> list[ParamMeta]:
+        return [m for m in self.inner.metadata() if m.name in self.names]
+
+    def __iter__(self):
+        for name, tensor in self.inner:
+            if name in self.names:
+                yield name, tensor
+
+
+class GeneratesAfterFirstChunk:
+    """A client that runs generation on the engine after the first chunk: a
+    rollout that was not paused for the update."""
+
+    def __init__(self, inner: Any, llm: Any) -> None:
+        self.inner, self.llm = inner, llm
+        self.generated: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def update_weights(self, update_info: Any) -> None:
+        self.inner.update_weights(update_info)
+        if self.generated is None:
+            self.generated = vllm_greedy(self.llm)
+
+
+def test_a_partial_fused_layer_is_refused_not_committed(rig):
+    rig.push(seed=31, version="step-31")
+    before = vllm_greedy(rig.llm)
+    layer = "model.layers.0.self_attn"
+    partial = {f"{layer}.q_proj.weight", f"{layer}.v_proj.weight"}
+    with pytest.raises(Exception, match="k_proj"):
+        rig.trainer(source=NamesSource(ModuleSource(rig.model), partial)).send_weights(
+            weight_version="step-31b"
+        )
+    # the incomplete layer was never committed: the output is the old one
+    assert_bit_identical(vllm_greedy(rig.llm), before, what="vLLM after the refusal")
+    rig.push(seed=32, version="step-32")  # a full update recovers
+
+
+def test_a_whole_fused_group_may_travel_alone(rig):
+    rig.push(seed=33, version="step-33")
+    layer = "model.layers.1.self_attn"
+    group = {f"{layer}.{p}_proj.weight" for p in "qkv"}
+    with torch.no_grad():
+        for name, p in rig.model.named_parameters():
+            if name in group:
+                p.mul_(1.5)
+    rig.trainer(source=NamesSource(ModuleSource(rig.model), group)).send_weights(
+        weight_version="step-33b"
+    )
+    rig.assert_serves_trainer()
+
+
+def test_generation_between_start_and_the_first_weights_serves_the_old_model(rig):
+    rig.push(seed=34, version="step-34")
+    before = vllm_greedy(rig.llm)
+    rig.llm.start_weight_update()
+    assert_bit_identical(vllm_greedy(rig.llm), before, what="vLLM during start")
+    rig.llm.finish_weight_update()
+    assert_bit_identical(vllm_greedy(rig.llm), before, what="vLLM after finish")
+    assert rig.fence()["state"] == "committed"
+
+
+def test_malformed_updates_after_start_leave_the_engine_serving(rig):
+    rig.push(seed=35, version="step-35")
+    before = vllm_greedy(rig.llm)
+    for bad in ([], {"abort": "x", "names": []}):
+        rig.llm.start_weight_update()
+        with pytest.raises(Exception):  # noqa: B017
+            rig.llm.update_weights({"update_info": bad})
+        assert_bit_identical(vllm_greedy(rig.llm), before, what=f"after {bad!r}")
+        with contextlib.suppress(Exception):
+            rig.llm.finish_weight_update()
+    rig.push(seed=36, version="step-36")
+
+
+def test_generation_while_weights_land_aborts_the_update_instead_of_the_engine(rig):
+    rig.push(seed=37, version="step-37")
+    randomize_weights_(rig.model, seed=38)
+    client = GeneratesAfterFirstChunk(rig.client(), rig.llm)
+    with pytest.raises(Exception, match="forward pass while the weight update"):
+        rig.trainer(client=client).send_weights(weight_version="step-38")
+    assert client.generated is not None  # the engine served the request
+    status = rig.fence()
+    assert status["state"] == "fenced"
+    assert "generation was not paused" in status["reason"]
+    vllm_greedy(rig.llm)  # and keeps serving
+    rig.push(seed=38, version="step-38")  # a full resync clears the fence
