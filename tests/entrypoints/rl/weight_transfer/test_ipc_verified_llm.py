@@ -398,7 +398,8 @@ def test_generation_between_start_and_the_first_weights_serves_the_old_model(rig
 def test_malformed_updates_after_start_leave_the_engine_serving(rig):
     rig.push(seed=35, version="step-35")
     before = vllm_greedy(rig.llm)
-    for bad in ([], {"abort": "x", "names": []}):
+    bad_updates: list[Any] = [[], {"abort": "x", "names": []}]
+    for bad in bad_updates:
         rig.llm.start_weight_update()
         with pytest.raises(Exception):  # noqa: B017
             rig.llm.update_weights({"update_info": bad})
