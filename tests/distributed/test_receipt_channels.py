@@ -54,7 +54,7 @@ def receipt(h: PublicationHeader, rank: int) -> Receipt:
 
 def _worker(directory: str, header_dict: dict, rank: int) -> None:
     h = PublicationHeader.from_dict(header_dict)
-    ShmReceiptSink(directory).deliver(receipt(h, rank))
+    ShmReceiptSink(directory, root=os.path.dirname(directory)).deliver(receipt(h, rank))
 
 
 def test_workers_in_other_processes_deliver_and_trainer_verifies(tmp_path):
@@ -84,7 +84,7 @@ def test_workers_in_other_processes_deliver_and_trainer_verifies(tmp_path):
 def test_collect_times_out_naming_missing_workers(tmp_path):
     h = header()
     with ShmReceiptBox(h.publication_id, root=tmp_path) as box:
-        ShmReceiptSink(box.path).deliver(receipt(h, 0))
+        ShmReceiptSink(box.path, root=tmp_path).deliver(receipt(h, 0))
         started = time.monotonic()
         with pytest.raises(ReceiptTimeoutError, match="worker\\(s\\) \\[1, 2\\]"):
             box.collect([0, 1, 2], timeout_s=0.2)
@@ -94,7 +94,9 @@ def test_collect_times_out_naming_missing_workers(tmp_path):
 def test_a_failure_receipt_ends_the_wait_early(tmp_path):
     h = header()
     with ShmReceiptBox(h.publication_id, root=tmp_path) as box:
-        ShmReceiptSink(box.path).deliver(Receipt.failure(h, 1, "cpu:h:1", "oom"))
+        ShmReceiptSink(box.path, root=tmp_path).deliver(
+            Receipt.failure(h, 1, "cpu:h:1", "oom")
+        )
         got = box.collect([0, 1], timeout_s=30)
     assert [r.error for r in got] == ["oom"]
 
@@ -103,7 +105,7 @@ def test_sink_writes_atomically_and_leaves_no_temp_files(tmp_path):
     h = header()
     with ShmReceiptBox(h.publication_id, root=tmp_path) as box:
         r = receipt(h, 3)
-        ShmReceiptSink(box.path).deliver(r)
+        ShmReceiptSink(box.path, root=tmp_path).deliver(r)
         [name] = os.listdir(box.path)
         assert name == receipt_file_name(r) and name.startswith("worker-3-")
         assert json.loads((box.path / name).read_text())["worker_rank"] == 3
@@ -123,7 +125,7 @@ def test_workers_of_two_engines_sharing_a_rank_are_both_collected(tmp_path):
     with ShmReceiptBox(h.publication_id, root=tmp_path) as box:
         for device in ("cuda:GPU-a", "cuda:GPU-b"):
             r = dataclasses.replace(receipt(h, 0), worker_device=device)
-            ShmReceiptSink(box.path).deliver(r)
+            ShmReceiptSink(box.path, root=tmp_path).deliver(r)
         got = box.collect(2, timeout_s=30)
         assert sorted(r.worker_device for r in got) == ["cuda:GPU-a", "cuda:GPU-b"]
         assert verify_receipts(h, got, 2).workers == (0, 0)
@@ -133,10 +135,10 @@ def test_workers_of_two_engines_sharing_a_rank_are_both_collected(tmp_path):
 
 def test_sink_refuses_foreign_directories_and_missing_trainer(tmp_path):
     with pytest.raises(ValueError, match="is not a vllm-wt-receipts-"):
-        ShmReceiptSink(tmp_path)
+        ShmReceiptSink(tmp_path, root=tmp_path)
     gone = tmp_path / "vllm-wt-receipts-0123456789abcdef"
     with pytest.raises(FileNotFoundError, match="needs a colocated trainer"):
-        ShmReceiptSink(gone).deliver(receipt(header(), 0))
+        ShmReceiptSink(gone, root=tmp_path).deliver(receipt(header(), 0))
 
 
 def test_producer_inbox_collects_across_threads():
@@ -162,3 +164,60 @@ def test_sink_for_follows_the_header():
     assert sink_for(header()) is None
     with pytest.raises(ValueError, match="has no producer to call"):
         sink_for(header(receipt_channel="producer"))
+
+
+# -- client-chosen receipt directories ---------------------------------------
+
+RECEIPT_DIR = "vllm-wt-receipts-0123456789abcdef"
+
+
+def test_sink_refuses_a_directory_outside_the_receipt_root(tmp_path):
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    root.mkdir()
+    (elsewhere / RECEIPT_DIR).mkdir(parents=True)
+    for directory in (
+        elsewhere / RECEIPT_DIR,
+        root / "sub" / RECEIPT_DIR,
+        root / ".." / "elsewhere" / RECEIPT_DIR,
+    ):
+        with pytest.raises(ValueError, match="not directly under .* receipt root"):
+            ShmReceiptSink(directory, root=root)
+    assert list((elsewhere / RECEIPT_DIR).iterdir()) == []
+
+
+def test_the_default_receipt_root_is_the_workers_own(tmp_path):
+    (tmp_path / RECEIPT_DIR).mkdir()
+    with pytest.raises(ValueError, match="not directly under .* receipt root"):
+        sink_for(header(receipt_channel="shm", receipt_dir=str(tmp_path / RECEIPT_DIR)))
+
+
+def test_sink_refuses_a_symlinked_receipt_directory(tmp_path):
+    root, target = tmp_path / "root", tmp_path / "target"
+    root.mkdir()
+    target.mkdir()
+    (root / RECEIPT_DIR).symlink_to(target)
+    sink = ShmReceiptSink(root / RECEIPT_DIR, root=root)
+    with pytest.raises(ValueError, match="symbolic link or not a directory"):
+        sink.deliver(receipt(header(), 0))
+    assert list(target.iterdir()) == []
+
+
+def test_sink_replaces_a_link_planted_under_the_receipt_name(tmp_path):
+    h = header()
+    outside = tmp_path / "outside.json"
+    outside.write_text("untouched")
+    with ShmReceiptBox(h.publication_id, root=tmp_path) as box:
+        r = receipt(h, 0)
+        (box.path / receipt_file_name(r)).symlink_to(outside)
+        ShmReceiptSink(box.path, root=tmp_path).deliver(r)
+        assert not (box.path / receipt_file_name(r)).is_symlink()
+        assert box.collect([0], timeout_s=1)[0] == r
+    assert outside.read_text() == "untouched"
+
+
+def test_sink_refuses_a_directory_owned_by_another_uid(tmp_path, monkeypatch):
+    h = header()
+    with ShmReceiptBox(h.publication_id, root=tmp_path) as box:
+        monkeypatch.setattr(os, "geteuid", lambda: box.path.stat().st_uid + 4242)
+        with pytest.raises(ValueError, match="owned by uid"):
+            ShmReceiptSink(box.path, root=tmp_path).deliver(receipt(h, 0))

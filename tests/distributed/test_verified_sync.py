@@ -42,10 +42,13 @@ def make_weights(seed: int) -> dict[str, torch.Tensor]:
 
 
 class ToyWorker:
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, receipt_root) -> None:
         self.weights = make_weights(0)
         self.pub = WorkerPublication(
-            backend="toy", worker_rank=rank, worker_device=f"cpu:toy:{rank}"
+            backend="toy",
+            worker_rank=rank,
+            worker_device=f"cpu:toy:{rank}",
+            receipt_root=receipt_root,
         )
         self.fail_on: str | None = None
 
@@ -165,8 +168,8 @@ def assert_serving(client: ToyClient, weights: dict[str, torch.Tensor]) -> None:
 
 
 @pytest.fixture
-def client():
-    return ToyClient([ToyWorker(0), ToyWorker(1)])
+def client(tmp_path):
+    return ToyClient([ToyWorker(0, tmp_path), ToyWorker(1, tmp_path)])
 
 
 def test_committed_update_lands_everywhere_then_becomes_visible(client, tmp_path):
@@ -233,7 +236,7 @@ def test_an_update_missing_tensors_fails_at_finish_and_fences(client, tmp_path):
 
 
 def test_missing_receipt_fails_the_publication(client, tmp_path):
-    client.workers.append(ToyWorker(2))
+    client.workers.append(ToyWorker(2, tmp_path))
     client.workers[2].finish_weight_update = lambda: None  # attests nothing
     with pytest.raises(Exception, match="worker\\(s\\) \\[2\\]"):
         send(client, make_weights(1), version=1, tmp_path=tmp_path)

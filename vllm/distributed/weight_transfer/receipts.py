@@ -12,6 +12,11 @@ publication header:
   its path in the header. Each worker's ``ShmReceiptSink`` writes
   ``worker-<rank>-<device tag>.json`` atomically (temp file + rename); the
   device tag tells apart workers of different engines that share a rank.
+  The header comes from a client, so a worker writes only into a directory
+  that is a direct child of its own receipt root (``default_receipt_root()``
+  unless the engine names another), is no symbolic link, and is owned by its
+  uid; it creates files there with ``O_EXCL | O_NOFOLLOW`` relative to the
+  directory it opened.
   After ``finish_weight_update`` returns, the trainer ``collect``s the
   expected ranks (or, for several engines, the expected number of workers),
   waiting at most ``timeout_s``, then deletes the directory.
@@ -33,7 +38,9 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -147,32 +154,74 @@ class ShmReceiptBox:
 
 
 class ShmReceiptSink:
-    """Worker side of the ``"shm"`` channel: writes into the trainer's box."""
+    """Worker side of the ``"shm"`` channel: writes into the trainer's box.
 
-    def __init__(self, directory: str | Path) -> None:
+    ``directory`` comes from the publication header; it must be a
+    ``vllm-wt-receipts-<publication id>`` directory directly under ``root``
+    (default ``default_receipt_root()``), after resolving symbolic links in
+    its parent.
+    """
+
+    def __init__(self, directory: str | Path, root: str | Path | None = None) -> None:
         path = Path(directory)
-        if not path.is_absolute() or not _RECEIPT_DIR_RE.match(path.name):
+        if not path.is_absolute() or not _RECEIPT_DIR_RE.fullmatch(path.name):
             raise ValueError(
                 f"receipt directory {str(directory)!r} is not a "
                 f"{RECEIPT_DIR_PREFIX}<publication id> directory"
             )
-        self.path = path
+        real_root = Path(os.path.realpath(root or default_receipt_root()))
+        if Path(os.path.realpath(path.parent)) != real_root:
+            raise ValueError(
+                f"receipt directory {str(directory)!r} is not directly under this "
+                f"worker's receipt root {str(real_root)!r}; the trainer must "
+                "create its receipt box there (TrainerPublication's default)"
+            )
+        self.path = real_root / path.name
 
     def deliver(self, receipt: Receipt) -> None:
-        if not self.path.is_dir():
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            dir_fd = os.open(self.path, flags)
+        except FileNotFoundError:
             raise FileNotFoundError(
                 f"receipt directory {self.path} does not exist; the trainer that "
                 "published this update is gone or runs on another host (the shm "
                 "receipt channel needs a colocated trainer)"
-            )
-        final = self.path / receipt_file_name(receipt)
-        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".tmp-", suffix=".json")
+            ) from None
+        except OSError as e:
+            raise ValueError(
+                f"receipt directory {self.path} is a symbolic link or not a "
+                f"directory ({e.strerror}); a worker writes receipts only into "
+                "the directory the trainer created"
+            ) from e
+        try:
+            owner = os.fstat(dir_fd).st_uid
+            if owner != os.geteuid():
+                raise ValueError(
+                    f"receipt directory {self.path} is owned by uid {owner}, not "
+                    f"by this worker's uid {os.geteuid()}; the trainer must run "
+                    "as the same user as the vLLM server"
+                )
+            self._write(dir_fd, receipt)
+        finally:
+            os.close(dir_fd)
+
+    @staticmethod
+    def _write(dir_fd: int, receipt: Receipt) -> None:
+        tmp = f".tmp-{secrets.token_hex(8)}.json"
+        create = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, create, stat.S_IRUSR | stat.S_IWUSR, dir_fd=dir_fd)
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(receipt.to_dict(), f)
-            os.replace(tmp, final)
+            # rename replaces a link planted under the final name, never
+            # follows it.
+            os.replace(
+                tmp, receipt_file_name(receipt), src_dir_fd=dir_fd, dst_dir_fd=dir_fd
+            )
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=dir_fd)
             raise
 
 
@@ -242,11 +291,14 @@ class ReceiptInbox:
 def sink_for(
     header: PublicationHeader,
     producer_call: Callable[[dict[str, Any]], object] | None = None,
+    receipt_root: str | Path | None = None,
 ) -> ReceiptSink | None:
-    """The sink a worker uses for ``header``'s channel (None for ``"none"``)."""
+    """The sink a worker uses for ``header``'s channel (None for ``"none"``);
+    ``receipt_root`` is where the ``"shm"`` channel may write (default
+    ``default_receipt_root()``)."""
     if header.receipt_channel == "shm":
         assert header.receipt_dir is not None
-        return ShmReceiptSink(header.receipt_dir)
+        return ShmReceiptSink(header.receipt_dir, root=receipt_root)
     if header.receipt_channel == "producer":
         if producer_call is None:
             raise ValueError(

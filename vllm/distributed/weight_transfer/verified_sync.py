@@ -276,7 +276,8 @@ class WorkerPublication:
     carry only the digest, and a manifest a message does carry must equal it;
     ``expected_for(header, manifest)`` supplies this worker's per-name bytes
     when it receives slices. ``producer_call`` delivers receipts on the
-    ``"producer"`` channel.
+    ``"producer"`` channel; ``receipt_root`` is the only directory under which
+    the ``"shm"`` channel writes them (default ``default_receipt_root()``).
     """
 
     def __init__(
@@ -289,8 +290,10 @@ class WorkerPublication:
         expected_for: Callable[[PublicationHeader, Manifest], Mapping[str, int] | None]
         | None = None,
         producer_call: Callable[[dict[str, Any]], object] | None = None,
+        receipt_root: str | Path | None = None,
     ) -> None:
         self.backend = backend
+        self.receipt_root = receipt_root
         self.worker_rank = worker_rank
         self.worker_device = worker_device
         self.fence = WeightFence()
@@ -433,7 +436,7 @@ class WorkerPublication:
     def _deliver(self, receipt: Receipt, *, best_effort: bool) -> None:
         assert self.header is not None
         try:
-            sink = sink_for(self.header, self._producer_call)
+            sink = sink_for(self.header, self._producer_call, self.receipt_root)
             if sink is not None:
                 sink.deliver(receipt)
         except Exception as e:
