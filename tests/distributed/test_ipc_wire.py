@@ -239,3 +239,17 @@ def test_worker_rejects_a_handle_for_a_device_it_does_not_have():
         ValueError, match="is a 'cuda' handle but this worker runs on cpu"
     ):
         importer.select(info.buffers()[0], "update_info.ipc_handles")
+
+
+@pytest.mark.parametrize(
+    "name", ["vllm-wt-1-abc\n", "vllm-wt-1/../x", "\nvllm-wt-1", "vllm-wt-"]
+)
+def test_shm_names_must_match_in_full(name):
+    with pytest.raises(ValueError, match="is not a segment of this backend"):
+        ShmHandle(name=name, nbytes=8)
+
+
+@pytest.mark.parametrize("rank", ["0\n", " 0", "\u0660", "1_0"])
+def test_cpu_keys_must_end_in_ascii_digits(rank):
+    with pytest.raises(ValueError, match="must end in a trainer rank"):
+        select_cpu_key([f"cpu:h:{rank}"], 0, hostname="h")

@@ -144,6 +144,14 @@ def test_header_validation_names_the_field(change, message):
         PublicationHeader.from_dict(d)
 
 
+@pytest.mark.parametrize("field", ["publication_id", "manifest_digest"])
+def test_header_ids_with_a_trailing_newline_are_refused(field):
+    d = header().to_dict()
+    d[field] += "\n"
+    with pytest.raises(ValueError, match=field):
+        PublicationHeader.from_dict(d)
+
+
 def test_attach_and_pop_leave_the_backend_payload_unchanged():
     h = header()
     info = {"names": ["a"], "packed": True}

@@ -221,3 +221,14 @@ def test_sink_refuses_a_directory_owned_by_another_uid(tmp_path, monkeypatch):
         monkeypatch.setattr(os, "geteuid", lambda: box.path.stat().st_uid + 4242)
         with pytest.raises(ValueError, match="owned by uid"):
             ShmReceiptSink(box.path, root=tmp_path).deliver(receipt(h, 0))
+
+
+def test_receipt_names_with_a_trailing_newline_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="is not a vllm-wt-receipts-"):
+        ShmReceiptSink(f"{tmp_path}/{RECEIPT_DIR}\n", root=tmp_path)
+    with pytest.raises(ValueError, match="publication id"):
+        ShmReceiptBox("0123456789abcdef\n", root=tmp_path)
+    h = header()
+    with ShmReceiptBox(h.publication_id, root=tmp_path) as box:
+        (box.path / (receipt_file_name(receipt(h, 0)) + "\n")).write_text("{}")
+        assert box.read() == {}  # not a receipt file name: skipped, never parsed

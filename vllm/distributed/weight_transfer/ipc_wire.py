@@ -67,7 +67,9 @@ from vllm.distributed.weight_transfer.base import (
 
 # Prefix of every shared-memory segment this backend creates (under /dev/shm).
 SHM_NAME_PREFIX = "vllm-wt-"
-_SHM_NAME_RE = re.compile(r"^vllm-wt-[A-Za-z0-9_.-]{1,200}$")
+_SHM_NAME_RE = re.compile(r"vllm-wt-[A-Za-z0-9_.-]{1,200}")
+# The trainer rank at the end of a CPU device key.
+_RANK_RE = re.compile(r"[0-9]{1,6}")
 
 CPU_KEY_PREFIX = "cpu:"
 
@@ -115,7 +117,18 @@ def select_cpu_key(
     Keys of this host must be ranks ``0..R-1``; the worker reads ``local_rank mod R``.
     """
     prefix = f"{CPU_KEY_PREFIX}{hostname or socket.gethostname()}:"
-    ranks = sorted(int(k[len(prefix) :]) for k in keys if k.startswith(prefix))
+    ranks = []
+    for key in keys:
+        if not key.startswith(prefix):
+            continue
+        rank = key[len(prefix) :]
+        if not _RANK_RE.fullmatch(rank):
+            raise ValueError(
+                f"update_info.ipc_handles has CPU key {key!r}; after "
+                f"{prefix!r} it must end in a trainer rank (ASCII digits)"
+            )
+        ranks.append(int(rank))
+    ranks.sort()
     if not ranks:
         return None
     if ranks != list(range(len(ranks))):
@@ -169,7 +182,7 @@ class ShmHandle:
     nbytes: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _SHM_NAME_RE.match(self.name):
+        if not isinstance(self.name, str) or not _SHM_NAME_RE.fullmatch(self.name):
             raise ValueError(
                 f"shm handle name {self.name!r} is not a segment of this backend "
                 f"(expected {SHM_NAME_PREFIX}<letters, digits, _ . ->)"

@@ -54,8 +54,9 @@ MANIFEST_FORMAT = 1
 Scope = Literal["full", "partial"]
 ReceiptChannelKind = Literal["shm", "producer", "none"]
 
-_PUBLICATION_ID_RE = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
-_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+# Matched with fullmatch: ``$`` would accept a trailing newline.
+_PUBLICATION_ID_RE = re.compile(r"[A-Za-z0-9_-]{8,64}")
+_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 # How many names an error message lists before summarizing.
 _LIST_LIMIT = 8
 
@@ -118,7 +119,7 @@ def _check_str(value: object, where: str) -> None:
 
 
 def _check_digest(value: object, where: str) -> None:
-    if not isinstance(value, str) or not _DIGEST_RE.match(value):
+    if not isinstance(value, str) or not _DIGEST_RE.fullmatch(value):
         raise ValueError(f"{where} must be 64 lowercase hex digits, got {value!r}")
 
 
@@ -339,7 +340,7 @@ class PublicationHeader:
     manifest: Manifest | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.publication_id, str) or not _PUBLICATION_ID_RE.match(
+        if not isinstance(self.publication_id, str) or not _PUBLICATION_ID_RE.fullmatch(
             self.publication_id
         ):
             raise ValueError(
@@ -582,7 +583,7 @@ class Receipt:
     timings: dict[str, float] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.publication_id, str) or not _PUBLICATION_ID_RE.match(
+        if not isinstance(self.publication_id, str) or not _PUBLICATION_ID_RE.fullmatch(
             self.publication_id
         ):
             raise ValueError(

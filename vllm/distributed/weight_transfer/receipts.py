@@ -55,8 +55,9 @@ from vllm.distributed.weight_transfer.publication import (
 
 RECEIPT_DIR_PREFIX = "vllm-wt-receipts-"
 DEFAULT_RECEIPT_TIMEOUT_S = 60.0
-_RECEIPT_DIR_RE = re.compile(r"^vllm-wt-receipts-[A-Za-z0-9_-]{8,64}$")
-_RECEIPT_FILE_RE = re.compile(r"^worker-(\d+)-([0-9a-f]{16})\.json$")
+# Matched with fullmatch: ``$`` would accept a trailing newline.
+_RECEIPT_DIR_RE = re.compile(r"vllm-wt-receipts-[A-Za-z0-9_-]{8,64}")
+_RECEIPT_FILE_RE = re.compile(r"worker-([0-9]+)-([0-9a-f]{16})\.json")
 
 # A worker's identity: its rank within its engine and its device identity.
 WorkerKey = tuple[int, str]
@@ -104,7 +105,7 @@ class ShmReceiptBox:
 
     def __init__(self, publication_id: str, root: str | Path | None = None) -> None:
         name = f"{RECEIPT_DIR_PREFIX}{publication_id}"
-        if not _RECEIPT_DIR_RE.match(name):
+        if not _RECEIPT_DIR_RE.fullmatch(name):
             raise ValueError(f"publication id {publication_id!r} is not valid")
         self.path = Path(root or default_receipt_root()) / name
         # mode 0700: only this user's processes (the colocated workers) write.
@@ -120,7 +121,7 @@ class ShmReceiptBox:
         """Every receipt present now, by worker."""
         out: dict[WorkerKey, Receipt] = {}
         for entry in sorted(os.listdir(self.path)):
-            m = _RECEIPT_FILE_RE.match(entry)
+            m = _RECEIPT_FILE_RE.fullmatch(entry)
             if m is None:
                 continue  # a writer's temporary file
             file = self.path / entry
