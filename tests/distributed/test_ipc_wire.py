@@ -4,6 +4,7 @@
 with a ValueError naming the field, before any weight is touched."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -253,3 +254,19 @@ def test_shm_names_must_match_in_full(name):
 def test_cpu_keys_must_end_in_ascii_digits(rank):
     with pytest.raises(ValueError, match="must end in a trainer rank"):
         select_cpu_key([f"cpu:h:{rank}"], 0, hostname="h")
+
+
+def test_a_duplicate_among_many_names_is_found_in_linear_time():
+    n = 48_000
+    names = [f"layers.{i}.weight" for i in range(n)] + ["layers.7.weight"]
+    msg = {
+        "names": names,
+        "dtype_names": ["float32"] * (n + 1),
+        "shapes": [[1]] * (n + 1),
+        "tensor_sizes": [4] * (n + 1),
+        "ipc_handles": {KEY: dict(SHM, nbytes=4 * (n + 1))},
+    }
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="lists 'layers.7.weight' more than once"):
+        IPCWeightTransferUpdateInfo.from_dict(msg)
+    assert time.monotonic() - started < 2.0  # quadratic: tens of seconds

@@ -374,9 +374,11 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise ValueError("update_info.names must be a list of strings")
         n = len(names)
-        if len(set(names)) != n:
-            dup = next(x for i, x in enumerate(names) if x in names[:i])
-            raise ValueError(f"update_info.names lists {dup!r} more than once")
+        seen: set[str] = set()  # a set: clients choose how many names come
+        for name in names:
+            if name in seen:
+                raise ValueError(f"update_info.names lists {name!r} more than once")
+            seen.add(name)
         for attr in ("dtype_names", "shapes", "tensor_sizes", "offsets"):
             value = getattr(self, attr)
             if value is None:
