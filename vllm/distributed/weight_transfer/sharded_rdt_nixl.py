@@ -27,6 +27,14 @@ notices as they arrive, so a pull waiting for its group never holds back the
 A dropped connection of a consumer that still had chunks to read fails the
 producer's sync at once; a dead producer shows up on the consumer as a dropped
 connection. Every wait on either side is bounded by ``stall_timeout_s``.
+
+The control socket is reachable by anyone who can reach the host, so the
+producer's ``ControlListener`` only accepts TCP connections in its loop; each
+connection authenticates (the ``multiprocessing`` HMAC challenge, both ways)
+on a thread of its own within ``HANDSHAKE_TIMEOUT_S``. A connection that
+closes at once, answers with the wrong key or stays silent is logged and
+dropped without holding up the next one. A consumer's ``connect`` bounds the
+TCP connect and the handshake the same way.
 Bytes move only by NIXL READ (UCX); the control messages are a few hundred
 bytes per chunk.
 """
@@ -38,11 +46,13 @@ import json
 import os
 import queue
 import secrets
+import socket
+import struct
 import threading
 import time
 import uuid
-from collections.abc import Sequence
-from multiprocessing.connection import Client, Connection, Listener
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
 import torch
@@ -62,6 +72,8 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 _REPLY_GRACE_S = 5.0
+# How long a new control connection may take to authenticate, either side.
+HANDSHAKE_TIMEOUT_S = 10.0
 
 
 def _mem(tensor: torch.Tensor) -> tuple[str, int]:
@@ -124,7 +136,116 @@ def _send(conn: Connection, message: dict[str, Any]) -> None:
 
 
 def _recv(conn: Connection) -> dict[str, Any]:
-    return json.loads(conn.recv_bytes())
+    message = json.loads(conn.recv_bytes())
+    if not isinstance(message, dict):
+        raise ValueError(
+            f"control message is a {type(message).__name__}, not an object"
+        )
+    return message
+
+
+def _set_io_timeout(conn: Connection, timeout_s: float | None) -> None:
+    """Bound every blocking read and write on ``conn`` by ``timeout_s``
+    (None: unbounded). A read or write that times out raises
+    ``BlockingIOError``."""
+    seconds = timeout_s or 0.0
+    value = struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000))
+    # A second socket object on a duplicate of the descriptor; the options
+    # belong to the shared socket.
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+
+
+def connect(address: tuple[str, int], authkey: bytes, timeout_s: float) -> Connection:
+    """An authenticated control connection to ``address``; the TCP connect
+    and the handshake each take at most ``timeout_s``, else ``OSError``
+    (``TimeoutError`` / ``BlockingIOError``) or ``AuthenticationError``."""
+    sock = socket.create_connection(address, timeout=timeout_s)
+    sock.settimeout(None)
+    conn = Connection(sock.detach())
+    try:
+        _set_io_timeout(conn, timeout_s)
+        answer_challenge(conn, authkey)
+        deliver_challenge(conn, authkey)
+        _set_io_timeout(conn, None)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+class ControlListener:
+    """Accepts authenticated control connections on ``(host, any port)``
+    and hands each to ``serve`` on a thread of its own; see the module
+    docstring. ``serve`` owns the connection it is given."""
+
+    def __init__(
+        self,
+        host: str,
+        authkey: bytes,
+        serve: Callable[[Connection], None],
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    ) -> None:
+        self._authkey = authkey
+        self._serve = serve
+        self._handshake_timeout_s = handshake_timeout_s
+        self._closed = threading.Event()
+        self._sock = socket.create_server((host, 0), backlog=64)
+        # Lets the loop notice ``close`` without a connection arriving.
+        self._sock.settimeout(0.5)
+        self.address: tuple[str, int] = self._sock.getsockname()[:2]
+        self._thread = threading.Thread(
+            target=self._accept_loop, name="sharded-rdt-accept", daemon=True
+        )
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, peer = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError as e:
+                if not self._closed.is_set():
+                    logger.warning(
+                        "sharded_rdt producer failed to accept a connection: %s", e
+                    )
+                    time.sleep(0.1)  # e.g. out of descriptors; try again
+                continue
+            threading.Thread(
+                target=self._admit,
+                args=(sock, peer),
+                name="sharded-rdt-serve",
+                daemon=True,
+            ).start()
+
+    def _admit(self, sock: socket.socket, peer: Any) -> None:
+        sock.settimeout(None)
+        conn = Connection(sock.detach())
+        try:
+            _set_io_timeout(conn, self._handshake_timeout_s)
+            deliver_challenge(conn, self._authkey)
+            answer_challenge(conn, self._authkey)
+            _set_io_timeout(conn, None)
+        except Exception as e:
+            logger.warning(
+                "sharded_rdt producer dropped a control connection from %s that "
+                "did not authenticate within %.1fs: %r",
+                peer,
+                self._handshake_timeout_s,
+                e,
+            )
+            conn.close()
+            return
+        if self._closed.is_set():
+            conn.close()
+            return
+        self._serve(conn)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._sock.close()
 
 
 # -- producer side -------------------------------------------------------------
@@ -142,15 +263,11 @@ class NixlProducerServer(ProducerServer):
         self._agent_lock = threading.Lock()
         self.producer = Producer(**producer_kwargs, on_new_buffer=self._register)
         self._authkey = secrets.token_bytes(16)
-        self._listener = Listener((host, 0), authkey=self._authkey)
         self._host = host
         self._closed = threading.Event()
         self._connections: list[Connection] = []
         self._connections_lock = threading.Lock()
-        self._accepter = threading.Thread(
-            target=self._accept_loop, name="sharded-rdt-accept", daemon=True
-        )
-        self._accepter.start()
+        self._listener = ControlListener(host, self._authkey, self._serve)
 
     def endpoint(self) -> dict[str, Any]:
         return {
@@ -165,28 +282,16 @@ class NixlProducerServer(ProducerServer):
         with self._agent_lock:
             self._registrations.append(register(self._agent, tensor))
 
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn = self._listener.accept()
-            except Exception as e:
-                if not self._closed.is_set():
-                    logger.warning("sharded_rdt producer stopped accepting: %s", e)
-                return
-            with self._connections_lock:
-                if self._closed.is_set():
-                    conn.close()
-                    return
-                self._connections.append(conn)
-            threading.Thread(
-                target=self._serve, args=(conn,), name="sharded-rdt-serve", daemon=True
-            ).start()
-
     def _serve(self, conn: Connection) -> None:
         """Read one connection's messages. Notices (``done``, ``abort``) are
         handled at once; requests go to a second thread that answers them in
         order, so a pull waiting for its group never delays the ``done`` that
         releases the group before it."""
+        with self._connections_lock:
+            if self._closed.is_set():
+                conn.close()
+                return
+            self._connections.append(conn)
         consumer_id: int | None = None
         requests: queue.Queue[dict[str, Any] | None] = queue.Queue()
         send_lock = threading.Lock()
@@ -213,6 +318,10 @@ class NixlProducerServer(ProducerServer):
         except (EOFError, OSError):
             if consumer_id is not None and not self._closed.is_set():
                 self.producer.consumer_lost(consumer_id, "disconnected")
+        except ValueError as e:  # not JSON, or not an object
+            logger.warning("sharded_rdt producer dropped a connection: %s", e)
+            if consumer_id is not None and not self._closed.is_set():
+                self.producer.consumer_lost(consumer_id, f"malformed message: {e}")
         finally:
             requests.put(None)
             self._close_connection(conn)
@@ -322,7 +431,7 @@ class _NixlLink(ProducerLink):
         self.consumer_id = transport.consumer_id
         self._address = (endpoint["host"], int(endpoint["port"]))
         self._authkey = bytes.fromhex(endpoint["authkey"])
-        self._conn = Client(self._address, authkey=self._authkey)
+        self._conn = self._connect("connect")
         self._lock = threading.Lock()
         self._next_id = 0
         self._ahead: tuple[int, int] | None = None  # (seq, request id) in flight
@@ -365,6 +474,18 @@ class _NixlLink(ProducerLink):
                 f"producer {self.producer_index} refused {what}: {reply['error']}"
             )
         return reply
+
+    def _connect(self, what: str) -> Connection:
+        timeout_s = min(self.transport.stall_timeout_s, HANDSHAKE_TIMEOUT_S)
+        try:
+            return connect(self._address, self._authkey, timeout_s)
+        except Exception as e:
+            raise RuntimeError(
+                f"could not open a control connection to producer "
+                f"{self.producer_index} ({self._address[0]}:{self._address[1]}) "
+                f"for {what} within {timeout_s:.1f}s: {e!r}; the trainer rank is "
+                "gone, unreachable, or its endpoint's authkey does not match"
+            ) from e
 
     def _lost(self, what: str, error: BaseException) -> RuntimeError:
         return RuntimeError(
@@ -447,7 +568,7 @@ class _NixlLink(ProducerLink):
     def abort(self, reason: str) -> None:
         self._ahead = None
         # A connection of its own: the pulling thread may hold this link's.
-        with Client(self._address, authkey=self._authkey) as conn:
+        with self._connect("abort") as conn:
             _send(
                 conn,
                 {
@@ -464,7 +585,7 @@ class _NixlLink(ProducerLink):
         # closing is not a consumer leaving mid-sync.
         timeout_s = self.transport.stall_timeout_s + _REPLY_GRACE_S
         try:
-            with Client(self._address, authkey=self._authkey) as conn:
+            with self._connect("receipt delivery") as conn:
                 _send(conn, {"op": "receipt", "receipt": receipt, "id": 1})
                 if not conn.poll(timeout_s):
                     raise TimeoutError(

@@ -1,0 +1,82 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The NIXL transport's control socket against hostile peers: a port scan, a
+wrong auth key or a silent connection never stops the producer accepting,
+and a consumer's connect never waits without bound. No NIXL needed."""
+
+from __future__ import annotations
+
+import queue
+import secrets
+import socket
+import time
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection
+
+import pytest
+
+from vllm.distributed.weight_transfer.sharded_rdt_nixl import (
+    ControlListener,
+    connect,
+)
+
+KEY = secrets.token_bytes(16)
+
+
+@pytest.fixture
+def listener():
+    served: queue.Queue[bytes] = queue.Queue()
+
+    def serve(conn: Connection) -> None:
+        served.put(conn.recv_bytes())
+        conn.send_bytes(b"ok")
+        conn.close()
+
+    listener = ControlListener("127.0.0.1", KEY, serve, handshake_timeout_s=1.0)
+    listener.served = served  # type: ignore[attr-defined]
+    yield listener
+    listener.close()
+
+
+def _consumer_succeeds(listener: ControlListener) -> None:
+    started = time.monotonic()
+    with connect(listener.address, KEY, timeout_s=5.0) as conn:
+        conn.send_bytes(b"pull")
+        assert conn.recv_bytes() == b"ok"
+    assert listener.served.get(timeout=5) == b"pull"  # type: ignore[attr-defined]
+    assert time.monotonic() - started < 3.0
+
+
+def test_connect_and_close_does_not_stop_accepting(listener):
+    for _ in range(3):
+        socket.create_connection(listener.address).close()
+    _consumer_succeeds(listener)
+
+
+def test_a_wrong_key_is_refused_and_the_next_consumer_served(listener):
+    with pytest.raises(AuthenticationError):
+        connect(listener.address, secrets.token_bytes(16), timeout_s=5.0)
+    _consumer_succeeds(listener)
+
+
+def test_garbage_instead_of_a_handshake_does_not_stop_accepting(listener):
+    with socket.create_connection(listener.address) as sock:
+        sock.sendall(b"\xff" * 64)
+        _consumer_succeeds(listener)
+
+
+def test_a_silent_connection_neither_blocks_others_nor_lives_forever(listener):
+    with socket.create_connection(listener.address) as silent:
+        _consumer_succeeds(listener)
+        # The producer drops it once the handshake deadline (1 s) passes.
+        silent.settimeout(10.0)
+        while silent.recv(4096):
+            pass
+
+
+def test_connect_to_a_peer_that_never_answers_times_out():
+    with socket.create_server(("127.0.0.1", 0)) as mute:  # never accepts
+        started = time.monotonic()
+        with pytest.raises(OSError):
+            connect(mute.getsockname()[:2], KEY, timeout_s=0.5)
+        assert time.monotonic() - started < 3.0
