@@ -76,7 +76,9 @@ def allocate_buffer(nbytes: int, device: torch.device) -> ExportedBuffer:
         return ExportedBuffer(tensor, export_cuda_bytes(tensor), tensor)
     if device.type == "cpu":
         from vllm.distributed.weight_transfer.shm_buffer import SharedMemoryBuffer
+        from vllm.distributed.weight_transfer.stale_updates import reap_segments
 
+        reap_segments()  # segments of trainers that died without closing them
         shm = SharedMemoryBuffer(nbytes)
         return ExportedBuffer(shm.tensor, shm.handle, shm)
     raise ValueError(f"the ipc backend cannot export memory on {device}")

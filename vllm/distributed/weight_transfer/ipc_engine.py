@@ -125,7 +125,9 @@ from vllm.distributed.weight_transfer.ipc_wire import (
 from vllm.distributed.weight_transfer.layerwise_session import (
     LayerwiseReloadSession,
 )
+from vllm.distributed.weight_transfer.publication import describe_error
 from vllm.distributed.weight_transfer.receipts import DEFAULT_RECEIPT_TIMEOUT_S
+from vllm.distributed.weight_transfer.stale_updates import start_update
 from vllm.distributed.weight_transfer.trainer_group import (
     TrainerGroup,
     make_trainer_group,
@@ -426,7 +428,10 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         self.last_plan = plan
         pub = self._open_publication(metas)
         try:
-            error = self._call_server("start_weight_update")
+            error = self._on_sender(
+                "start_weight_update",
+                lambda: start_update(self.client, f"ipc trainer rank {self.rank}"),
+            )
             self.group.exchange(None, error, "start_weight_update")
             buffers: list[ExportedBuffer] = []
             try:
@@ -442,7 +447,9 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                 except BaseException as e:
                     # Also after a failed finish: vLLM's Worker keeps the update
                     # open until an engine call raises or a finish returns.
-                    self._abort_on_server(f"trainer rank {self.rank}: {e}")
+                    self._abort_on_server(
+                        f"trainer rank {self.rank}: {describe_error(e)}"
+                    )
                     # A worker that timed out may still be reading the kept
                     # buffer; the next sync writes into a new one.
                     self._drop_kept_buffer()
@@ -666,7 +673,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                 start, end = chunk.span
                 checksum = self._checksum(buffer.tensor[start:end])
         except Exception as e:
-            error = str(e)
+            error = describe_error(e)
             if self.group.world_size == 1:
                 raise
         key = device_key(device, self.rank) if device is not None else None
@@ -744,7 +751,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                     del tensor
                 _sync_device(next((t.device for t in _owned(exported)), None))
             except Exception as e:
-                error = str(e)
+                error = describe_error(e)
                 if self.group.world_size == 1:
                     raise
             per_rank = self.group.exchange(payload, error, f"chunk {chunk.index}")
@@ -961,6 +968,11 @@ class IPCWeightTransferEngine(
         except BaseException as e:
             self.pub.fail(e, weights_intact=not self._loaded)
             self._abort()
+            if isinstance(e, Exception) and not str(e).strip():
+                # The server returns the message to the trainer; never a blank.
+                raise RuntimeError(
+                    f"ipc update_weights failed: {describe_error(e)}"
+                ) from e
             raise
 
     def receive_weights(self, update_info: IPCWeightTransferUpdateInfo) -> None:

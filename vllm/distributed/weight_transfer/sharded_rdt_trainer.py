@@ -70,6 +70,7 @@ from vllm.distributed.weight_transfer.sharded_rdt_transport import (
     InProcessServer,
     ProducerServer,
 )
+from vllm.distributed.weight_transfer.stale_updates import start_update
 from vllm.distributed.weight_transfer.trainer_group import (
     TrainerGroup,
     make_trainer_group,
@@ -534,7 +535,10 @@ class ShardedRDTTrainerWeightTransferEngine(
         if not self.is_sender:
             return None
         try:
-            getattr(self.client, method)()
+            if method == "start_weight_update":
+                start_update(self.client, f"sharded_rdt trainer rank {self.rank}")
+            else:
+                getattr(self.client, method)()
         except Exception as e:
             if self._group is not None and self._group.world_size == 1:
                 raise

@@ -21,7 +21,10 @@ import torch
 from vllm.distributed.weight_transfer.base import ModuleSource
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+from vllm.distributed.weight_transfer.ipc_engine import (
+    IPCTrainerInitInfo,
+    IPCTrainerWeightTransferEngine,
+)
 from vllm.distributed.weight_transfer.testing import (
     GreedyResult,
     TinyModelSpec,
@@ -209,3 +212,44 @@ def test_moe_tensor_parallel_update():
             randomize_weights_(model, seed=seed)
             trainer.send_weights()
             assert_serves(moe_server, model)
+
+
+def test_a_trainer_killed_between_chunks_does_not_block_the_next_sync(
+    server, trainer_model, tiny_model_dir
+):
+    """No manual step: the next trainer abandons the update the dead one left
+    open, its segments are removed, and the sync serves the new weights."""
+    import multiprocessing
+    import os
+    import signal
+
+    from vllm.distributed.weight_transfer.testing.ipc_faults import push_then_die
+
+    process = multiprocessing.get_context("spawn").Process(
+        target=push_then_die,
+        args=(server.base_url, str(tiny_model_dir), 41, 256 * 1024),
+    )
+    process.start()
+    process.join(180)
+    assert process.exitcode == -signal.SIGKILL
+    left = [
+        n for n in os.listdir("/dev/shm") if n.startswith(f"vllm-wt-{process.pid}-")
+    ]
+    assert left, "the dead trainer's segment should still exist"
+    assert server.is_alive()
+
+    randomize_weights_(trainer_model, seed=42)
+    fresh = WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed=True),
+        client=HTTPVLLMWeightSyncClient(server.base_url, timeout=120),
+        source=ModuleSource(trainer_model),
+    )
+    assert isinstance(fresh, IPCTrainerWeightTransferEngine)
+    fresh.send_weights(weight_version="after-the-dead-trainer")
+    assert requests.get(f"{server.base_url}/weight_info").json() == {
+        "weight_version": "after-the-dead-trainer"
+    }
+    assert_serves(server, trainer_model)
+    assert not [
+        n for n in os.listdir("/dev/shm") if n.startswith(f"vllm-wt-{process.pid}-")
+    ]

@@ -12,6 +12,10 @@
   ``LLM``). The first makes the worker's ``call``-th load (from 1) raise once,
   after the weights of that chunk were handed to the loader; the second reads
   the worker engine's fence state.
+* ``push_then_die(base_url, model_dir, seed, chunk_bytes)`` is the body of a
+  trainer process that pushes seeded weights to a ``vllm serve`` in chunks of
+  ``chunk_bytes`` and SIGKILLs itself as soon as the first chunk was accepted:
+  a trainer that dies in the middle of a sync.
 """
 
 from __future__ import annotations
@@ -87,3 +91,46 @@ def fail_load_once(worker: Any, call: int) -> None:
 def worker_fence_status(worker: Any) -> dict[str, Any]:
     """For ``llm.collective_rpc``: the worker engine's ``fence_status``."""
     return dict(worker.weight_transfer_engine.fence_status)
+
+
+class _DiesAfterFirstChunk:
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def update_weights(self, update_info: Any) -> None:
+        import os
+        import signal
+
+        self.inner.update_weights(update_info)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def push_then_die(base_url: str, model_dir: str, seed: int, chunk_bytes: int) -> None:
+    """See the module docstring."""
+    from vllm.distributed.weight_transfer import (
+        ModuleSource,
+        WeightTransferTrainerFactory,
+    )
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+    from vllm.distributed.weight_transfer.testing import (
+        load_hf_model,
+        randomize_weights_,
+    )
+
+    model = load_hf_model(model_dir, "float32")
+    randomize_weights_(model, seed)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(
+            rank=0,
+            packed=True,
+            packed_buffer_size_bytes=chunk_bytes,
+            overlap_chunks=False,
+        ),
+        client=_DiesAfterFirstChunk(HTTPVLLMWeightSyncClient(base_url, timeout=120)),
+        source=ModuleSource(model),
+    )
+    engine.send_weights()
