@@ -21,6 +21,7 @@ from vllm.distributed.weight_transfer.publication import (
     ReceiptError,
     attach_publication,
     coverage_digest,
+    describe_error,
     pop_publication,
 )
 from vllm.distributed.weight_transfer.verification import (
@@ -339,3 +340,27 @@ def test_verify_sliced_delivery_requires_complete_plans():
     short = Receipt.from_dict({**good.to_dict(), "complete": False, "bytes_landed": 0})
     with pytest.raises(ReceiptError, match="incomplete: 0 of 16 planned bytes"):
         verify_receipts(h, [short], [0], delivery="sliced")
+
+
+@pytest.mark.parametrize("dtype", [5, None, ["float32"], "_C"])
+def test_a_manifest_dtype_that_is_not_a_dtype_name_is_a_clean_error(dtype):
+    d = manifest().to_dict()
+    del d["digest"]
+    d["entries"][0][1] = dtype
+    with pytest.raises(
+        ValueError, match="manifest entry .* dtype is .*not a torch dtype"
+    ):
+        Manifest.from_dict(d)
+
+
+@pytest.mark.parametrize(
+    "error, text",
+    [
+        (AssertionError(), "AssertionError (raised without a message)"),
+        (TimeoutError("  "), "TimeoutError (raised without a message)"),
+        ("", "unknown failure (no reason given)"),
+        (KeyError("w"), "'w'"),
+    ],
+)
+def test_describe_error_is_never_blank(error, text):
+    assert describe_error(error) == text

@@ -248,3 +248,20 @@ def test_an_older_version_is_refused(client, tmp_path):
     with pytest.raises(ValueError, match="older than the committed version 5"):
         send(client, make_weights(2), version=4, tmp_path=tmp_path)
     assert_serving(client, make_weights(1))
+
+
+def test_a_failure_without_a_message_is_named_in_fence_and_version(
+    client, tmp_path, monkeypatch
+):
+    def fail_bare(self, message):
+        self.pub.begin_message(message)
+        self.pub.touch()
+        self.pub.fail(AssertionError())
+        raise AssertionError()
+
+    monkeypatch.setattr(ToyWorker, "update_weights", fail_bare)
+    with pytest.raises(AssertionError):
+        send(client, make_weights(1), version=1, tmp_path=tmp_path)
+    reason = client.workers[0].pub.fence.status.reason
+    assert reason == "AssertionError (raised without a message)"
+    assert client.version.endswith(": AssertionError (raised without a message)")

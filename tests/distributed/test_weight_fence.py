@@ -187,3 +187,13 @@ def test_set_served_version_uses_the_client_method():
         set_served_version(Offline(WithMethod()), "v2")
     with pytest.raises(TypeError, match="cannot set the served weight version"):
         set_served_version(object(), "v3")
+
+
+def test_a_failure_without_a_message_still_names_its_cause():
+    fence = WeightFence()
+    fence.start()
+    fence.bind(header())
+    fence.touch()
+    fence.fail("")
+    assert fence.status.reason == "unknown failure (no reason given)"
+    assert fenced_version("p" * 8, "").endswith(": unknown failure (no reason given)")

@@ -40,7 +40,10 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.weight_transfer.publication import PublicationHeader
+from vllm.distributed.weight_transfer.publication import (
+    PublicationHeader,
+    describe_error,
+)
 
 FENCED_VERSION_PREFIX = "fenced:"
 _REASON_LIMIT = 300
@@ -261,7 +264,7 @@ def set_served_version(client: Any, version: str) -> None:
 
 
 def _one_line(text: str) -> str:
-    text = " ".join(str(text).split())
+    text = " ".join(describe_error(text).split())
     if len(text) > _REASON_LIMIT:
         text = text[: _REASON_LIMIT - 1] + "…"
     return text

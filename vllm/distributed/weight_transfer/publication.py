@@ -101,11 +101,25 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     return dtype
 
 
-def _dtype_itemsize(name: str, where: str) -> int:
-    dtype = getattr(torch, name, None) if not name.startswith("_") else None
+def _dtype_itemsize(name: object, where: str) -> int:
+    dtype = None
+    if isinstance(name, str) and not name.startswith("_"):
+        dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"{where} is {name!r}, which is not a torch dtype name")
     return dtype.itemsize
+
+
+def describe_error(error: BaseException | str) -> str:
+    """The text a fence reason, receipt or log line shows for ``error``: its
+    message, or its type name when the message is empty (``AssertionError()``,
+    ``TimeoutError()``), so a rejection never reads as blank."""
+    text = str(error).strip()
+    if text:
+        return text
+    if isinstance(error, BaseException):
+        return f"{type(error).__name__} (raised without a message)"
+    return "unknown failure (no reason given)"
 
 
 def check_int(value: object, where: str, minimum: int = 0) -> None:

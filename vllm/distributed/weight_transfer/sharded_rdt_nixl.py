@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from vllm.distributed.weight_transfer.publication import describe_error
 from vllm.distributed.weight_transfer.sharded_rdt_chunks import PullChunk
 from vllm.distributed.weight_transfer.sharded_rdt_producer import (
     Producer,
@@ -346,7 +347,7 @@ class NixlProducerServer(ProducerServer):
             try:
                 reply = self._handle(message.get("op"), message) or {}
             except (ProducerError, ValueError, KeyError) as e:
-                reply = {"error": str(e)}
+                reply = {"error": describe_error(e)}
             reply["id"] = message["id"]
             try:
                 with send_lock:

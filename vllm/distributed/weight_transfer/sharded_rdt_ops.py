@@ -60,7 +60,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def dtype_from_name(name: str) -> torch.dtype:
     """``"bfloat16"`` -> ``torch.bfloat16``."""
-    dtype = _DTYPES_BY_NAME.get(name)
+    dtype = _DTYPES_BY_NAME.get(name) if isinstance(name, str) else None
     if dtype is None:
         raise ValueError(f"unknown dtype name {name!r}; expected e.g. 'bfloat16'")
     return dtype

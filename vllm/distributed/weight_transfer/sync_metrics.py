@@ -54,6 +54,7 @@ from vllm.distributed.weight_transfer.fencing import is_fenced_version
 from vllm.distributed.weight_transfer.publication import (
     PUBLICATION_FIELD,
     PublicationHeader,
+    describe_error,
 )
 
 # ---------------------------------------------------------------------------
@@ -99,7 +100,7 @@ class SyncRecord:
         self.seconds = time.perf_counter() - self._started
         self.ok = ok
         if error is not None:
-            self.error = " ".join(str(error).split())[:500]
+            self.error = " ".join(describe_error(error).split())[:500]
 
     @property
     def gb_per_s(self) -> float:

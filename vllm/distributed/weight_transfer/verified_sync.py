@@ -63,6 +63,7 @@ from vllm.distributed.weight_transfer.publication import (
     ReceiptChannelKind,
     Scope,
     attach_publication,
+    describe_error,
     pop_publication,
 )
 from vllm.distributed.weight_transfer.receipts import (
@@ -249,7 +250,7 @@ class TrainerPublication:
         """Fence the served version (best effort) and log the failed sync."""
         self.record.finish(ok=False, error=error)
         self.record.log(logger)
-        version = fenced_version(self.header.publication_id, str(error))
+        version = fenced_version(self.header.publication_id, describe_error(error))
         try:
             set_served_version(client, version)
         except Exception as e:  # the server may be unreachable
@@ -397,14 +398,15 @@ class WorkerPublication:
 
     def fail(self, error: BaseException | str, *, weights_intact: bool = False) -> None:
         """Close the update as failed: fence, tell the trainer, log."""
-        self.fence.fail(str(error), weights_intact=weights_intact)
+        reason = describe_error(error)
+        self.fence.fail(reason, weights_intact=weights_intact)
         if self.record is not None and self.record.ok is None:
             self.record.finish(ok=False, error=error)
             self.record.log(logger)
         if self.header is not None:
             self._deliver(
                 Receipt.failure(
-                    self.header, self.worker_rank, self.worker_device, str(error)
+                    self.header, self.worker_rank, self.worker_device, reason
                 ),
                 best_effort=True,
             )
