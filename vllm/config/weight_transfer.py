@@ -18,9 +18,23 @@ class WeightTransferConfig:
     with the list of registered backends.
     """
 
+    update_timeout_s: float = 600.0
+    """How long an open weight update (``ipc``, ``sharded_rdt``) may go without
+    a message from the trainer. The worker checks it at the update's next call:
+    past it, the update is aborted (layers that did not complete go back to
+    their previous weights; the engine is fenced if any weight had landed) and
+    the call fails with the reason. A trainer that starts a new sync abandons
+    such an update by itself.
+    """
+
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or not self.backend.strip():
             raise ValueError(
                 "weight_transfer_config.backend must be a non-empty backend name, "
                 f"got {self.backend!r}"
+            )
+        if not self.update_timeout_s > 0:
+            raise ValueError(
+                "weight_transfer_config.update_timeout_s must be a positive number "
+                f"of seconds, got {self.update_timeout_s!r}"
             )

@@ -939,7 +939,10 @@ class IPCWeightTransferEngine(
         self._loaded = False
         self._aborted = False
         session = LayerwiseReloadSession(
-            self.model, self.model_config, on_abort=self._session_aborted
+            self.model,
+            self.model_config,
+            on_abort=self._session_aborted,
+            timeout_s=getattr(self.config, "update_timeout_s", None),
         )
         session.start()
         self._session = session
@@ -983,6 +986,7 @@ class IPCWeightTransferEngine(
                 else "ipc update_weights needs an open update; call "
                 "start_weight_update first"
             )
+        self._session.check_deadline("ipc update_weights")
         if update_info.packed != self.packed:
             form = "one object" if update_info.packed else "a list"
             raise ValueError(

@@ -36,6 +36,12 @@ restored layers; ``on_abort(reason, landed)`` tells the worker engine, which
 fences the engine when weights had landed. ``aborted_reason`` keeps the reason
 for the trainer's next call.
 
+Deadline: ``timeout_s`` bounds the gap between two calls of one update
+(``WeightTransferConfig.update_timeout_s``). ``load`` and ``finish`` check it
+first; past it the session aborts as above and the call raises
+``TimeoutError`` with the reason. The check runs at the next call because a
+worker runs one call at a time: no other thread touches the model.
+
 Processing fix applied during a session: on a weight update, vLLM's unquantized
 MoE method skips the experts' layer-level setup it runs at first load
 (``FusedMoEExperts.process_weights_after_loading``), so CPU experts would keep
@@ -47,6 +53,7 @@ result is copied into the kernel tensors.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -86,10 +93,14 @@ class LayerwiseReloadSession:
         model: torch.nn.Module,
         model_config: Any,
         on_abort: Callable[[str, bool], None] | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         self.model = model
         self.model_config = model_config
         self.on_abort = on_abort
+        # Longest gap between two calls of one update (None: no limit).
+        self.timeout_s = timeout_s
+        self._last_call = time.monotonic()
         self.aborted_reason: str | None = None
         self._hooked: list[Any] = []
         self._open = False
@@ -111,6 +122,25 @@ class LayerwiseReloadSession:
             raise RuntimeError("this layerwise reload session is already open")
         self._open = True
         self.aborted_reason = None
+        self._last_call = time.monotonic()
+
+    def check_deadline(self, what: str) -> None:
+        """Abort the update and raise ``TimeoutError`` when more than
+        ``timeout_s`` passed since its last call; otherwise note this call."""
+        now = time.monotonic()
+        idle = now - self._last_call
+        self._last_call = now
+        if not self._open or self.timeout_s is None or idle <= self.timeout_s:
+            return
+        reason = (
+            f"the update went {idle:.0f} s without a call from the trainer "
+            f"(update_timeout_s={self.timeout_s:g})"
+        )
+        landed = self._landing
+        self.abort(reason)
+        if self.on_abort is not None:
+            self.on_abort(reason, landed)
+        raise TimeoutError(self.closed_message(what))
 
     def begin_landing(self) -> None:
         """Move the layers aside for loading (idempotent)."""
@@ -140,6 +170,7 @@ class LayerwiseReloadSession:
 
         if not self._open:
             raise RuntimeError(self.closed_message("load()"))
+        self.check_deadline("load()")
         weights = list(weights)
         names = [name for name, _ in weights]
         fresh = set(names)
@@ -162,6 +193,7 @@ class LayerwiseReloadSession:
 
         if not self._open:
             raise RuntimeError(self.closed_message("finish()"))
+        self.check_deadline("finish()")
         if not self._landing:
             self._close()  # nothing arrived: the model was never touched
             return

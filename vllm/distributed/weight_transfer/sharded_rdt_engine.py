@@ -326,7 +326,10 @@ class ShardedRDTWeightTransferEngine(
         self.pub.start()
         self._landed_any = False
         session = LayerwiseReloadSession(
-            self.model, self.model_config, on_abort=self._session_aborted
+            self.model,
+            self.model_config,
+            on_abort=self._session_aborted,
+            timeout_s=getattr(self.config, "update_timeout_s", None),
         )
         session.start()
         self._session = session
@@ -376,6 +379,7 @@ class ShardedRDTWeightTransferEngine(
             link.sync_id = update_info.sync_id
             link.checksums = header is not None and header.checksum is not None
         lander = self._lander
+        self._session.check_deadline("sharded_rdt update_weights")
         self._session.begin_landing()
         lander.begin()
         pulled, timing = self._run_pulls(lander)

@@ -1,0 +1,59 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The parts of ``LayerwiseReloadSession`` that need no vLLM model: the update
+deadline, duplicate names, and the untouched model before the first weights.
+(Landing itself is tested end to end on real engines.)"""
+
+import time
+
+import pytest
+import torch
+
+from vllm.config import WeightTransferConfig
+from vllm.distributed.weight_transfer.layerwise_session import LayerwiseReloadSession
+
+
+def session(timeout_s=None, aborts=None) -> LayerwiseReloadSession:
+    model = torch.nn.Linear(2, 2)
+    s = LayerwiseReloadSession(
+        model,
+        None,
+        on_abort=(lambda r, landed: aborts.append((r, landed)))
+        if aborts is not None
+        else None,
+        timeout_s=timeout_s,
+    )
+    s.start()
+    return s
+
+
+def test_an_update_without_weights_never_touches_the_model():
+    s = session()
+    weight = s.model.weight
+    s.finish()
+    assert s.model.weight is weight and not s.is_open
+
+
+def test_an_update_idle_past_its_deadline_is_aborted_with_the_reason():
+    aborts: list = []
+    s = session(timeout_s=0.01, aborts=aborts)
+    time.sleep(0.05)
+    with pytest.raises(TimeoutError, match="update_timeout_s=0.01"):
+        s.finish()
+    assert not s.is_open
+    assert aborts and not aborts[0][1]  # nothing had landed
+    with pytest.raises(RuntimeError, match="was aborted"):
+        s.load([("weight", torch.zeros(2, 2))])
+
+
+def test_a_name_repeated_within_one_message_is_refused_before_loading():
+    s = session()
+    w = torch.zeros(2, 2)
+    with pytest.raises(ValueError, match="'weight' more than once"):
+        s.load([("weight", w), ("bias", w[0]), ("weight", w)])
+    assert not s.landing
+
+
+def test_the_deadline_must_be_positive():
+    with pytest.raises(ValueError, match="update_timeout_s"):
+        WeightTransferConfig(backend="ipc", update_timeout_s=0)
