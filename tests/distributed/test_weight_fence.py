@@ -2,6 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The worker-side fence and the trainer's served-version helpers."""
 
+import time
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from vllm.distributed.weight_transfer.fencing import (
     fenced_version,
     is_fenced_version,
     set_served_version,
+    version_ceiling,
 )
 from vllm.distributed.weight_transfer.publication import Manifest, PublicationHeader
 
@@ -197,3 +200,19 @@ def test_a_failure_without_a_message_still_names_its_cause():
     fence.fail("")
     assert fence.status.reason == "unknown failure (no reason given)"
     assert fenced_version("p" * 8, "").endswith(": unknown failure (no reason given)")
+
+
+def test_a_version_far_beyond_the_wall_clock_is_refused_and_locks_out_nobody():
+    fence = committed_fence()
+    fence.start()
+    with pytest.raises(ValueError, match="beyond .* wall clock"):
+        fence.bind(header(2**62))
+    fence.fail("refused", weights_intact=True)
+    assert fence.state == WeightState.COMMITTED
+    # a default (wall-clock) trainer still gets through afterwards
+    now_us = time.time_ns() // 1000
+    fence.start()
+    fence.bind(header(now_us))
+    fence.touch()
+    fence.finish()
+    assert fence.status.model_version == now_us < version_ceiling()

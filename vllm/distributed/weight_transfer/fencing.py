@@ -25,6 +25,10 @@ its first byte landed cannot be rolled back: the model now mixes two versions.
 * Model versions never go backwards: a publication older than the committed one
   is rejected before it touches anything. Re-publishing the same version (a
   retry) is allowed.
+* A version more than ``MAX_VERSION_AHEAD_US`` beyond this host's wall clock
+  in microseconds (what default trainers publish) is rejected the same way:
+  once committed it would lock out every default trainer, whose versions could
+  never catch up.
 
 The worker cannot change the version the server reports (that lives in the
 engine core), so the trainer makes the fence visible: on any failure it sets
@@ -37,6 +41,7 @@ id>: <reason>"``) and sets the real version only after every receipt verified.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +51,10 @@ from vllm.distributed.weight_transfer.publication import (
 )
 
 FENCED_VERSION_PREFIX = "fenced:"
+# How far (microseconds) a publication's model version may lie beyond this
+# host's wall clock in microseconds: a day, so clock skew between hosts never
+# matters, while a client cannot push a version no default trainer reaches.
+MAX_VERSION_AHEAD_US = 24 * 3600 * 1_000_000
 _REASON_LIMIT = 300
 
 
@@ -157,6 +166,15 @@ class WeightFence:
                     f"the open update is publication {self._header.publication_id}"
                 )
             return
+        ceiling = version_ceiling()
+        if header.model_version > ceiling:
+            raise ValueError(
+                f"publication {header.publication_id} carries model version "
+                f"{header.model_version}, beyond {ceiling} (this host's wall clock "
+                "in microseconds plus a day); committing it would lock out every "
+                "trainer that versions by the wall clock. Use a smaller "
+                "model_version, or none (the wall clock)"
+            )
         if (
             self._committed_version is not None
             and header.model_version < self._committed_version
@@ -233,6 +251,11 @@ class WeightFence:
                 f"{operation} needs an open weight update; call "
                 "start_weight_update first"
             )
+
+
+def version_ceiling() -> int:
+    """The largest model version a worker accepts now."""
+    return time.time_ns() // 1000 + MAX_VERSION_AHEAD_US
 
 
 # ---------------------------------------------------------------------------
