@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The sync clients: the HTTP client against a local stdlib server (routes,
-plain-JSON bodies, errors carrying the server's message, timeouts), the Ray client
-against a stand-in ``ray`` module (fan-out, timeouts), the offline adapter."""
+plain-JSON bodies, errors carrying the server's message, timeouts that are both
+``TimeoutError`` and ``requests``' ``ReadTimeout``), the Ray client against a
+stand-in ``ray`` module (fan-out, upstream's two-call finish, optional timeouts),
+the offline adapter."""
 
 import json
 import sys
@@ -133,8 +135,11 @@ def test_http_client_times_out(server):
     client = HTTPVLLMWeightSyncClient(
         f"http://127.0.0.1:{server.server_port}", timeout=0.2
     )
-    with pytest.raises(TimeoutError, match="no answer within 0.2s"):
+    with pytest.raises(TimeoutError, match="no answer within 0.2s") as caught:
         client.start_weight_update()
+    # Callers written against upstream's client catch requests' exceptions.
+    assert isinstance(caught.value, requests.exceptions.ReadTimeout)
+    assert isinstance(caught.value, requests.RequestException)
 
 
 class _Method:
@@ -159,16 +164,19 @@ class _Actor:
 def fake_ray(monkeypatch):
     ray = types.ModuleType("ray")
 
-    class GetTimeoutError(Exception):
+    class GetTimeoutError(TimeoutError):  # as Ray's: a RayError and a TimeoutError
         pass
 
     errors = types.SimpleNamespace(GetTimeoutError=GetTimeoutError)
     ray.exceptions = errors  # type: ignore[attr-defined]
 
     def get(refs, timeout=None):
+        ray.timeouts.append(timeout)
         if timeout is not None and any(d > timeout for _, d in refs):
             raise GetTimeoutError("timed out")
         return [None] * len(refs)
+
+    ray.timeouts = []  # type: ignore[attr-defined]
 
     ray.get = get  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "ray", ray)
@@ -189,6 +197,7 @@ def test_ray_client_fans_out_to_every_actor(fake_ray):
             "start_weight_update",
             "update_weights",
             "finish_weight_update",
+            "update_weight_version",
         ]
         init_req = actor.calls[0][1][0]
         assert isinstance(init_req, WeightTransferInitRequest)
@@ -196,15 +205,30 @@ def test_ray_client_fans_out_to_every_actor(fake_ray):
         upd_req = actor.calls[2][1][0]
         assert isinstance(upd_req, WeightTransferUpdateRequest)
         assert upd_req.update_info == update_info().to_dict()
-        assert actor.calls[3][2] == {"weight_version": "v2"}
+        # Upstream's two calls: actors whose finish takes no version work too.
+        assert actor.calls[3][1:] == ((), {})
+        assert actor.calls[4][1:] == (("v2",), {})
 
 
-def test_ray_client_accepts_one_handle_and_times_out(fake_ray):
+def test_ray_client_finish_without_a_version_is_one_call(fake_ray):
+    actor = _Actor()
+    RayVLLMWeightSyncClient(actor).finish_weight_update()  # type: ignore[arg-type]
+    assert actor.calls == [("finish_weight_update", (), {})]
+
+
+def test_ray_client_waits_without_limit_unless_given_a_timeout(fake_ray):
+    RayVLLMWeightSyncClient(_Actor(delay=5.0)).start_weight_update()  # type: ignore[arg-type]
+    assert fake_ray.timeouts == [None]
     client = RayVLLMWeightSyncClient(_Actor(delay=5.0), timeout=1.0)  # type: ignore[arg-type]
     with pytest.raises(TimeoutError, match="start_weight_update did not complete"):
         client.start_weight_update()
-    with pytest.raises(ValueError, match="at least one actor"):
-        RayVLLMWeightSyncClient([])
+
+
+def test_ray_client_of_no_actors_does_nothing(fake_ray):
+    client = RayVLLMWeightSyncClient([])
+    client.start_weight_update()
+    client.finish_weight_update("v1")
+    assert client.get_world_size() == 0
 
 
 def test_offline_client_wraps_requests_for_llm():

@@ -9,10 +9,16 @@ with the four methods of ``VLLMWeightSyncClient``. Three are provided:
   ``vllm serve`` (``VLLM_SERVER_DEV_MODE=1``). Bodies are plain JSON; nothing
   is pickled, so the server needs no ``VLLM_ALLOW_INSECURE_SERIALIZATION``. A
   failed call raises ``requests.HTTPError`` carrying the server's message;
-  every call is bounded by ``timeout`` seconds.
-* ``RayVLLMWeightSyncClient(handle | [handles], timeout=300)``: ``LLM`` or
+  every call is bounded by ``timeout`` seconds, and a call that gets no answer
+  in time raises ``WeightSyncReadTimeout``, which is both the builtin
+  ``TimeoutError`` and the ``requests.exceptions.ReadTimeout`` upstream's
+  client raises.
+* ``RayVLLMWeightSyncClient(handle | [handles], timeout=None)``: ``LLM`` or
   ``AsyncLLM`` Ray actors. Each call fans out to every actor and waits for all
-  of them, at most ``timeout`` seconds (``None``: no limit).
+  of them; with ``timeout`` set, at most that many seconds (then Ray's
+  ``GetTimeoutError``, a ``TimeoutError``). ``finish_weight_update(v)`` is
+  upstream's two calls, ``finish_weight_update()`` then
+  ``update_weight_version(v)``, so any actor with upstream's methods works.
 * ``OfflineLLMWeightSyncClient(llm)``: an ``LLM`` in the trainer's own process.
 
 Beyond the four sync calls, each client can set the weight version the server
@@ -31,6 +37,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+import requests
+
 from vllm.distributed.weight_transfer.base import (
     WeightTransferInitRequest,
     WeightTransferUpdatePayload,
@@ -41,6 +49,17 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
 DEFAULT_TIMEOUT_S = 300.0
+
+
+class WeightSyncReadTimeout(TimeoutError, requests.exceptions.ReadTimeout):
+    """The server did not answer an HTTP weight-sync call within the client's
+    timeout. Callers may catch it as ``TimeoutError`` or as ``requests``'
+    ``ReadTimeout`` / ``Timeout`` / ``RequestException``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # requests' constructor (it keeps ``request=`` / ``response=``); the
+        # builtin one, first in the MRO, takes no keywords.
+        requests.exceptions.ReadTimeout.__init__(self, *args, **kwargs)
 
 
 def _plain(payload: Any) -> Any:
@@ -58,8 +77,6 @@ class HTTPVLLMWeightSyncClient:
         self.timeout = timeout
 
     def _post(self, route: str, body: dict[str, Any] | None = None) -> Any:
-        import requests
-
         url = f"{self.base_url}/{route}"
         data = None
         if body is not None:
@@ -77,10 +94,12 @@ class HTTPVLLMWeightSyncClient:
                 headers={"Content-Type": "application/json"} if data else None,
                 timeout=self.timeout,
             )
-        except requests.Timeout as e:
-            raise TimeoutError(
+        except requests.exceptions.ReadTimeout as e:
+            raise WeightSyncReadTimeout(
                 f"POST {url} got no answer within {self.timeout}s; raise "
-                "HTTPVLLMWeightSyncClient(timeout=...) for larger models"
+                "HTTPVLLMWeightSyncClient(timeout=...) for larger models",
+                request=e.request,
+                response=e.response,
             ) from e
         if not response.ok:
             raise requests.HTTPError(
@@ -113,8 +132,6 @@ class HTTPVLLMWeightSyncClient:
         self._post("update_weight_version", {"new_version": new_version})
 
     def get_world_size(self) -> int:
-        import requests
-
         url = f"{self.base_url}/get_world_size"
         response = requests.get(
             url, params={"include_dp": "true"}, timeout=self.timeout
@@ -134,21 +151,22 @@ class RayVLLMWeightSyncClient:
     def __init__(
         self,
         handle: ActorHandle | list[ActorHandle],
-        timeout: float | None = DEFAULT_TIMEOUT_S,
+        timeout: float | None = None,
     ) -> None:
+        # An empty list is allowed, as upstream allows it: every call is a no-op.
         self.handles = list(handle) if isinstance(handle, list) else [handle]
-        if not self.handles:
-            raise ValueError("RayVLLMWeightSyncClient needs at least one actor")
         self.timeout = timeout
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         import ray
 
         refs = [getattr(h, method).remote(*args, **kwargs) for h in self.handles]
+        if self.timeout is None:
+            return ray.get(refs)
         try:
             return ray.get(refs, timeout=self.timeout)
         except ray.exceptions.GetTimeoutError as e:
-            raise TimeoutError(
+            raise type(e)(
                 f"{method} did not complete on all {len(refs)} actor(s) within "
                 f"{self.timeout}s"
             ) from e
@@ -172,10 +190,9 @@ class RayVLLMWeightSyncClient:
         )
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        if weight_version is None:
-            self._call("finish_weight_update")
-        else:
-            self._call("finish_weight_update", weight_version=weight_version)
+        self._call("finish_weight_update")
+        if weight_version is not None:
+            self._call("update_weight_version", weight_version)
 
     def shutdown_weight_transfer_engine(self) -> None:
         self._call("shutdown_weight_transfer_engine")
