@@ -13,9 +13,9 @@ class WeightTransferConfig:
         "nccl"
     )
     """Name of the worker-side weight transfer engine. Any name registered with
-    `WeightTransferEngineFactory` is accepted (plugins may register more); the name
-    is resolved when the worker creates its engine, and an unknown name fails there
-    with the list of registered backends.
+    `WeightTransferEngineFactory` is accepted (plugins may register more). As in
+    upstream, the name is checked only when the worker creates its engine; an
+    unknown or empty name fails there, with the list of registered backends.
     """
 
     update_timeout_s: float = 600.0
@@ -28,11 +28,6 @@ class WeightTransferConfig:
     """
 
     def __post_init__(self) -> None:
-        if not isinstance(self.backend, str) or not self.backend.strip():
-            raise ValueError(
-                "weight_transfer_config.backend must be a non-empty backend name, "
-                f"got {self.backend!r}"
-            )
         if not self.update_timeout_s > 0:
             raise ValueError(
                 "weight_transfer_config.update_timeout_s must be a positive number "

@@ -4,19 +4,23 @@
 
 `WeightTransferEngineFactory` builds the worker-side engine named by
 `WeightTransferConfig.backend`; `WeightTransferTrainerFactory` builds the trainer-side
-engine named by `TrainerInitInfo.backend`. A backend is registered either by module
-path and class name, imported on first use so that unused backends (and their
+engine named by the trainer init info's ``backend``. A backend is registered either by
+module path and class name, imported on first use so that unused backends (and their
 optional dependencies) cost nothing, or directly by class.
+
+Each factory's ``_registry`` is what upstream code reads: a plain ``dict`` from
+backend name to a loader, where ``_registry[name]()`` returns the engine class.
+Code that copies it (``dict(_registry)``), iterates it, or puts a saved copy back
+keeps working, because the factories only ever use it as a mapping.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Generic, TypeVar
+from collections.abc import Callable, MutableMapping
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.weight_transfer.base import (
-    TrainerInitInfo,
     TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
     WeightSource,
@@ -31,127 +35,95 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-EngineT = TypeVar("EngineT")
-
 _PACKAGE = "vllm.distributed.weight_transfer"
 
 
-class BackendRegistry(Generic[EngineT]):
-    """Maps backend names to engine classes, importing lazily registered ones on
-    first lookup and caching the result."""
+def _lazy_loader(module_path: str, class_name: str) -> Callable[[], Any]:
+    """A loader that imports ``module_path`` when called (Python's module cache
+    makes every call after the first a lookup) and returns its ``class_name``."""
 
-    def __init__(self, side: str, base: type) -> None:
-        self.side = side
-        self.base = base
-        self._loaders: dict[str, Callable[[], type[EngineT]]] = {}
-        self._resolved: dict[str, type[EngineT]] = {}
+    def load() -> Any:
+        module = importlib.import_module(module_path)
+        try:
+            return getattr(module, class_name)
+        except AttributeError as e:
+            raise AttributeError(
+                f"weight transfer backend module {module_path!r} has no class "
+                f"{class_name!r}"
+            ) from e
 
-    def names(self) -> list[str]:
-        return sorted(self._loaders)
+    return load
 
-    def __contains__(self, name: object) -> bool:
-        return name in self._loaders
 
-    def register(
-        self,
-        name: str,
-        module_path_or_cls: str | type[EngineT],
-        class_name: str | None = None,
-    ) -> None:
-        if name in self._loaders:
+def _register(
+    registry: MutableMapping[str, Callable[[], Any]],
+    what: str,
+    name: str,
+    module_path_or_cls: str | type,
+    class_name: str | None,
+) -> None:
+    if name in registry:
+        raise ValueError(f"{what} '{name}' is already registered.")
+    if isinstance(module_path_or_cls, str):
+        if class_name is None:
             raise ValueError(
-                f"{self.side} weight transfer engine {name!r} is already registered"
+                "class_name is required when registering with module path "
+                f"({name!r} -> {module_path_or_cls!r})"
             )
-        if isinstance(module_path_or_cls, str):
-            if class_name is None:
-                raise ValueError(
-                    f"registering {name!r} by module path "
-                    f"{module_path_or_cls!r} also needs class_name"
-                )
-            self._loaders[name] = self._lazy_loader(
-                name, module_path_or_cls, class_name
-            )
-            return
-        if class_name is not None:
-            raise ValueError(
-                f"class_name={class_name!r} is only valid when registering {name!r} "
-                "by module path"
-            )
-        cls = module_path_or_cls
-        self._check_subclass(name, cls)
-        self._loaders[name] = lambda: cls
-
-    def unregister(self, name: str) -> None:
-        """Remove a backend (tests and plugins that replace a built-in)."""
-        self._loaders.pop(name, None)
-        self._resolved.pop(name, None)
-
-    def resolve(self, name: str) -> type[EngineT]:
-        if name not in self._loaders:
-            raise ValueError(
-                f"Invalid weight transfer backend: {name!r}. Available "
-                f"{self.side} engines: {self.names()}"
-            )
-        cls = self._resolved.get(name)
-        if cls is None:
-            cls = self._loaders[name]()
-            self._resolved[name] = cls
-        return cls
-
-    def _lazy_loader(
-        self, name: str, module_path: str, class_name: str
-    ) -> Callable[[], type[EngineT]]:
-        def load() -> type[EngineT]:
-            module = importlib.import_module(module_path)
-            try:
-                cls = getattr(module, class_name)
-            except AttributeError as e:
-                raise ValueError(
-                    f"weight transfer backend {name!r}: module {module_path!r} "
-                    f"has no class {class_name!r}"
-                ) from e
-            self._check_subclass(name, cls)
-            return cls
-
-        return load
-
-    def _check_subclass(self, name: str, cls: object) -> None:
-        if not (isinstance(cls, type) and issubclass(cls, self.base)):
-            raise TypeError(
-                f"{self.side} weight transfer backend {name!r} must be a subclass "
-                f"of {self.base.__name__}, got {cls!r}"
-            )
+        registry[name] = _lazy_loader(module_path_or_cls, class_name)
+        return
+    if class_name is not None:
+        raise ValueError(
+            f"class_name={class_name!r} is only valid when registering {name!r} "
+            "by module path"
+        )
+    engine_cls = module_path_or_cls
+    registry[name] = lambda: engine_cls
 
 
-class _FactoryBase(Generic[EngineT]):
-    """Class-level registration and lookup shared by both factories."""
+def _resolve(
+    registry: MutableMapping[str, Callable[[], Any]], available: str, name: str
+) -> Any:
+    if name not in registry:
+        raise ValueError(
+            f"Invalid weight transfer backend: {name}. {available}: {sorted(registry)}"
+        )
+    return registry[name]()
 
-    _registry: BackendRegistry[EngineT]
+
+class WeightTransferEngineFactory:
+    """Worker side: creates the engine that receives weights inside a vLLM worker.
+
+    An engine class is anything constructed as ``cls(config, vllm_config, device,
+    model)``; subclassing `WeightTransferEngine` is the usual way, not a
+    requirement."""
+
+    _registry: dict[str, Callable[[], type[WeightTransferEngine]]] = {}
 
     @classmethod
     def register_engine(
         cls,
         name: str,
-        module_path_or_cls: str | type[EngineT],
+        module_path_or_cls: str | type,
         class_name: str | None = None,
     ) -> None:
         """Register a backend by ``(module_path, class_name)`` (imported on first
         use) or by class. Registering a taken name raises `ValueError`."""
-        cls._registry.register(name, module_path_or_cls, class_name)
+        _register(
+            cls._registry,
+            "Weight transfer engine",
+            name,
+            module_path_or_cls,
+            class_name,
+        )
 
     @classmethod
     def available_backends(cls) -> list[str]:
-        return cls._registry.names()
+        return sorted(cls._registry)
 
     @classmethod
-    def get_engine_class(cls, name: str) -> type[EngineT]:
-        return cls._registry.resolve(name)
-
-
-class WeightTransferEngineFactory(_FactoryBase[WeightTransferEngine]):
-    """Worker side: creates the engine that receives weights inside a vLLM worker."""
-
-    _registry = BackendRegistry("worker", WeightTransferEngine)
+    def get_engine_class(cls, name: str) -> type[WeightTransferEngine]:
+        return _resolve(cls._registry, "Available engines", name)
 
     @classmethod
     def create_engine(
@@ -161,43 +133,76 @@ class WeightTransferEngineFactory(_FactoryBase[WeightTransferEngine]):
         device: torch.device,
         model: torch.nn.Module,
     ) -> WeightTransferEngine:
-        engine_cls = cls._registry.resolve(config.backend)
+        engine_cls = cls.get_engine_class(config.backend)
         logger.info(
             "Creating weight transfer engine %r (%s.%s)",
             config.backend,
-            engine_cls.__module__,
-            engine_cls.__qualname__,
+            getattr(engine_cls, "__module__", "?"),
+            getattr(engine_cls, "__qualname__", engine_cls),
         )
         return engine_cls(config, vllm_config, device, model)
 
 
-class WeightTransferTrainerFactory(_FactoryBase[TrainerWeightTransferEngine]):
+class WeightTransferTrainerFactory:
     """Trainer side: builds the engine that sends weights, chosen by
-    ``init_info.backend``."""
+    ``init_info.backend``.
 
-    _registry = BackendRegistry("trainer", TrainerWeightTransferEngine)
+    An engine class is anything with a ``trainer_init(init_info=..., client=...,
+    source=...)`` classmethod; subclassing `TrainerWeightTransferEngine` is the
+    usual way, not a requirement."""
+
+    _registry: dict[str, Callable[[], type[TrainerWeightTransferEngine]]] = {}
+
+    @classmethod
+    def register_engine(
+        cls,
+        name: str,
+        module_path_or_cls: str | type,
+        class_name: str | None = None,
+    ) -> None:
+        """Same conventions as `WeightTransferEngineFactory.register_engine`."""
+        _register(
+            cls._registry,
+            "Weight transfer trainer engine",
+            name,
+            module_path_or_cls,
+            class_name,
+        )
+
+    @classmethod
+    def available_backends(cls) -> list[str]:
+        return sorted(cls._registry)
+
+    @classmethod
+    def get_engine_class(cls, name: str) -> type[TrainerWeightTransferEngine]:
+        return _resolve(cls._registry, "Available trainer engines", name)
 
     @classmethod
     def trainer_init(
         cls,
-        init_info: TrainerInitInfo,
+        init_info: Any,
         *,
         client: VLLMWeightSyncClient,
         source: WeightSource | None = None,
     ) -> TrainerWeightTransferEngine:
         """Build a ready-to-send trainer engine on this rank.
 
-        Every trainer rank calls this; the engine decides from ``init_info.rank``
-        whether this rank also drives the control plane.
+        ``init_info`` is usually a `TrainerInitInfo` subclass, whose ``backend``
+        class attribute names the engine; any object with a string ``backend``
+        attribute is accepted. Every trainer rank calls this; the engine decides
+        from ``init_info.rank`` whether this rank also drives the control plane.
         """
-        backend = getattr(type(init_info), "backend", None)
+        backend = getattr(init_info, "backend", None)
         if not isinstance(backend, str):
             raise TypeError(
-                "init_info must be a TrainerInitInfo subclass with a `backend` "
-                f"class attribute, got {type(init_info).__name__}"
+                "init_info needs a string `backend` naming a trainer engine (a "
+                "TrainerInitInfo subclass sets it as a class attribute), got "
+                f"{type(init_info).__name__} with backend={backend!r}"
             )
-        engine_cls = cls._registry.resolve(backend)
-        return engine_cls.trainer_init(init_info, client=client, source=source)
+        engine_cls = cls.get_engine_class(backend)
+        return engine_cls.trainer_init(
+            init_info=init_info, client=client, source=source
+        )
 
 
 # Built-in backends: (name, worker module, worker class, trainer module, trainer class).

@@ -32,8 +32,8 @@ class FullResyncTrainerEngine(TrainerWeightTransferEngine[TTrainerInitInfo]):
     ) -> Self:
         if source is None:
             raise ValueError(
-                f"the {init_info.backend} backend needs source= (a WeightSource "
-                "such as ModuleSource(model)) at trainer_init"
+                f"the {init_info.backend} trainer engine requires a WeightSource: "
+                "it needs source= (e.g. ModuleSource(model)) at trainer_init"
             )
         return cls.from_init_info(init_info, client, source)
 
