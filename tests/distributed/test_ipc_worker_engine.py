@@ -256,3 +256,19 @@ def test_manifest_contradicting_the_checkpoint_is_rejected_before_loading(tmp_pa
     assert engine.fence_status["state"] == "idle"  # nothing landed
     for name, want in before.items():
         assert torch.equal(dict(target.named_parameters())[name], want), name
+
+
+def test_an_integer_dtype_declared_for_a_float_parameter_is_rejected():
+    target, trainer = reload_ready(0), TinyNet(1)
+    before = state(target)
+    trainer.b.bias = torch.nn.Parameter(
+        trainer.b.bias.detach().view(torch.int32), requires_grad=False
+    )  # the float bytes, declared int32
+    engine = make_engine(target)  # no checkpoint: checks the module's parameters
+    with pytest.raises(
+        ManifestMismatch, match=r"b.bias as int32 \(served model: float"
+    ):
+        push(engine, trainer)
+    assert engine.fence_status["state"] == "idle"  # nothing landed
+    for name, want in before.items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name

@@ -12,10 +12,16 @@ data is read), and ``check_manifest_shapes`` compares a publication's manifest
 with them before anything lands.
 
 Only names present in both are compared: a trainer may send names the
-checkpoint lacks (a tied ``lm_head``) or omit some (a partial update). Dtypes
-are not compared, since a checkpoint stored in bf16 may be served in fp32. A
-checkpoint that is not a local folder of safetensors files (nor in the Hugging
-Face cache) yields None, and the check is skipped.
+checkpoint lacks (a tied ``lm_head``) or omit some (a partial update). Exact
+dtypes are not compared, since a checkpoint stored in bf16 may be served in
+fp32, but their kind is (``dtype_kind``: floating point, integer, bool,
+complex): the loader casts whatever it gets, so float32 bytes declared int32
+would land as integers converted to floats. ``check_manifest_dtypes`` compares
+kinds against ``checkpoint_dtype_kinds``, or, where the checkpoint is not at
+hand, against the served module's parameters of the same name
+(``module_dtype_kinds``). A checkpoint that is not a local folder of
+safetensors files (nor in the Hugging Face cache) yields None, and the
+checkpoint checks are skipped.
 """
 
 from __future__ import annotations
@@ -25,25 +31,73 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from vllm.distributed.weight_transfer.publication import Manifest, ManifestMismatch
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
 Shapes = dict[str, tuple[int, ...]]
+# Name -> dtype kind ("float", "int", "bool" or "complex").
+Kinds = dict[str, str]
 _LIST_LIMIT = 8
+
+
+def dtype_kind(dtype: torch.dtype | str) -> str | None:
+    """The kind of a torch dtype, a torch dtype name, or a safetensors dtype
+    (``"BF16"``, ``"I32"``, ``"BOOL"``); None if unknown."""
+    if isinstance(dtype, str):
+        found = getattr(torch, dtype, None) if not dtype.startswith("_") else None
+        if isinstance(found, torch.dtype):
+            dtype = found
+        elif dtype == "BOOL":
+            return "bool"
+        elif dtype[:1] in ("F", "B"):  # F16, F32, F8_E4M3, BF16
+            return "float"
+        elif dtype[:1] in ("I", "U"):
+            return "int"
+        elif dtype[:1] == "C":
+            return "complex"
+        else:
+            return None
+    if dtype.is_complex:
+        return "complex"
+    if dtype.is_floating_point:
+        return "float"
+    return "bool" if dtype == torch.bool else "int"
 
 
 def checkpoint_shapes(model_config: Any) -> Shapes | None:
     """Tensor shapes by name of ``model_config``'s checkpoint, or None."""
+    structure = _checkpoint_structure(model_config)
+    return structure[0] if structure is not None else None
+
+
+def checkpoint_dtype_kinds(model_config: Any) -> Kinds | None:
+    """Tensor dtype kinds by name of ``model_config``'s checkpoint, or None."""
+    structure = _checkpoint_structure(model_config)
+    return structure[1] if structure is not None else None
+
+
+def module_dtype_kinds(module: torch.nn.Module) -> Kinds:
+    """Dtype kinds of ``module``'s parameters by name."""
+    return {
+        name: kind
+        for name, param in module.named_parameters(remove_duplicate=False)
+        if (kind := dtype_kind(param.dtype)) is not None
+    }
+
+
+def _checkpoint_structure(model_config: Any) -> tuple[Shapes, Kinds] | None:
     model = getattr(model_config, "model", None)
     if not isinstance(model, str):
         return None
-    return _shapes_of(model, getattr(model_config, "revision", None))
+    return _structure_of(model, getattr(model_config, "revision", None))
 
 
 @functools.cache
-def _shapes_of(model: str, revision: str | None) -> Shapes | None:
+def _structure_of(model: str, revision: str | None) -> tuple[Shapes, Kinds] | None:
     folder = _local_folder(model, revision)
     if folder is None:
         return None
@@ -53,11 +107,16 @@ def _shapes_of(model: str, revision: str | None) -> Shapes | None:
     from safetensors import safe_open
 
     shapes: Shapes = {}
+    kinds: Kinds = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    return shapes
+                tensor = f.get_slice(name)
+                shapes[name] = tuple(tensor.get_shape())
+                kind = dtype_kind(tensor.get_dtype())
+                if kind is not None:
+                    kinds[name] = kind
+    return shapes, kinds
 
 
 def _local_folder(model: str, revision: str | None) -> Path | None:
@@ -97,4 +156,26 @@ def check_manifest_shapes(
             f"model's checkpoint on {len(wrong)} tensor shape(s): "
             f"{listed}; the trainer and the server hold different "
             "models, so nothing was loaded"
+        )
+
+
+def check_manifest_dtypes(
+    manifest: Manifest, kinds: Kinds, publication_id: str
+) -> None:
+    """``ManifestMismatch`` if a tensor the served model also has is declared
+    with a dtype of another kind (float32 bytes declared int32)."""
+    wrong = [
+        f"{e.name} as {e.dtype} (served model: {kinds[e.name]})"
+        for e in manifest.entries
+        if e.name in kinds and dtype_kind(e.dtype) != kinds[e.name]
+    ]
+    if wrong:
+        listed = "; ".join(wrong[:_LIST_LIMIT])
+        if len(wrong) > _LIST_LIMIT:
+            listed += f"; and {len(wrong) - _LIST_LIMIT} more"
+        raise ManifestMismatch(
+            f"publication {publication_id}'s manifest declares {len(wrong)} "
+            f"tensor(s) with a dtype the served model cannot take: {listed}; "
+            "send each tensor in a dtype of the same kind (floating point, "
+            "integer, bool) as the served checkpoint; nothing was loaded"
         )

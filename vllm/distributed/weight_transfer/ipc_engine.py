@@ -89,8 +89,11 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.checkpoint_structure import (
     Shapes,
+    check_manifest_dtypes,
     check_manifest_shapes,
+    checkpoint_dtype_kinds,
     checkpoint_shapes,
+    module_dtype_kinds,
 )
 from vllm.distributed.weight_transfer.checksum import payload_checksum
 from vllm.distributed.weight_transfer.fencing import (
@@ -1088,11 +1091,14 @@ class IPCWeightTransferEngine(
         """Reject a manifest the served checkpoint contradicts, before loading."""
         header = self.pub.header
         assert header is not None and self.pub.checker is not None
+        manifest = self.pub.checker.manifest
         shapes: Shapes | None = checkpoint_shapes(self.model_config)
         if shapes is not None:
-            check_manifest_shapes(
-                self.pub.checker.manifest, shapes, header.publication_id
-            )
+            check_manifest_shapes(manifest, shapes, header.publication_id)
+        kinds = checkpoint_dtype_kinds(self.model_config)
+        if kinds is None:
+            kinds = module_dtype_kinds(self.model)
+        check_manifest_dtypes(manifest, kinds, header.publication_id)
 
     def _get_importer(self) -> BufferImporter:
         if self._importer is None:
