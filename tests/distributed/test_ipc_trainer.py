@@ -70,7 +70,7 @@ class LoopbackClient:
         message = self.pub.begin_message(json.loads(json.dumps(update_info)))
         info = IPCWeightTransferUpdateInfo.from_dict(message)
         self.events.append(("update", tuple(info.names)))
-        importer = BufferImporter(torch.device("cpu"), local_rank=0)
+        importer = BufferImporter(torch.device("cpu"), local_rank=0, writable=True)
         handles = [importer.select(b, "ipc_handles")[1] for b in info.buffers()]
         buffers = [importer.open(h) for h in handles]
         try:

@@ -131,12 +131,13 @@ def test_draft_target_receives_the_update_and_the_default_model_does_not():
         assert torch.equal(dict(default.named_parameters())[name], want), name
 
 
-def test_failed_update_restores_layers_that_did_not_complete():
+def test_a_failed_update_before_any_weight_leaves_the_model_untouched():
     target = reload_ready(0)
     before = state(target)
     engine = make_engine(target)
     engine.start_weight_update()
-    assert dict(target.named_parameters())["a.weight"].is_meta
+    # nothing is moved aside until weights arrive
+    assert not dict(target.named_parameters())["a.weight"].is_meta
     with pytest.raises(ValueError, match="ipc_handles is missing"):
         engine.update_weights(
             {"names": ["a.weight", "a.bias"], "dtype_names": ["float32"], "shapes": []}
@@ -149,6 +150,19 @@ def test_failed_update_restores_layers_that_did_not_complete():
     engine.finish_weight_update()
     for name, want in before.items():
         assert torch.equal(dict(target.named_parameters())[name], want), name
+
+
+def test_abort_restores_layers_that_did_not_complete():
+    target = reload_ready(0)
+    before = state(target)
+    session = LayerwiseReloadSession(target, SimpleNamespace(dtype=None))
+    session.start()
+    session.load([("a.weight", torch.ones_like(before["a.weight"]))])
+    assert dict(target.named_parameters())["a.weight"].is_meta  # a lacks its bias
+    session.abort("test")
+    for name, want in before.items():
+        param = dict(target.named_parameters())[name]
+        assert not param.is_meta and torch.equal(param, want), name
 
 
 def test_abort_message_restores_and_finish_is_then_a_no_op():

@@ -117,7 +117,7 @@ class BufferImporter:
     """
 
     def __init__(
-        self, device: torch.device, local_rank: int, *, writable: bool = True
+        self, device: torch.device, local_rank: int, *, writable: bool = False
     ) -> None:
         self.device = device
         self.local_rank = local_rank

@@ -56,7 +56,7 @@ class ByteFlippingClient:
         _, _, rest = pop_publication(update_info)
         info = IPCWeightTransferUpdateInfo.from_dict(rest)
         view = next(v for v in info.views() if v.nbytes)
-        importer = BufferImporter(torch.device("cpu"), local_rank=0)
+        importer = BufferImporter(torch.device("cpu"), local_rank=0, writable=True)
         try:
             _, handle = importer.select(info.buffers()[view.buffer], "ipc_handles")
             buf = importer.open(handle)
