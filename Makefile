@@ -2,14 +2,16 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 #
 #   make demo   set up, then a trainer pushes new weights into a served tiny model
-#   make test   set up, lint, then every test (the slow end-to-end ones included)
+#   make test   set up, lint, then every test (the slow end-to-end ones included),
+#               then upstream vLLM 0.32.0's own weight-transfer tests (test-upstream)
 
 VENV := .venv
 PY := $(VENV)/bin/python
 FORK_PY = $(shell git ls-files '*.py')
 PYTEST_ARGS ?=
+UPSTREAM_PYTEST_ARGS ?=
 
-.PHONY: setup lint test test-fast demo
+.PHONY: setup lint test test-fast test-upstream demo
 
 setup:
 	bash tools/fork/setup_env.sh
@@ -22,6 +24,12 @@ lint: setup
 
 test: lint
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+	bash tools/fork/upstream_tests.sh
+
+# Upstream's tests, unmodified, against the fork; the reasoned exceptions are in
+# tools/fork/upstream_tests_differ.txt.
+test-upstream: setup
+	bash tools/fork/upstream_tests.sh $(UPSTREAM_PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
