@@ -369,7 +369,7 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                 "IPCTrainerWeightTransferEngine does."
             )
         if self.ipc_handles is None:
-            raise ValueError("update_info.ipc_handles is missing")
+            raise ValueError("update_info.ipc_handles is missing: it must be provided")
         names = self.names
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise ValueError("update_info.names must be a list of strings")

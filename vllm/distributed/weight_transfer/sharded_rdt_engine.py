@@ -81,6 +81,9 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
+# Upstream 0.32's private name for the same function (its tests import it).
+_dtype_from_name = dtype_from_name
+
 __all__ = [
     "ShardedRDTWeightTransferEngine",
     "ShardedRDTWeightTransferInitInfo",
