@@ -75,3 +75,16 @@ def test_segments_of_exited_processes_are_reaped(tmp_path):
     assert reap_segments(str(tmp_path)) == [dead.name]
     assert not dead.exists()
     assert mine.exists() and other.exists() and link.is_symlink() and target.exists()
+
+
+def test_old_receipt_directories_are_reaped(tmp_path):
+    from vllm.distributed.weight_transfer.stale_updates import reap_receipt_dirs
+
+    old = tmp_path / "vllm-wt-receipts-deadbeef01"
+    new = tmp_path / "vllm-wt-receipts-cafebabe02"
+    for d in (old, new):
+        d.mkdir()
+        (d / "worker-0-0123456789abcdef.json").write_text("{}")
+    os.utime(old, (0, 0))
+    assert reap_receipt_dirs(str(tmp_path), max_age_s=3600) == [old.name]
+    assert not old.exists() and new.exists()

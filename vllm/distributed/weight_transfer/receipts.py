@@ -107,7 +107,11 @@ class ShmReceiptBox:
         name = f"{RECEIPT_DIR_PREFIX}{publication_id}"
         if not _RECEIPT_DIR_RE.fullmatch(name):
             raise ValueError(f"publication id {publication_id!r} is not valid")
-        self.path = Path(root or default_receipt_root()) / name
+        from vllm.distributed.weight_transfer.stale_updates import reap_receipt_dirs
+
+        base = Path(root or default_receipt_root())
+        reap_receipt_dirs(str(base))  # left by trainers that died mid-sync
+        self.path = base / name
         # mode 0700: only this user's processes (the colocated workers) write.
         self.path.mkdir(mode=0o700)
 

@@ -15,12 +15,18 @@ Such a trainer leaves two things behind:
 * shared-memory segments ``/dev/shm/vllm-wt-<pid>-<random>``: ``reap_segments``
   removes those whose creating process no longer exists and that belong to
   this user. Trainers call it before they create segments.
+* receipt directories ``vllm-wt-receipts-<publication id>`` (one per verified
+  sync, removed when the sync ends): ``reap_receipt_dirs`` removes this user's
+  that are older than ``RECEIPT_DIR_MAX_AGE_S``, far longer than any sync.
+  Trainers call it before they create one.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import time
 from typing import Any
 
 from vllm.logger import init_logger
@@ -31,6 +37,8 @@ logger = init_logger(__name__)
 _STILL_OPEN_TEXT = "already active"
 _SEGMENT_RE = re.compile(r"vllm-wt-(?P<pid>\d+)-[0-9a-f]+")
 SHM_ROOT = "/dev/shm"
+_RECEIPT_DIR_RE = re.compile(r"vllm-wt-receipts-[A-Za-z0-9_-]{8,64}")
+RECEIPT_DIR_MAX_AGE_S = 24 * 3600.0
 
 
 def start_update(client: Any, who: str) -> None:
@@ -97,4 +105,33 @@ def reap_segments(root: str = SHM_ROOT) -> list[str]:
             len(removed),
             ", ".join(removed[:5]),
         )
+    return removed
+
+
+def reap_receipt_dirs(root: str, max_age_s: float = RECEIPT_DIR_MAX_AGE_S) -> list[str]:
+    """Remove this user's receipt directories under ``root`` last modified more
+    than ``max_age_s`` ago (left by trainers that died); return their names."""
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return []
+    uid, now = os.getuid(), time.time()
+    removed = []
+    for entry in entries:
+        if _RECEIPT_DIR_RE.fullmatch(entry.name) is None:
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if (
+                st.st_uid != uid
+                or not entry.is_dir(follow_symlinks=False)
+                or now - st.st_mtime <= max_age_s
+            ):
+                continue
+            shutil.rmtree(entry.path)
+        except OSError:
+            continue
+        removed.append(entry.name)
+    if removed:
+        logger.info("Removed %d stale receipt directories", len(removed))
     return removed
