@@ -3,8 +3,10 @@
 """The planner inside a real TP=2 CPU engine's workers.
 
 Baking must not change what the engine generates, and a weight update that lands
-the replayed plan through vLLM's layerwise reload must leave the engine exactly
-where ``load_weights`` of the same tensors does (tokens and logprobs).
+the replayed plan through the production path (the producer's ``pack_chunk``,
+the engine's ``ChunkLander`` inside a ``LayerwiseReloadSession``) must leave the
+engine exactly where ``load_weights`` of the same tensors through the same
+session does (tokens and logprobs).
 Dense Qwen3 only: on CPU, vLLM's MoE kernels lose their prepacked layout on any
 layerwise reload (cpu-feasibility.md section 7), with or without the planner.
 """

@@ -426,31 +426,35 @@ def worker_bake(worker: Any) -> dict[str, Any]:
 
 
 def worker_update(worker: Any, seed: int | None, via_plan: bool) -> None:
-    """One weight update inside a layerwise reload: either by landing the baked
-    plan's replayed slices group by group, or by ``model.load_weights`` of the
-    same tensors (the reference)."""
+    """One weight update through the worker's production landing path: a
+    ``LayerwiseReloadSession`` fed either by the baked plan (each chunk packed
+    by the producer's ``pack_chunk`` from the replayed slices and landed by the
+    engine's ``ChunkLander``) or by ``load`` of the same checkpoint tensors
+    (``model.load_weights``, the reference)."""
     from vllm.config import set_current_vllm_config
-    from vllm.distributed.weight_transfer.sharded_rdt_landing import land_group
-    from vllm.distributed.weight_transfer.sharded_rdt_ops import replay_slice
-    from vllm.model_executor.model_loader.reload import (
-        finalize_layerwise_reload,
-        initialize_layerwise_reload,
+    from vllm.distributed.weight_transfer.layerwise_session import (
+        LayerwiseReloadSession,
     )
+    from vllm.distributed.weight_transfer.sharded_rdt_chunks import build_pull_plan
+    from vllm.distributed.weight_transfer.sharded_rdt_common import RdtRouter
+    from vllm.distributed.weight_transfer.sharded_rdt_producer import pack_chunk
+    from vllm.distributed.weight_transfer.sharded_rdt_reload import ChunkLander
 
     model = worker.model_runner.model
     checkpoint = _worker_checkpoint(worker, seed)
+    session = LayerwiseReloadSession(model, worker.vllm_config.model_config)
     with set_current_vllm_config(worker.vllm_config), torch.no_grad():
-        initialize_layerwise_reload(model)
+        session.start()
         if via_plan:
-            for group in worker.sharded_rdt_test_plan.groups:
-                land_group(
-                    model,
-                    group,
-                    (
-                        replay_slice(checkpoint[c.slice.source], c.slice)
-                        for c in group.copies
-                    ),
-                )
+            plan = worker.sharded_rdt_test_plan
+            pulls = build_pull_plan(plan, RdtRouter(1, 1), consumer_id=0)
+            lander = ChunkLander(model, plan, pulls)
+            session.begin_landing()
+            lander.begin()
+            for index, chunk in enumerate(pulls.chunks):
+                data = torch.empty(chunk.nbytes, dtype=torch.uint8)
+                pack_chunk(chunk, checkpoint, data)
+                lander.land(index, data)
         else:
-            model.load_weights(iter(checkpoint.items()))
-        finalize_layerwise_reload(model, worker.vllm_config.model_config)
+            session.load(list(checkpoint.items()))
+        session.finish()
