@@ -126,7 +126,7 @@ def test_http_error_carries_the_server_message(server):
 def test_http_client_refuses_non_json_payloads(server):
     client = HTTPVLLMWeightSyncClient(f"http://127.0.0.1:{server.server_port}")
     with pytest.raises(TypeError, match="must be plain JSON"):
-        client.update_weights({"ipc_handles": {"gpu": (b"raw", object())}})
+        client.update_weights({"ipc_handles": {"gpu": {"kind": "shm", "x": object()}}})
     assert server.requests == []
 
 

@@ -6,13 +6,18 @@ A trainer engine drives ``init -> start -> update* -> finish`` through any objec
 with the four methods of ``VLLMWeightSyncClient``. Three are provided:
 
 * ``HTTPVLLMWeightSyncClient(base_url, timeout=300)``: the RL routes of
-  ``vllm serve`` (``VLLM_SERVER_DEV_MODE=1``). Bodies are plain JSON; nothing
-  is pickled, so the server needs no ``VLLM_ALLOW_INSECURE_SERIALIZATION``. A
+  ``vllm serve`` (``VLLM_SERVER_DEV_MODE=1``). Bodies are plain JSON; the
+  fork's own updates are never pickled, so the server needs no
+  ``VLLM_ALLOW_INSECURE_SERIALIZATION``. A
   failed call raises ``requests.HTTPError`` carrying the server's message;
   every call is bounded by ``timeout`` seconds, and a call that gets no answer
   in time raises ``WeightSyncReadTimeout``, which is both the builtin
   ``TimeoutError`` and the ``requests.exceptions.ReadTimeout`` upstream's
-  client raises.
+  client raises. The one exception to plain JSON is upstream 0.32's form: an
+  update whose ``ipc_handles`` are raw ``reduce_tensor`` tuples (not the
+  fork's JSON handle objects) travels, as upstream's client sends it, in
+  ``ipc_handles_pickled`` (base64 pickle), which a server unpickles only under
+  ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
 * ``RayVLLMWeightSyncClient(handle | [handles], timeout=None)``: ``LLM`` or
   ``AsyncLLM`` Ray actors. Each call fans out to every actor and waits for all
   of them; with ``timeout`` set, at most that many seconds (then Ray's
@@ -34,7 +39,9 @@ Update payloads are dicts (or a list of dicts, one per worker); objects with a
 
 from __future__ import annotations
 
+import base64
 import json
+import pickle
 from typing import TYPE_CHECKING, Any
 
 import requests
@@ -67,6 +74,28 @@ def _plain(payload: Any) -> Any:
         return [_plain(p) for p in payload]
     to_dict = getattr(payload, "to_dict", None)
     return to_dict() if callable(to_dict) else payload
+
+
+def _has_raw_ipc_handles(handles: Any) -> bool:
+    maps = handles if isinstance(handles, list) else [handles]
+    return any(
+        isinstance(m, dict) and any(isinstance(h, tuple) for h in m.values())
+        for m in maps
+    )
+
+
+def _http_update_info(info: Any) -> Any:
+    """``info`` with raw upstream ``ipc_handles`` moved into
+    ``ipc_handles_pickled``, as upstream 0.32's HTTP client sends them; the
+    fork's JSON handle objects are left as they are."""
+    if isinstance(info, list):
+        return [_http_update_info(i) for i in info]
+    if not isinstance(info, dict) or not _has_raw_ipc_handles(info.get("ipc_handles")):
+        return info
+    out = {k: v for k, v in info.items() if k != "ipc_handles"}
+    pickled = pickle.dumps(info["ipc_handles"])
+    out["ipc_handles_pickled"] = base64.b64encode(pickled).decode("ascii")
+    return out
 
 
 class HTTPVLLMWeightSyncClient:
@@ -119,7 +148,8 @@ class HTTPVLLMWeightSyncClient:
         self._post("start_draft_weight_update")
 
     def update_weights(self, update_info: WeightTransferUpdatePayload) -> None:
-        self._post("update_weights", {"update_info": _plain(update_info)})
+        body = {"update_info": _http_update_info(_plain(update_info))}
+        self._post("update_weights", body)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         body = None if weight_version is None else {"weight_version": weight_version}

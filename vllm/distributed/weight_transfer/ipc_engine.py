@@ -908,15 +908,24 @@ class IPCWeightTransferEngine(
         # Device keys this worker read in the current or last update
         # (diagnostics: which trainer rank's buffers fed this worker).
         self.last_update_keys: set[str] = set()
-        self.pub = WorkerPublication(
-            backend="ipc",
-            worker_rank=_worker_rank(vllm_config),
-            worker_device=device_identity(device),
-        )
+        # Created on first use: naming the device queries it (a GPU's UUID),
+        # and constructing the engine must not touch the device.
+        self._pub: WorkerPublication | None = None
         # Set once a weight of the open update was handed to the loader.
         self._loaded = False
         # Set by an abort message until the finish that closes the update.
         self._aborted = False
+
+    @property
+    def pub(self) -> WorkerPublication:
+        """This worker's publication state (verified publication, fencing)."""
+        if self._pub is None:
+            self._pub = WorkerPublication(
+                backend="ipc",
+                worker_rank=_worker_rank(self.vllm_config),
+                worker_device=device_identity(self.device),
+            )
+        return self._pub
 
     # -- parsing ---------------------------------------------------------------
 
@@ -996,6 +1005,14 @@ class IPCWeightTransferEngine(
                 f"update_info.ipc_handles is {form} (packed={update_info.packed}) "
                 f"but init_weight_transfer_engine set packed={self.packed}"
             )
+        if update_info.upstream_wire and self.device.type != "cuda":
+            raise ValueError(
+                "update_info.ipc_handles holds upstream 0.32's reduce_tensor "
+                "tuples, which are CUDA IPC handles; this worker runs on "
+                f"{self.device.type}. Send from the fork's "
+                "IPCTrainerWeightTransferEngine, which moves CPU tensors "
+                "through shared memory"
+            )
         views = update_info.views()
         for view in views:
             self.pub.admit(view.name, view.dtype, view.shape, view.nbytes)
@@ -1012,6 +1029,9 @@ class IPCWeightTransferEngine(
         weights = []
         for view in views:
             raw = buffers[view.buffer][view.offset : view.offset + view.nbytes]
+            if view.offset % view.dtype.itemsize:
+                # Upstream packs without padding; a dtype view needs alignment.
+                raw = raw.clone()
             weights.append((view.name, raw.view(view.dtype).view(view.shape)))
         self.pub.touch()
         self._loaded = True

@@ -4,7 +4,7 @@
 
 Everything here is plain JSON: the trainer builds these objects, sends
 ``to_dict()`` over HTTP, Ray or ``LLM.update_weights``, and the worker rebuilds
-them with ``from_dict``. Nothing is ever pickled. Every check runs in
+them with ``from_dict``. The fork never pickles them. Every check runs in
 ``__post_init__``, so a message that reaches the worker engine is either fully
 valid or rejected with a ``ValueError`` naming the field, before any weight is
 touched.
@@ -44,8 +44,15 @@ trainer process serves every worker).
 it when it fails after ``start_weight_update``; the worker then puts every layer
 that has not completed back on its previous weights.
 
-The upstream field ``ipc_handles_pickled`` is recognised only to reject it with
-an explanation.
+Upstream vLLM 0.32's form is also read, so an upstream trainer can drive a
+fork worker (see ``upstream_handle``): ``ipc_handles`` whose values are
+``torch.multiprocessing.reductions.reduce_tensor`` argument tuples (CUDA only),
+with no ``offsets`` (tensors back to back, unaligned). Such tuples are Python
+objects, so they reach a worker only through a transport that already carries
+objects (Ray, an in-process ``LLM``), or pickled in ``ipc_handles_pickled``
+(upstream's HTTP client). The worker unpickles ``ipc_handles_pickled`` only
+when ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, upstream's own opt-in, and
+refuses it otherwise; a ``None`` value is the same as no field.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import pickle
 import re
 import socket
 from dataclasses import dataclass, fields
@@ -289,6 +297,177 @@ def _handle_map(d: object, where: str) -> dict[str, BufferHandle]:
 
 
 # ---------------------------------------------------------------------------
+# upstream 0.32's handles: reduce_tensor argument tuples
+
+# Length of the argument tuple ``reduce_tensor`` returns for a CUDA tensor.
+_REDUCE_ARGS_LEN = 15
+
+INSECURE_SERIALIZATION_FLAG = "VLLM_ALLOW_INSECURE_SERIALIZATION"
+
+
+def insecure_serialization_allowed() -> bool:
+    """Upstream's opt-in to unpickling (``VLLM_ALLOW_INSECURE_SERIALIZATION=1``)."""
+    from vllm import envs
+
+    return bool(envs.VLLM_ALLOW_INSECURE_SERIALIZATION)
+
+
+def is_upstream_handle(value: object) -> bool:
+    """Whether ``value`` is a raw upstream handle (a tuple), not a JSON handle."""
+    return isinstance(value, tuple)
+
+
+def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for dim in reversed(size):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
+def upstream_handle(value: object, where: str) -> CudaIpcHandle:
+    """The ``CudaIpcHandle`` of the bytes an upstream handle describes.
+
+    Upstream 0.32 sends ``reduce_tensor(t)[1]``, the 15 rebuild arguments of a
+    CUDA tensor (or the whole ``(rebuild_fn, args)`` pair); ``t`` is a
+    contiguous parameter (unpacked) or the flat uint8 buffer (packed). The
+    handle covers ``t``'s bytes, starting at its storage offset.
+    """
+    if (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and callable(value[0])
+        and isinstance(value[1], tuple)
+    ):
+        value = value[1]
+    if not isinstance(value, tuple) or len(value) != _REDUCE_ARGS_LEN:
+        got = len(value) if isinstance(value, tuple) else type(value).__name__
+        raise ValueError(
+            f"{where} must be the {_REDUCE_ARGS_LEN} arguments reduce_tensor "
+            f"returns for a CUDA tensor, got {got!r}"
+        )
+    (
+        _tensor_cls,
+        size,
+        stride,
+        tensor_offset,
+        _storage_cls,
+        dtype,
+        device,
+        storage_handle,
+        storage_size_bytes,
+        storage_offset_bytes,
+        _requires_grad,
+        ref_counter_handle,
+        ref_counter_offset,
+        event_handle,
+        event_sync_required,
+    ) = value
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{where}: argument 5 (dtype) is {dtype!r}, not a dtype")
+    try:
+        size = tuple(int(d) for d in size)
+        stride = tuple(int(s) for s in stride)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: size and stride must be integers: {e}") from e
+    want = _contiguous_strides(size)
+    if any(d > 1 and s != w for d, s, w in zip(size, stride, want, strict=False)):
+        raise ValueError(
+            f"{where} describes a non-contiguous tensor (size {list(size)}, "
+            f"stride {list(stride)}); only contiguous tensors can be read"
+        )
+    for name, blob in (
+        ("storage handle", storage_handle),
+        ("ref counter handle", ref_counter_handle),
+    ):
+        if not isinstance(blob, bytes):
+            raise ValueError(f"{where}: the {name} must be bytes, got {blob!r:.40}")
+    if event_handle is not None and not isinstance(event_handle, bytes):
+        raise ValueError(f"{where}: the event handle must be bytes or None")
+    itemsize = dtype.itemsize
+    try:
+        return CudaIpcHandle(
+            nbytes=math.prod(size) * itemsize,
+            device=_int(device, f"{where} device"),
+            storage_handle=_b64(storage_handle),
+            storage_size_bytes=_int(storage_size_bytes, f"{where} storage size"),
+            storage_offset_bytes=_int(storage_offset_bytes, f"{where} storage offset"),
+            tensor_offset=_int(tensor_offset, f"{where} tensor offset") * itemsize,
+            ref_counter_handle=_b64(ref_counter_handle),
+            ref_counter_offset=_int(ref_counter_offset, f"{where} ref counter offset"),
+            event_handle=_b64(event_handle) if event_handle is not None else None,
+            event_sync_required=bool(event_sync_required),
+        )
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
+
+
+def upstream_args(handle: CudaIpcHandle) -> tuple:
+    """``handle`` as upstream's handle: the ``reduce_tensor`` arguments of a flat
+    uint8 tensor of ``handle.nbytes`` bytes."""
+    return (
+        torch.Tensor,
+        torch.Size((handle.nbytes,)),
+        (1,),
+        handle.tensor_offset,
+        torch.storage.TypedStorage,
+        torch.uint8,
+        handle.device,
+        base64.b64decode(handle.storage_handle),
+        handle.storage_size_bytes,
+        handle.storage_offset_bytes,
+        False,
+        base64.b64decode(handle.ref_counter_handle),
+        handle.ref_counter_offset,
+        base64.b64decode(handle.event_handle) if handle.event_handle else None,
+        handle.event_sync_required,
+    )
+
+
+def _unpickle_handles(pickled: object) -> Any:
+    if not insecure_serialization_allowed():
+        raise ValueError(
+            "update_info.ipc_handles_pickled is not accepted: unpickling runs "
+            "code chosen by the sender, so this worker refuses it unless the "
+            f"server runs with {INSECURE_SERIALIZATION_FLAG}=1 (upstream 0.32's "
+            "opt-in). Send `ipc_handles` as JSON handle objects, as "
+            "IPCTrainerWeightTransferEngine does, or set the flag to accept "
+            "upstream 0.32's HTTP client."
+        )
+    if not isinstance(pickled, str):
+        raise ValueError(
+            "update_info.ipc_handles_pickled must be a base64 string, got "
+            f"{type(pickled).__name__}"
+        )
+    return pickle.loads(_unb64(pickled, "update_info.ipc_handles_pickled"))
+
+
+def _raw_map(d: object, where: str) -> None:
+    """Check the shape of one map of upstream handles (not their contents)."""
+    if not isinstance(d, dict) or not d:
+        raise ValueError(
+            f"{where} must be a non-empty map of device keys to handles, got {d!r:.80}"
+        )
+    for key, handle in d.items():
+        if not isinstance(key, str):
+            raise ValueError(f"{where} has a non-string device key {key!r}")
+        if not is_upstream_handle(handle):
+            raise ValueError(
+                f"{where}[{key!r}] is a {type(handle).__name__}; one update "
+                "carries either JSON handle objects or upstream reduce_tensor "
+                "tuples, not both"
+            )
+
+
+def _is_upstream_form(handles: object) -> bool:
+    maps = handles if isinstance(handles, list) else [handles]
+    return any(
+        isinstance(m, dict) and any(is_upstream_handle(h) for h in m.values())
+        for m in maps
+    )
+
+
+# ---------------------------------------------------------------------------
 # messages
 
 
@@ -363,11 +542,17 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
 
     def __post_init__(self) -> None:
         if self.ipc_handles_pickled is not None:
-            raise ValueError(
-                "update_info.ipc_handles_pickled is not accepted: this backend "
-                "never unpickles. Send `ipc_handles` as JSON handle objects, as "
-                "IPCTrainerWeightTransferEngine does."
-            )
+            if self.ipc_handles is not None:
+                raise ValueError(
+                    "Cannot specify both `ipc_handles` and `ipc_handles_pickled` "
+                    "in update_info; send one of them"
+                )
+            self.ipc_handles = _unpickle_handles(self.ipc_handles_pickled)
+            self.ipc_handles_pickled = None
+        # Upstream 0.32's raw reduce_tensor tuples stay as given in
+        # ``ipc_handles``; ``buffers()`` turns them into CudaIpcHandles.
+        self.upstream_wire = _is_upstream_form(self.ipc_handles)
+        self._buffers: list[dict[str, BufferHandle]] | None = None
         if self.ipc_handles is None:
             raise ValueError("update_info.ipc_handles is missing: it must be provided")
         names = self.names
@@ -421,12 +606,21 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                 "update_info.ipc_handles must be an object (packed) or a list "
                 f"(unpacked), got {type(self.ipc_handles).__name__}"
             )
+        if not self.upstream_wire:
+            self.buffers()  # checks that every handle covers its tensors
 
     def _init_packed(self, names, dtypes, shapes, sizes) -> None:
         if self.tensor_sizes is None:
             raise ValueError("update_info.tensor_sizes is required for a packed update")
-        handles = _handle_map(self.ipc_handles, "update_info.ipc_handles")
-        self.ipc_handles = handles
+        if self.upstream_wire:
+            if self.offsets is not None:
+                raise ValueError(
+                    "update_info.offsets is not valid with upstream 0.32's "
+                    "reduce_tensor handles (their tensors lie back to back)"
+                )
+            _raw_map(self.ipc_handles, "update_info.ipc_handles")
+        else:
+            self.ipc_handles = _handle_map(self.ipc_handles, "update_info.ipc_handles")
         if self.offsets is None:
             offsets, cursor = [], 0
             for size in sizes:
@@ -446,18 +640,12 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                     f"update_info.offsets[{i}] ({names[i]!r}) is {off}, inside the "
                     f"previous tensor (which ends at byte {end})"
                 )
-            if off % dtype.itemsize:
+            if off % dtype.itemsize and not self.upstream_wire:
                 raise ValueError(
                     f"update_info.offsets[{i}] ({names[i]!r}) is {off}, not a "
                     f"multiple of the {dtype_name(dtype)} item size {dtype.itemsize}"
                 )
             end = off + size
-        for key, handle in handles.items():
-            if handle.nbytes < end:
-                raise ValueError(
-                    f"update_info.ipc_handles[{key!r}] covers {handle.nbytes} bytes "
-                    f"but the tensors need {end}"
-                )
         self._views = [
             TensorView(nm, dt, sh, 0, off, size)
             for nm, dt, sh, off, size in zip(
@@ -477,18 +665,14 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                 f"update_info.ipc_handles has {len(self.ipc_handles)} entries but "
                 f"names has {len(names)}"
             )
-        handles = [
-            _handle_map(h, f"update_info.ipc_handles[{i}] ({names[i]!r})")
-            for i, h in enumerate(self.ipc_handles)
-        ]
-        for i, (hmap, size) in enumerate(zip(handles, sizes, strict=True)):
-            for key, handle in hmap.items():
-                if handle.nbytes < size:
-                    raise ValueError(
-                        f"update_info.ipc_handles[{i}][{key!r}] ({names[i]!r}) "
-                        f"covers {handle.nbytes} bytes but the tensor needs {size}"
-                    )
-        self.ipc_handles = handles
+        if self.upstream_wire:
+            for i, h in enumerate(self.ipc_handles):
+                _raw_map(h, f"update_info.ipc_handles[{i}] ({names[i]!r})")
+        else:
+            self.ipc_handles = [
+                _handle_map(h, f"update_info.ipc_handles[{i}] ({names[i]!r})")
+                for i, h in enumerate(self.ipc_handles)
+            ]
         self._views = [
             TensorView(nm, dt, sh, i, 0, size)
             for i, (nm, dt, sh, size) in enumerate(
@@ -501,19 +685,59 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         return isinstance(self.ipc_handles, dict)
 
     def buffers(self) -> list[dict[str, BufferHandle]]:
-        """Per buffer, its handles by device key (one buffer when packed)."""
-        if isinstance(self.ipc_handles, dict):
-            return [self.ipc_handles]
-        assert isinstance(self.ipc_handles, list)
-        return self.ipc_handles
+        """Per buffer, its handles by device key (one buffer when packed).
+
+        Every handle covers the bytes its tensors need; upstream handles are
+        converted (and checked) here, on first use.
+        """
+        if self._buffers is None:
+            if self.upstream_wire:
+                raw = self.ipc_handles
+                maps = [raw] if isinstance(raw, dict) else raw
+                assert isinstance(maps, list)
+                where = ["update_info.ipc_handles"]
+                if not self.packed:
+                    where = [
+                        f"update_info.ipc_handles[{i}] ({n!r})"
+                        for i, n in enumerate(self.names)
+                    ]
+                buffers: list[dict[str, BufferHandle]] = [
+                    {k: upstream_handle(v, f"{w}[{k!r}]") for k, v in m.items()}
+                    for w, m in zip(where, maps, strict=True)
+                ]
+            else:
+                buffers = (
+                    [self.ipc_handles]
+                    if isinstance(self.ipc_handles, dict)
+                    else self.ipc_handles  # type: ignore[assignment]
+                )
+            self._check_cover(buffers)
+            self._buffers = buffers
+        return self._buffers
+
+    def _check_cover(self, buffers: list[dict[str, BufferHandle]]) -> None:
+        ends = [0] * len(buffers)
+        for view in self._views:
+            ends[view.buffer] = max(ends[view.buffer], view.offset + view.nbytes)
+        for i, (hmap, end) in enumerate(zip(buffers, ends, strict=True)):
+            suffix = "" if self.packed else f"[{i}]"
+            for key, handle in hmap.items():
+                if handle.nbytes < end:
+                    what = "the tensors need" if self.packed else "the tensor needs"
+                    raise ValueError(
+                        f"update_info.ipc_handles{suffix}[{key!r}] covers "
+                        f"{handle.nbytes} bytes but {what} {end}"
+                    )
 
     def views(self) -> list[TensorView]:
         return list(self._views)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form (what clients send)."""
+        """The JSON form (what clients send); upstream handles stay tuples."""
         handles: Any
-        if isinstance(self.ipc_handles, dict):
+        if self.upstream_wire:
+            handles = self.ipc_handles
+        elif isinstance(self.ipc_handles, dict):
             handles = {k: h.to_dict() for k, h in self.ipc_handles.items()}
         else:
             assert isinstance(self.ipc_handles, list)
