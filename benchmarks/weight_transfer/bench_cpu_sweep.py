@@ -109,23 +109,10 @@ def _load_trainer_model(num_layers: int) -> tuple[Any, Path, int]:
 
 
 def _start_llm(model_dir: Path, backend: str | None) -> tuple[Any, float]:
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 
-    kwargs: dict[str, Any] = {}
-    if backend is not None:
-        kwargs["weight_transfer_config"] = WeightTransferConfig(backend=backend)
     t0 = time.perf_counter()
-    llm = LLM(
-        model=str(model_dir),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=256,
-        max_num_seqs=4,
-        seed=0,
-        tensor_parallel_size=1,
-        **kwargs,
-    )
+    llm = tiny_llm(model_dir, backend=backend)
     return llm, time.perf_counter() - t0
 
 

@@ -88,8 +88,6 @@ def main() -> int:
         )
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import (
@@ -109,6 +107,7 @@ def main() -> int:
         randomize_weights_,
         vllm_greedy,
     )
+    from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 
     spec = TinyModelSpec(**{**BENCH_SPEC, "num_layers": args.num_layers})
     t0 = time.perf_counter()
@@ -126,16 +125,7 @@ def main() -> int:
     )
 
     t0 = time.perf_counter()
-    llm = LLM(
-        model=str(model_dir),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=256,
-        max_num_seqs=4,
-        seed=0,
-        tensor_parallel_size=args.tp,
-        weight_transfer_config=WeightTransferConfig(backend="ipc"),
-    )
+    llm = tiny_llm(model_dir, tensor_parallel_size=args.tp, backend="ipc")
     llm_start_s = time.perf_counter() - t0
     print(f"LLM up in {llm_start_s:.1f} s (TP={args.tp})")
 

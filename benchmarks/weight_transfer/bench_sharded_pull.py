@@ -60,8 +60,7 @@ def main() -> None:
         )
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # receipts via RPC
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 
     spec = TinyModelSpec(**{**BENCH_SPEC, "num_layers": args.num_layers})
     model_dir = build_tiny_model(spec)
@@ -69,16 +68,7 @@ def main() -> None:
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     print(f"model {model_dir.name}: {nbytes / 2**30:.2f} GiB float32")
 
-    llm = LLM(
-        model=str(model_dir),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=256,
-        max_num_seqs=4,
-        seed=0,
-        tensor_parallel_size=args.tp,
-        weight_transfer_config=WeightTransferConfig(backend="sharded_rdt"),
-    )
+    llm = tiny_llm(model_dir, tensor_parallel_size=args.tp, backend="sharded_rdt")
     try:
         t0 = time.perf_counter()
         trainer = WeightTransferTrainerFactory.trainer_init(

@@ -31,7 +31,6 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
 from vllm.distributed.weight_transfer.testing import (
-    WORKER_EXTENSION,
     FreshLoadOracle,
     TinyModelSpec,
     assert_serves_weights,
@@ -40,6 +39,7 @@ from vllm.distributed.weight_transfer.testing import (
     offline_worker_call,
     vllm_greedy,
 )
+from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 
 
 def parse_args() -> argparse.Namespace:
@@ -76,24 +76,12 @@ def main() -> int:
         )
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
-
     model_dir = args.model_dir or build_tiny_model(TinyModelSpec(arch=args.arch))
     model = load_hf_model(model_dir, "float32")
 
     t0 = time.perf_counter()
-    llm = LLM(
-        model=str(model_dir),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=256,
-        max_num_seqs=4,
-        seed=0,
-        tensor_parallel_size=args.tp,
-        weight_transfer_config=WeightTransferConfig(backend="ipc"),
-        worker_extension_cls=WORKER_EXTENSION,  # the fresh-load oracle's methods
-    )
+    # eager, small, seeded; with the fresh-load oracle's worker methods
+    llm = tiny_llm(model_dir, tensor_parallel_size=args.tp, backend="ipc")
     fresh_load = FreshLoadOracle(offline_worker_call(llm), lambda: vllm_greedy(llm))
     print(f"LLM up in {time.perf_counter() - t0:.1f} s (backend ipc, TP={args.tp})")
 

@@ -29,17 +29,10 @@ def llm(tiny_model_dir):
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    from vllm import LLM
+    from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 
-    engine = LLM(
-        model=str(tiny_model_dir),
-        dtype="float32",
-        tensor_parallel_size=2,
-        enforce_eager=True,
-        max_model_len=256,
-        max_num_seqs=4,
-        seed=0,
-        skip_tokenizer_init=True,
+    engine = tiny_llm(
+        tiny_model_dir, tensor_parallel_size=2, backend=None, skip_tokenizer_init=True
     )
     try:
         yield engine

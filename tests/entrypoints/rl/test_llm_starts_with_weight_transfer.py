@@ -11,23 +11,14 @@ from vllm.distributed.weight_transfer.testing import (
     logprob_atol,
     vllm_greedy,
 )
+from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 
 pytestmark = pytest.mark.slow
 
 
 def test_llm_with_ipc_config_generates_oracle_tokens(tiny_model_dir):
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
 
-    llm = LLM(
-        model=str(tiny_model_dir),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=256,
-        max_num_seqs=4,
-        seed=0,
-        weight_transfer_config=WeightTransferConfig(backend="ipc"),
-    )
+    llm = tiny_llm(tiny_model_dir)
     try:
         expected = hf_greedy(load_hf_model(tiny_model_dir))
         assert_same_greedy(vllm_greedy(llm), expected, atol=logprob_atol("float32"))

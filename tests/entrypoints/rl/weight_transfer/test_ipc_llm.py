@@ -30,7 +30,6 @@ from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
 from vllm.distributed.weight_transfer.testing import (
-    WORKER_EXTENSION,
     FreshLoadOracle,
     GreedyResult,
     TinyModelSpec,
@@ -49,6 +48,7 @@ from vllm.distributed.weight_transfer.testing.multirank import (
     start_trainer_ranks,
     worker_ipc_update_keys,
 )
+from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 
 pytestmark = pytest.mark.slow
 
@@ -73,11 +73,6 @@ COMBOS = [
     Combo("qwen3", "float32", 2),
     Combo("qwen3_moe", "bfloat16", 2),
 ]
-
-
-ENGINE_ARGS: dict[str, Any] = dict(
-    enforce_eager=True, max_model_len=256, max_num_seqs=4, seed=0
-)
 
 
 @dataclass
@@ -117,9 +112,6 @@ class Rig:
 
 @pytest.fixture(scope="module", params=COMBOS, ids=lambda c: c.id)
 def rig(request):
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
-
     combo: Combo = request.param
     model_dir = build_tiny_model(TinyModelSpec(arch=combo.arch))  # type: ignore[arg-type]
     env = {
@@ -134,14 +126,7 @@ def rig(request):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-    llm = LLM(
-        model=str(model_dir),
-        dtype=combo.dtype,  # type: ignore[arg-type]
-        tensor_parallel_size=combo.tp,
-        weight_transfer_config=WeightTransferConfig(backend="ipc"),
-        worker_extension_cls=WORKER_EXTENSION,
-        **ENGINE_ARGS,
-    )
+    llm = tiny_llm(model_dir, dtype=combo.dtype, tensor_parallel_size=combo.tp)
     try:
         yield Rig(combo, llm, model_dir, load_hf_model(model_dir, combo.dtype))
     finally:
@@ -359,8 +344,6 @@ def test_the_fresh_load_reference_equals_a_separately_started_engine(rig, tmp_pa
         pytest.skip("one separately started engine is enough")
     import shutil
 
-    from vllm import LLM
-
     randomize_weights_(rig.trainer_model, seed=11)
     rig.push()
     served = rig.assert_serves()
@@ -368,11 +351,12 @@ def test_the_fresh_load_reference_equals_a_separately_started_engine(rig, tmp_pa
     for extra in ("tokenizer.json", "tokenizer_config.json"):
         if (rig.model_dir / extra).exists():
             shutil.copy(rig.model_dir / extra, checkpoint / extra)
-    fresh = LLM(
-        model=str(checkpoint),
+    fresh = tiny_llm(
+        checkpoint,
         dtype=rig.combo.dtype,
         tensor_parallel_size=rig.combo.tp,
-        **ENGINE_ARGS,
+        backend=None,
+        worker_extension_cls="",  # a plain engine, nothing of the fork's
     )
     try:
         assert_bit_identical(

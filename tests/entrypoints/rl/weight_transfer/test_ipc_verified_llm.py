@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,6 @@ from vllm.distributed.weight_transfer.publication import (
     attach_publication,
 )
 from vllm.distributed.weight_transfer.testing import (
-    WORKER_EXTENSION,
     FreshLoadOracle,
     assert_bit_identical,
     assert_serves_weights,
@@ -70,6 +70,7 @@ from vllm.distributed.weight_transfer.testing.ipc_faults import (
     worker_fence_status,
 )
 from vllm.distributed.weight_transfer.testing.server import metric_value, serve
+from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 
 pytestmark = pytest.mark.slow
 
@@ -116,22 +117,11 @@ class Rig:
 
 @pytest.fixture(scope="module")
 def rig(tiny_model_dir: Path) -> Iterator[Rig]:
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
 
     # collective_rpc(fn) pickles fn (test-only fault injection and status).
     saved = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    llm = LLM(
-        model=str(tiny_model_dir),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=256,
-        max_num_seqs=4,
-        seed=0,
-        weight_transfer_config=WeightTransferConfig(backend="ipc"),
-        worker_extension_cls=WORKER_EXTENSION,
-    )
+    llm = tiny_llm(tiny_model_dir)
     try:
         yield Rig(llm, load_hf_model(tiny_model_dir, "float32"))
     finally:
@@ -241,7 +231,7 @@ def test_worker_failing_mid_update_fences_until_a_full_resync(rig):
     # A partial publication cannot clear the fence: update_weights refuses it.
     header = PublicationHeader.create(
         backend="ipc",
-        model_version=10**18,
+        model_version=time.time_ns() // 1000 + 1_000_000,  # newer than any
         manifest=Manifest.from_params(
             [ParamMeta("lm_head.weight", torch.float32, (1,))]
         ),

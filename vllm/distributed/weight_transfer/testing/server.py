@@ -48,6 +48,7 @@ from vllm.distributed.weight_transfer.testing.oracle import (
     GreedyResult,
     completions_greedy,
 )
+from vllm.distributed.weight_transfer.testing.tiny_engine import TINY_ENGINE_ARGS
 
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
 _STOP_GRACE_S = 20.0
@@ -81,8 +82,8 @@ def serve_args(
     host: str = "127.0.0.1",
     weight_transfer_backend: str | None = "ipc",
     dtype: str = "float32",
-    max_model_len: int = 256,
-    max_num_seqs: int = 4,
+    max_model_len: int = TINY_ENGINE_ARGS["max_model_len"],
+    max_num_seqs: int = TINY_ENGINE_ARGS["max_num_seqs"],
     tensor_parallel_size: int = 1,
     extra_args: Sequence[str] = (),
     fresh_load_oracle: bool = True,
@@ -105,7 +106,7 @@ def serve_args(
         "--max-num-seqs",
         str(max_num_seqs),
         "--seed",
-        "0",
+        str(TINY_ENGINE_ARGS["seed"]),
     ]
     if tensor_parallel_size != 1:
         args += ["--tensor-parallel-size", str(tensor_parallel_size)]
@@ -236,8 +237,8 @@ def serve(
     *,
     weight_transfer_backend: str | None = "ipc",
     dtype: str = "float32",
-    max_model_len: int = 256,
-    max_num_seqs: int = 4,
+    max_model_len: int = TINY_ENGINE_ARGS["max_model_len"],
+    max_num_seqs: int = TINY_ENGINE_ARGS["max_num_seqs"],
     tensor_parallel_size: int = 1,
     extra_args: Sequence[str] = (),
     fresh_load_oracle: bool = True,

@@ -113,20 +113,10 @@ class LLMHost:
                 "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp))
             )
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        from vllm import LLM
-        from vllm.config import WeightTransferConfig
-        from vllm.distributed.weight_transfer.testing import WORKER_EXTENSION
+        from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 
-        self.llm = LLM(
-            model=model_dir,
-            dtype=dtype,  # type: ignore[arg-type]
-            enforce_eager=True,
-            max_model_len=256,
-            max_num_seqs=4,
-            seed=0,
-            tensor_parallel_size=tp,
-            weight_transfer_config=WeightTransferConfig(backend="sharded_rdt"),
-            worker_extension_cls=WORKER_EXTENSION,
+        self.llm = tiny_llm(
+            model_dir, dtype=dtype, tensor_parallel_size=tp, backend="sharded_rdt"
         )
 
     # The RayVLLMWeightSyncClient surface.

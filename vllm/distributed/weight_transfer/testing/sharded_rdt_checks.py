@@ -186,17 +186,15 @@ def _init_distributed(rank: int, tp_size: int, port: int, folder: str) -> None:
 
 
 def _engine_config(folder: str, dtype: str, tp_size: int):
+    from vllm.distributed.weight_transfer.testing.tiny_engine import TINY_ENGINE_ARGS
     from vllm.engine.arg_utils import EngineArgs
 
     return EngineArgs(
         model=folder,
         dtype=dtype,  # type: ignore[arg-type]
         tensor_parallel_size=tp_size,
-        enforce_eager=True,
-        max_model_len=256,
-        max_num_seqs=4,
-        seed=0,
         skip_tokenizer_init=True,
+        **TINY_ENGINE_ARGS,
     ).create_engine_config()
 
 
