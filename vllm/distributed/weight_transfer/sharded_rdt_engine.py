@@ -47,6 +47,11 @@ import torch
 from vllm.config import VllmConfig
 from vllm.config.weight_transfer import WeightTransferConfig
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightTransferEngine
+from vllm.distributed.weight_transfer.checkpoint_structure import (
+    check_manifest_dtypes,
+    checkpoint_dtype_kinds,
+    module_dtype_kinds,
+)
 from vllm.distributed.weight_transfer.fencing import WeightState
 from vllm.distributed.weight_transfer.layerwise_session import LayerwiseReloadSession
 from vllm.distributed.weight_transfer.publication import Manifest
@@ -244,6 +249,14 @@ class ShardedRDTWeightTransferEngine(
                 init_info.names, init_info.dtype_names, init_info.shapes, strict=True
             )
         ]
+        # A dtype of another kind than the served tensor's (float bytes
+        # declared int32) would be planned as a cast: refuse it here.
+        kinds = checkpoint_dtype_kinds(self.model_config)
+        if kinds is None:
+            kinds = module_dtype_kinds(self.model)
+        check_manifest_dtypes(
+            Manifest.from_params(metas), kinds, "(init_weight_transfer_engine)"
+        )
         started = time.perf_counter()
         plan = bake_worker_plan(
             self.model,
