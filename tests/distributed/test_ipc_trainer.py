@@ -635,3 +635,74 @@ def test_an_engine_without_a_receipt_fails_the_sync_naming_the_count():
     with pytest.raises(TimeoutError, match="1 of 2 worker"):
         engine.send_weights(weight_version="v1")
     assert is_fenced_version(client.engines[0].versions[-1])
+
+
+def test_upstream_wire_refuses_cpu_tensors_and_aborts():
+    client = LoopbackClient()
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, wire="upstream"),
+        client=client,
+        source=RecordingSource(model_tensors(), []),
+    )
+    assert not engine.verify_publication  # upstream's worker has no receipts
+    with pytest.raises(ValueError, match="wire='upstream' sends CUDA IPC handles"):
+        engine.send_weights()
+    assert client.calls[-2:] == ["abort", "finish"]
+    engine.shutdown()
+
+
+def test_upstream_wire_plans_tensors_back_to_back_one_chunk_at_a_time():
+    source = RecordingSource(model_tensors(), [])  # float32 and bfloat16, odd sizes
+    engine = IPCTrainerWeightTransferEngine(
+        client=LoopbackClient(),
+        source=source,
+        wire="upstream",
+        packed_buffer_size_bytes=300,
+    )
+    plan = engine._plan_for(list(source.metadata()))
+    assert plan.packed and not plan.overlapped and len(plan.chunks) > 1
+    for fields, chunk in zip(engine._chunk_fields, plan.chunks, strict=True):
+        # no field upstream 0.32's IPCWeightTransferUpdateInfo lacks
+        assert set(fields) == {"names", "dtype_names", "shapes", "tensor_sizes"}
+        assert chunk.slots[0].offset == 0
+        ends = [s.offset + s.nbytes for s in chunk.slots]
+        assert [s.offset for s in chunk.slots[1:]] == ends[:-1]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"wire": "grpc"}, "wire must be 'fork' or 'upstream'"),
+        ({"wire": "upstream", "verify_checksums": True}, "needs wire='fork'"),
+    ],
+)
+def test_init_info_rejects_a_bad_wire(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        IPCTrainerInitInfo(rank=0, **kwargs)
+
+
+def test_engine_options_live_in_one_init_info():
+    source = RecordingSource(model_tensors(), [])
+    # upstream's keyword arguments
+    engine = IPCTrainerWeightTransferEngine(
+        client=LoopbackClient(), source=source, packed=False
+    )
+    assert engine.init_info == IPCTrainerInitInfo(rank=0, packed=False)
+    assert not engine.packed
+    # keywords override the fields of a given init info
+    base = IPCTrainerInitInfo(rank=2, overlap_chunks=False, timeout_s=5.0)
+    engine = IPCTrainerWeightTransferEngine(
+        client=LoopbackClient(),
+        source=source,
+        is_sender=False,
+        init_info=base,
+        packed_buffer_size_bytes=1024,
+    )
+    assert engine.init_info == IPCTrainerInitInfo(
+        rank=2, overlap_chunks=False, timeout_s=5.0, packed_buffer_size_bytes=1024
+    )
+    assert engine.rank == 2
+    with pytest.raises(TypeError):
+        IPCTrainerWeightTransferEngine(
+            client=LoopbackClient(), source=source, no_such_option=1
+        )

@@ -49,6 +49,13 @@ def device_key(device: torch.device, trainer_rank: int) -> str:
     )
 
 
+def sync_device(device: torch.device | None) -> None:
+    """Wait until ``device``'s current stream has run everything queued so far
+    (CUDA only; CPU copies are done when they return)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 @dataclass
 class ExportedBuffer:
     """A trainer-side buffer: write into ``tensor``; publish ``handle``."""

@@ -402,16 +402,39 @@ def upstream_handle(value: object, where: str) -> CudaIpcHandle:
         raise ValueError(f"{where}: {e}") from e
 
 
-def upstream_args(handle: CudaIpcHandle) -> tuple:
-    """``handle`` as upstream's handle: the ``reduce_tensor`` arguments of a flat
-    uint8 tensor of ``handle.nbytes`` bytes."""
+def upstream_args(
+    handle: CudaIpcHandle,
+    dtype: torch.dtype = torch.uint8,
+    shape: tuple[int, ...] | None = None,
+) -> tuple:
+    """``handle`` as upstream's handle: the ``reduce_tensor`` arguments of a
+    contiguous ``dtype`` tensor of ``shape`` over the handle's bytes (default:
+    flat uint8, the packed buffer). Upstream's unpacked worker loads the
+    tensor these arguments rebuild as is, so they carry its dtype and shape."""
+    itemsize = dtype.itemsize
+    if shape is None:
+        if handle.nbytes % itemsize:
+            raise ValueError(
+                f"a {handle.nbytes}-byte handle is not a whole number of {dtype}"
+            )
+        shape = (handle.nbytes // itemsize,)
+    if math.prod(shape) * itemsize != handle.nbytes:
+        raise ValueError(
+            f"shape {list(shape)} of {dtype} does not cover the handle's "
+            f"{handle.nbytes} bytes"
+        )
+    if handle.tensor_offset % itemsize:
+        raise ValueError(
+            f"the handle starts {handle.tensor_offset} bytes into its storage, "
+            f"not at a {dtype} element"
+        )
     return (
         torch.Tensor,
-        torch.Size((handle.nbytes,)),
-        (1,),
-        handle.tensor_offset,
+        torch.Size(shape),
+        _contiguous_strides(tuple(shape)),
+        handle.tensor_offset // itemsize,
         torch.storage.TypedStorage,
-        torch.uint8,
+        dtype,
         handle.device,
         base64.b64decode(handle.storage_handle),
         handle.storage_size_bytes,

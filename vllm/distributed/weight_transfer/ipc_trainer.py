@@ -1,0 +1,893 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Trainer side of the ``ipc`` backend: ``IPCTrainerInitInfo`` and
+``IPCTrainerWeightTransferEngine``, which shares the source's bytes with the
+colocated vLLM workers chunk by chunk (the worker side is ``ipc_worker``; the
+backend as a whole is described in ``ipc_engine``).
+
+Protocol of ``send_weights()`` (every trainer rank calls it; the rank with
+``init_info.rank == 0`` is the sender)::
+
+    plan = plan_transfer(source.metadata())       # before any tensor exists
+    sender: pub = TrainerPublication.open(...)    ; ranks share their devices
+    sender: client.start_weight_update()          ; all ranks agree
+    for chunk in plan.chunks:
+        every rank: materialize the chunk's tensors one at a time (checking
+            each against the metadata), copy each into the chunk's buffer,
+            drop it; the next tensor is not requested before the chunk is sent
+        all ranks exchange handles (a barrier)    ; sender merges them by device
+        sender: wait for the previous chunk's update_weights ; all ranks agree
+        sender: client.update_weights(pub.attach(chunk info, checksums))
+            ; without overlap it is waited for here; with overlap it runs on
+            a helper thread while every rank fills the next chunk into the
+            other half of the buffer. Either way no rank overwrites bytes its
+            colocated worker still reads: a chunk that shares bytes with the
+            one in flight waits for that call (and its barrier) first
+    sender: client.finish_weight_update()         ; all ranks agree
+    sender: pub.verify(every worker's receipt), then
+            client.update_weight_version(weight_version) ; all ranks agree
+
+Wires (``IPCTrainerInitInfo.wire``): ``"fork"`` (the default) sends JSON
+handle objects, tensor offsets and the publication header, which the fork's
+worker reads. ``"upstream"`` sends what upstream vLLM 0.32's trainer sends, so
+an unmodified 0.32 server can be updated: raw ``reduce_tensor`` argument
+tuples keyed by GPU UUID (CUDA tensors only), tensors back to back in the
+packed buffer, one chunk at a time, no publication header and so no receipts.
+The fork's own worker reads both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Self
+
+import torch
+
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    TrainerInitInfo,
+    VLLMWeightSyncClient,
+    WeightSource,
+)
+from vllm.distributed.weight_transfer.checksum import payload_checksum
+from vllm.distributed.weight_transfer.fencing import set_served_version
+from vllm.distributed.weight_transfer.full_resync import FullResyncTrainerEngine
+from vllm.distributed.weight_transfer.ipc_dataplane import (
+    ExportedBuffer,
+    allocate_buffer,
+    device_key,
+    export_tensor,
+    release_exported_cuda_memory,
+    sync_device,
+)
+from vllm.distributed.weight_transfer.ipc_packing import (
+    DEFAULT_ALIGNMENT,
+    DEFAULT_BUFFER_CAP_BYTES,
+    Chunk,
+    TransferPlan,
+    plan_transfer,
+)
+from vllm.distributed.weight_transfer.ipc_wire import (
+    ABORT_FIELD,
+    CudaIpcHandle,
+    IPCWeightTransferUpdateInfo,
+    dtype_from_name,
+    dtype_name,
+    handle_from_dict,
+    upstream_args,
+)
+from vllm.distributed.weight_transfer.publication import describe_error
+from vllm.distributed.weight_transfer.receipts import DEFAULT_RECEIPT_TIMEOUT_S
+from vllm.distributed.weight_transfer.stale_updates import start_update
+from vllm.distributed.weight_transfer.trainer_group import (
+    TrainerGroup,
+    make_trainer_group,
+)
+from vllm.distributed.weight_transfer.verified_sync import (
+    TrainerPublication,
+    device_identity,
+    served_world_size,
+)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+DEFAULT_PACKED_BUFFER_SIZE_BYTES = DEFAULT_BUFFER_CAP_BYTES
+DEFAULT_TIMEOUT_S = 300.0
+
+__all__ = [
+    "DEFAULT_PACKED_BUFFER_SIZE_BYTES",
+    "IPCTrainerInitInfo",
+    "IPCTrainerWeightTransferEngine",
+]
+
+
+@dataclass
+class IPCTrainerInitInfo(TrainerInitInfo):
+    """Trainer-side settings of the ``ipc`` backend (never sent as is).
+
+    ``packed`` and ``packed_buffer_size_bytes`` keep upstream's names; packing
+    is on by default and the size is a cap (see ``ipc_packing``). The others
+    are optional: ``process_group`` is the group of colocated trainer ranks
+    (default: all ranks of torch.distributed, over a new gloo group),
+    ``timeout_s`` bounds every wait among them, ``alignment_bytes`` aligns each
+    tensor in the packed buffer.
+
+    Verified publication: ``verify_publication`` (default on) sends a
+    publication header and waits for every worker's receipt; turn it off only
+    for a server whose ipc workers do not understand the header.
+    ``verify_checksums`` adds payload checksums. ``model_version`` is the first
+    publication's model version (then one more per send); without it, the
+    version is the wall clock in microseconds (at least one more than the last),
+    so a new trainer engine, or one resumed from an older checkpoint, still
+    publishes a version the workers accept. ``weight_version`` stays a label:
+    RL steps can repeat after a resume, and workers refuse versions that go
+    backwards. ``receipt_timeout_s`` bounds the wait for receipts after
+    ``finish_weight_update`` returned.
+
+    ``keep_packed_buffer`` keeps the packed buffer from one ``send_weights``
+    to the next instead of freeing it after each sync; ``shutdown()`` frees
+    it. The default (``None``) keeps shared-memory buffers, whose pages cost
+    more to create than to fill, and frees GPU buffers, so a colocated engine
+    gets that memory back between syncs.
+
+    ``overlap_chunks`` (default on) lets chunks alternate between the packed
+    buffer's two halves when the model spans several chunks: the trainer
+    fills one half while the workers load the other, with at most one
+    ``update_weights`` call in flight (made from a helper thread). A tensor
+    larger than half the buffer travels alone and waits for the call before
+    it. The buffer is the same size either way.
+
+    ``wire`` picks what the messages look like: ``"fork"`` (the default) for
+    a fork server, ``"upstream"`` for an unmodified vLLM 0.32 server (see the
+    module docstring). The upstream wire moves CUDA tensors only, sends no
+    publication header (so ``verify_publication`` does not apply and
+    ``verify_checksums`` is refused), packs tensors back to back
+    (``alignment_bytes`` does not apply) and sends one chunk at a time
+    (``overlap_chunks`` does not apply), as upstream's trainer does.
+    """
+
+    backend: ClassVar[str] = "ipc"
+    packed: bool = True
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    alignment_bytes: int = DEFAULT_ALIGNMENT
+    process_group: Any = field(default=None, repr=False, compare=False)
+    verify_publication: bool = True
+    verify_checksums: bool = False
+    model_version: int | None = None
+    receipt_timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S
+    keep_packed_buffer: bool | None = None
+    overlap_chunks: bool = True
+    wire: Literal["fork", "upstream"] = "fork"
+
+    def __post_init__(self) -> None:
+        if self.wire not in ("fork", "upstream"):
+            raise ValueError(
+                f"IPCTrainerInitInfo.wire must be 'fork' or 'upstream', got "
+                f"{self.wire!r}"
+            )
+        if self.wire == "upstream" and self.verify_checksums:
+            raise ValueError(
+                "IPCTrainerInitInfo.verify_checksums needs wire='fork': upstream "
+                "0.32's worker has no checksums or receipts"
+            )
+        if self.packed_buffer_size_bytes <= 0:
+            raise ValueError(
+                "IPCTrainerInitInfo.packed_buffer_size_bytes must be positive, "
+                f"got {self.packed_buffer_size_bytes}"
+            )
+        if self.timeout_s <= 0:
+            raise ValueError(
+                f"IPCTrainerInitInfo.timeout_s must be positive, got {self.timeout_s}"
+            )
+        if self.verify_checksums and not self.verify_publication:
+            raise ValueError(
+                "IPCTrainerInitInfo.verify_checksums needs verify_publication=True: "
+                "checksums travel in the publication header"
+            )
+        if self.model_version is not None and self.model_version < 0:
+            raise ValueError(
+                "IPCTrainerInitInfo.model_version must be >= 0, got "
+                f"{self.model_version}"
+            )
+        if self.receipt_timeout_s <= 0:
+            raise ValueError(
+                "IPCTrainerInitInfo.receipt_timeout_s must be positive, got "
+                f"{self.receipt_timeout_s}"
+            )
+
+
+def _check_yielded(meta: ParamMeta, name: str, tensor: Any) -> torch.Tensor:
+    """``tensor`` as the metadata announced it, or ValueError naming it."""
+    if name != meta.name:
+        raise ValueError(
+            f"WeightSource yielded {name!r} where metadata() announced "
+            f"{meta.name!r}; iteration must follow metadata() order"
+        )
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(
+            f"WeightSource yielded {type(tensor).__name__} for {name!r}, not a tensor"
+        )
+    if tensor.dtype != meta.dtype:
+        raise ValueError(
+            f"WeightSource yielded {name!r} as {dtype_name(tensor.dtype)} but "
+            f"metadata() says {dtype_name(meta.dtype)}"
+        )
+    if tuple(tensor.shape) != tuple(meta.shape):
+        raise ValueError(
+            f"WeightSource yielded {name!r} with shape {list(tensor.shape)} but "
+            f"metadata() says {list(meta.shape)}"
+        )
+    return tensor
+
+
+class _SourceCursor:
+    """Walks a source in metadata order, one tensor alive at a time."""
+
+    def __init__(self, source: WeightSource, metas: list[ParamMeta]) -> None:
+        self._it: Iterator[tuple[str, torch.Tensor]] = iter(source)
+        self._metas = metas
+        self._index = 0
+
+    def next(self) -> torch.Tensor:
+        meta = self._metas[self._index]
+        try:
+            name, tensor = next(self._it)
+        except StopIteration:
+            raise ValueError(
+                f"WeightSource stopped before {meta.name!r}; metadata() announced "
+                f"{len(self._metas)} tensors, iteration gave {self._index}"
+            ) from None
+        self._index += 1
+        return _check_yielded(meta, name, tensor)
+
+    def finish(self) -> None:
+        try:
+            name, _ = next(self._it)
+        except StopIteration:
+            return
+        raise ValueError(
+            f"WeightSource yielded {name!r} after the {len(self._metas)} tensors "
+            "metadata() announced"
+        )
+
+
+class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]):
+    """Trainer side of the ``ipc`` backend; see the module docstring."""
+
+    init_info_cls = IPCTrainerInitInfo
+
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+        is_sender: bool = True,
+        init_info: IPCTrainerInitInfo | None = None,
+        group: TrainerGroup | None = None,
+        **options: Any,
+    ) -> None:
+        """Build from ``init_info``, or from upstream's keyword arguments
+        (``packed=``, ``packed_buffer_size_bytes=``) and any other field of
+        ``IPCTrainerInitInfo`` given as a keyword; keywords override
+        ``init_info``'s fields."""
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        if init_info is None:
+            rank = options.pop("rank", None)
+            init_info = IPCTrainerInitInfo(
+                rank=rank if rank is not None else (0 if is_sender else 1),
+                **options,
+            )
+        elif options:
+            init_info = dataclasses.replace(init_info, **options)
+        self.init_info = init_info
+        self.rank = init_info.rank
+        self.upstream_wire = init_info.wire == "upstream"
+        self.group: TrainerGroup = group or make_trainer_group(self.rank)
+        self.last_plan: TransferPlan | None = None
+        self._plan_cache: tuple[tuple, TransferPlan] | None = None
+        self._chunk_fields: list[dict[str, Any]] = []
+        # What this engine does, which can be less than asked: the upstream
+        # wire and a client without the verification calls send unverified.
+        self.verify_publication = init_info.verify_publication and (
+            not self.upstream_wire
+        )
+        self.verify_checksums = init_info.verify_checksums and self.verify_publication
+        self._next_version = init_info.model_version
+        # The publication being sent (sender only), and the last one verified.
+        self._pub: TrainerPublication | None = None
+        self.last_publication: TrainerPublication | None = None
+        # The packed buffer kept between syncs (see ``keep_packed_buffer``).
+        self._kept_buffer: ExportedBuffer | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.init_info.packed
+
+    @classmethod
+    def from_init_info(
+        cls,
+        init_info: IPCTrainerInitInfo,
+        client: VLLMWeightSyncClient,
+        source: WeightSource,
+    ) -> Self:
+        group = make_trainer_group(
+            init_info.rank, init_info.process_group, init_info.timeout_s
+        )
+        engine = cls(
+            client=client,
+            source=source,
+            is_sender=init_info.is_sender,
+            init_info=init_info,
+            group=group,
+        )
+        if engine.is_sender and engine.verify_publication:
+            missing = [
+                m
+                for m in ("get_world_size", "update_weight_version")
+                if not callable(getattr(client, m, None))
+            ]
+            if missing and init_info.verify_checksums:
+                raise TypeError(
+                    f"{type(client).__name__} has no {' or '.join(missing)}, which "
+                    "verify_checksums needs (a receipt from every worker, and the "
+                    "version set once they verified); use a client from "
+                    "vllm.distributed.weight_transfer.clients"
+                )
+            if missing:
+                # A client written against upstream's four-method protocol still
+                # works; it gets upstream's guarantees, not verified publication.
+                logger.warning(
+                    "ipc: %s has no %s, so this trainer sends without verified "
+                    "publication (no receipts, version set at finish). Use a "
+                    "client from vllm.distributed.weight_transfer.clients to "
+                    "verify every sync.",
+                    type(client).__name__,
+                    " or ".join(missing),
+                )
+                engine.verify_publication = engine.verify_checksums = False
+        error = engine._on_sender(
+            "init_weight_transfer_engine",
+            lambda: client.init_weight_transfer_engine({"packed": init_info.packed}),
+        )
+        # Every rank follows the sender's choice, which depends on its client.
+        flags = group.exchange(
+            engine.verify_publication if engine.is_sender else None,
+            error,
+            "init_weight_transfer_engine",
+        )
+        if False in flags.values():
+            engine.verify_publication = engine.verify_checksums = False
+        return engine
+
+    # -- send ----------------------------------------------------------------
+
+    def send_weights(self, weight_version: str | None = None) -> None:
+        """Push the source's current weights; see the module docstring.
+
+        ``weight_version``, if given, becomes the server's weight version once
+        every worker's receipt is verified (at finish when verification is
+        off).
+        """
+        assert self.source is not None
+        metas = list(self.source.metadata())
+        plan = self._plan_for(metas)
+        self.last_plan = plan
+        pub = self._open_publication(metas)
+        try:
+            error = self._on_sender(
+                "start_weight_update",
+                lambda: start_update(self.client, f"ipc trainer rank {self.rank}"),
+            )
+            self.group.exchange(None, error, "start_weight_update")
+            buffers: list[ExportedBuffer] = []
+            try:
+                try:
+                    self._send_chunks(plan, metas, buffers)
+                    if pub is not None or weight_version is None:
+                        error = self._call_server("finish_weight_update")
+                    else:
+                        error = self._call_server(
+                            "finish_weight_update", weight_version
+                        )
+                    self.group.exchange(None, error, "finish_weight_update")
+                except BaseException as e:
+                    # Also after a failed finish: vLLM's Worker keeps the update
+                    # open until an engine call raises or a finish returns.
+                    self._abort_on_server(
+                        f"trainer rank {self.rank}: {describe_error(e)}"
+                    )
+                    # A worker that timed out may still be reading the kept
+                    # buffer; the next sync writes into a new one.
+                    self._drop_kept_buffer()
+                    raise
+            finally:
+                # Workers release their mappings at finish; only then is the
+                # packed buffer dropped, so CUDA can reclaim it at once.
+                for buffer in buffers:
+                    buffer.close()
+                release_exported_cuda_memory()
+            if self.verify_publication:
+                error = self._on_sender(
+                    "verify receipts", lambda: self._commit(weight_version)
+                )
+                self.group.exchange(None, error, "verify receipts")
+        except BaseException as e:
+            if pub is not None:
+                pub.fail(self.client, e)
+            raise
+        finally:
+            self._pub = None
+            if pub is not None:
+                pub.close()
+
+    def _open_publication(self, metas: list[ParamMeta]) -> TrainerPublication | None:
+        """Gather every rank's device; the sender opens the publication."""
+        if not self.verify_publication:
+            return None
+        devices = self.group.exchange(_trainer_device(), None, "publication")
+        version = self._model_version()
+        if not self.is_sender:
+            return None
+        self._pub = TrainerPublication.open(
+            backend="ipc",
+            model_version=version,
+            metas=metas,
+            channel="shm",
+            checksums=self.verify_checksums,
+            trainer_devices=[devices[r] for r in sorted(devices)],
+        )
+        return self._pub
+
+    def _model_version(self) -> int:
+        if self.init_info.model_version is not None:
+            assert self._next_version is not None
+            version = self._next_version
+        else:
+            version = max(time.time_ns() // 1000, self._next_version or 0)
+        self._next_version = version + 1
+        return version
+
+    def _commit(self, weight_version: str | None) -> None:
+        """Verify every worker's receipt, then make the version visible."""
+        pub = self._pub
+        assert pub is not None
+        workers = served_world_size(self.client)
+        # One engine: its workers are ranks 0..n-1. Several engines behind one
+        # client (a Ray client over several actors) each number their workers
+        # from 0, so the trainer waits for that many distinct workers instead.
+        engines = len(getattr(self.client, "handles", None) or [self.client])
+        expected: range | int = range(workers) if engines == 1 else workers
+        pub.verify(expected, timeout_s=self.init_info.receipt_timeout_s)
+        self.last_publication = pub
+        if weight_version is not None:
+            set_served_version(self.client, weight_version)
+
+    def _plan_for(self, metas: list[ParamMeta]) -> TransferPlan:
+        """The transfer plan of ``metas``, reused while the metadata is unchanged."""
+        key = tuple((m.name, m.dtype, tuple(m.shape)) for m in metas)
+        if self._plan_cache is None or self._plan_cache[0] != key:
+            info = self.init_info
+            plan = plan_transfer(
+                metas,
+                packed=info.packed,
+                buffer_cap_bytes=info.packed_buffer_size_bytes,
+                # Upstream's worker reads tensors back to back, one chunk at
+                # a time from the buffer's start.
+                alignment=1 if self.upstream_wire else info.alignment_bytes,
+                overlap=info.overlap_chunks and not self.upstream_wire,
+            )
+            self._plan_cache = (key, plan)
+            self._chunk_fields = [
+                _packed_chunk_fields(c, offsets=not self.upstream_wire)
+                for c in plan.chunks
+            ]
+        return self._plan_cache[1]
+
+    def _call_server(self, method: str, *args: Any) -> str | None:
+        """Run a client call on the sender; return its failure as text so every
+        rank learns of it (a single-process trainer raises it directly)."""
+        return self._on_sender(method, lambda: getattr(self.client, method)(*args))
+
+    def _on_sender(self, what: str, step: Any) -> str | None:
+        """Run ``step()`` on the sender; its failure as text (see _call_server)."""
+        if not self.is_sender:
+            return None
+        if self.group.world_size == 1:
+            step()
+            return None
+        try:
+            step()
+        except Exception as e:
+            logger.error("ipc weight transfer: %s failed: %s", what, e)
+            return f"{what}: {e}"
+        return None
+
+    def _checksum(self, buf: torch.Tensor) -> str | None:
+        """The payload checksum of ``buf`` (1-D bytes) when checksums are on."""
+        if not self.verify_checksums:
+            return None
+        if self._pub is not None:
+            return self._pub.checksum(buf)
+        return payload_checksum(buf)
+
+    def _attach(
+        self, message: dict[str, Any], what: str, per_rank: list[list[str | None]]
+    ) -> dict[str, Any]:
+        """``message`` with the publication header and, when checksums are on,
+        one checksum per buffer; every rank must have exported equal bytes."""
+        if self._pub is None:
+            return message
+        sums: list[str | None] = []
+        for i, rank_sums in enumerate(zip(*per_rank, strict=True)):
+            if len(set(rank_sums)) > 1:
+                raise ValueError(
+                    f"trainer ranks exported different bytes for buffer {i} of "
+                    f"{what} (checksums {list(rank_sums)}); every rank must send "
+                    "the same weights"
+                )
+            sums.append(rank_sums[0])
+        return self._pub.attach(message, checksums=sums if self._pub.checksums else ())
+
+    def _check_wire_device(self, tensor: torch.Tensor) -> None:
+        """The upstream wire carries CUDA IPC handles only."""
+        if self.upstream_wire and tensor.device.type != "cuda":
+            raise ValueError(
+                f"wire='upstream' sends CUDA IPC handles, the only kind upstream "
+                f"0.32's worker reads, but the source yielded a tensor on "
+                f"{tensor.device}; update a fork server with wire='fork', which "
+                "moves CPU tensors through shared memory"
+            )
+
+    def _wire_handle(
+        self,
+        handle: dict[str, Any],
+        key: str,
+        dtype: torch.dtype = torch.uint8,
+        shape: tuple[int, ...] | None = None,
+    ) -> Any:
+        """A rank's exported handle as this engine's wire carries it: the
+        JSON object, or upstream's ``reduce_tensor`` arguments of a ``dtype``
+        tensor of ``shape`` (default: the flat packed buffer)."""
+        if not self.upstream_wire:
+            return handle
+        parsed = handle_from_dict(handle, f"the handle for {key}")
+        assert isinstance(parsed, CudaIpcHandle)  # _check_wire_device
+        return upstream_args(parsed, dtype, shape)
+
+    def _abort_on_server(self, reason: str) -> None:
+        """Best effort: leave the server serving its previous weights."""
+        if not self.is_sender:
+            return
+        for method, args in (
+            ("update_weights", ({ABORT_FIELD: reason[:2000]},)),
+            ("finish_weight_update", ()),
+        ):
+            try:
+                getattr(self.client, method)(*args)
+            except Exception as e:  # the server may have aborted on its own
+                logger.debug("ipc abort: %s raised %s", method, e)
+
+    def _send_chunks(
+        self,
+        plan: TransferPlan,
+        metas: list[ParamMeta],
+        buffers: list[ExportedBuffer],
+    ) -> None:
+        """Send every chunk; a packed buffer freed after the sync goes in
+        ``buffers``."""
+        assert self.source is not None
+        cursor = _SourceCursor(self.source, metas)
+        if not plan.packed:
+            for chunk in plan.chunks:
+                self._send_unpacked_chunk(chunk, cursor)
+            cursor.finish()
+            return
+        in_flight = _UpdateInFlight(asynchronous=plan.overlapped)
+        try:
+            previous: Chunk | None = None
+            for chunk in plan.chunks:
+                if previous is not None and chunk.overlaps(previous):
+                    # The call in flight still reads these bytes.
+                    self._settle(in_flight)
+                self._send_packed_chunk(plan, chunk, cursor, buffers, in_flight)
+                previous = chunk
+            self._settle(in_flight)
+        finally:
+            in_flight.close()
+        cursor.finish()
+
+    def _settle(self, in_flight: _UpdateInFlight) -> None:
+        """Wait for the update call in flight; every rank learns its outcome."""
+        what = in_flight.what
+        if what is None:
+            return
+        error = self._on_sender(what, in_flight.wait)
+        in_flight.reset()
+        self.group.exchange(None, error, what)
+
+    def _send_packed_chunk(
+        self,
+        plan: TransferPlan,
+        chunk: Chunk,
+        cursor: _SourceCursor,
+        owned: list[ExportedBuffer],
+        in_flight: _UpdateInFlight,
+    ) -> None:
+        """Fill this chunk's part of the buffer, share the handles, and hand
+        the update call to ``in_flight`` once the call before it (which may
+        still read the other half, never this chunk's bytes) has returned."""
+        error: str | None = None
+        device: torch.device | None = None
+        checksum: str | None = None
+        buffer: ExportedBuffer | None = None
+        # Copies from resident tensors are batched into one fused copy per dtype;
+        # any other tensor is copied at once and dropped before the next one is
+        # materialized.
+        batched: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        try:
+            for slot in chunk.slots:
+                tensor = cursor.next()
+                self._check_wire_device(tensor)
+                if buffer is None:
+                    buffer = self._packed_buffer(
+                        plan.buffer_nbytes, tensor.device, owned
+                    )
+                assert buffer.tensor is not None
+                device = buffer.tensor.device
+                if slot.nbytes:
+                    dst = buffer.tensor[slot.offset : slot.offset + slot.nbytes]
+                    dst = dst.view(tensor.dtype).view(tensor.shape)
+                    if _is_resident(tensor):
+                        dsts, srcs = batched.setdefault(tensor.dtype, ([], []))
+                        dsts.append(dst)
+                        srcs.append(tensor)
+                    else:
+                        dst.copy_(tensor)
+                del tensor  # the next tensor is materialized with this one gone
+            for dsts, srcs in batched.values():
+                torch._foreach_copy_(dsts, srcs)
+            batched.clear()
+            sync_device(device)
+            if buffer is not None and buffer.tensor is not None:
+                start, end = chunk.span
+                checksum = self._checksum(buffer.tensor[start:end])
+        except Exception as e:
+            error = describe_error(e)
+            if self.group.world_size == 1:
+                raise
+        key = device_key(device, self.rank) if device is not None else None
+        payload = (
+            (key, buffer.handle.to_dict(), checksum) if buffer is not None else None
+        )
+        handles = self.group.exchange(payload, error, f"chunk {chunk.index}")
+        self._settle(in_flight)
+        what = f"update_weights of chunk {chunk.index}"
+        if self.is_sender:
+            given = [p for p in handles.values() if p is not None]
+            merged = {k: self._wire_handle(h, k) for k, h, _ in given}
+            message = self._attach(
+                {**self._chunk_fields[chunk.index], "ipc_handles": merged},
+                f"chunk {chunk.index}",
+                [[c] for _, _, c in given],
+            )
+            in_flight.start(what, lambda: self.client.update_weights(message))
+        else:
+            in_flight.start(what, None)
+        if not in_flight.asynchronous:
+            self._settle(in_flight)
+
+    def _packed_buffer(
+        self, nbytes: int, device: torch.device, owned: list[ExportedBuffer]
+    ) -> ExportedBuffer:
+        """This sync's packed buffer: the one already in use or kept when it
+        fits, else a new one, which is kept or put in ``owned`` (freed after
+        the sync)."""
+        if owned:
+            return owned[0]
+        keep = self.init_info.keep_packed_buffer
+        if keep is None:
+            keep = device.type == "cpu"
+        kept = self._kept_buffer
+        if kept is not None:
+            assert kept.tensor is not None
+            if kept.tensor.device == device and kept.tensor.numel() >= nbytes:
+                return kept
+            self._drop_kept_buffer()
+        buffer = allocate_buffer(nbytes, device)
+        if keep:
+            self._kept_buffer = buffer
+        else:
+            owned.append(buffer)
+        return buffer
+
+    def _drop_kept_buffer(self) -> None:
+        buffer, self._kept_buffer = self._kept_buffer, None
+        if buffer is not None:
+            buffer.close()
+            release_exported_cuda_memory()
+
+    def shutdown(self) -> None:
+        """Free the packed buffer kept between syncs, if any."""
+        self._drop_kept_buffer()
+
+    def _send_unpacked_chunk(self, chunk: Chunk, cursor: _SourceCursor) -> None:
+        error: str | None = None
+        exported: list[ExportedBuffer] = []
+        payload: list[tuple[str, dict, str | None]] = []
+        try:
+            try:
+                for _ in chunk.slots:
+                    tensor = cursor.next()
+                    self._check_wire_device(tensor)
+                    buf = export_tensor(tensor)
+                    exported.append(buf)
+                    payload.append(
+                        (
+                            device_key(tensor.device, self.rank),
+                            buf.handle.to_dict(),
+                            self._checksum(_bytes_of(tensor)),
+                        )
+                    )
+                    del tensor
+                sync_device(next((t.device for t in _owned(exported)), None))
+            except Exception as e:
+                error = describe_error(e)
+                if self.group.world_size == 1:
+                    raise
+            per_rank = self.group.exchange(payload, error, f"chunk {chunk.index}")
+            error = None
+            if self.is_sender:
+                merged: list[dict[str, Any]] = [{} for _ in chunk.slots]
+                for rank_payload in per_rank.values():
+                    for i, (key, handle, _) in enumerate(rank_payload):
+                        slot = chunk.slots[i]
+                        dtype = dtype_from_name(slot.dtype_name, slot.name)
+                        merged[i][key] = self._wire_handle(
+                            handle, key, dtype, slot.shape
+                        )
+                message = _unpacked_chunk_message(chunk, merged, self.upstream_wire)
+                sums = [[c for _, _, c in p] for p in per_rank.values()]
+                error = self._on_sender(
+                    f"update_weights of chunk {chunk.index}",
+                    lambda: self.client.update_weights(
+                        self._attach(message, f"chunk {chunk.index}", sums)
+                    ),
+                )
+            self.group.exchange(None, error, f"update_weights of chunk {chunk.index}")
+        finally:
+            for buf in exported:
+                buf.close()
+
+
+class _UpdateInFlight:
+    """The sender's ``update_weights`` call of one chunk, at most one at a
+    time: run at once (``asynchronous=False``) or on a helper thread, so the
+    trainer fills the next chunk's buffer meanwhile. Every rank records the
+    call's name (``what``; non-senders with no call) so that all ranks settle
+    the same calls in the same order."""
+
+    def __init__(self, asynchronous: bool) -> None:
+        self.asynchronous = asynchronous
+        self.what: str | None = None
+        self._pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="ipc-update")
+            if asynchronous
+            else None
+        )
+        self._future: Future[None] | None = None
+        self._error: BaseException | None = None
+
+    def start(self, what: str, call: Callable[[], None] | None) -> None:
+        assert self.what is None, f"{self.what} is still in flight"
+        self.what = what
+        if call is None:
+            return
+        if self._pool is not None:
+            self._future = self._pool.submit(call)
+            return
+        try:
+            call()
+        except BaseException as e:
+            self._error = e
+
+    def wait(self) -> None:
+        """Wait for the call in flight; raise its error. The client bounds
+        every call it makes with its own timeout."""
+        future, error = self._future, self._error
+        self._future = self._error = None
+        if future is not None:
+            future.result()
+        if error is not None:
+            raise error
+
+    def reset(self) -> None:
+        self.what = None
+        self._future = self._error = None
+
+    def close(self) -> None:
+        """Wait out a call still in flight (after a failure elsewhere), so it
+        never overlaps the abort that follows."""
+        future, self._future = self._future, None
+        if future is not None:
+            try:
+                future.result()
+            except BaseException as e:
+                logger.debug("ipc: %s failed after an earlier error: %s", self.what, e)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+def _trainer_device() -> str:
+    """This trainer rank's device identity (its current GPU, else the process)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return device_identity(torch.device("cuda", torch.cuda.current_device()))
+    return device_identity("cpu")
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes as a 1-D uint8 tensor on its device."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _is_resident(tensor: torch.Tensor) -> bool:
+    """True when holding ``tensor`` costs no memory: it is a parameter, or a view
+    of one, that lives on whether or not this engine keeps a reference."""
+    return isinstance(tensor, torch.nn.Parameter) or isinstance(
+        tensor._base, torch.nn.Parameter
+    )
+
+
+def _packed_chunk_fields(chunk: Chunk, offsets: bool = True) -> dict[str, Any]:
+    """The handle-independent fields of a packed chunk's update message, built
+    once per plan and shared read-only by every send. The worker validates them
+    (``IPCWeightTransferUpdateInfo``); the plan is valid by construction.
+    Without ``offsets`` (upstream's wire) the worker reads the tensors back to
+    back from the buffer's start, which the plan must then be."""
+    fields: dict[str, Any] = {
+        "names": chunk.names,
+        "dtype_names": [s.dtype_name for s in chunk.slots],
+        "shapes": [list(s.shape) for s in chunk.slots],
+        "tensor_sizes": [s.nbytes for s in chunk.slots],
+    }
+    if offsets:
+        fields["offsets"] = [s.offset for s in chunk.slots]
+    else:
+        sizes = [s.nbytes for s in chunk.slots]
+        starts = [0, *itertools.accumulate(sizes)][: len(sizes)]
+        assert [s.offset for s in chunk.slots] == starts, "plan is not back to back"
+    return fields
+
+
+def _unpacked_chunk_message(
+    chunk: Chunk, handles: list[dict[str, Any]], upstream_wire: bool
+) -> dict[str, Any]:
+    """The update message of an unpacked chunk: one handle map per tensor.
+    Upstream's wire has no ``tensor_sizes`` here (the handles carry them)."""
+    if upstream_wire:
+        return {
+            "names": chunk.names,
+            "dtype_names": [s.dtype_name for s in chunk.slots],
+            "shapes": [list(s.shape) for s in chunk.slots],
+            "ipc_handles": handles,
+        }
+    return IPCWeightTransferUpdateInfo(
+        names=chunk.names,
+        dtype_names=[s.dtype_name for s in chunk.slots],
+        shapes=[list(s.shape) for s in chunk.slots],
+        ipc_handles=handles,
+        tensor_sizes=[s.nbytes for s in chunk.slots],
+    ).to_dict()
+
+
+def _owned(buffers: list[ExportedBuffer]) -> Iterator[torch.Tensor]:
+    for buf in buffers:
+        owner = buf._owner
+        if isinstance(owner, torch.Tensor):
+            yield owner
