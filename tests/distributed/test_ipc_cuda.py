@@ -54,7 +54,11 @@ def _reader(conn) -> None:
             continue
         if msg == "finish":  # as the worker engine does at finish_weight_update
             importer.close()
-            receipt = pub.finish()
+            try:
+                receipt = pub.finish()
+            except Exception as e:  # a failed update: report, keep serving
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+                continue
             conn.send(("ok", receipt.checksums_verified if receipt else None))
             continue
         try:
@@ -68,8 +72,12 @@ def _reader(conn) -> None:
                 bufs.append(importer.open(handle))
             out = {}
             for i, buf in enumerate(bufs):
-                used = max(v.offset + v.nbytes for v in info.views() if v.buffer == i)
-                pub.check_buffer(i, buf[:used])
+                # What the trainer checksummed: the chunk's own bytes, which
+                # start mid-buffer for a chunk in the second half (overlap).
+                mine = [v for v in info.views() if v.buffer == i]
+                start = min(v.offset for v in mine)
+                end = max(v.offset + v.nbytes for v in mine)
+                pub.check_buffer(i, buf[start:end])
             for v in info.views():
                 pub.admit(v.name, v.dtype, v.shape, v.nbytes)
                 raw = bufs[v.buffer][v.offset : v.offset + v.nbytes]
@@ -83,6 +91,14 @@ def _reader(conn) -> None:
         except Exception as e:  # report, keep serving
             pub.fail(e, weights_intact=True)
             conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _answer(conn, what: str):
+    """The reader's answer, or an error if it does not come (a dead reader
+    would otherwise leave the test waiting forever)."""
+    if not conn.poll(120):
+        raise TimeoutError(f"the reader did not answer {what} within 120 s")
+    return conn.recv()
 
 
 class PipeWorker:
@@ -102,14 +118,14 @@ class PipeWorker:
     def start_weight_update(self):
         self.calls.append("start")
         self.conn.send("start")
-        assert self.conn.recv() == ("ok", None)
+        assert _answer(self.conn, "start") == ("ok", None)
 
     def update_weights(self, update_info):
         self.calls.append("update" if "abort" not in update_info else "abort")
         if "abort" in update_info:
             return
         self.conn.send(json.dumps(update_info))  # the wire is plain JSON
-        status, payload = self.conn.recv()
+        status, payload = _answer(self.conn, "update_weights")
         if status != "ok":
             raise RuntimeError(payload)
         keys, tensors = payload
@@ -119,8 +135,9 @@ class PipeWorker:
     def finish_weight_update(self, weight_version=None):
         self.calls.append("finish")
         self.conn.send("finish")
-        status, self.checksums_verified = self.conn.recv()
-        assert status == "ok"
+        status, answer = _answer(self.conn, "finish")
+        assert status == "ok", answer
+        self.checksums_verified = answer
 
     def update_weight_version(self, new_version):
         self.versions.append(new_version)

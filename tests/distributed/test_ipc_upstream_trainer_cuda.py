@@ -15,6 +15,7 @@ also read with its ``packed_ipc_consumer``. Needs an NVIDIA GPU."""
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing as mp
 
 import pytest
@@ -165,6 +166,8 @@ class PipeClient:
     def update_weights(self, update_info):
         self.calls.append("update")
         self.conn.send(update_info)  # pickled by the pipe, as Ray would
+        if not self.conn.poll(120):
+            raise TimeoutError("the reader did not answer within 120 s")
         status, got = self.conn.recv()
         if status != "ok":
             raise RuntimeError(got)
@@ -174,6 +177,7 @@ class PipeClient:
     def finish_weight_update(self, weight_version=None):
         self.calls.append("finish")
         self.conn.send("finish")
+        assert self.conn.poll(120), "the reader did not answer finish"
         assert self.conn.recv() == ("ok", None)
 
 
@@ -235,6 +239,10 @@ def test_upstream_wire_is_read_bit_for_bit_as_upstream_reads_it(reader, packed):
     if packed:
         assert client.calls.count("update") >= 4  # several chunks per sync
         assert engine.last_plan is not None and not engine.last_plan.overlapped
+    readers = {"upstream", "fork"}
+    if packed and importlib.util.find_spec("packed_tensor_upstream") is not None:
+        readers.add("upstream_consumer")  # upstream 0.32's own code read it
+    assert set(client.received) == readers
     expected = {n: t.cpu() for n, t in tensors.items()}
     for reader_name, got in client.received.items():
         assert set(got) == set(expected), reader_name

@@ -484,10 +484,14 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                 overlap=info.overlap_chunks and not self.upstream_wire,
             )
             self._plan_cache = (key, plan)
-            self._chunk_fields = [
-                _packed_chunk_fields(c, offsets=not self.upstream_wire)
-                for c in plan.chunks
-            ]
+            self._chunk_fields = (
+                [
+                    _packed_chunk_fields(c, offsets=not self.upstream_wire)
+                    for c in plan.chunks
+                ]
+                if plan.packed
+                else []
+            )
         return self._plan_cache[1]
 
     def _call_server(self, method: str, *args: Any) -> str | None:
