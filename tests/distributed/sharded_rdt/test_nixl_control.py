@@ -80,3 +80,21 @@ def test_connect_to_a_peer_that_never_answers_times_out():
         with pytest.raises(OSError):
             connect(mute.getsockname()[:2], KEY, timeout_s=0.5)
         assert time.monotonic() - started < 3.0
+
+
+def test_an_unreachable_loopback_producer_names_producer_host():
+    """A worker on another node than the trainer reaches nothing at the
+    default loopback address; the error says which setting fixes it."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.weight_transfer.sharded_rdt_nixl import _NixlLink
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    transport = SimpleNamespace(consumer_id=0, stall_timeout_s=2.0)
+    endpoint = {"transport": "nixl", "host": "127.0.0.1", "port": port}
+    endpoint["authkey"] = KEY.hex()
+    with pytest.raises(RuntimeError, match="producer_host=") as info:
+        _NixlLink(transport, 0, endpoint)  # type: ignore[arg-type]
+    assert "transport='rdt'" in str(info.value)

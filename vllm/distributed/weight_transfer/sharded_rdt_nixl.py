@@ -158,6 +158,10 @@ def _set_io_timeout(conn: Connection, timeout_s: float | None) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
+# Addresses that reach only the machine itself.
+_LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
 def connect(address: tuple[str, int], authkey: bytes, timeout_s: float) -> Connection:
     """An authenticated control connection to ``address``; the TCP connect
     and the handshake each take at most ``timeout_s``, else ``OSError``
@@ -481,11 +485,19 @@ class _NixlLink(ProducerLink):
         try:
             return connect(self._address, self._authkey, timeout_s)
         except Exception as e:
+            hint = ""
+            if self._address[0] in _LOOPBACK_HOSTS:
+                hint = (
+                    ". The producer published a loopback address (the default "
+                    "producer_host): a worker on another node needs "
+                    "ShardedRDTTrainerInitInfo(producer_host=<an address it can "
+                    "reach>) or transport='rdt'"
+                )
             raise RuntimeError(
                 f"could not open a control connection to producer "
                 f"{self.producer_index} ({self._address[0]}:{self._address[1]}) "
                 f"for {what} within {timeout_s:.1f}s: {e!r}; the trainer rank is "
-                "gone, unreachable, or its endpoint's authkey does not match"
+                f"gone, unreachable, or its endpoint's authkey does not match{hint}"
             ) from e
 
     def _lost(self, what: str, error: BaseException) -> RuntimeError:
