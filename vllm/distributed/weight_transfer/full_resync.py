@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The trainer-side entry point shared by the fork's full-resync engines
-(``ipc``, ``sharded_rdt``): each sync resends every weight it reads from a
-``WeightSource``, so construction without one is refused up front, naming
-the backend, and the rest is the engine's ``from_init_info``."""
+"""What the fork's full-resync trainer engines (``ipc``, ``sharded_rdt``)
+share: upstream's ``trainer_init`` entry point (each sync resends every weight
+it reads from a ``WeightSource``, so construction without one is refused up
+front, naming the backend, and the rest is the engine's ``from_init_info``),
+and the model versions their publications carry (``ModelVersions``)."""
 
 from __future__ import annotations
 
+import time
 from abc import abstractmethod
 from typing import Self
 
@@ -46,3 +48,24 @@ class FullResyncTrainerEngine(TrainerWeightTransferEngine[TTrainerInitInfo]):
         source: WeightSource,
     ) -> Self:
         """Build (and connect) this rank's engine; every trainer rank calls it."""
+
+
+class ModelVersions:
+    """The model version of each publication a trainer engine opens: counting
+    up from ``first`` when one is given, else the wall clock in microseconds
+    and at least one more than the last. Workers refuse versions that go
+    backwards, so a restarted trainer, or one resumed from an older
+    checkpoint, still publishes a version they accept."""
+
+    def __init__(self, first: int | None) -> None:
+        self._explicit = first is not None
+        self._next = first
+
+    def next(self) -> int:
+        if self._explicit:
+            assert self._next is not None
+            version = self._next
+        else:
+            version = max(time.time_ns() // 1000, self._next or 0)
+        self._next = version + 1
+        return version

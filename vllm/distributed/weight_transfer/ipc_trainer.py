@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -56,7 +55,10 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.checksum import payload_checksum
 from vllm.distributed.weight_transfer.fencing import set_served_version
-from vllm.distributed.weight_transfer.full_resync import FullResyncTrainerEngine
+from vllm.distributed.weight_transfer.full_resync import (
+    FullResyncTrainerEngine,
+    ModelVersions,
+)
 from vllm.distributed.weight_transfer.ipc_dataplane import (
     ExportedBuffer,
     allocate_buffer,
@@ -87,6 +89,7 @@ from vllm.distributed.weight_transfer.stale_updates import start_update
 from vllm.distributed.weight_transfer.trainer_group import (
     TrainerGroup,
     make_trainer_group,
+    on_sender,
 )
 from vllm.distributed.weight_transfer.verified_sync import (
     TrainerPublication,
@@ -299,7 +302,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
             not self.upstream_wire
         )
         self.verify_checksums = init_info.verify_checksums and self.verify_publication
-        self._next_version = init_info.model_version
+        self._versions = ModelVersions(init_info.model_version)
         # The publication being sent (sender only), and the last one verified.
         self._pub: TrainerPublication | None = None
         self.last_publication: TrainerPublication | None = None
@@ -352,15 +355,15 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                     " or ".join(missing),
                 )
                 engine.verify_publication = engine.verify_checksums = False
-        error = engine._on_sender(
+        engine._on_sender(
             "init_weight_transfer_engine",
             lambda: client.init_weight_transfer_engine({"packed": init_info.packed}),
         )
         # Every rank follows the sender's choice, which depends on its client.
         flags = group.exchange(
             engine.verify_publication if engine.is_sender else None,
-            error,
-            "init_weight_transfer_engine",
+            None,
+            "verified publication",
         )
         if False in flags.values():
             engine.verify_publication = engine.verify_checksums = False
@@ -381,22 +384,24 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         self.last_plan = plan
         pub = self._open_publication(metas)
         try:
-            error = self._on_sender(
+            self._on_sender(
                 "start_weight_update",
                 lambda: start_update(self.client, f"ipc trainer rank {self.rank}"),
             )
-            self.group.exchange(None, error, "start_weight_update")
             buffers: list[ExportedBuffer] = []
             try:
                 try:
                     self._send_chunks(plan, metas, buffers)
-                    if pub is not None or weight_version is None:
-                        error = self._call_server("finish_weight_update")
-                    else:
-                        error = self._call_server(
-                            "finish_weight_update", weight_version
-                        )
-                    self.group.exchange(None, error, "finish_weight_update")
+                    # Unverified, the version is set at finish (upstream's way).
+                    stamp = (
+                        ()
+                        if pub is not None or weight_version is None
+                        else (weight_version,)
+                    )
+                    self._on_sender(
+                        "finish_weight_update",
+                        lambda: self.client.finish_weight_update(*stamp),
+                    )
                 except BaseException as e:
                     # Also after a failed finish: vLLM's Worker keeps the update
                     # open until an engine call raises or a finish returns.
@@ -414,10 +419,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                     buffer.close()
                 release_exported_cuda_memory()
             if self.verify_publication:
-                error = self._on_sender(
-                    "verify receipts", lambda: self._commit(weight_version)
-                )
-                self.group.exchange(None, error, "verify receipts")
+                self._on_sender("verify receipts", lambda: self._commit(weight_version))
         except BaseException as e:
             if pub is not None:
                 pub.fail(self.client, e)
@@ -432,7 +434,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         if not self.verify_publication:
             return None
         devices = self.group.exchange(_trainer_device(), None, "publication")
-        version = self._model_version()
+        version = self._versions.next()
         if not self.is_sender:
             return None
         self._pub = TrainerPublication.open(
@@ -444,15 +446,6 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
             trainer_devices=[devices[r] for r in sorted(devices)],
         )
         return self._pub
-
-    def _model_version(self) -> int:
-        if self.init_info.model_version is not None:
-            assert self._next_version is not None
-            version = self._next_version
-        else:
-            version = max(time.time_ns() // 1000, self._next_version or 0)
-        self._next_version = version + 1
-        return version
 
     def _commit(self, weight_version: str | None) -> None:
         """Verify every worker's receipt, then make the version visible."""
@@ -494,24 +487,9 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
             )
         return self._plan_cache[1]
 
-    def _call_server(self, method: str, *args: Any) -> str | None:
-        """Run a client call on the sender; return its failure as text so every
-        rank learns of it (a single-process trainer raises it directly)."""
-        return self._on_sender(method, lambda: getattr(self.client, method)(*args))
-
-    def _on_sender(self, what: str, step: Any) -> str | None:
-        """Run ``step()`` on the sender; its failure as text (see _call_server)."""
-        if not self.is_sender:
-            return None
-        if self.group.world_size == 1:
-            step()
-            return None
-        try:
-            step()
-        except Exception as e:
-            logger.error("ipc weight transfer: %s failed: %s", what, e)
-            return f"{what}: {e}"
-        return None
+    def _on_sender(self, what: str, step: Callable[[], Any]) -> Any:
+        """``step()`` on the sender; a failure raises on every rank."""
+        return on_sender(self.group, self.is_sender, what, step)
 
     def _checksum(self, buf: torch.Tensor) -> str | None:
         """The payload checksum of ``buf`` (1-D bytes) when checksums are on."""
@@ -612,9 +590,10 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         what = in_flight.what
         if what is None:
             return
-        error = self._on_sender(what, in_flight.wait)
-        in_flight.reset()
-        self.group.exchange(None, error, what)
+        try:
+            self._on_sender(what, in_flight.wait)
+        finally:
+            in_flight.reset()
 
     def _send_packed_chunk(
         self,
@@ -746,8 +725,8 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                 if self.group.world_size == 1:
                     raise
             per_rank = self.group.exchange(payload, error, f"chunk {chunk.index}")
-            error = None
-            if self.is_sender:
+
+            def send() -> None:
                 merged: list[dict[str, Any]] = [{} for _ in chunk.slots]
                 for rank_payload in per_rank.values():
                     for i, (key, handle, _) in enumerate(rank_payload):
@@ -758,13 +737,11 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                         )
                 message = _unpacked_chunk_message(chunk, merged, self.upstream_wire)
                 sums = [[c for _, _, c in p] for p in per_rank.values()]
-                error = self._on_sender(
-                    f"update_weights of chunk {chunk.index}",
-                    lambda: self.client.update_weights(
-                        self._attach(message, f"chunk {chunk.index}", sums)
-                    ),
+                self.client.update_weights(
+                    self._attach(message, f"chunk {chunk.index}", sums)
                 )
-            self.group.exchange(None, error, f"update_weights of chunk {chunk.index}")
+
+            self._on_sender(f"update_weights of chunk {chunk.index}", send)
         finally:
             for buf in exported:
                 buf.close()

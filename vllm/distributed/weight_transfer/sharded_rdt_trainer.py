@@ -40,7 +40,7 @@ import concurrent.futures
 import hashlib
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
@@ -54,7 +54,10 @@ from vllm.distributed.weight_transfer.base import (
     layerwise_groups,
 )
 from vllm.distributed.weight_transfer.fencing import set_served_version
-from vllm.distributed.weight_transfer.full_resync import FullResyncTrainerEngine
+from vllm.distributed.weight_transfer.full_resync import (
+    FullResyncTrainerEngine,
+    ModelVersions,
+)
 from vllm.distributed.weight_transfer.receipts import DEFAULT_RECEIPT_TIMEOUT_S
 from vllm.distributed.weight_transfer.sharded_rdt_common import (
     DEFAULT_GATHER_LOOKAHEAD,
@@ -74,6 +77,7 @@ from vllm.distributed.weight_transfer.stale_updates import start_update
 from vllm.distributed.weight_transfer.trainer_group import (
     TrainerGroup,
     make_trainer_group,
+    on_sender,
 )
 from vllm.distributed.weight_transfer.verified_sync import (
     TrainerPublication,
@@ -224,7 +228,7 @@ class ShardedRDTTrainerWeightTransferEngine(
         self._endpoints: list[dict[str, Any]] = []
         self._ready = False
         self._sync_id = 0  # the last sync begun; equal on every rank
-        self._next_version = init_info.model_version
+        self._versions = ModelVersions(init_info.model_version)
         # The last publication whose receipts verified (sender only).
         self.last_publication: TrainerPublication | None = None
 
@@ -428,8 +432,11 @@ class ShardedRDTTrainerWeightTransferEngine(
         group = self._group
         pub = self._open_publication()
         try:
-            group.exchange(
-                None, self._call("start_weight_update"), "start_weight_update"
+            self._on_sender(
+                "start_weight_update",
+                lambda: start_update(
+                    self.client, f"sharded_rdt trainer rank {self.rank}"
+                ),
             )
             self._sync_id += 1
             update_info: dict[str, Any] = {"sync_id": self._sync_id}
@@ -458,17 +465,13 @@ class ShardedRDTTrainerWeightTransferEngine(
                 pool.shutdown(wait=False)
             error = "; then ".join(m for _, m in sorted(failures)) or None
             group.exchange(None, error, "sharded_rdt send_weights")
-            group.exchange(
-                None, self._call("finish_weight_update"), "finish_weight_update"
-            )
+            self._on_sender("finish_weight_update", self.client.finish_weight_update)
             if self.init_info.verify_publication:
                 # Every rank joins; only the sender holds the publication.
-                error = (
-                    self._on_sender(lambda: self._commit(pub, live, weight_version))
-                    if pub is not None
-                    else None
+                self._on_sender(
+                    "verify receipts",
+                    lambda: self._commit(pub, live, weight_version),
                 )
-                group.exchange(None, error, "verify receipts")
             elif weight_version is not None and self.is_sender:
                 set_served_version(self.client, weight_version)
         except BaseException as e:
@@ -494,7 +497,7 @@ class ShardedRDTTrainerWeightTransferEngine(
         assert self._server is not None and self.source is not None
         return TrainerPublication.open(
             backend="sharded_rdt",
-            model_version=self._model_version(),
+            model_version=self._versions.next(),
             metas=list(self.source.metadata()),
             trainer_devices=[devices[r] for r in sorted(devices)],
             channel="producer",
@@ -502,48 +505,23 @@ class ShardedRDTTrainerWeightTransferEngine(
             inbox=self._server.receipts,
         )
 
-    def _model_version(self) -> int:
-        if self.init_info.model_version is not None:
-            assert self._next_version is not None
-            version = self._next_version
-        else:
-            version = max(time.time_ns() // 1000, self._next_version or 0)
-        self._next_version = version + 1
-        return version
-
     def _commit(
-        self, pub: TrainerPublication, live: list[int], weight_version: str | None
+        self,
+        pub: TrainerPublication | None,
+        live: list[int],
+        weight_version: str | None,
     ) -> None:
         """Verify every live consumer's receipt, then make the version visible."""
+        assert pub is not None  # the sender holds it whenever verification is on
         pub.verify(live, timeout_s=self.init_info.receipt_timeout_s, delivery="sliced")
         self.last_publication = pub
         if weight_version is not None:
             set_served_version(self.client, weight_version)
 
-    def _on_sender(self, fn: Any) -> str | None:
-        if not self.is_sender:
-            return None
-        try:
-            fn()
-        except Exception as e:
-            if self._group is not None and self._group.world_size == 1:
-                raise
-            return f"{type(e).__name__}: {e}"
-        return None
-
-    def _call(self, method: str) -> str | None:
-        if not self.is_sender:
-            return None
-        try:
-            if method == "start_weight_update":
-                start_update(self.client, f"sharded_rdt trainer rank {self.rank}")
-            else:
-                getattr(self.client, method)()
-        except Exception as e:
-            if self._group is not None and self._group.world_size == 1:
-                raise
-            return f"{method}: {e}"
-        return None
+    def _on_sender(self, what: str, step: Callable[[], Any]) -> Any:
+        """``step()`` on the sender; a failure raises on every rank."""
+        assert self._group is not None
+        return on_sender(self._group, self.is_sender, what, step)
 
     def _on_update_done(
         self, future: concurrent.futures.Future[Any], failures: list[tuple[float, str]]

@@ -11,6 +11,11 @@ One operation, bounded by a timeout:
 group, and carries each rank's failure: when any rank passes an error, every
 rank raises ``TrainerGroupError`` naming it instead of waiting on that rank.
 
+``on_sender(group, is_sender, what, step)`` runs one step of a sync on the
+sender only (a call to the server, the receipt check) and then exchanges its
+outcome, so every rank raises when it failed; a trainer of one process raises
+the step's own exception.
+
 The group is the one the caller passes (used as is, with its own timeout), or,
 when torch.distributed is initialized with more than one process, a new gloo
 group over all ranks with ``timeout_s``. A single process uses ``LocalGroup``,
@@ -19,8 +24,13 @@ where both operations are trivial.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
+
+from vllm.distributed.weight_transfer.publication import describe_error
+
+T = TypeVar("T")
 
 
 class TrainerGroupError(RuntimeError):
@@ -97,3 +107,23 @@ def make_trainer_group(
     elif dist.get_world_size(group) == 1:
         return LocalGroup(trainer_rank)
     return DistributedGroup(trainer_rank, group, timeout_s)
+
+
+def on_sender(
+    group: TrainerGroup, is_sender: bool, what: str, step: Callable[[], T]
+) -> T | None:
+    """Run ``step()`` on the sender, then tell every rank how it went: a
+    failure raises ``TrainerGroupError`` on every rank (in a trainer of one
+    process, the step's own exception). Returns the step's result on the
+    sender, None on the other ranks."""
+    result: T | None = None
+    error: str | None = None
+    if is_sender:
+        if group.world_size == 1:
+            return step()
+        try:
+            result = step()
+        except Exception as e:
+            error = f"{what}: {describe_error(e)}"
+    group.exchange(None, error, what)
+    return result
