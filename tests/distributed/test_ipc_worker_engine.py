@@ -10,12 +10,13 @@ engine until a full resync, and an aborted update closes quietly."""
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from vllm.distributed.weight_transfer import ModuleSource
+from vllm.distributed.weight_transfer import ModuleSource, WeightSource
 from vllm.distributed.weight_transfer.fencing import WeightsFencedError
 from vllm.distributed.weight_transfer.ipc_engine import (
     IPCTrainerInitInfo,
@@ -25,6 +26,7 @@ from vllm.distributed.weight_transfer.ipc_engine import (
 from vllm.distributed.weight_transfer.ipc_wire import cpu_device_key
 from vllm.distributed.weight_transfer.layerwise_session import LayerwiseReloadSession
 from vllm.distributed.weight_transfer.publication import ManifestMismatch
+from vllm.distributed.weight_transfer.update_completeness import IncompleteUpdateError
 
 
 class TinyNet(torch.nn.Module):
@@ -286,3 +288,117 @@ def test_an_integer_dtype_declared_for_a_float_parameter_is_rejected():
     assert engine.fence_status["state"] == "idle"  # nothing landed
     for name, want in before.items():
         assert torch.equal(dict(target.named_parameters())[name], want), name
+
+
+class Only(WeightSource):
+    """The tensors of ``model`` named in ``names``, as a partial update."""
+
+    def __init__(self, model: torch.nn.Module, names: set[str]) -> None:
+        self.inner, self.names = ModuleSource(model), names
+
+    def metadata(self):
+        return [m for m in self.inner.metadata() if m.name in self.names]
+
+    def __iter__(self):
+        return ((n, t) for n, t in self.inner if n in self.names)
+
+
+def test_a_layer_updated_without_all_its_parameters_is_refused_not_committed():
+    """A linear layer's bias alone (its weight absent) would be rebuilt with the
+    weight's memory uninitialized; the update is refused at finish and the
+    layer keeps its weights."""
+    target = reload_ready(0)
+    before = state(target)
+    engine = make_engine(target)
+    trainer = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0),
+        client=EngineClient(engine),
+        source=Only(TinyNet(0), {"b.bias"}),  # the values it already holds
+    )
+    with pytest.raises(IncompleteUpdateError, match="it lacks b.weight"):
+        trainer.send_weights()
+    for name, want in before.items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name
+    assert "b.weight" in engine.fence_status["reason"]
+    # a whole layer alone is fine, and it resyncs the engine
+    trainer = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0),
+        client=EngineClient(engine),
+        source=ModuleSource(TinyNet(1)),
+    )
+    trainer.send_weights()
+    assert engine.fence_status["state"] == "committed"
+
+
+def _raw_update(engine, tensors: dict[str, torch.Tensor], dtype_names=None):
+    """One headerless packed update of ``tensors`` through shared memory."""
+    from vllm.distributed.weight_transfer.shm_buffer import SharedMemoryBuffer
+
+    flat = [
+        t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()
+    ]
+    sizes = [f.numel() for f in flat]
+    buf = SharedMemoryBuffer(sum(sizes))
+    offsets = [0, *itertools.accumulate(sizes)][: len(sizes)]
+    for f, off in zip(flat, offsets, strict=True):
+        buf.tensor[off : off + f.numel()].copy_(f)
+    message = {
+        "names": list(tensors),
+        "dtype_names": dtype_names
+        or [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+        "shapes": [list(t.shape) for t in tensors.values()],
+        "ipc_handles": {
+            cpu_device_key(0): {"kind": "shm", "name": buf.name, "nbytes": buf.nbytes}
+        },
+        "tensor_sizes": sizes,
+        "offsets": offsets,
+    }
+    try:
+        engine.update_weights(message)
+    finally:
+        buf.close()
+
+
+def test_float_bytes_declared_int32_without_a_header_are_refused():
+    target = reload_ready(0)
+    before = state(target)
+    engine = make_engine(target)
+    engine.init_transfer_engine(engine.parse_init_info({"packed": True}))
+    engine.start_weight_update()
+    bias = TinyNet(1).b.bias.detach()
+    with pytest.raises(ValueError, match=r"b.bias as int32 \(served model: float"):
+        _raw_update(engine, {"b.bias": bias.view(torch.int32)})
+    engine.finish_weight_update()
+    assert engine.fence_status["state"] != "fenced"  # nothing landed
+    for name, want in before.items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name
+
+
+def test_a_name_sent_again_in_a_later_message_is_refused():
+    target = reload_ready(0)
+    engine = make_engine(target)
+    engine.init_transfer_engine(engine.parse_init_info({"packed": True}))
+    engine.start_weight_update()
+    new = TinyNet(1)
+    _raw_update(engine, {"a.weight": new.a.weight})
+    with pytest.raises(ValueError, match="'a.weight' more than once"):
+        _raw_update(engine, {"a.weight": new.a.weight, "a.bias": new.a.bias})
+    assert engine.fence_status["state"] == "fenced"  # a.weight had landed
+    engine.update_weights({"abort": "test"})
+    engine.finish_weight_update()
+
+
+def test_a_malformed_abort_after_a_weight_landed_still_closes_the_update():
+    target = reload_ready(0)
+    engine = make_engine(target)
+    engine.init_transfer_engine(engine.parse_init_info({"packed": True}))
+    engine.start_weight_update()
+    _raw_update(engine, {"a.weight": TinyNet(1).a.weight})
+    with pytest.raises(ValueError, match="abort"):
+        engine.update_weights({"abort": "x", "names": []})
+    status = engine.fence_status
+    assert status["state"] == "fenced" and "malformed abort" in status["reason"]
+    engine.finish_weight_update()  # closes the aborted update quietly
+    assert engine._session is None
+    push(engine, TinyNet(1))  # a full resync recovers
+    assert engine.fence_status["state"] == "committed"

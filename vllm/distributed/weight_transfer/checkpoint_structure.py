@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -159,16 +160,24 @@ def check_manifest_shapes(
         )
 
 
+def wrong_dtype_kinds(
+    declared: Iterable[tuple[str, torch.dtype | str]], kinds: Kinds
+) -> list[str]:
+    """``"<name> as <dtype> (served model: <kind>)"`` for every declared
+    tensor the served model has with a dtype of another kind."""
+    return [
+        f"{name} as {str(dtype).removeprefix('torch.')} (served model: {kinds[name]})"
+        for name, dtype in declared
+        if name in kinds and dtype_kind(dtype) != kinds[name]
+    ]
+
+
 def check_manifest_dtypes(
     manifest: Manifest, kinds: Kinds, publication_id: str
 ) -> None:
     """``ManifestMismatch`` if a tensor the served model also has is declared
     with a dtype of another kind (float32 bytes declared int32)."""
-    wrong = [
-        f"{e.name} as {e.dtype} (served model: {kinds[e.name]})"
-        for e in manifest.entries
-        if e.name in kinds and dtype_kind(e.dtype) != kinds[e.name]
-    ]
+    wrong = wrong_dtype_kinds(((e.name, e.dtype) for e in manifest.entries), kinds)
     if wrong:
         listed = "; ".join(wrong[:_LIST_LIMIT])
         if len(wrong) > _LIST_LIMIT:

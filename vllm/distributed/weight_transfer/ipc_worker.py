@@ -30,6 +30,7 @@ from vllm.distributed.weight_transfer.checkpoint_structure import (
     checkpoint_dtype_kinds,
     checkpoint_shapes,
     module_dtype_kinds,
+    wrong_dtype_kinds,
 )
 from vllm.distributed.weight_transfer.fencing import (
     WeightsFencedError,
@@ -89,6 +90,8 @@ class IPCWeightTransferEngine(
         self._loaded = False
         # Set by an abort message until the finish that closes the update.
         self._aborted = False
+        # Dtype kinds by tensor name, read on first use (``_kinds``).
+        self._dtype_kinds: dict[str, str] | None = None
 
     @property
     def pub(self) -> WorkerPublication:
@@ -143,7 +146,11 @@ class IPCWeightTransferEngine(
         return self.pub.fence.status.to_dict()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        reason = abort_reason(update_info)
+        try:
+            reason = abort_reason(update_info)
+        except BaseException as e:  # a malformed abort still closes the update
+            self._close_aborted(f"malformed abort message ({describe_error(e)})")
+            raise
         if reason is not None:
             self._close_aborted(reason)
             return
@@ -188,6 +195,14 @@ class IPCWeightTransferEngine(
                 "through shared memory"
             )
         views = update_info.views()
+        wrong = wrong_dtype_kinds(((v.name, v.dtype) for v in views), self._kinds())
+        if wrong:
+            raise ValueError(
+                f"update_info declares {len(wrong)} tensor(s) with a dtype the "
+                f"served model cannot take: {'; '.join(wrong[:8])}; send each "
+                "tensor in a dtype of the same kind (floating point, integer, "
+                "bool) as the served checkpoint; nothing was loaded"
+            )
         for view in views:
             self.pub.admit(view.name, view.dtype, view.shape, view.nbytes)
         importer = self._get_importer()
@@ -281,6 +296,16 @@ class IPCWeightTransferEngine(
                 )
             raise WeightsFencedError(message)
 
+    def _kinds(self) -> dict[str, str]:
+        """Dtype kinds of the served checkpoint's tensors (or, without a
+        local checkpoint, of the model's parameters), read once."""
+        if self._dtype_kinds is None:
+            kinds = checkpoint_dtype_kinds(self.model_config)
+            self._dtype_kinds = (
+                kinds if kinds is not None else module_dtype_kinds(self.model)
+            )
+        return self._dtype_kinds
+
     def _check_against_checkpoint(self) -> None:
         """Reject a manifest the served checkpoint contradicts, before loading."""
         header = self.pub.header
@@ -289,10 +314,7 @@ class IPCWeightTransferEngine(
         shapes: Shapes | None = checkpoint_shapes(self.model_config)
         if shapes is not None:
             check_manifest_shapes(manifest, shapes, header.publication_id)
-        kinds = checkpoint_dtype_kinds(self.model_config)
-        if kinds is None:
-            kinds = module_dtype_kinds(self.model)
-        check_manifest_dtypes(manifest, kinds, header.publication_id)
+        check_manifest_dtypes(manifest, self._kinds(), header.publication_id)
 
     def _get_importer(self) -> BufferImporter:
         if self._importer is None:

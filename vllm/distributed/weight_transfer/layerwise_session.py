@@ -22,7 +22,9 @@ Lifecycle, driven by the worker engine:
    (memory the sender will reuse, such as a packed transfer buffer) are copied,
    so once ``load`` returns the session holds no reference into them.
 4. ``finish()`` (from ``finish_weight_update``): the names received must cover
-   every fused group they touch (``update_completeness``); otherwise the
+   every fused group they touch (``update_completeness``), and every layer
+   that received a weight must have received all its parameters (a linear
+   layer's bias alone would leave its weight uninitialized); otherwise the
    session aborts and ``IncompleteUpdateError`` names what is missing. Then
    layers that got no weights go back to their kernel tensors, the rest are
    processed (``finalize_layerwise_reload``).
@@ -59,7 +61,10 @@ from typing import Any
 
 import torch
 
-from vllm.distributed.weight_transfer.update_completeness import FusedGroups
+from vllm.distributed.weight_transfer.update_completeness import (
+    FusedGroups,
+    IncompleteUpdateError,
+)
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -202,6 +207,7 @@ class LayerwiseReloadSession:
                 self.model, getattr(self.model_config, "hf_config", None)
             )
             groups.check(self._received)
+            self._check_layers_whole()
             finalize_layerwise_reload(self.model, self.model_config)
         except BaseException as e:
             self.abort(f"{type(e).__name__}: {e}")
@@ -272,6 +278,40 @@ class LayerwiseReloadSession:
         self.abort(reason)
         if self.on_abort is not None:
             self.on_abort(reason, True)
+
+    def _check_layers_whole(self) -> None:
+        """``IncompleteUpdateError`` if a layer this update touched lacks a
+        parameter: vLLM would rebuild it with that parameter's memory
+        uninitialized (an update of a linear layer's bias alone)."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+
+        lacking: list[str] = []
+        layers = 0
+        for prefix, layer in self.model.named_modules():
+            info = LAYERWISE_INFO.get(layer)
+            if info is None or not info.can_load() or info.load_numel <= 0:
+                continue  # untouched: it keeps its kernel tensors
+            loaded = {name for name, _ in info.loaded_weights}
+            missing = [
+                f"{prefix}.{name}" if prefix else name
+                for name, param in layer._parameters.items()
+                if param is not None
+                and name not in SKIP_LOAD_TENSORS
+                and name not in loaded
+            ]
+            layers += bool(missing)
+            lacking += missing
+        if lacking:
+            shown = ", ".join(lacking[:6])
+            more = f" and {len(lacking) - 6} more" if len(lacking) > 6 else ""
+            raise IncompleteUpdateError(
+                f"the update touches {layers} layer(s) without all of their "
+                f"parameters; it lacks {shown}{more}. vLLM rebuilds a layer "
+                "from the tensors an update carries, so an update must carry "
+                "every tensor of each layer it touches (send them at their "
+                "current values where they did not change)"
+            )
 
     def _hook_experts_resetup(self) -> None:
         classes = _resetup_experts_classes()

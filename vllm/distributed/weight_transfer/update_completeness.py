@@ -65,39 +65,79 @@ class FusedGroups:
 
     def group_of(self, name: str) -> tuple[str, ...]:
         """Every checkpoint name ``name`` must travel with (itself included)."""
-        match = _EXPERT_NAME_RE.fullmatch(name)
-        if match is not None and self.num_experts > 0:
-            projections = next(
-                (p for p in _EXPERT_PROJECTIONS if match["proj"] in p), None
+        expert = self._expert_key(name)
+        if expert is not None:
+            (prefix, leaf, projections), _ = expert
+            return tuple(
+                f"{prefix}.{e}.{proj}.{leaf}"
+                for e in range(self.num_experts)
+                for proj in sorted(projections)
             )
-            if projections is not None:
-                return tuple(
-                    f"{match['prefix']}.{e}.{proj}.{match['leaf']}"
-                    for e in range(self.num_experts)
-                    for proj in sorted(projections)
-                )
-        module_path, _, leaf = name.rpartition(".")
-        parent, _, module = module_path.rpartition(".")
-        group = self.siblings.get(module)
-        if group is None or not parent:
-            return (name,)
-        return tuple(f"{parent}.{member}.{leaf}" for member in group)
+        return self._module_group(name)
 
     def missing(self, names: Iterable[str]) -> dict[str, list[str]]:
         """Per touched group (named by its first member), the members that
-        ``names`` lacks; empty when every touched group is whole."""
+        ``names`` lacks; empty when every touched group is whole.
+
+        Linear in the number of names: expert names are counted per MoE
+        layer (a layer is whole when all ``num_experts`` x projections are
+        there), and a layer's member list is built only when it is not."""
         received = set(names)
-        seen_groups: set[tuple[str, ...]] = set()
         out: dict[str, list[str]] = {}
+        seen_groups: set[tuple[str, ...]] = set()
+        experts: dict[tuple[str, str, frozenset[str]], set[tuple[int, str]]] = {}
         for name in received:
-            group = self.group_of(name)
+            expert = self._expert_key(name)
+            if expert is not None:
+                key, member = expert
+                experts.setdefault(key, set()).add(member)
+                continue
+            group = self._module_group(name)
             if len(group) == 1 or group in seen_groups:
                 continue
             seen_groups.add(group)
             lacking = [member for member in group if member not in received]
             if lacking:
                 out[group[0]] = lacking
+        for (prefix, leaf, projections), members in experts.items():
+            in_range = sum(1 for e, _ in members if e < self.num_experts)
+            if in_range == self.num_experts * len(projections):
+                continue
+            order = sorted(projections)
+            out[f"{prefix}.0.{order[0]}.{leaf}"] = [
+                f"{prefix}.{e}.{proj}.{leaf}"
+                for e in range(self.num_experts)
+                for proj in order
+                if (e, proj) not in members
+            ]
         return out
+
+    def _expert_key(
+        self, name: str
+    ) -> tuple[tuple[str, str, frozenset[str]], tuple[int, str]] | None:
+        """``((layer prefix, leaf, projections), (expert, projection))`` for a
+        per-expert checkpoint name of a MoE model, else None."""
+        if self.num_experts <= 0:
+            return None
+        match = _EXPERT_NAME_RE.fullmatch(name)
+        if match is None:
+            return None
+        projections = next((p for p in _EXPERT_PROJECTIONS if match["proj"] in p), None)
+        if projections is None:
+            return None
+        return (match["prefix"], match["leaf"], projections), (
+            int(match["expert"]),
+            match["proj"],
+        )
+
+    def _module_group(self, name: str) -> tuple[str, ...]:
+        """The members of ``name``'s fused module group (itself if unfused)."""
+        module_path, _, leaf = name.rpartition(".")
+        parent, _, module = module_path.rpartition(".")
+        group = self.siblings.get(module)
+        if group is None or not parent:
+            return (name,)
+        return tuple(f"{parent}.{member}.{leaf}" for member in group)
 
     def check(self, names: Iterable[str], what: str = "the update") -> None:
         """Raise ``IncompleteUpdateError`` naming every incomplete group."""
