@@ -9,13 +9,13 @@ import time
 import pytest
 import torch
 
+from vllm.distributed.weight_transfer.fencing import abort_reason
 from vllm.distributed.weight_transfer.ipc_dataplane import BufferImporter
 from vllm.distributed.weight_transfer.ipc_wire import (
     CudaIpcHandle,
     IPCWeightTransferInitInfo,
     IPCWeightTransferUpdateInfo,
     ShmHandle,
-    abort_reason,
     cpu_device_key,
     select_cpu_key,
 )

@@ -247,7 +247,7 @@ def test_an_abort_after_a_weight_landed_fences_and_finish_closes_quietly():
     engine = make_engine(target)
     push(engine, TinyNet(2))
     engine.start_weight_update()
-    engine._loaded = True  # as after a landed chunk
+    engine._landed = True  # as after a landed chunk
     engine.pub.touch()
     engine.update_weights({"abort": "trainer rank 1 died"})
     engine.finish_weight_update()  # closes the aborted update without raising

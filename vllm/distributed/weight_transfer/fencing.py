@@ -62,6 +62,24 @@ class WeightsFencedError(RuntimeError):
     """The engine refuses an operation until a full resync completes."""
 
 
+# An update message ``{"abort": reason}`` closes the open update: layers that
+# did not complete keep their weights, and the engine is fenced if any weight
+# had landed.
+ABORT_FIELD = "abort"
+
+
+def abort_reason(d: object) -> str | None:
+    """The reason of an abort message, or None for any other message."""
+    if not isinstance(d, dict) or ABORT_FIELD not in d:
+        return None
+    if set(d) != {ABORT_FIELD} or not isinstance(d[ABORT_FIELD], str):
+        raise ValueError(
+            f"update_info.{ABORT_FIELD} must be the only field and a string, got "
+            f"fields {sorted(d)}"
+        )
+    return d[ABORT_FIELD]
+
+
 class WeightState(enum.Enum):
     IDLE = "idle"
     UPDATING = "updating"

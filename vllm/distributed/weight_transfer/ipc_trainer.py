@@ -54,7 +54,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 from vllm.distributed.weight_transfer.checksum import payload_checksum
-from vllm.distributed.weight_transfer.fencing import set_served_version
+from vllm.distributed.weight_transfer.fencing import ABORT_FIELD, set_served_version
 from vllm.distributed.weight_transfer.full_resync import (
     FullResyncTrainerEngine,
     ModelVersions,
@@ -75,7 +75,6 @@ from vllm.distributed.weight_transfer.ipc_packing import (
     plan_transfer,
 )
 from vllm.distributed.weight_transfer.ipc_wire import (
-    ABORT_FIELD,
     CudaIpcHandle,
     IPCWeightTransferUpdateInfo,
     dtype_from_name,

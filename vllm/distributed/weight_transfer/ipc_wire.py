@@ -81,10 +81,6 @@ _RANK_RE = re.compile(r"[0-9]{1,6}")
 
 CPU_KEY_PREFIX = "cpu:"
 
-# An update message ``{"abort": reason}`` closes the open update without
-# changing any weight that has not been fully loaded yet.
-ABORT_FIELD = "abort"
-
 
 # ---------------------------------------------------------------------------
 # dtypes
@@ -492,18 +488,6 @@ def _is_upstream_form(handles: object) -> bool:
 
 # ---------------------------------------------------------------------------
 # messages
-
-
-def abort_reason(d: object) -> str | None:
-    """The reason of an abort message, or None for any other message."""
-    if not isinstance(d, dict) or ABORT_FIELD not in d:
-        return None
-    if set(d) != {ABORT_FIELD} or not isinstance(d[ABORT_FIELD], str):
-        raise ValueError(
-            f"update_info.{ABORT_FIELD} must be the only field and a string, got "
-            f"fields {sorted(d)}"
-        )
-    return d[ABORT_FIELD]
 
 
 @dataclass

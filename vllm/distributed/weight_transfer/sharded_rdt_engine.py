@@ -46,14 +46,12 @@ import torch
 
 from vllm.config import VllmConfig
 from vllm.config.weight_transfer import WeightTransferConfig
-from vllm.distributed.weight_transfer.base import ParamMeta, WeightTransferEngine
+from vllm.distributed.weight_transfer.base import ParamMeta
 from vllm.distributed.weight_transfer.checkpoint_structure import (
     check_manifest_dtypes,
     checkpoint_dtype_kinds,
     module_dtype_kinds,
 )
-from vllm.distributed.weight_transfer.fencing import WeightState
-from vllm.distributed.weight_transfer.layerwise_session import LayerwiseReloadSession
 from vllm.distributed.weight_transfer.publication import Manifest
 from vllm.distributed.weight_transfer.sharded_rdt_bake import bake_worker_plan
 from vllm.distributed.weight_transfer.sharded_rdt_chunks import (
@@ -82,6 +80,7 @@ from vllm.distributed.weight_transfer.verified_sync import (
     WorkerPublication,
     device_identity,
 )
+from vllm.distributed.weight_transfer.worker_lifecycle import LayerwiseWorkerEngine
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -159,12 +158,13 @@ class _Failed:
 
 
 class ShardedRDTWeightTransferEngine(
-    WeightTransferEngine[
+    LayerwiseWorkerEngine[
         ShardedRDTWeightTransferInitInfo, ShardedRDTWeightTransferUpdateInfo
     ]
 ):
     """See the module docstring."""
 
+    backend_name = "sharded_rdt"
     init_info_cls = ShardedRDTWeightTransferInitInfo
     update_info_cls = ShardedRDTWeightTransferUpdateInfo
     supports_draft_weight_update = False
@@ -187,23 +187,22 @@ class ShardedRDTWeightTransferEngine(
         self._links: list[ProducerLink] = []
         self._buffers: list[torch.Tensor] = []
         self._lander: ChunkLander | None = None
-        self._session: LayerwiseReloadSession | None = None
         # What the last update_weights pulled and landed (JSON-safe).
         self.last_receipt: dict[str, Any] | None = None
         # The structure the plan was baked from, and the bytes of each tensor
         # the plan pulls; set at init.
         self.manifest: Manifest | None = None
         self.expected: dict[str, int] = {}
-        self.pub = WorkerPublication(
+
+    def _make_publication(self) -> WorkerPublication:
+        return WorkerPublication(
             backend="sharded_rdt",
-            worker_rank=0,  # the consumer id, once init names it
-            worker_device=device_identity(device),
+            worker_rank=self.consumer_id or 0,  # set again when init names it
+            worker_device=device_identity(self.device),
             manifest_for=lambda header: self.manifest,
             expected_for=lambda header, manifest: self.expected,
             producer_call=self._deliver_receipt,
         )
-        # Set once a chunk of the open update was handed to the lander.
-        self._landed_any = False
 
     # -- parsing -------------------------------------------------------------
 
@@ -336,67 +335,28 @@ class ShardedRDTWeightTransferEngine(
 
     # -- updates -------------------------------------------------------------
 
-    def start_weight_update(self) -> None:
-        if self._session is not None and self._session.is_open:
-            self._session.abort()
-        self.pub.start()
-        self._landed_any = False
-        session = LayerwiseReloadSession(
-            self.model,
-            self.model_config,
-            on_abort=self._session_aborted,
-            timeout_s=getattr(self.config, "update_timeout_s", None),
-        )
-        session.start()
-        self._session = session
-
-    def _session_aborted(self, reason: str, landed: bool) -> None:
-        """The session aborted itself (a forward pass during landing)."""
-        self.pub.fail(reason, weights_intact=not (landed and self._landed_any))
-
-    @property
-    def fence_status(self) -> dict[str, Any]:
-        """The worker's update state (``FenceStatus.to_dict``), for diagnostics."""
-        return self.pub.fence.status.to_dict()
-
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        # Overrides the base class, which synchronizes an accelerator this
-        # engine may not have; every pull has landed when this returns.
+        # The sync id is known before any check, so that a refusal below
+        # names this sync to the producers even before the first pull.
         sync_id = update_info.get("sync_id") if isinstance(update_info, dict) else None
         if isinstance(sync_id, int):
-            # Known before any check, so an abort below names this sync even
-            # when it fails before the first pull.
             for link in self._links:
                 link.sync_id = sync_id
-        try:
-            info = self.pub.begin_message(update_info)
-            self.receive_weights(self.parse_update_info(info))
-        except BaseException as e:
-            reason = f"{type(e).__name__}: {e}"
-            try:
-                self._abort(reason)
-            finally:
-                self.pub.fail(reason, weights_intact=not self._landed_any)
-            raise
+        super().update_weights(update_info)
 
     def receive_weights(self, update_info: ShardedRDTWeightTransferUpdateInfo) -> None:
         if self.pulls is None or self._lander is None:
             raise RuntimeError(
                 "sharded_rdt update_weights before init_weight_transfer_engine"
             )
-        if self._session is None or not self._session.is_open:
-            raise RuntimeError(
-                "sharded_rdt update_weights needs an open update; call "
-                "start_weight_update first"
-            )
+        session = self._session_for("sharded_rdt update_weights")
         started = time.perf_counter()
         header = self.pub.header
         for link in self._links:
             link.sync_id = update_info.sync_id
             link.checksums = header is not None and header.checksum is not None
         lander = self._lander
-        self._session.check_deadline("sharded_rdt update_weights")
-        self._session.begin_landing()
+        session.begin_landing()
         lander.begin()
         pulled, timing = self._run_pulls(lander)
         elapsed = time.perf_counter() - started
@@ -422,27 +382,8 @@ class ShardedRDTWeightTransferEngine(
     def drain_pending(self) -> None:
         """Nothing is queued once update_weights returns."""
 
-    def finish_weight_update(self) -> None:
-        session, self._session = self._session, None
-        if self.pub.fence.state != WeightState.UPDATING:
-            if session is not None and session.is_open:
-                session.abort()
-            if self.pub.fence.state == WeightState.FENCED:
-                self.pub.fence.check_open("finish_weight_update")  # says why
-            # An earlier failure closed the update with the weights intact.
-            return
-        try:
-            if session is not None and session.is_open:
-                session.finish()
-        except BaseException as e:
-            self.pub.fail(f"{type(e).__name__}: {e}", weights_intact=False)
-            raise
-        self.pub.finish()
-
     def shutdown(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            session.abort()
+        super().shutdown()
         self._release()
 
     # -- internals -----------------------------------------------------------
@@ -537,8 +478,7 @@ class ShardedRDTWeightTransferEngine(
         slices = [p.spec for p in chunk.slices if p.spec.nbytes]
         for spec in slices:
             pub.admit_slice(spec.source, None, spec.nbytes)
-        pub.touch()
-        self._landed_any = True
+        self._mark_landed()
         t0 = time.perf_counter()
         if pub.record is not None:
             with pub.record.phase("load"):
@@ -558,17 +498,13 @@ class ShardedRDTWeightTransferEngine(
             )
         self._links[0].deliver_receipt(receipt)
 
-    def _abort(self, reason: str) -> None:
-        session, self._session = self._session, None
-        try:
-            if session is not None:
-                session.abort()
-        finally:
-            for link in self._links:
-                try:
-                    link.abort(reason)
-                except Exception as e:  # the producer may be the one that died
-                    logger.debug("sharded_rdt abort not delivered: %s", e)
+    def _on_update_failed(self, reason: str) -> None:
+        """Tell every producer, so the trainer stops waiting for this worker."""
+        for link in self._links:
+            try:
+                link.abort(reason)
+            except Exception as e:  # the producer may be the one that died
+                logger.debug("sharded_rdt abort not delivered: %s", e)
 
     def _release(self) -> None:
         for link in self._links:

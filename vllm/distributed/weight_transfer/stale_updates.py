@@ -29,6 +29,7 @@ import shutil
 import time
 from typing import Any
 
+from vllm.distributed.weight_transfer.fencing import ABORT_FIELD
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -58,7 +59,7 @@ def start_update(client: Any, who: str) -> None:
         )
     reason = f"abandoned: {who} started a new sync while this update was open"
     for method, args in (
-        ("update_weights", ({"abort": reason},)),
+        ("update_weights", ({ABORT_FIELD: reason},)),
         ("finish_weight_update", ()),
     ):
         try:

@@ -1,0 +1,259 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The update lifecycle of a worker engine that lands checkpoint-format
+tensors through vLLM's layerwise reload (``ipc``, ``sharded_rdt``), written
+once so every backend keeps the same invariant: after any request the served
+model is the old weights, the new weights, or fenced with a reason.
+
+``LayerwiseWorkerEngine`` owns the ``LayerwiseReloadSession`` and the
+``WorkerPublication`` (fence, manifest checks, receipts) of the open update:
+
+- ``start_weight_update`` opens a session (the model is touched only when
+  the first weights arrive) and starts a publication.
+- ``update_weights``: ``{"abort": reason}`` closes the update (the next
+  finish then closes quietly). Any other message is refused before anything
+  changes when no update is open or the engine is fenced; otherwise its
+  publication header is checked and the backend's ``receive_weights`` moves
+  and lands the bytes. Any failure aborts the session (layers that did not
+  complete go back to their weights), lets the backend clean up
+  (``_on_update_failed``) and fails the publication: the engine is fenced
+  when a weight had already landed (``_mark_landed``), and the error is never
+  blank.
+- ``finish_weight_update`` completes the session and commits the
+  publication (its receipt); a failure fences. A fenced engine refuses it and
+  says how to recover.
+
+Backends implement ``_make_publication`` and ``receive_weights`` (which
+lands through ``_session_for`` and calls ``_mark_landed`` before the first
+weight reaches the model), and may hook ``_on_start``,
+``_on_new_publication``, ``_on_update_failed`` and ``_on_update_closed``.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Any, ClassVar
+
+from vllm.distributed.weight_transfer.base import (
+    TInitInfo,
+    TUpdateInfo,
+    WeightTransferEngine,
+)
+from vllm.distributed.weight_transfer.fencing import (
+    WeightsFencedError,
+    WeightState,
+    abort_reason,
+    fenced_message,
+)
+from vllm.distributed.weight_transfer.layerwise_session import (
+    LayerwiseReloadSession,
+)
+from vllm.distributed.weight_transfer.publication import describe_error
+from vllm.distributed.weight_transfer.verified_sync import WorkerPublication
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
+    """See the module docstring."""
+
+    # Names the backend in errors and logs.
+    backend_name: ClassVar[str]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._session: LayerwiseReloadSession | None = None
+        # Created on first use (``_make_publication`` may query the device).
+        self._pub: WorkerPublication | None = None
+        # Set once a weight of the open update was handed to the model.
+        self._landed = False
+        # Set by an abort message until the finish that closes the update.
+        self._aborted = False
+
+    # -- backend hooks -------------------------------------------------------
+
+    @abstractmethod
+    def _make_publication(self) -> WorkerPublication:
+        """This worker's publication state, built once."""
+
+    def _on_start(self) -> None:
+        """A new update opens (after any open one was aborted)."""
+
+    def _on_new_publication(self) -> None:
+        """The first message of a publication passed its header checks."""
+
+    def _on_update_failed(self, reason: str) -> None:
+        """The open update failed or was aborted; its session is closed."""
+
+    def _on_update_closed(self) -> None:
+        """The update is over (finished, failed, aborted or shut down)."""
+
+    # -- what backends use -----------------------------------------------------
+
+    @property
+    def pub(self) -> WorkerPublication:
+        """This worker's publication state (verified publication, fencing)."""
+        if self._pub is None:
+            self._pub = self._make_publication()
+        return self._pub
+
+    @property
+    def fence_status(self) -> dict[str, Any]:
+        """The worker's update state (``FenceStatus.to_dict``), for diagnostics."""
+        return self.pub.fence.status.to_dict()
+
+    def _session_for(self, what: str) -> LayerwiseReloadSession:
+        """The open update's session, within its deadline, or an error that
+        says why there is none."""
+        session = self._session
+        if session is None or not session.is_open:
+            raise RuntimeError(
+                session.closed_message(what)
+                if session is not None
+                else f"{what} needs an open update; call start_weight_update first"
+            )
+        session.check_deadline(what)
+        return session
+
+    def _mark_landed(self) -> None:
+        """Call before handing the first weight of an update to the model: a
+        failure from here on fences the engine."""
+        self.pub.touch()
+        self._landed = True
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def start_weight_update(self) -> None:
+        if self._session is not None and self._session.is_open:
+            self._session.abort("a new update started")
+        self._on_update_closed()
+        self.pub.start()
+        self._landed = False
+        self._aborted = False
+        self._on_start()
+        session = LayerwiseReloadSession(
+            self.model,
+            self.model_config,
+            on_abort=self._session_aborted,
+            timeout_s=getattr(self.config, "update_timeout_s", None),
+        )
+        session.start()
+        self._session = session
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        try:
+            reason = abort_reason(update_info)
+        except BaseException as e:  # a malformed abort still closes the update
+            self._close_aborted(f"malformed abort message ({describe_error(e)})")
+            raise
+        if reason is not None:
+            self._close_aborted(reason)
+            return
+        try:
+            # No update open, or fenced: refused before anything changes (the
+            # failure path below then only tells the backend).
+            self.pub.fence.check_open(f"{self.backend_name} update_weights")
+            checker = self.pub.checker
+            message = self.pub.begin_message(update_info)
+            if self.pub.checker is not checker and self.pub.header is not None:
+                self._on_new_publication()
+            self.receive_weights(self.parse_update_info(message))
+        except BaseException as e:
+            self._fail_update(e)
+            if isinstance(e, Exception) and not str(e).strip():
+                # The server returns the message to the trainer; never a blank.
+                raise RuntimeError(
+                    f"{self.backend_name} update_weights failed: {describe_error(e)}"
+                ) from e
+            raise
+
+    def finish_weight_update(self) -> None:
+        if self._aborted:
+            # The finish that closes an update the trainer aborted: the
+            # trainer knows, and vLLM's Worker keeps an update open for as
+            # long as finish raises.
+            self._aborted = False
+            self._on_update_closed()
+            return
+        session, self._session = self._session, None
+        try:
+            state = self.pub.fence.state
+            if state != WeightState.UPDATING:
+                if session is not None and session.is_open:
+                    session.abort("finish after a failure")
+                if state == WeightState.FENCED:
+                    raise WeightsFencedError(
+                        fenced_message(self.pub.fence.status.reason or "unknown")
+                        + ". vLLM's worker keeps this update open while "
+                        "finish_weight_update raises: close it with "
+                        "update_weights {'abort': '<reason>'} and then "
+                        "finish_weight_update (the fork's trainers do this on "
+                        "failure), then send a full update"
+                    )
+                # An earlier failure closed the update with the weights intact.
+                return
+            try:
+                if session is not None and session.is_open:
+                    session.finish()
+            except BaseException as e:
+                self.pub.fail(e, weights_intact=False)
+                if isinstance(e, Exception) and not str(e).strip():
+                    raise RuntimeError(
+                        f"{self.backend_name} finish_weight_update failed: "
+                        f"{describe_error(e)}"
+                    ) from e
+                raise
+            self.pub.finish()
+        finally:
+            self._on_update_closed()
+
+    def shutdown(self) -> None:
+        self._close_session("the engine is shutting down")
+        self._on_update_closed()
+
+    # -- internals -----------------------------------------------------------
+
+    def _session_aborted(self, reason: str, landed: bool) -> None:
+        """The session aborted itself (a forward pass during landing, or the
+        deadline)."""
+        self.pub.fail(reason, weights_intact=not (landed and self._landed))
+
+    def _close_session(self, reason: str) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            session.abort(reason)
+
+    def _fail_update(self, error: BaseException) -> None:
+        """Close the open update after ``error``: restore what did not
+        complete, let the backend clean up, fence if a weight had landed."""
+        reason = describe_error(error)
+        try:
+            self._close_session(reason)
+            self._on_update_failed(reason)
+        finally:
+            try:
+                self.pub.fail(error, weights_intact=not self._landed)
+            finally:
+                self._on_update_closed()
+
+    def _close_aborted(self, reason: str) -> None:
+        """Close the open update on the trainer's ``{"abort": reason}``.
+
+        Never raises: the trainer already knows the update failed, and the
+        ``finish_weight_update`` it sends next closes the update quietly, so
+        vLLM's Worker is ready for the resync. The engine is fenced if the
+        update had touched a weight.
+        """
+        logger.warning("Trainer aborted the weight update: %s", reason)
+        if self.pub.fence.state == WeightState.UPDATING:
+            self.pub.fail(
+                f"the trainer aborted the update: {reason}",
+                weights_intact=not self._landed,
+            )
+        self._aborted = True
+        self._close_session(reason)
+        try:
+            self._on_update_failed(reason)
+        finally:
+            self._on_update_closed()
