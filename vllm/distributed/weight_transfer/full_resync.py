@@ -4,13 +4,18 @@
 share: upstream's ``trainer_init`` entry point (each sync resends every weight
 it reads from a ``WeightSource``, so construction without one is refused up
 front, naming the backend, and the rest is the engine's ``from_init_info``),
-and the model versions their publications carry (``ModelVersions``)."""
+the model versions their publications carry (``ModelVersions``), and a
+publication's life around one sync (``_publishing``, ``_commit_publication``):
+any failure fences the served version, success stamps ``weight_version`` only
+after every receipt verified."""
 
 from __future__ import annotations
 
 import time
 from abc import abstractmethod
-from typing import Self
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
+from typing import Any, Self
 
 from vllm.distributed.weight_transfer.base import (
     TrainerWeightTransferEngine,
@@ -18,6 +23,8 @@ from vllm.distributed.weight_transfer.base import (
     VLLMWeightSyncClient,
     WeightSource,
 )
+from vllm.distributed.weight_transfer.fencing import set_served_version
+from vllm.distributed.weight_transfer.verified_sync import TrainerPublication
 
 
 class FullResyncTrainerEngine(TrainerWeightTransferEngine[TTrainerInitInfo]):
@@ -38,6 +45,41 @@ class FullResyncTrainerEngine(TrainerWeightTransferEngine[TTrainerInitInfo]):
                 "it needs source= (e.g. ModuleSource(model)) at trainer_init"
             )
         return cls.from_init_info(init_info, client, source)
+
+    # The last publication whose receipts verified (sender only).
+    last_publication: TrainerPublication | None = None
+
+    @contextmanager
+    def _publishing(
+        self, pub: TrainerPublication | None
+    ) -> Iterator[TrainerPublication | None]:
+        """One sync's publication (None when unverified or not the sender):
+        any failure inside sets the served version to ``fenced:...``, and the
+        publication is closed at the end."""
+        try:
+            yield pub
+        except BaseException as e:
+            if pub is not None:
+                pub.fail(self.client, e)
+            raise
+        finally:
+            if pub is not None:
+                pub.close()
+
+    def _commit_publication(
+        self,
+        pub: TrainerPublication,
+        expected: Collection[int] | int,
+        weight_version: str | None,
+        timeout_s: float,
+        **verify_options: Any,
+    ) -> None:
+        """Verify every expected worker's receipt, then make
+        ``weight_version`` the served version."""
+        pub.verify(expected, timeout_s=timeout_s, **verify_options)
+        self.last_publication = pub
+        if weight_version is not None:
+            set_served_version(self.client, weight_version)
 
     @classmethod
     @abstractmethod

@@ -54,7 +54,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 from vllm.distributed.weight_transfer.checksum import payload_checksum
-from vllm.distributed.weight_transfer.fencing import ABORT_FIELD, set_served_version
+from vllm.distributed.weight_transfer.fencing import ABORT_FIELD
 from vllm.distributed.weight_transfer.full_resync import (
     FullResyncTrainerEngine,
     ModelVersions,
@@ -304,7 +304,6 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         self._versions = ModelVersions(init_info.model_version)
         # The publication being sent (sender only), and the last one verified.
         self._pub: TrainerPublication | None = None
-        self.last_publication: TrainerPublication | None = None
         # The packed buffer kept between syncs (see ``keep_packed_buffer``).
         self._kept_buffer: ExportedBuffer | None = None
 
@@ -382,51 +381,50 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         plan = self._plan_for(metas)
         self.last_plan = plan
         pub = self._open_publication(metas)
+        # Unverified, the version is set at finish (upstream's way).
+        stamp = None if pub is not None else weight_version
         try:
-            self._on_sender(
-                "start_weight_update",
-                lambda: start_update(self.client, f"ipc trainer rank {self.rank}"),
-            )
-            buffers: list[ExportedBuffer] = []
-            try:
-                try:
-                    self._send_chunks(plan, metas, buffers)
-                    # Unverified, the version is set at finish (upstream's way).
-                    stamp = (
-                        ()
-                        if pub is not None or weight_version is None
-                        else (weight_version,)
-                    )
+            with self._publishing(pub):
+                self._on_sender(
+                    "start_weight_update",
+                    lambda: start_update(self.client, f"ipc trainer rank {self.rank}"),
+                )
+                self._send_and_finish(plan, metas, stamp)
+                if self.verify_publication:
                     self._on_sender(
-                        "finish_weight_update",
-                        lambda: self.client.finish_weight_update(*stamp),
+                        "verify receipts", lambda: self._commit(weight_version)
                     )
-                except BaseException as e:
-                    # Also after a failed finish: vLLM's Worker keeps the update
-                    # open until an engine call raises or a finish returns.
-                    self._abort_on_server(
-                        f"trainer rank {self.rank}: {describe_error(e)}"
-                    )
-                    # A worker that timed out may still be reading the kept
-                    # buffer; the next sync writes into a new one.
-                    self._drop_kept_buffer()
-                    raise
-            finally:
-                # Workers release their mappings at finish; only then is the
-                # packed buffer dropped, so CUDA can reclaim it at once.
-                for buffer in buffers:
-                    buffer.close()
-                release_exported_cuda_memory()
-            if self.verify_publication:
-                self._on_sender("verify receipts", lambda: self._commit(weight_version))
-        except BaseException as e:
-            if pub is not None:
-                pub.fail(self.client, e)
-            raise
         finally:
             self._pub = None
-            if pub is not None:
-                pub.close()
+
+    def _send_and_finish(
+        self, plan: TransferPlan, metas: list[ParamMeta], stamp: str | None
+    ) -> None:
+        """Send every chunk and finish the update (with ``stamp`` as the
+        version, if given); on any failure abort it on the server."""
+        buffers: list[ExportedBuffer] = []
+        try:
+            self._send_chunks(plan, metas, buffers)
+            self._on_sender(
+                "finish_weight_update",
+                lambda: self.client.finish_weight_update(
+                    *(() if stamp is None else (stamp,))
+                ),
+            )
+        except BaseException as e:
+            # Also after a failed finish: vLLM's Worker keeps the update open
+            # until an engine call raises or a finish returns.
+            self._abort_on_server(f"trainer rank {self.rank}: {describe_error(e)}")
+            # A worker that timed out may still be reading the kept buffer;
+            # the next sync writes into a new one.
+            self._drop_kept_buffer()
+            raise
+        finally:
+            # Workers release their mappings at finish; only then is the
+            # packed buffer dropped, so CUDA can reclaim it at once.
+            for buffer in buffers:
+                buffer.close()
+            release_exported_cuda_memory()
 
     def _open_publication(self, metas: list[ParamMeta]) -> TrainerPublication | None:
         """Gather every rank's device; the sender opens the publication."""
@@ -456,10 +454,9 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         # from 0, so the trainer waits for that many distinct workers instead.
         engines = len(getattr(self.client, "handles", None) or [self.client])
         expected: range | int = range(workers) if engines == 1 else workers
-        pub.verify(expected, timeout_s=self.init_info.receipt_timeout_s)
-        self.last_publication = pub
-        if weight_version is not None:
-            set_served_version(self.client, weight_version)
+        self._commit_publication(
+            pub, expected, weight_version, self.init_info.receipt_timeout_s
+        )
 
     def _plan_for(self, metas: list[ParamMeta]) -> TransferPlan:
         """The transfer plan of ``metas``, reused while the metadata is unchanged."""

@@ -229,8 +229,6 @@ class ShardedRDTTrainerWeightTransferEngine(
         self._ready = False
         self._sync_id = 0  # the last sync begun; equal on every rank
         self._versions = ModelVersions(init_info.model_version)
-        # The last publication whose receipts verified (sender only).
-        self.last_publication: TrainerPublication | None = None
 
     # -- init ----------------------------------------------------------------
 
@@ -431,7 +429,7 @@ class ShardedRDTTrainerWeightTransferEngine(
             )
         group = self._group
         pub = self._open_publication()
-        try:
+        with self._publishing(pub):
             self._on_sender(
                 "start_weight_update",
                 lambda: start_update(
@@ -474,13 +472,6 @@ class ShardedRDTTrainerWeightTransferEngine(
                 )
             elif weight_version is not None and self.is_sender:
                 set_served_version(self.client, weight_version)
-        except BaseException as e:
-            if pub is not None:
-                pub.fail(self.client, e)
-            raise
-        finally:
-            if pub is not None:
-                pub.close()
 
     def _open_publication(self) -> TrainerPublication | None:
         """The sender's publication of this sync (None elsewhere or when off);
@@ -513,10 +504,13 @@ class ShardedRDTTrainerWeightTransferEngine(
     ) -> None:
         """Verify every live consumer's receipt, then make the version visible."""
         assert pub is not None  # the sender holds it whenever verification is on
-        pub.verify(live, timeout_s=self.init_info.receipt_timeout_s, delivery="sliced")
-        self.last_publication = pub
-        if weight_version is not None:
-            set_served_version(self.client, weight_version)
+        self._commit_publication(
+            pub,
+            live,
+            weight_version,
+            self.init_info.receipt_timeout_s,
+            delivery="sliced",
+        )
 
     def _on_sender(self, what: str, step: Callable[[], Any]) -> Any:
         """``step()`` on the sender; a failure raises on every rank."""
