@@ -23,6 +23,14 @@ model is the old weights, the new weights, or fenced with a reason.
   publication (its receipt); a failure fences. A fenced engine refuses it and
   says how to recover.
 
+The rule for ``finish_weight_update`` after a failed update (tested for both
+backends in ``tests/distributed/test_worker_lifecycle.py``): when nothing had
+landed, the update is already closed and finish returns quietly, the model
+untouched; when a weight had landed, the engine is fenced and finish raises
+``WeightsFencedError`` naming the reason and the way out (an abort message,
+then finish, then a full update); after the trainer's abort message finish
+closes quietly either way.
+
 Backends implement ``_make_publication`` and ``receive_weights`` (which
 lands through ``_session_for`` and calls ``_mark_landed`` before the first
 weight reaches the model), and may hook ``_on_start``,
