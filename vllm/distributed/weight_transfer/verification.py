@@ -259,93 +259,17 @@ def verify_receipts(
     ``ReceiptError`` listing every problem found.
     """
     problems: list[str] = []
-    by_key: dict[tuple[int, str], Receipt] = {}
-    for receipt in receipts:
-        key = (receipt.worker_rank, receipt.worker_device)
-        if key in by_key:
-            problems.append(
-                f"worker {receipt.worker_rank} ({receipt.worker_device}) sent two "
-                "receipts"
-            )
-        by_key[key] = receipt
-    if isinstance(expected_workers, int):
-        checked = sorted(by_key)
-        if len(checked) != expected_workers:
-            problems.append(
-                f"receipts from {len(checked)} worker(s) "
-                f"{[f'{rank} ({dev})' for rank, dev in checked]}, expected "
-                f"{expected_workers}"
-            )
-        workers = tuple(rank for rank, _ in checked)
-    else:
-        by_rank: dict[int, Receipt] = {}
-        for (rank, _), receipt in sorted(by_key.items()):
-            if rank in by_rank:
-                problems.append(f"worker {rank} sent two receipts")
-            by_rank[rank] = receipt
-        expected = sorted(set(expected_workers))
-        missing = [w for w in expected if w not in by_rank]
-        if missing:
-            problems.append(f"no receipt from worker(s) {missing}")
-        unexpected = sorted(set(by_rank) - set(expected))
-        if unexpected:
-            problems.append(f"receipts from unexpected worker(s) {unexpected}")
-        checked = [(w, by_rank[w].worker_device) for w in expected if w in by_rank]
-        workers = tuple(expected)
-    checksums = 0
-    for key in checked:
-        rank = key[0]
-        r = by_key[key]
-        who = f"worker {rank} ({r.worker_device})"
-        if r.error is not None:
-            problems.append(f"{who} failed: {r.error}")
-            continue
-        if r.publication_id != header.publication_id:
-            problems.append(
-                f"{who} attests publication {r.publication_id}, not "
-                f"{header.publication_id}"
-            )
-        if r.model_version != header.model_version:
-            problems.append(
-                f"{who} attests version {r.model_version}, not {header.model_version}"
-            )
-        if r.manifest_digest != header.manifest_digest:
-            problems.append(
-                f"{who} checked against manifest {r.manifest_digest[:16]}…, not "
-                f"{header.manifest_digest[:16]}…"
-            )
-        if r.scope != header.scope:
-            problems.append(f"{who} reports scope {r.scope!r}, not {header.scope!r}")
-        if header.checksum is not None and r.checksums_verified == 0:
-            problems.append(f"{who} verified no checksums though they were sent")
-        checksums += r.checksums_verified
-        want_cov = (
+    by_key, checked, workers = _match_workers(receipts, expected_workers, problems)
+    for rank, device in checked:
+        want = (
             expected_coverage.get(rank)
             if isinstance(expected_coverage, Mapping)
             else expected_coverage
         )
-        if header.scope == "full" and delivery == "full":
-            if (
-                r.tensors_landed != header.manifest_count
-                or r.bytes_landed != header.manifest_bytes
-            ):
-                problems.append(
-                    f"{who} landed {r.tensors_landed} tensors / {r.bytes_landed} "
-                    f"bytes; the manifest has {header.manifest_count} / "
-                    f"{header.manifest_bytes}"
-                )
-            if want_cov is None and header.manifest is not None:
-                want_cov = header.manifest.full_coverage_digest()
-        elif header.scope == "full" and not r.complete:
-            problems.append(
-                f"{who} is incomplete: {r.bytes_landed} of {r.expected_bytes} "
-                "planned bytes landed"
-            )
-        if want_cov is not None and r.coverage != want_cov:
-            problems.append(
-                f"{who} landed a different set of tensors or byte counts than "
-                "was sent (coverage digest differs)"
-            )
+        problems += _receipt_problems(
+            header, by_key[(rank, device)], delivery=delivery, coverage=want
+        )
+    checksums = sum(by_key[k].checksums_verified for k in checked)
     if problems:
         raise ReceiptError(
             f"publication {header.publication_id} (version {header.model_version}, "
@@ -358,3 +282,100 @@ def verify_receipts(
         bytes_landed=sum(by_key[k].bytes_landed for k in checked),
         checksums_verified=checksums,
     )
+
+
+def _match_workers(
+    receipts: Iterable[Receipt],
+    expected_workers: Collection[int] | int,
+    problems: list[str],
+) -> tuple[dict[tuple[int, str], Receipt], list[tuple[int, str]], tuple[int, ...]]:
+    """Receipts by ``(rank, device)``, the keys to check, and the workers the
+    publication counts as verified; a duplicate, missing or unexpected worker
+    is added to ``problems``."""
+    by_key: dict[tuple[int, str], Receipt] = {}
+    for receipt in receipts:
+        key = (receipt.worker_rank, receipt.worker_device)
+        if key in by_key:
+            problems.append(
+                f"worker {receipt.worker_rank} ({receipt.worker_device}) sent two "
+                "receipts"
+            )
+        by_key[key] = receipt
+    if isinstance(expected_workers, int):
+        # Several engines: ranks repeat, so count distinct workers.
+        checked = sorted(by_key)
+        if len(checked) != expected_workers:
+            problems.append(
+                f"receipts from {len(checked)} worker(s) "
+                f"{[f'{rank} ({dev})' for rank, dev in checked]}, expected "
+                f"{expected_workers}"
+            )
+        return by_key, checked, tuple(rank for rank, _ in checked)
+    by_rank: dict[int, Receipt] = {}
+    for (rank, _), receipt in sorted(by_key.items()):
+        if rank in by_rank:
+            problems.append(f"worker {rank} sent two receipts")
+        by_rank[rank] = receipt
+    expected = sorted(set(expected_workers))
+    missing = [w for w in expected if w not in by_rank]
+    if missing:
+        problems.append(f"no receipt from worker(s) {missing}")
+    unexpected = sorted(set(by_rank) - set(expected))
+    if unexpected:
+        problems.append(f"receipts from unexpected worker(s) {unexpected}")
+    checked = [(w, by_rank[w].worker_device) for w in expected if w in by_rank]
+    return by_key, checked, tuple(expected)
+
+
+def _receipt_problems(
+    header: PublicationHeader,
+    r: Receipt,
+    *,
+    delivery: Delivery,
+    coverage: str | None,
+) -> list[str]:
+    """What is wrong with one worker's receipt of ``header``'s publication."""
+    who = f"worker {r.worker_rank} ({r.worker_device})"
+    if r.error is not None:
+        return [f"{who} failed: {r.error}"]
+    problems = []
+    if r.publication_id != header.publication_id:
+        problems.append(
+            f"{who} attests publication {r.publication_id}, not {header.publication_id}"
+        )
+    if r.model_version != header.model_version:
+        problems.append(
+            f"{who} attests version {r.model_version}, not {header.model_version}"
+        )
+    if r.manifest_digest != header.manifest_digest:
+        problems.append(
+            f"{who} checked against manifest {r.manifest_digest[:16]}…, not "
+            f"{header.manifest_digest[:16]}…"
+        )
+    if r.scope != header.scope:
+        problems.append(f"{who} reports scope {r.scope!r}, not {header.scope!r}")
+    if header.checksum is not None and r.checksums_verified == 0:
+        problems.append(f"{who} verified no checksums though they were sent")
+    if header.scope == "full" and delivery == "full":
+        if (
+            r.tensors_landed != header.manifest_count
+            or r.bytes_landed != header.manifest_bytes
+        ):
+            problems.append(
+                f"{who} landed {r.tensors_landed} tensors / {r.bytes_landed} "
+                f"bytes; the manifest has {header.manifest_count} / "
+                f"{header.manifest_bytes}"
+            )
+        if coverage is None and header.manifest is not None:
+            coverage = header.manifest.full_coverage_digest()
+    elif header.scope == "full" and not r.complete:
+        problems.append(
+            f"{who} is incomplete: {r.bytes_landed} of {r.expected_bytes} "
+            "planned bytes landed"
+        )
+    if coverage is not None and r.coverage != coverage:
+        problems.append(
+            f"{who} landed a different set of tensors or byte counts than "
+            "was sent (coverage digest differs)"
+        )
+    return problems
