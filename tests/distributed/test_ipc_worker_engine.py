@@ -339,6 +339,7 @@ def _raw_update(engine, tensors: dict[str, torch.Tensor], dtype_names=None):
     ]
     sizes = [f.numel() for f in flat]
     buf = SharedMemoryBuffer(sum(sizes))
+    assert buf.tensor is not None
     offsets = [0, *itertools.accumulate(sizes)][: len(sizes)]
     for f, off in zip(flat, offsets, strict=True):
         buf.tensor[off : off + f.numel()].copy_(f)

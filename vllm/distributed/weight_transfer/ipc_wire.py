@@ -72,6 +72,12 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
+from vllm.distributed.weight_transfer.wire_fields import (
+    check_fields,
+    check_int,
+    dtype_from_name,
+    dtype_name,
+)
 
 # Prefix of every shared-memory segment this backend creates (under /dev/shm).
 SHM_NAME_PREFIX = "vllm-wt-"
@@ -84,20 +90,6 @@ CPU_KEY_PREFIX = "cpu:"
 
 # ---------------------------------------------------------------------------
 # dtypes
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: object, where: str) -> torch.dtype:
-    """The torch dtype called ``name``; ``ValueError`` naming ``where`` if none."""
-    if isinstance(name, str) and not name.startswith("_"):
-        dtype = getattr(torch, name, None)
-        if isinstance(dtype, torch.dtype):
-            return dtype
-    raise ValueError(f"{where} is {name!r}, which is not a torch dtype name")
 
 
 def tensor_nbytes(dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> int:
@@ -160,23 +152,6 @@ def _unb64(value: object, where: str) -> bytes:
         raise ValueError(f"{where} is not valid base64: {e}") from e
 
 
-def _int(value: object, where: str, *, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{where} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _check_keys(d: dict, allowed: set[str], required: set[str], where: str) -> None:
-    unknown = sorted(set(d) - allowed)
-    if unknown:
-        raise ValueError(
-            f"{where} has unknown field(s) {unknown}; allowed: {sorted(allowed)}"
-        )
-    missing = sorted(required - set(d))
-    if missing:
-        raise ValueError(f"{where} is missing field(s) {missing}")
-
-
 @dataclass(frozen=True)
 class ShmHandle:
     """A shared-memory segment ``/dev/shm/<name>`` of ``nbytes`` bytes."""
@@ -191,7 +166,7 @@ class ShmHandle:
                 f"shm handle name {self.name!r} is not a segment of this backend "
                 f"(expected {SHM_NAME_PREFIX}<letters, digits, _ . ->)"
             )
-        _int(self.nbytes, "shm handle nbytes")
+        check_int(self.nbytes, "shm handle nbytes")
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "name": self.name, "nbytes": self.nbytes}
@@ -227,7 +202,7 @@ class CudaIpcHandle:
             "tensor_offset",
             "ref_counter_offset",
         ):
-            _int(getattr(self, name), f"cuda handle {name}")
+            check_int(getattr(self, name), f"cuda handle {name}")
         _unb64(self.storage_handle, "cuda handle storage_handle")
         _unb64(self.ref_counter_handle, "cuda handle ref_counter_handle")
         if self.event_handle is not None:
@@ -271,7 +246,7 @@ def handle_from_dict(d: object, where: str) -> BufferHandle:
         )
     body = {k: v for k, v in d.items() if k != "kind"}
     names = {f.name for f in fields(cls)}
-    _check_keys(body, names, names, where)
+    check_fields(body, names, names, where)
     try:
         return cls(**body)
     except ValueError as e:
@@ -384,13 +359,17 @@ def upstream_handle(value: object, where: str) -> CudaIpcHandle:
     try:
         return CudaIpcHandle(
             nbytes=math.prod(size) * itemsize,
-            device=_int(device, f"{where} device"),
+            device=check_int(device, f"{where} device"),
             storage_handle=_b64(storage_handle),
-            storage_size_bytes=_int(storage_size_bytes, f"{where} storage size"),
-            storage_offset_bytes=_int(storage_offset_bytes, f"{where} storage offset"),
-            tensor_offset=_int(tensor_offset, f"{where} tensor offset") * itemsize,
+            storage_size_bytes=check_int(storage_size_bytes, f"{where} storage size"),
+            storage_offset_bytes=check_int(
+                storage_offset_bytes, f"{where} storage offset"
+            ),
+            tensor_offset=check_int(tensor_offset, f"{where} tensor offset") * itemsize,
             ref_counter_handle=_b64(ref_counter_handle),
-            ref_counter_offset=_int(ref_counter_offset, f"{where} ref counter offset"),
+            ref_counter_offset=check_int(
+                ref_counter_offset, f"{where} ref counter offset"
+            ),
             event_handle=_b64(event_handle) if event_handle is not None else None,
             event_sync_required=bool(event_sync_required),
         )
@@ -504,7 +483,7 @@ class IPCWeightTransferInitInfo(WeightTransferInitInfo):
     def from_dict(cls, d: object) -> IPCWeightTransferInitInfo:
         if not isinstance(d, dict):
             raise ValueError(f"init_info must be an object, got {type(d).__name__}")
-        _check_keys(d, {"packed"}, set(), "init_info")
+        check_fields(d, {"packed"}, set(), "init_info")
         return cls(**d)
 
 
@@ -544,7 +523,7 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         if not isinstance(d, dict):
             raise ValueError(f"update_info must be an object, got {type(d).__name__}")
         allowed = {f.name for f in fields(cls) if f.init}
-        _check_keys(d, allowed, _UPDATE_REQUIRED, "update_info")
+        check_fields(d, allowed, _UPDATE_REQUIRED, "update_info")
         return cls(**d)
 
     def __post_init__(self) -> None:
@@ -635,7 +614,7 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                 cursor += size
         else:
             offsets = [
-                _int(o, f"update_info.offsets[{i}] ({names[i]!r})")
+                check_int(o, f"update_info.offsets[{i}] ({names[i]!r})")
                 for i, o in enumerate(self.offsets)
             ]
         end = 0

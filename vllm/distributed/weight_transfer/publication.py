@@ -48,6 +48,13 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from vllm.distributed.weight_transfer.wire_fields import (
+    check_fields,
+    check_int,
+    dtype_from_name,
+    dtype_name,
+)
+
 PUBLICATION_FIELD = "publication"
 CHECKSUMS_FIELD = "payload_checksums"
 MANIFEST_FORMAT = 1
@@ -94,22 +101,6 @@ class ParamLike(Protocol):
 # helpers
 
 
-def dtype_name(dtype: torch.dtype | str) -> str:
-    """``torch.bfloat16`` or ``"bfloat16"`` -> ``"bfloat16"``."""
-    if isinstance(dtype, torch.dtype):
-        return str(dtype).removeprefix("torch.")
-    return dtype
-
-
-def _dtype_itemsize(name: object, where: str) -> int:
-    dtype = None
-    if isinstance(name, str) and not name.startswith("_"):
-        dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{where} is {name!r}, which is not a torch dtype name")
-    return dtype.itemsize
-
-
 def describe_error(error: BaseException | str) -> str:
     """The text a fence reason, receipt or log line shows for ``error``: its
     message, or its type name when the message is empty (``AssertionError()``,
@@ -122,11 +113,6 @@ def describe_error(error: BaseException | str) -> str:
     return "unknown failure (no reason given)"
 
 
-def check_int(value: object, where: str, minimum: int = 0) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{where} must be an integer >= {minimum}, got {value!r}")
-
-
 def _check_str(value: object, where: str) -> None:
     if not isinstance(value, str) or not value:
         raise ValueError(f"{where} must be a non-empty string, got {value!r}")
@@ -135,20 +121,6 @@ def _check_str(value: object, where: str) -> None:
 def _check_digest(value: object, where: str) -> None:
     if not isinstance(value, str) or not _DIGEST_RE.fullmatch(value):
         raise ValueError(f"{where} must be 64 lowercase hex digits, got {value!r}")
-
-
-def _check_fields(d: object, allowed: set[str], required: set[str], where: str) -> dict:
-    if not isinstance(d, dict):
-        raise ValueError(f"{where} must be a JSON object, got {type(d).__name__}")
-    unknown = sorted(set(d) - allowed)
-    if unknown:
-        raise ValueError(
-            f"{where} has unknown field(s) {unknown}; allowed: {sorted(allowed)}"
-        )
-    missing = sorted(required - set(d))
-    if missing:
-        raise ValueError(f"{where} is missing field(s) {missing}")
-    return d
 
 
 def _sha256_json(tag: str, payload: object) -> str:
@@ -188,7 +160,7 @@ class ManifestEntry:
     def __post_init__(self) -> None:
         _check_str(self.name, "manifest entry name")
         where = f"manifest entry {self.name!r}"
-        itemsize = _dtype_itemsize(self.dtype, f"{where} dtype")
+        itemsize = dtype_from_name(self.dtype, f"{where} dtype").itemsize
         if not isinstance(self.shape, tuple):
             raise ValueError(f"{where} shape must be a tuple, got {self.shape!r}")
         for d in self.shape:
@@ -206,7 +178,9 @@ class ManifestEntry:
     ) -> ManifestEntry:
         dname = dtype_name(dtype)
         shape = tuple(int(d) for d in shape)
-        nbytes = math.prod(shape) * _dtype_itemsize(dname, f"dtype of {name!r}")
+        nbytes = (
+            math.prod(shape) * dtype_from_name(dname, f"dtype of {name!r}").itemsize
+        )
         return cls(name, dname, shape, nbytes)
 
     def to_list(self) -> list[Any]:
@@ -299,7 +273,7 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: object) -> Manifest:
-        d = _check_fields(
+        d = check_fields(
             d, {"format", "digest", "entries"}, {"format", "entries"}, "manifest"
         )
         if d["format"] != MANIFEST_FORMAT:
@@ -501,7 +475,7 @@ class PublicationHeader:
             "trainer_devices",
         }
         optional = {"scope", "checksum", "receipt_channel", "receipt_dir", "manifest"}
-        d = _check_fields(d, required | optional, required, "publication")
+        d = check_fields(d, required | optional, required, "publication")
         kwargs = dict(d)
         if not isinstance(kwargs["trainer_devices"], list):
             raise ValueError("publication.trainer_devices must be a list")
@@ -650,7 +624,7 @@ class Receipt:
     def from_dict(cls, d: object) -> Receipt:
         names = set(cls.__dataclass_fields__)
         required = names - {"checksums_verified", "error", "timings"}
-        d = _check_fields(d, names, required, "receipt")
+        d = check_fields(d, names, required, "receipt")
         return cls(**d)
 
     @classmethod

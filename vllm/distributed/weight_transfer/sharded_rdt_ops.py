@@ -29,6 +29,8 @@ from typing import Any, TypeAlias
 
 import torch
 
+from vllm.distributed.weight_transfer.wire_fields import dtype_from_name, dtype_name
+
 # Name of each allowlisted op -> how many tensors it returns ("one" or "many").
 VIEW_OPS: Mapping[str, str] = {
     "narrow": "one",
@@ -45,25 +47,6 @@ VIEW_OPS: Mapping[str, str] = {
     "chunk": "many",
     "unbind": "many",
 }
-
-_DTYPES_BY_NAME: dict[str, torch.dtype] = {
-    name: value
-    for name in dir(torch)
-    if isinstance(value := getattr(torch, name), torch.dtype)
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``."""
-    dtype = _DTYPES_BY_NAME.get(name) if isinstance(name, str) else None
-    if dtype is None:
-        raise ValueError(f"unknown dtype name {name!r}; expected e.g. 'bfloat16'")
-    return dtype
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,57 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Checks for the fields of the fork's wire messages, shared by every module
+that parses them (``ipc_wire``, ``publication``, ``sharded_rdt_common``):
+dtype names, integers, and which fields a message may and must carry. Each
+raises ``ValueError`` naming where the bad value was found. Depends on torch
+only."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """``torch.bfloat16`` (or ``"bfloat16"``) -> ``"bfloat16"``."""
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    return dtype
+
+
+def dtype_from_name(name: object, where: str = "dtype name") -> torch.dtype:
+    """The torch dtype called ``name`` (``"bfloat16"``, also aliases such as
+    ``"half"``); ``ValueError`` naming ``where`` if there is none."""
+    if isinstance(name, str) and not name.startswith("_"):
+        dtype = getattr(torch, name, None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    raise ValueError(f"{where} is {name!r}, which is not a torch dtype name")
+
+
+def check_int(value: object, where: str, minimum: int = 0) -> int:
+    """``value`` if it is an integer (not a bool) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{where} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def check_fields(
+    d: object, allowed: Iterable[str], required: Iterable[str], where: str
+) -> dict[str, Any]:
+    """``d`` if it is a JSON object with only ``allowed`` fields and every
+    ``required`` one."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{where} must be a JSON object, got {type(d).__name__}")
+    allowed = set(allowed)
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise ValueError(
+            f"{where} has unknown field(s) {unknown}; allowed: {sorted(allowed)}"
+        )
+    missing = sorted(set(required) - set(d))
+    if missing:
+        raise ValueError(f"{where} is missing field(s) {missing}")
+    return d
