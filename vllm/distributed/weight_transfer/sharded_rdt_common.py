@@ -23,7 +23,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_ops import VIEW_OPS, dtype_from_name
+from vllm.distributed.weight_transfer.sharded_rdt_ops import VIEW_OPS
+from vllm.distributed.weight_transfer.wire_fields import check_fields, dtype_from_name
 
 # Methods of torch.Tensor a plan may replay -> their op names. The allowlist
 # itself lives in `sharded_rdt_ops.VIEW_OPS`; these two names mirror it.
@@ -210,15 +211,6 @@ class RdtRouter:
         return owners[picks[group % len(picks)]]
 
 
-def _check_fields(cls: type, data: Mapping[str, Any], what: str) -> None:
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(
-            f"{what} has unknown field(s) {unknown}; known fields: {sorted(known)}"
-        )
-
-
 @dataclass
 class ShardedRDTWeightTransferInitInfo(WeightTransferInitInfo):
     """Everything a worker needs to bake its plan and reach the producers.
@@ -292,7 +284,7 @@ class ShardedRDTWeightTransferInitInfo(WeightTransferInitInfo):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ShardedRDTWeightTransferInitInfo:
-        _check_fields(cls, data, "sharded_rdt init_info")
+        check_fields(data, (f.name for f in fields(cls)), (), "sharded_rdt init_info")
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -309,5 +301,5 @@ class ShardedRDTWeightTransferUpdateInfo(WeightTransferUpdateInfo):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ShardedRDTWeightTransferUpdateInfo:
-        _check_fields(cls, data, "sharded_rdt update_info")
+        check_fields(data, (f.name for f in fields(cls)), (), "sharded_rdt update_info")
         return cls(**data)
