@@ -411,3 +411,101 @@ def test_generation_while_weights_land_aborts_the_update_instead_of_the_engine(r
     assert "generation was not paused" in status["reason"]
     vllm_greedy(rig.llm)  # and keeps serving
     rig.push(seed=38, version="step-38")  # a full resync clears the fence
+
+
+class RecordsUpdates:
+    """A client that records every update message it forwards."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.updates: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def update_weights(self, update_info: Any) -> None:
+        self.updates.append(update_info)
+        self.inner.update_weights(update_info)
+
+
+def _send_headerless_expecting_refusal(rig: Rig, names: set[str], version: str) -> str:
+    """Send only ``names`` of the trainer's model in raw update messages
+    without a publication header (``verify_publication=False``); the update
+    must be refused. Returns the refusal."""
+    client = RecordsUpdates(rig.client())
+    trainer = rig.trainer(
+        client,
+        source=NamesSource(ModuleSource(rig.model), names),
+        verify_publication=False,
+    )
+    with pytest.raises(Exception) as info:  # the cause is checked below
+        trainer.send_weights(weight_version=version)
+    weights = [u for u in client.updates if "abort" not in u]
+    assert weights, "no weights were sent"
+    for update in weights:
+        assert "publication" not in update  # raw: no header, no manifest
+        assert set(update["names"]) <= names
+    error = str(info.value)
+    assert error.strip()
+    return error
+
+
+def _assert_refused_keeps_serving(rig: Rig, before: Any, cause: str) -> None:
+    """The refused update left the old weights serving, the engine either
+    not fenced or fenced naming ``cause``, and a full sync recovers."""
+    assert_bit_identical(vllm_greedy(rig.llm), before, what="vLLM after the refusal")
+    status = rig.fence()
+    assert status["state"] in ("committed", "fenced"), status
+    if status["state"] == "fenced":
+        assert cause in status["reason"], status
+    assert cause in (status["last_failure"] or ""), status
+
+
+# (what travels alone, what the refusal must name)
+PARTIAL_FUSED_GROUPS = {
+    "q-without-k-and-v": (
+        {"model.layers.0.self_attn.q_proj.weight"},
+        [
+            "model.layers.0.self_attn.k_proj.weight",
+            "model.layers.0.self_attn.v_proj.weight",
+        ],
+    ),
+    "gate-without-up": (
+        {"model.layers.1.mlp.gate_proj.weight"},
+        ["model.layers.1.mlp.up_proj.weight"],
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "names,missing", PARTIAL_FUSED_GROUPS.values(), ids=PARTIAL_FUSED_GROUPS.keys()
+)
+def test_a_headerless_update_of_part_of_a_fused_group_is_refused_at_finish(
+    rig, names, missing
+):
+    rig.push(seed=41, version="step-41")
+    before = vllm_greedy(rig.llm)
+    randomize_weights_(rig.model, seed=42)  # would change the output if it landed
+    error = _send_headerless_expecting_refusal(rig, names, "step-42-partial")
+    assert "fused tensor group" in error
+    for name in missing:
+        assert name in error
+    _assert_refused_keeps_serving(rig, before, missing[0])
+    rig.push(seed=42, version="step-42")  # a full sync recovers
+    assert rig.fence()["state"] == "committed"
+
+
+def test_a_headerless_update_of_a_bias_without_its_weight_is_refused_at_finish(rig):
+    biases = sorted(n for n, _ in rig.model.named_parameters() if n.endswith(".bias"))
+    if not biases:
+        pytest.skip("the tiny model has no biases; no layer has a part to send alone")
+    bias = biases[0]
+    weight = bias.removesuffix(".bias") + ".weight"
+    rig.push(seed=43, version="step-43")
+    before = vllm_greedy(rig.llm)
+    randomize_weights_(rig.model, seed=44)
+    error = _send_headerless_expecting_refusal(rig, {bias}, "step-44-partial")
+    assert "without all of their parameters" in error and weight in error
+    _assert_refused_keeps_serving(rig, before, weight)
+    rig.push(seed=44, version="step-44")
+    assert rig.fence()["state"] == "committed"

@@ -20,6 +20,7 @@ combination; each test pushes the state it checks.
 from __future__ import annotations
 
 import contextlib
+import copy
 import socket
 import tempfile
 from collections.abc import Iterator
@@ -194,7 +195,10 @@ def test_checksums_catch_a_byte_flipped_in_transit_and_a_resync_recovers(engine)
             ranks[0].send_expecting_failure.remote(weight_version="step-112"),
             timeout=120,
         )
-        assert "ChecksumMismatch" in error and "chunk seq 1" in error
+        # The worker's reason names the cause in words (since 7904274 it no
+        # longer carries the exception's type name, ChecksumMismatch).
+        assert "chunk seq 1" in error and "checksum" in error
+        assert "the bytes changed in transit" in error
         assert ray.get(llm.weight_version.remote()).startswith("fenced:")
         # Chunk 0 had landed: the engine is fenced and says how to recover.
         assert _states(llm) == ["fenced"]
@@ -252,4 +256,196 @@ def test_a_worker_failing_mid_update_is_fenced_until_a_full_resync(engine):
         ray.get(ranks[0].send.remote(weight_version="step-116"))
         assert _states(llm) == ["committed"]
         assert ray.get(llm.weight_version.remote()) == "step-116"
+        _assert_serves_trainer(llm, ranks[0])
+
+
+# ---------------------------------------------------------------------------
+# The invariant under careless or hostile requests on the dense TP=1 engine:
+# after any request the served model is the old weights, the trainer's new
+# weights, or fenced with a named cause; the engine keeps answering, and the
+# trainer's next full sync serves its weights.
+
+# A short stall timeout: a message that waits for a sync that never begins
+# fails after this long instead of the default 300 s.
+SHORT_STALL_S = 10.0
+
+
+def _assert_serves(llm, expected, what: str) -> None:
+    assert_bit_identical(ray.get(llm.greedy.remote()), expected, what=what)
+
+
+def test_generation_after_start_serves_the_old_weights_until_a_sync(engine):
+    _dense_tp1_only(engine)
+    llm, model_dir, tp = engine
+    with _trainers(model_dir, 1) as ranks:
+        ray.get(ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=20.0))
+        _sync_and_check(llm, ranks, 120)
+        before = ray.get(llm.greedy.remote())
+        version = ray.get(llm.weight_version.remote())
+        # An update opened and closed without any weights: by a finish, and by
+        # the trainer's abort message and then a finish.
+        for close in ("finish", "abort"):
+            ray.get(llm.start_weight_update.remote())
+            _assert_serves(llm, before, f"vLLM after start ({close})")
+            if close == "abort":
+                ray.get(
+                    llm.update_weights.remote(
+                        {"update_info": {"abort": "the trainer gave up"}}
+                    )
+                )
+            ray.get(llm.finish_weight_update.remote())
+            _assert_serves(llm, before, f"vLLM after the {close}")
+            assert _states(llm) == ["committed"]
+            assert ray.get(llm.weight_version.remote()) == version
+        ray.get(ranks[0].randomize.remote(121))
+        ray.get(ranks[0].send.remote(weight_version="step-121"))
+        assert _states(llm) == ["committed"]
+        assert ray.get(llm.weight_version.remote()) == "step-121"
+        _assert_serves_trainer(llm, ranks[0])
+
+
+# (update_info, what the refusal says). Sync ids name a sync the trainer has
+# finished (see the next test for one it has not begun).
+MALFORMED_UPDATES = {
+    "unknown-field": ({"bogus": 1}, "unknown field"),
+    "ipc-fields": ({"sync_id": 1, "names": ["lm_head.weight"]}, "unknown field"),
+    "abort-with-more": ({"abort": "giving up", "sync_id": 1}, "only field"),
+    "abort-not-a-string": ({"abort": 7}, "must be the only field and a string"),
+    # No sync_id: the worker waits for a sync that never begins.
+    "no-sync-id": ({}, "no chunk arrived|no progress"),
+}
+SYNC_ID_NOT_AN_INT = pytest.param(
+    {"sync_id": "1"},
+    "sync_id|no chunk arrived|no progress",
+    id="sync-id-not-an-int",
+    marks=pytest.mark.xfail(
+        strict=True,
+        raises=ray.exceptions.RayTaskError,  # the recovery sync fails
+        reason="a str sync_id passes ShardedRDTWeightTransferUpdateInfo.from_dict "
+        "unchecked and reaches Producer.pack, where `self._gen >= sync_id` raises "
+        "TypeError; NixlProducerServer._answer catches only ProducerError, "
+        "ValueError and KeyError, so that consumer's answer thread dies and "
+        "every later pull on the connection goes unanswered: each following "
+        "sync stalls and fails until init_weight_transfer_engine runs again",
+    ),
+)
+
+
+@pytest.mark.parametrize(
+    "bad,refusal",
+    [pytest.param(*v, id=k) for k, v in MALFORMED_UPDATES.items()]
+    + [SYNC_ID_NOT_AN_INT],
+)
+def test_a_malformed_update_after_start_is_refused_and_a_full_sync_recovers(
+    engine, bad, refusal
+):
+    _dense_tp1_only(engine)
+    llm, model_dir, tp = engine
+    with _trainers(model_dir, 1) as ranks:
+        ray.get(
+            ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=SHORT_STALL_S)
+        )
+        ray.get(ranks[0].randomize.remote(122))
+        ray.get(ranks[0].send.remote(weight_version="step-122"))  # sync 1
+        before = ray.get(llm.greedy.remote())
+        ray.get(llm.start_weight_update.remote())
+        with pytest.raises(Exception, match=refusal) as info:
+            ray.get(
+                llm.update_weights.remote({"update_info": bad}),
+                timeout=SHORT_STALL_S + 60,
+            )
+        assert str(info.value).strip()
+        _assert_serves(llm, before, f"vLLM after update_info={bad!r}")
+        # Nothing landed: the update is closed, the engine not fenced.
+        (status,) = ray.get(llm.fence_status.remote())
+        assert status["state"] == "committed", status
+        assert status["last_failure"]
+        # vLLM's Worker closed the update when update_weights raised.
+        with pytest.raises(Exception, match="without a matching start"):
+            ray.get(llm.finish_weight_update.remote())
+
+        ray.get(ranks[0].randomize.remote(123))
+        ray.get(ranks[0].send.remote(weight_version="step-123"), timeout=120)
+        assert _states(llm) == ["committed"]
+        assert ray.get(llm.weight_version.remote()) == "step-123"
+        _assert_serves_trainer(llm, ranks[0])
+
+
+def test_a_refused_update_naming_the_next_sync_fails_it_and_the_one_after_recovers(
+    engine,
+):
+    """A worker that refuses a message of sync N tells the producers, so the
+    trainer's sync N fails at once with the worker's reason (rather than
+    after the stall timeout), even when the worker refused before the
+    trainer began it. A hand-made message carrying the next sync id thus
+    fails that sync: loudly, with the cause, and the next sync recovers."""
+    _dense_tp1_only(engine)
+    llm, model_dir, tp = engine
+    with _trainers(model_dir, 1) as ranks:
+        ray.get(
+            ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=SHORT_STALL_S)
+        )
+        before = ray.get(llm.greedy.remote())
+        ray.get(llm.start_weight_update.remote())
+        with pytest.raises(Exception, match=r"unknown field\(s\) \['bogus'\]"):
+            ray.get(
+                llm.update_weights.remote({"update_info": {"sync_id": 1, "bogus": 1}})
+            )
+        ray.get(ranks[0].randomize.remote(126))
+        error = ray.get(
+            ranks[0].send_expecting_failure.remote(weight_version="step-126"),
+            timeout=120,
+        )
+        assert "consumer 0 aborted" in error and "'bogus'" in error
+        assert ray.get(llm.weight_version.remote()).startswith("fenced:")
+        (status,) = ray.get(llm.fence_status.remote())
+        assert status["state"] != "fenced", status  # refused before any pull
+        assert "'bogus'" in status["last_failure"]
+        _assert_serves(llm, before, "vLLM after the failed sync")
+
+        ray.get(ranks[0].send.remote(weight_version="step-126"), timeout=120)
+        assert _states(llm) == ["committed"]
+        assert ray.get(llm.weight_version.remote()) == "step-126"
+        _assert_serves_trainer(llm, ranks[0])
+
+
+def test_an_init_declaring_a_float_tensor_int32_is_refused_and_init_recovers(engine):
+    _dense_tp1_only(engine)
+    llm, model_dir, tp = engine
+    with _trainers(model_dir, 1) as ranks:
+        payload = ray.get(
+            ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=20.0)
+        )
+        _sync_and_check(llm, ranks, 124)
+        before = ray.get(llm.greedy.remote())
+        name = "model.norm.weight"
+        bad = copy.deepcopy(payload)
+        index = bad["names"].index(name)
+        assert bad["dtype_names"][index] == "float32"
+        bad["dtype_names"][index] = "int32"
+        with pytest.raises(Exception, match="int32") as info:
+            ray.get(llm.init_weight_transfer_engine.remote({"init_info": bad}))
+        error = str(info.value)
+        assert f"{name} as int32 (served model: float)" in error
+        assert "(init_weight_transfer_engine)" in error
+        _assert_serves(llm, before, "vLLM after the refused init")
+        assert _states(llm) == ["committed"]
+        # The refused init released the previous one: the trainer's next sync
+        # is refused, naming the missing init, before any weight changes.
+        ray.get(ranks[0].randomize.remote(125))
+        error = ray.get(
+            ranks[0].send_expecting_failure.remote(weight_version="step-125"),
+            timeout=120,
+        )
+        assert "before init_weight_transfer_engine" in error
+        assert ray.get(llm.weight_version.remote()).startswith("fenced:")
+        assert _states(llm) == ["committed"]
+        _assert_serves(llm, before, "vLLM after the sync without an init")
+
+        # The trainer's correct init again; its next sync serves its weights.
+        ray.get(llm.init_weight_transfer_engine.remote({"init_info": payload}))
+        _assert_serves(llm, before, "vLLM after the second init")
+        ray.get(ranks[0].send.remote(weight_version="step-125"), timeout=120)
+        assert _states(llm) == ["committed"]
+        assert ray.get(llm.weight_version.remote()) == "step-125"
         _assert_serves_trainer(llm, ranks[0])
