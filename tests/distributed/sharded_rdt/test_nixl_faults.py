@@ -121,6 +121,23 @@ def test_a_stalled_consumer_fails_the_producer_within_the_timeout(server_factory
     proc.kill()
 
 
+def test_a_pull_the_producer_cannot_answer_leaves_the_connection_served(
+    server_factory,
+):
+    """A pull whose sync id is a string makes the producer raise TypeError;
+    the consumer gets that error as an answer, and its next pulls on the same
+    connection are still answered (the answering thread used to die)."""
+    server = server_factory(30.0)
+    proc, conn = _start_consumer(server.endpoint(), "bad-sync-id", 30.0)
+    refusal = _expect(conn, "refused")
+    assert "TypeError" in refusal or "not supported" in refusal, refusal
+    _serve_one_sync(server)
+    chunks = len(toy_pull_plan(LAYERS, ROWS, COLS, KEEP).chunks)
+    assert [_expect(conn, "pulled") for _ in range(chunks)] == list(range(chunks))
+    _expect(conn, "done")
+    proc.join(10)
+
+
 def test_killing_the_producer_mid_sync_fails_the_consumer(tmp_path):
     from vllm.distributed.weight_transfer.sharded_rdt_nixl import (
         NixlConsumerTransport,

@@ -24,7 +24,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from vllm.distributed.weight_transfer.sharded_rdt_ops import VIEW_OPS
-from vllm.distributed.weight_transfer.wire_fields import check_fields, dtype_from_name
+from vllm.distributed.weight_transfer.wire_fields import (
+    check_fields,
+    check_int,
+    dtype_from_name,
+)
 
 # Methods of torch.Tensor a plan may replay -> their op names. The allowlist
 # itself lives in `sharded_rdt_ops.VIEW_OPS`; these two names mirror it.
@@ -302,4 +306,9 @@ class ShardedRDTWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ShardedRDTWeightTransferUpdateInfo:
         check_fields(data, (f.name for f in fields(cls)), (), "sharded_rdt update_info")
+        sync_id = data.get("sync_id")
+        if sync_id is not None:
+            # Sync ids count from 1; anything else would make every pull of
+            # this update wait for a sync no producer will ever begin.
+            check_int(sync_id, "sharded_rdt update_info sync_id", minimum=1)
         return cls(**data)

@@ -232,7 +232,6 @@ class ShardedRDTWeightTransferEngine(
         )
         if transport_name == "rdt":
             check_ray_rdt_version()
-        self._release()
 
         num_consumers = init_info.num_consumers or parallel.world_size_across_dp
         num_replicas = max(1, init_info.num_replicas)
@@ -281,6 +280,9 @@ class ShardedRDTWeightTransferEngine(
         )
         pulls = build_pull_plan(plan, router, consumer_id)
 
+        # Every check above is pure: an init they refuse leaves the previous
+        # one serving syncs. From here on the old links give way to new ones.
+        self._release()
         transport = make_consumer_transport(transport_name, init_info, consumer_id)
         endpoints: list[Any] = (
             list(init_info.trainer_actor_names)
@@ -339,7 +341,7 @@ class ShardedRDTWeightTransferEngine(
         # The sync id is known before any check, so that a refusal below
         # names this sync to the producers even before the first pull.
         sync_id = update_info.get("sync_id") if isinstance(update_info, dict) else None
-        if isinstance(sync_id, int):
+        if isinstance(sync_id, int) and not isinstance(sync_id, bool) and sync_id > 0:
             for link in self._links:
                 link.sync_id = sync_id
         super().update_weights(update_info)

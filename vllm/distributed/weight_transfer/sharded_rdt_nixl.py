@@ -59,10 +59,7 @@ import torch
 
 from vllm.distributed.weight_transfer.publication import describe_error
 from vllm.distributed.weight_transfer.sharded_rdt_chunks import PullChunk
-from vllm.distributed.weight_transfer.sharded_rdt_producer import (
-    Producer,
-    ProducerError,
-)
+from vllm.distributed.weight_transfer.sharded_rdt_producer import Producer
 from vllm.distributed.weight_transfer.sharded_rdt_transport import (
     ConsumerTransport,
     ProducerLink,
@@ -318,7 +315,9 @@ class NixlProducerServer(ProducerServer):
                     continue
                 try:
                     self._handle(message.get("op"), message)
-                except (ProducerError, ValueError, KeyError) as e:
+                except Exception as e:
+                    # Any notice, however malformed, is logged and dropped:
+                    # this thread serves the consumer's later messages too.
                     logger.warning("sharded_rdt notice %s failed: %s", message, e)
         except (EOFError, OSError):
             if consumer_id is not None and not self._closed.is_set():
@@ -350,7 +349,10 @@ class NixlProducerServer(ProducerServer):
         while (message := requests.get()) is not None:
             try:
                 reply = self._handle(message.get("op"), message) or {}
-            except (ProducerError, ValueError, KeyError) as e:
+            except Exception as e:
+                # Every request gets an answer, an error included: if this
+                # thread died, the consumer's later pulls would wait unanswered
+                # until their deadline, sync after sync.
                 reply = {"error": describe_error(e)}
             reply["id"] = message["id"]
             try:

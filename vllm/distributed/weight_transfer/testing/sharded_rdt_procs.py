@@ -72,7 +72,9 @@ def consumer_main(
 ) -> None:
     """Register, report "registered", then pull every chunk and report each
     ("pulled", seq). ``mode``: "normal"; "slow" (0.5 s between pulls);
-    "stall" (stop after the first chunk, keep the connection open)."""
+    "stall" (stop after the first chunk, keep the connection open);
+    "bad-sync-id" (first a pull naming sync ``"1"``, a string, whose refusal
+    is reported as ("refused", error), then the normal pulls)."""
     from vllm.distributed.weight_transfer.sharded_rdt_nixl import (
         NixlConsumerTransport,
     )
@@ -85,6 +87,16 @@ def consumer_main(
         size = max(c.nbytes for c in chunks)
         buffer = transport.receive_buffer(size, torch.device("cpu"))
         conn.send(("registered", None))
+        if mode == "bad-sync-id":
+            link.sync_id = "1"  # type: ignore[assignment]
+            try:
+                link.pull(chunks[0], buffer[: chunks[0].nbytes])
+            except Exception as e:
+                conn.send(("refused", str(e)))
+            else:
+                conn.send(("error", "a pull naming sync '1' was answered"))
+                return
+            link.sync_id = None
         for chunk in chunks:
             link.pull(chunk, buffer[: chunk.nbytes])
             conn.send(("pulled", chunk.seq))
