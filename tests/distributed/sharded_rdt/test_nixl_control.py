@@ -74,6 +74,40 @@ def test_a_silent_connection_neither_blocks_others_nor_lives_forever(listener):
             pass
 
 
+def test_connections_beyond_the_handshake_cap_are_closed_on_arrival():
+    def serve(conn: Connection) -> None:
+        conn.send_bytes(conn.recv_bytes())
+        conn.close()
+
+    listener = ControlListener(
+        "127.0.0.1", KEY, serve, handshake_timeout_s=30.0, max_pending_handshakes=2
+    )
+    try:
+        silent = [socket.create_connection(listener.address) for _ in range(2)]
+        # Both slots are held by connections that never authenticate: the
+        # next one is closed at once instead of getting a thread.
+        with socket.create_connection(listener.address) as extra:
+            extra.settimeout(5.0)
+            while extra.recv(4096):
+                pass
+        assert listener.refused_connections >= 1
+        for sock in silent:
+            sock.close()
+        # Closing them frees the slots (their handshakes fail at once).
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                with connect(listener.address, KEY, timeout_s=2.0) as conn:
+                    conn.send_bytes(b"pull")
+                    assert conn.recv_bytes() == b"pull"
+                break
+            except (OSError, EOFError):
+                assert time.monotonic() < deadline, "slots never came back"
+                time.sleep(0.1)
+    finally:
+        listener.close()
+
+
 def test_connect_to_a_peer_that_never_answers_times_out():
     with socket.create_server(("127.0.0.1", 0)) as mute:  # never accepts
         started = time.monotonic()

@@ -33,8 +33,12 @@ producer's ``ControlListener`` only accepts TCP connections in its loop; each
 connection authenticates (the ``multiprocessing`` HMAC challenge, both ways)
 on a thread of its own within ``HANDSHAKE_TIMEOUT_S``. A connection that
 closes at once, answers with the wrong key or stays silent is logged and
-dropped without holding up the next one. A consumer's ``connect`` bounds the
-TCP connect and the handshake the same way.
+dropped without holding up the next one. At most ``MAX_PENDING_HANDSHAKES``
+connections authenticate at once; one beyond that is closed on arrival, so a
+flood of connections costs the producer a bounded number of threads (and
+delays consumers until it stops, never past their own deadline, which names
+the producer). A consumer's ``connect`` bounds the TCP connect and the
+handshake the same way.
 Bytes move only by NIXL READ (UCX); the control messages are a few hundred
 bytes per chunk.
 """
@@ -72,6 +76,8 @@ logger = init_logger(__name__)
 _REPLY_GRACE_S = 5.0
 # How long a new control connection may take to authenticate, either side.
 HANDSHAKE_TIMEOUT_S = 10.0
+# How many connections may be authenticating at the same time.
+MAX_PENDING_HANDSHAKES = 64
 
 
 def _mem(tensor: torch.Tensor) -> tuple[str, int]:
@@ -188,10 +194,14 @@ class ControlListener:
         authkey: bytes,
         serve: Callable[[Connection], None],
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
     ) -> None:
         self._authkey = authkey
         self._serve = serve
         self._handshake_timeout_s = handshake_timeout_s
+        self._handshake_slots = threading.BoundedSemaphore(max_pending_handshakes)
+        self._max_pending = max_pending_handshakes
+        self.refused_connections = 0
         self._closed = threading.Event()
         self._sock = socket.create_server((host, 0), backlog=64)
         # Lets the loop notice ``close`` without a connection arriving.
@@ -215,12 +225,30 @@ class ControlListener:
                     )
                     time.sleep(0.1)  # e.g. out of descriptors; try again
                 continue
+            if not self._handshake_slots.acquire(blocking=False):
+                self._refuse(sock, peer)
+                continue
             threading.Thread(
                 target=self._admit,
                 args=(sock, peer),
                 name="sharded-rdt-serve",
                 daemon=True,
             ).start()
+
+    def _refuse(self, sock: socket.socket, peer: Any) -> None:
+        sock.close()
+        self.refused_connections += 1
+        # The first refusal, then one line per hundred: a flood must not
+        # flood the log too.
+        if self.refused_connections % 100 == 1:
+            logger.warning(
+                "sharded_rdt producer closed a control connection from %s on "
+                "arrival: %d connections are already authenticating (%d "
+                "refused so far)",
+                peer,
+                self._max_pending,
+                self.refused_connections,
+            )
 
     def _admit(self, sock: socket.socket, peer: Any) -> None:
         sock.settimeout(None)
@@ -240,6 +268,8 @@ class ControlListener:
             )
             conn.close()
             return
+        finally:
+            self._handshake_slots.release()
         if self._closed.is_set():
             conn.close()
             return
