@@ -2,9 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The bake on a small hand-written model with vLLM-style weight loaders.
 
-Fast stand-ins for the contracts the real-model tests check end to end: the plan
-reproduces load_weights, the model comes back exactly, and what cannot be
-planned is reported by name.
+Fast stand-ins for the contracts the real-model tests check end to end: the
+plan, landed by the engine's lander, reproduces load_weights, the model comes
+back exactly, and what cannot be planned is reported by name.
 """
 
 from typing import Any
@@ -18,9 +18,9 @@ from vllm.distributed.weight_transfer.sharded_rdt_bake import (
     IncompletePlanError,
     bake_worker_plan,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_landing import land_copies
 from vllm.distributed.weight_transfer.sharded_rdt_lazy import UnplannableLoaderError
-from vllm.distributed.weight_transfer.sharded_rdt_ops import replay_slice
+from vllm.distributed.weight_transfer.sharded_rdt_reload import IN_PLACE
+from vllm.distributed.weight_transfer.testing.sharded_rdt_checks import land_chunks
 from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
 from vllm.model_executor.model_loader.reload.layerwise import (
     LAYERWISE_INFO,
@@ -123,10 +123,9 @@ def test_landing_the_replayed_plan_equals_load_weights(rank):
 
     model = Toy(rank)
     plan = bake_worker_plan(model, _metas(CHECKPOINT), worker=f"tp{rank}/2")
-    land_copies(
-        model,
-        ((c, replay_slice(CHECKPOINT[c.slice.source], c.slice)) for c in plan.copies),
-    )
+    # The engine's landing path (pack_chunk, then ChunkLander); the toy's
+    # parameters are real and in place, so neither module step runs.
+    land_chunks(model, plan, CHECKPOINT, IN_PLACE)
 
     expected = _state(reference)
     for name, (_, value, _) in _state(model).items():

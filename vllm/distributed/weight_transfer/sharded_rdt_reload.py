@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Land pulled chunks in a model under layerwise reload.
+"""Land pulled chunks in a model: the one landing path of sharded_rdt.
 
 The worker engine opens a `LayerwiseReloadSession` (every layer on the meta
 device, its kernel tensors kept aside), then hands each pulled chunk to
@@ -13,8 +13,16 @@ device, its kernel tensors kept aside), then hands each pulled chunk to
 3. after the last chunk of a gather group, every module the plan says completes
    there is processed at once by vLLM's per-layer step
    (``process_weights_after_loading``, which inside the session also redoes the
-   CPU MoE expert setup), the result is copied into the kept kernel tensors and
+   CPU MoE expert setup), the result is copied into the kernel tensors and
    the module leaves the reload.
+
+Step 2 is the lander's own work: where each slice sits in the chunk's bytes,
+which dtype and shape it is read as, and which region (`region_view`) it is
+copied into. Steps 1 and 3 are the lander's `ModuleSteps`. The engine uses
+`LayerwiseReloadSteps`, the default; `IN_PLACE` does neither step, for a model
+whose checkpoint-format tensors are already real and in place, as in the
+planner's replay-versus-``load_weights`` check, which lands with this same
+lander.
 
 Modules the plan never touches are left to the session's ``finish()``, which
 puts their kernel tensors back unchanged.
@@ -23,13 +31,109 @@ puts their kernel tensors back unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from vllm.distributed.weight_transfer.sharded_rdt_chunks import PullPlan
-from vllm.distributed.weight_transfer.sharded_rdt_landing import region_view
-from vllm.distributed.weight_transfer.sharded_rdt_ops import dtype_from_name
-from vllm.distributed.weight_transfer.sharded_rdt_plan import SliceCopy, WorkerPlan
+from vllm.distributed.weight_transfer.sharded_rdt_ops import (
+    dtype_from_name,
+    dtype_name,
+)
+from vllm.distributed.weight_transfer.sharded_rdt_plan import (
+    Region,
+    SliceCopy,
+    WorkerPlan,
+)
+
+
+def region_view(model: torch.nn.Module, region: Region) -> torch.Tensor:
+    """The view of ``model``'s tensor that ``region`` describes."""
+    module = model.get_submodule(region.module)
+    tensor = getattr(module, region.param, None)
+    if not isinstance(tensor, torch.Tensor):
+        raise KeyError(f"{region.qualname} is not a parameter or buffer of the model")
+    if tensor.is_meta:
+        raise RuntimeError(
+            f"{region.qualname} is on the meta device; materialize its module "
+            "(layerwise reload) before landing slices in it"
+        )
+    if dtype_name(tensor.dtype) != region.dtype:
+        raise ValueError(
+            f"{region.qualname} is {dtype_name(tensor.dtype)} but the plan "
+            f"expects {region.dtype}; the plan was baked for another model config"
+        )
+    last = region.last_element
+    if last >= tensor.numel():
+        raise ValueError(
+            f"region of {region.qualname} ends at element {last} but the tensor "
+            f"has {tensor.numel()}; the plan was baked for another model config"
+        )
+    return tensor.as_strided(
+        region.shape, region.stride, tensor.storage_offset() + region.offset
+    )
+
+
+class ModuleSteps(Protocol):
+    """What happens to a module around the slices landed in it."""
+
+    def materialize(self, module_name: str) -> None:
+        """Before the first slice lands in the module in this sync."""
+
+    def process(self, module_name: str) -> None:
+        """After the last chunk of the group the plan says completes it."""
+
+
+class LayerwiseReloadSteps:
+    """The engine's steps, inside an open layerwise reload session: give the
+    module real checkpoint-format tensors, then run vLLM's per-layer processing
+    and copy the result into the kernel tensors."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def _info(self, module_name: str):  # -> (module, LayerReloadingInfo)
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        module = self.model.get_submodule(module_name)
+        info = LAYERWISE_INFO.get(module)
+        if info is None or not info.can_load():
+            raise RuntimeError(
+                f"{module_name} is not being reloaded; start_weight_update must "
+                "run before update_weights"
+            )
+        return module, info
+
+    def materialize(self, module_name: str) -> None:
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer
+
+        module, info = self._info(module_name)
+        materialize_layer(module, info)
+
+    def process(self, module_name: str) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            _layerwise_process,
+        )
+
+        # The module is materialized and filled, and nothing is buffered for
+        # it, so vLLM's per-layer step only processes it (quantization,
+        # repacking, the session's MoE expert setup) and copies the result into
+        # the kernel tensors.
+        module, info = self._info(module_name)
+        _layerwise_process(module, info)
+
+
+class _InPlaceSteps:
+    def materialize(self, module_name: str) -> None:
+        pass
+
+    def process(self, module_name: str) -> None:
+        pass
+
+
+IN_PLACE: ModuleSteps = _InPlaceSteps()
+"""Neither step: the checkpoint-format tensors are already real and in place,
+and nothing is processed after landing."""
 
 
 @dataclass(frozen=True)
@@ -50,14 +154,20 @@ def deferred_modules(model: torch.nn.Module, plan: WorkerPlan) -> list[str]:
 
 
 class ChunkLander:
-    """See the module docstring."""
+    """See the module docstring. ``steps`` defaults to `LayerwiseReloadSteps`
+    on ``model``."""
 
     def __init__(
-        self, model: torch.nn.Module, plan: WorkerPlan, pulls: PullPlan
+        self,
+        model: torch.nn.Module,
+        plan: WorkerPlan,
+        pulls: PullPlan,
+        steps: ModuleSteps | None = None,
     ) -> None:
         self.model = model
         self.plan = plan
         self.pulls = pulls
+        self.steps = LayerwiseReloadSteps(model) if steps is None else steps
         self._landings: list[list[_Landing]] = []
         self._completes_after: dict[int, tuple[str, ...]] = {}
         groups = {g.index: g for g in plan.groups}
@@ -88,42 +198,12 @@ class ChunkLander:
         for landing in self._landings[index]:
             region = landing.copy.region
             if region.module not in self._materialized:
-                self._materialize(region.module)
+                self.steps.materialize(region.module)
+                self._materialized.add(region.module)
             spec = landing.copy.slice
             raw = data[landing.offset : landing.offset + spec.nbytes]
             value = raw.view(dtype_from_name(spec.dtype)).view(spec.shape)
             region_view(self.model, region).copy_(value)
         for module_name in self._completes_after.get(index, ()):
-            self._process(module_name)
-
-    def _info(self, module_name: str):  # -> LayerReloadingInfo
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
-        module = self.model.get_submodule(module_name)
-        info = LAYERWISE_INFO.get(module)
-        if info is None or not info.can_load():
-            raise RuntimeError(
-                f"{module_name} is not being reloaded; start_weight_update must "
-                "run before update_weights"
-            )
-        return module, info
-
-    def _materialize(self, module_name: str) -> None:
-        from vllm.model_executor.model_loader.reload.meta import materialize_layer
-
-        module, info = self._info(module_name)
-        materialize_layer(module, info)
-        self._materialized.add(module_name)
-
-    def _process(self, module_name: str) -> None:
-        from vllm.model_executor.model_loader.reload.layerwise import (
-            _layerwise_process,
-        )
-
-        # The module is materialized and filled, and nothing is buffered for
-        # it, so vLLM's per-layer step only processes it (quantization,
-        # repacking, the session's MoE expert setup) and copies the result into
-        # the kernel tensors.
-        module, info = self._info(module_name)
-        _layerwise_process(module, info)
-        self.processed.append(module_name)
+            self.steps.process(module_name)
+            self.processed.append(module_name)

@@ -12,13 +12,16 @@ What a case checks, on one rank:
 
 * the bake leaves every parameter and buffer object, its value and its
   ``weight_loader`` exactly as before (twice, with equal digests);
-* landing the replayed plan fills the checkpoint-format parameters exactly as
-  ``model.load_weights`` of the same tensors does. Both run inside the same
+* landing the plan the way a sync does (`land_chunks`: the pull plan of one
+  consumer, each chunk packed by the producer's ``pack_chunk`` and landed by
+  the engine's ``ChunkLander``) fills the checkpoint-format parameters exactly
+  as ``model.load_weights`` of the same tensors does. Both run inside the same
   meta-restored session with every tensor pre-filled with a sentinel, so a
   region either path misses shows up. (On CPU, kernel formats live in oneDNN
   handles rather than parameters, and the processing that produces them is the
   same code on the same input, so the checkpoint format is where the two paths
-  can differ.)
+  can differ; the lander's module steps are therefore ``IN_PLACE`` here, and
+  the in-engine test covers the layerwise reload ones.)
 * how many bytes ``load_weights`` fills, against the plan's byte count;
 * baking without one QKV input reports ``qkv_proj`` as partly covered.
 """
@@ -31,7 +34,7 @@ import socket
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +42,10 @@ from vllm.distributed.weight_transfer.testing.tiny_models import (
     TinyModelSpec,
     build_tiny_model,
 )
+
+if TYPE_CHECKING:
+    from vllm.distributed.weight_transfer.sharded_rdt_plan import WorkerPlan
+    from vllm.distributed.weight_transfer.sharded_rdt_reload import ModuleSteps
 
 _SENTINEL_FLOAT = -1234.5
 _SENTINEL_INT = 77
@@ -302,6 +309,30 @@ def load_checkpoint_format(
     return out
 
 
+def land_chunks(
+    model: torch.nn.Module,
+    plan: WorkerPlan,
+    tensors: dict[str, torch.Tensor],
+    steps: ModuleSteps | None = None,
+) -> None:
+    """Land ``plan`` in ``model`` from ``tensors`` through the production path
+    of one sync: the pull plan of a lone consumer served by a lone producer,
+    each chunk packed by the producer's ``pack_chunk`` and landed, in order, by
+    the engine's ``ChunkLander`` with ``steps``."""
+    from vllm.distributed.weight_transfer.sharded_rdt_chunks import build_pull_plan
+    from vllm.distributed.weight_transfer.sharded_rdt_common import RdtRouter
+    from vllm.distributed.weight_transfer.sharded_rdt_producer import pack_chunk
+    from vllm.distributed.weight_transfer.sharded_rdt_reload import ChunkLander
+
+    pulls = build_pull_plan(plan, RdtRouter(1, 1), consumer_id=0)
+    lander = ChunkLander(model, plan, pulls, steps)
+    lander.begin()
+    for index, chunk in enumerate(pulls.chunks):
+        data = torch.empty(chunk.nbytes, dtype=torch.uint8)
+        pack_chunk(chunk, tensors, data)
+        lander.land(index, data)
+
+
 def _filled_nbytes(tensors: dict[str, torch.Tensor]) -> int:
     total = 0
     for tensor in tensors.values():
@@ -318,8 +349,7 @@ def _check_case(report: CaseReport, folder: str, tp_size: int) -> None:
         IncompletePlanError,
         bake_worker_plan,
     )
-    from vllm.distributed.weight_transfer.sharded_rdt_landing import land_copies
-    from vllm.distributed.weight_transfer.sharded_rdt_ops import replay_slice
+    from vllm.distributed.weight_transfer.sharded_rdt_reload import IN_PLACE
 
     dtype = getattr(torch, report.dtype)
     model, config = _build_model(folder, report.dtype, tp_size)
@@ -352,14 +382,7 @@ def _check_case(report: CaseReport, folder: str, tp_size: int) -> None:
             lambda: model.load_weights(iter(checkpoint.items())),
         )
         landed = load_checkpoint_format(
-            model,
-            lambda: land_copies(
-                model,
-                (
-                    (c, replay_slice(checkpoint[c.slice.source], c.slice))
-                    for c in plan.copies
-                ),
-            ),
+            model, lambda: land_chunks(model, plan, checkpoint, IN_PLACE)
         )
     report.compared_tensors = len(loaded)
     report.landing_mismatches = sorted(
@@ -425,18 +448,13 @@ def worker_bake(worker: Any) -> dict[str, Any]:
 
 def worker_update(worker: Any, seed: int | None, via_plan: bool) -> None:
     """One weight update through the worker's production landing path: a
-    ``LayerwiseReloadSession`` fed either by the baked plan (each chunk packed
-    by the producer's ``pack_chunk`` from the replayed slices and landed by the
-    engine's ``ChunkLander``) or by ``load`` of the same checkpoint tensors
-    (``model.load_weights``, the reference)."""
+    ``LayerwiseReloadSession`` fed either by the baked plan (`land_chunks`,
+    with the lander's default layerwise reload steps) or by ``load`` of the
+    same checkpoint tensors (``model.load_weights``, the reference)."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed.weight_transfer.layerwise_session import (
         LayerwiseReloadSession,
     )
-    from vllm.distributed.weight_transfer.sharded_rdt_chunks import build_pull_plan
-    from vllm.distributed.weight_transfer.sharded_rdt_common import RdtRouter
-    from vllm.distributed.weight_transfer.sharded_rdt_producer import pack_chunk
-    from vllm.distributed.weight_transfer.sharded_rdt_reload import ChunkLander
 
     model = worker.model_runner.model
     checkpoint = _worker_checkpoint(worker, seed)
@@ -444,15 +462,8 @@ def worker_update(worker: Any, seed: int | None, via_plan: bool) -> None:
     with set_current_vllm_config(worker.vllm_config), torch.no_grad():
         session.start()
         if via_plan:
-            plan = worker.sharded_rdt_test_plan
-            pulls = build_pull_plan(plan, RdtRouter(1, 1), consumer_id=0)
-            lander = ChunkLander(model, plan, pulls)
             session.begin_landing()
-            lander.begin()
-            for index, chunk in enumerate(pulls.chunks):
-                data = torch.empty(chunk.nbytes, dtype=torch.uint8)
-                pack_chunk(chunk, checkpoint, data)
-                lander.land(index, data)
+            land_chunks(model, worker.sharded_rdt_test_plan, checkpoint)
         else:
             session.load(list(checkpoint.items()))
         session.finish()
