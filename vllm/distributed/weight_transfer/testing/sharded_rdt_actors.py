@@ -107,7 +107,9 @@ class WrongShapeSource(WeightSource):
 class LLMHost:
     """An offline LLM with the sharded_rdt backend, in a Ray actor."""
 
-    def __init__(self, model_dir: str, tp: int = 1, dtype: str = "float32") -> None:
+    def __init__(
+        self, model_dir: str, tp: int = 1, dtype: str = "float32", **engine_args: Any
+    ) -> None:
         if tp > 1:
             os.environ.setdefault(
                 "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp))
@@ -116,7 +118,11 @@ class LLMHost:
         from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 
         self.llm = tiny_llm(
-            model_dir, dtype=dtype, tensor_parallel_size=tp, backend="sharded_rdt"
+            model_dir,
+            dtype=dtype,
+            tensor_parallel_size=tp,
+            backend="sharded_rdt",
+            **engine_args,
         )
 
     # The RayVLLMWeightSyncClient surface.
@@ -161,6 +167,10 @@ class LLMHost:
         """What each worker's engine pulled in its last update."""
         return self.llm.collective_rpc(_last_receipt)
 
+    def weight_dtypes(self) -> list[dict[str, str]]:
+        """Per worker: the dtype of every parameter of the served model."""
+        return self.llm.collective_rpc(served_weight_dtypes)
+
     def pids(self) -> list[int]:
         return self.llm.collective_rpc(_pid)
 
@@ -187,6 +197,12 @@ class LLMHost:
         """Call each worker engine's ``finish_weight_update`` directly; the
         errors it raised (None where it returned)."""
         return self.llm.collective_rpc(_engine_finish_error)
+
+
+def served_weight_dtypes(worker: Any) -> dict[str, str]:
+    """For ``collective_rpc``: parameter name -> dtype of the served model."""
+    model = worker.model_runner.model
+    return {name: str(p.dtype) for name, p in model.named_parameters()}
 
 
 def _last_receipt(worker: Any) -> dict[str, Any] | None:
