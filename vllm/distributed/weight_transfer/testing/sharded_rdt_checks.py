@@ -24,6 +24,10 @@ What a case checks, on one rank:
   the in-engine test covers the layerwise reload ones.)
 * how many bytes ``load_weights`` fills, against the plan's byte count;
 * baking without one QKV input reports ``qkv_proj`` as partly covered.
+
+`check_meta_bake` is a lighter case: it bakes the plan once on the model loaded
+with its weights and once on the same model class built on the meta device
+(`build_meta_model`, no storage at all), for the comparison of the two plans.
 """
 
 from __future__ import annotations
@@ -79,6 +83,10 @@ class CaseReport:
     partial_modules: list[str] = field(default_factory=list)
     incomplete_error: str = ""
     dump: str = ""
+    meta_digest: str = ""
+    meta_dump: str = ""
+    meta_param_devices: list[str] = field(default_factory=list)
+    meta_model_real_buffers: list[str] = field(default_factory=list)
     error: str = ""
 
 
@@ -88,10 +96,18 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+CaseCheck = Callable[[CaseReport, str, int], None]
+
+
 def run_planner_checks(
-    tp_size: int, cases: Sequence[PlannerCase], timeout_s: float = 400.0
+    tp_size: int,
+    cases: Sequence[PlannerCase],
+    timeout_s: float = 400.0,
+    check: CaseCheck | None = None,
 ) -> list[list[CaseReport]]:
-    """Reports per rank, then per case (``result[rank][case]``)."""
+    """Reports per rank, then per case (``result[rank][case]``). ``check`` fills
+    a case's report on one rank (a module-level function, since it is sent to
+    spawned processes); the full planner check by default."""
     import multiprocessing
 
     folders = [str(build_tiny_model(TinyModelSpec(arch=c.arch))) for c in cases]  # type: ignore[arg-type]
@@ -101,7 +117,7 @@ def run_planner_checks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, tp_size, port, list(cases), folders, queue),
+            args=(rank, tp_size, port, list(cases), folders, queue, check),
             daemon=True,
         )
         for rank in range(tp_size)
@@ -128,7 +144,9 @@ def _rank_main(
     cases: list[PlannerCase],
     folders: list[str],
     queue: Any,
+    check: CaseCheck | None = None,
 ) -> None:
+    check = check or _check_case
     reports: list[dict[str, Any]] = []
     try:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -142,7 +160,7 @@ def _rank_main(
         for case, folder in zip(cases, folders, strict=True):
             report = CaseReport(case.arch, case.dtype, rank, tp_size)
             try:
-                _check_case(report, folder, tp_size)
+                check(report, folder, tp_size)
             except Exception:
                 report.error = traceback.format_exc()
             reports.append(dataclasses.asdict(report))
@@ -212,6 +230,25 @@ def _build_model(folder: str, dtype: str, tp_size: int):
     config = _engine_config(folder, dtype, tp_size)
     with set_current_vllm_config(config):
         model = get_model(vllm_config=config)
+    return model, config
+
+
+def build_meta_model(folder: str, dtype: str, tp_size: int):
+    """The model class of ``folder`` built by vLLM (``initialize_model``) with
+    every parameter and buffer on the meta device: no storage and no weights
+    read, so a full-size config costs what its module objects cost. Needs the
+    tensor-parallel group of ``tp_size`` ranks, like `_build_model`."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    config = _engine_config(folder, dtype, tp_size)
+    with (
+        set_current_vllm_config(config),
+        set_default_torch_dtype(config.model_config.dtype),
+        torch.device("meta"),
+    ):
+        model = initialize_model(vllm_config=config)
     return model, config
 
 
@@ -405,6 +442,36 @@ def _check_case(report: CaseReport, folder: str, tp_size: int) -> None:
     except IncompletePlanError as err:
         report.incomplete_error = str(err)
     report.restore_mismatches += _state_mismatches(before, _resident_state(model))
+
+
+def check_meta_bake(report: CaseReport, folder: str, tp_size: int) -> None:
+    """Bake this rank's plan on the loaded model and on the meta-built one."""
+    from vllm.distributed.weight_transfer.base import ParamMeta
+    from vllm.distributed.weight_transfer.sharded_rdt_bake import bake_worker_plan
+
+    dtype = getattr(torch, report.dtype)
+    checkpoint = checkpoint_tensors(folder, dtype, seed=1234)
+    metas = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in checkpoint.items()]
+    worker = f"{report.arch}/{report.dtype}/tp{report.rank}of{tp_size}"
+
+    model, config = _build_model(folder, report.dtype, tp_size)
+    plan = bake_worker_plan(model, metas, worker=worker, vllm_config=config)
+    report.digest = plan.digest()
+    report.dump = plan.dump()
+    del model
+
+    meta_model, meta_config = build_meta_model(folder, report.dtype, tp_size)
+    report.meta_param_devices = sorted({str(t.device) for t in meta_model.parameters()})
+    # vLLM caches rotary-embedding modules by their settings (``get_rope``), so
+    # the meta model reuses the loaded model's, buffer included.
+    report.meta_model_real_buffers = sorted(
+        name for name, t in meta_model.named_buffers() if not t.is_meta
+    )
+    meta_plan = bake_worker_plan(
+        meta_model, metas, worker=worker, vllm_config=meta_config
+    )
+    report.meta_digest = meta_plan.digest()
+    report.meta_dump = meta_plan.dump()
 
 
 # Worker-side steps for a real engine, sent with ``LLM.collective_rpc`` (which
