@@ -11,8 +11,12 @@ serves, bit for bit, when its workers load the trainer's weights fresh from a
 checkpoint, and with a Hugging Face forward pass of them (float32, within a
 small logprob tolerance); the script exits with status 1 on a mismatch.
 
+With ``--quantization fp8_per_channel`` the engine serves float8 weights
+(bfloat16 activations) that it quantizes itself from the trainer's float32
+weights at every sync (dense models; see docs/training/weight_transfer/
+quantized.md); the check is then the bit-exact fresh load alone.
 Run: ``python examples/rl/rlhf_ipc_offline_cpu.py [--arch qwen3_moe] [--tp 2]
-[--steps 3] [--model-dir DIR]``.
+[--steps 3] [--model-dir DIR] [--quantization fp8_per_channel]``.
 """
 
 from __future__ import annotations
@@ -48,6 +52,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--arch", choices=["qwen3", "qwen3_moe"], default="qwen3")
     p.add_argument("--tp", type=int, default=1, help="vLLM tensor parallel size")
     p.add_argument("--steps", type=int, default=2, help="train-and-sync steps")
+    p.add_argument(
+        "--quantization",
+        choices=["fp8_per_channel"],
+        help="an online scheme the engine applies to the weights it receives",
+    )
     return p.parse_args()
 
 
@@ -81,14 +90,24 @@ def main() -> int:
 
     t0 = time.perf_counter()
     # eager, small, seeded; with the fresh-load oracle's worker methods
-    llm = tiny_llm(model_dir, tensor_parallel_size=args.tp, backend="ipc")
+    # The engine's dtype: bfloat16 under a quantization scheme (the scheme's
+    # activations), else float32 like the trainer, so HF can check it too.
+    dtype = "bfloat16" if args.quantization else "float32"
+    llm = tiny_llm(
+        model_dir,
+        dtype=dtype,
+        tensor_parallel_size=args.tp,
+        backend="ipc",
+        quantization=args.quantization,
+    )
     fresh_load = FreshLoadOracle(offline_worker_call(llm), lambda: vllm_greedy(llm))
     print(f"LLM up in {time.perf_counter() - t0:.1f} s (backend ipc, TP={args.tp})")
 
+    checks = "fresh load (bit-exact)" + ("" if args.quantization else " and HF")
     failures = 0
     try:
-        assert_serves_weights(fresh_load, model, dtype="float32")
-        print("before any update: vLLM == fresh load (bit-exact) and HF: True")
+        assert_serves_weights(fresh_load, model, dtype=dtype)
+        print(f"before any update: vLLM == {checks}: True")
 
         trainer = WeightTransferTrainerFactory.trainer_init(
             IPCTrainerInitInfo(rank=0, packed=True),
@@ -102,7 +121,7 @@ def main() -> int:
             sync_s = time.perf_counter() - t0
             llm.reset_prefix_cache()  # cached KV blocks hold the old weights
             try:
-                got = assert_serves_weights(fresh_load, model, dtype="float32")
+                got = assert_serves_weights(fresh_load, model, dtype=dtype)
                 ok = True
             except AssertionError as e:
                 ok = False
@@ -112,7 +131,7 @@ def main() -> int:
             print(
                 f"step {step}: send_weights {sync_s * 1e3:.0f} ms; "
                 f"vLLM {[list(t) for t in got.tokens]}; "
-                f"vLLM == fresh load (bit-exact) and HF: {ok}"
+                f"vLLM == {checks}: {ok}"
             )
     finally:
         llm.llm_engine.engine_core.shutdown()
