@@ -5,10 +5,10 @@
     python benchmarks/weight_transfer/bench_payload_checksum.py [--mib 256]
         [--device cpu|cuda] [--threads N] [--chunk-mib 4 16 64]
 
-Loads ``checksum.py`` by path, so it runs with only torch installed. Times both
-row-sum strategies (one matrix product, or a sum plus a matrix-vector
-product). On CUDA it also checks that the device result equals the CPU result
-for the same bytes.
+Loads ``verification/checksum.py`` by path, so it runs with only torch
+installed. Times both row-sum strategies (one matrix product, or a sum plus a
+matrix-vector product). On CUDA it also checks that the device result equals
+the CPU result for the same bytes.
 """
 
 import argparse
@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 _PATH = (
-    Path(__file__).resolve().parents[2] / "vllm/distributed/weight_transfer/checksum.py"
+    Path(__file__).resolve().parents[2]
+    / "vllm/distributed/weight_transfer/verification/checksum.py"
 )
 _spec = importlib.util.spec_from_file_location("wt_checksum", _PATH)
 assert _spec is not None and _spec.loader is not None

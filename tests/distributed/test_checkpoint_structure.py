@@ -17,7 +17,10 @@ from vllm.distributed.weight_transfer.checkpoint_structure import (
     dtype_kind,
     module_dtype_kinds,
 )
-from vllm.distributed.weight_transfer.publication import Manifest, ManifestMismatch
+from vllm.distributed.weight_transfer.verification import (
+    Manifest,
+    ManifestMismatch,
+)
 
 
 @pytest.mark.parametrize(

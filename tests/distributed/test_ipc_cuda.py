@@ -31,7 +31,7 @@ def _reader(conn) -> None:
     """Second process: import every update's buffers and send back CPU copies."""
     from vllm.distributed.weight_transfer.ipc_dataplane import BufferImporter
     from vllm.distributed.weight_transfer.ipc_wire import IPCWeightTransferUpdateInfo
-    from vllm.distributed.weight_transfer.verified_sync import (
+    from vllm.distributed.weight_transfer.verification import (
         WorkerPublication,
         device_identity,
     )

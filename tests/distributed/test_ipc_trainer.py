@@ -24,16 +24,19 @@ from vllm.distributed.weight_transfer import (
     WeightSource,
     WeightTransferTrainerFactory,
 )
-from vllm.distributed.weight_transfer.fencing import WeightState, is_fenced_version
 from vllm.distributed.weight_transfer.ipc_dataplane import BufferImporter
 from vllm.distributed.weight_transfer.ipc_engine import (
     IPCTrainerInitInfo,
     IPCTrainerWeightTransferEngine,
 )
 from vllm.distributed.weight_transfer.ipc_wire import IPCWeightTransferUpdateInfo
-from vllm.distributed.weight_transfer.publication import ChecksumMismatch
 from vllm.distributed.weight_transfer.shm_buffer import SHM_DIR
-from vllm.distributed.weight_transfer.verified_sync import WorkerPublication
+from vllm.distributed.weight_transfer.verification import (
+    ChecksumMismatch,
+    WeightState,
+    WorkerPublication,
+    is_fenced_version,
+)
 
 
 class LoopbackClient:

@@ -9,7 +9,6 @@ import time
 import pytest
 import torch
 
-from vllm.distributed.weight_transfer.fencing import abort_reason
 from vllm.distributed.weight_transfer.ipc_dataplane import BufferImporter
 from vllm.distributed.weight_transfer.ipc_wire import (
     CudaIpcHandle,
@@ -18,6 +17,9 @@ from vllm.distributed.weight_transfer.ipc_wire import (
     ShmHandle,
     cpu_device_key,
     select_cpu_key,
+)
+from vllm.distributed.weight_transfer.verification import (
+    abort_reason,
 )
 
 KEY = cpu_device_key(0)

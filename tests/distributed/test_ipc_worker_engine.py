@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from vllm.distributed.weight_transfer import ModuleSource, WeightSource
-from vllm.distributed.weight_transfer.fencing import WeightsFencedError
 from vllm.distributed.weight_transfer.ipc_engine import (
     IPCTrainerInitInfo,
     IPCTrainerWeightTransferEngine,
@@ -25,8 +24,11 @@ from vllm.distributed.weight_transfer.ipc_engine import (
 )
 from vllm.distributed.weight_transfer.ipc_wire import cpu_device_key
 from vllm.distributed.weight_transfer.layerwise_session import LayerwiseReloadSession
-from vllm.distributed.weight_transfer.publication import ManifestMismatch
 from vllm.distributed.weight_transfer.update_completeness import IncompleteUpdateError
+from vllm.distributed.weight_transfer.verification import (
+    ManifestMismatch,
+    WeightsFencedError,
+)
 
 
 class TinyNet(torch.nn.Module):

@@ -13,18 +13,18 @@ from prometheus_client import CollectorRegistry
 
 from vllm.distributed.weight_transfer import sync_metrics
 from vllm.distributed.weight_transfer.base import ParamMeta
-from vllm.distributed.weight_transfer.fencing import fenced_version
-from vllm.distributed.weight_transfer.publication import (
-    Manifest,
-    PublicationHeader,
-    attach_publication,
-)
 from vllm.distributed.weight_transfer.sync_metrics import (
     ROUTE_OPERATIONS,
     RouteSyncObserver,
     SyncRecord,
     WeightSyncMetricsMiddleware,
     WeightTransferMetrics,
+)
+from vllm.distributed.weight_transfer.verification import (
+    Manifest,
+    PublicationHeader,
+    attach_publication,
+    fenced_version,
 )
 from vllm.entrypoints.rl.factories import register_rl_api_routers
 

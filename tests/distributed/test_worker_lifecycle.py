@@ -21,10 +21,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm.distributed.weight_transfer.fencing import WeightsFencedError, WeightState
 from vllm.distributed.weight_transfer.ipc_worker import IPCWeightTransferEngine
 from vllm.distributed.weight_transfer.sharded_rdt_engine import (
     ShardedRDTWeightTransferEngine,
+)
+from vllm.distributed.weight_transfer.verification import (
+    WeightsFencedError,
+    WeightState,
 )
 
 ENGINES = {

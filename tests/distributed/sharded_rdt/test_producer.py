@@ -280,7 +280,7 @@ def test_an_abort_for_a_sync_not_yet_begun_fails_it_when_it_begins():
 
 
 def test_checksums_cover_the_packed_bytes_and_sharers_get_the_same_one():
-    from vllm.distributed.weight_transfer.checksum import payload_checksum
+    from vllm.distributed.weight_transfer.verification import payload_checksum
 
     producer = _producer(workers_per_replica=1, checksums=True)
     _, links, pulls = _consumers(producer, [_plan((0, 3)), _plan((0, 3))])
@@ -306,7 +306,7 @@ def test_checksums_cover_the_packed_bytes_and_sharers_get_the_same_one():
 
 
 def test_checksums_off_by_default_and_receipts_reach_the_inbox():
-    from vllm.distributed.weight_transfer.publication import Receipt, coverage_digest
+    from vllm.distributed.weight_transfer.verification import Receipt, coverage_digest
 
     producer = _producer()
     _, links, pulls = _consumers(producer, [_plan((0, 3))])

@@ -13,11 +13,14 @@ import time
 import pytest
 import torch
 
-from vllm.distributed.weight_transfer.publication import Receipt, coverage_digest
 from vllm.distributed.weight_transfer.testing.sharded_rdt_procs import (
     toy_names,
     toy_pull_plan,
     toy_tensors,
+)
+from vllm.distributed.weight_transfer.verification import (
+    Receipt,
+    coverage_digest,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.nixl]

@@ -21,13 +21,6 @@ from vllm.distributed.weight_transfer.base import (
     ParamMeta,
     WeightSource,
 )
-from vllm.distributed.weight_transfer.fencing import WeightState, is_fenced_version
-from vllm.distributed.weight_transfer.publication import (
-    ChecksumMismatch,
-    Manifest,
-    ManifestMismatch,
-)
-from vllm.distributed.weight_transfer.receipts import ReceiptTimeoutError
 from vllm.distributed.weight_transfer.sharded_rdt_chunks import build_pull_plan
 from vllm.distributed.weight_transfer.sharded_rdt_common import (
     RdtRouter,
@@ -56,7 +49,15 @@ from vllm.distributed.weight_transfer.sharded_rdt_trainer import (
 from vllm.distributed.weight_transfer.sharded_rdt_transport import (
     InProcessTransport,
 )
-from vllm.distributed.weight_transfer.verified_sync import WorkerPublication
+from vllm.distributed.weight_transfer.verification import (
+    ChecksumMismatch,
+    Manifest,
+    ManifestMismatch,
+    ReceiptTimeoutError,
+    WeightState,
+    WorkerPublication,
+    is_fenced_version,
+)
 
 
 class Toy(nn.Module):

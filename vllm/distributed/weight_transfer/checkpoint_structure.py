@@ -34,7 +34,10 @@ from typing import Any
 
 import torch
 
-from vllm.distributed.weight_transfer.publication import Manifest, ManifestMismatch
+from vllm.distributed.weight_transfer.verification import (
+    Manifest,
+    ManifestMismatch,
+)
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)

@@ -23,8 +23,10 @@ from vllm.distributed.weight_transfer.base import (
     VLLMWeightSyncClient,
     WeightSource,
 )
-from vllm.distributed.weight_transfer.fencing import set_served_version
-from vllm.distributed.weight_transfer.verified_sync import TrainerPublication
+from vllm.distributed.weight_transfer.verification import (
+    TrainerPublication,
+    set_served_version,
+)
 
 
 class FullResyncTrainerEngine(TrainerWeightTransferEngine[TTrainerInitInfo]):

@@ -25,7 +25,7 @@ The worker lands each chunk through ``LayerwiseReloadSession``
 quantized layers are processed after loading. It maps each buffer once per
 update and releases it at finish.
 
-Verified publication (``verified_sync``, on by default): the sender opens a
+Verified publication (``verification``, on by default): the sender opens a
 ``TrainerPublication`` whose header rides in every update message; each worker
 checks the header's manifest against the served checkpoint's shapes and every
 tensor against the manifest before it touches a weight, and writes a receipt

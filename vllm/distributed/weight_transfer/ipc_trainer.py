@@ -53,8 +53,6 @@ from vllm.distributed.weight_transfer.base import (
     VLLMWeightSyncClient,
     WeightSource,
 )
-from vllm.distributed.weight_transfer.checksum import payload_checksum
-from vllm.distributed.weight_transfer.fencing import ABORT_FIELD
 from vllm.distributed.weight_transfer.full_resync import (
     FullResyncTrainerEngine,
     ModelVersions,
@@ -82,17 +80,19 @@ from vllm.distributed.weight_transfer.ipc_wire import (
     handle_from_dict,
     upstream_args,
 )
-from vllm.distributed.weight_transfer.publication import describe_error
-from vllm.distributed.weight_transfer.receipts import DEFAULT_RECEIPT_TIMEOUT_S
 from vllm.distributed.weight_transfer.stale_updates import start_update
 from vllm.distributed.weight_transfer.trainer_group import (
     TrainerGroup,
     make_trainer_group,
     on_sender,
 )
-from vllm.distributed.weight_transfer.verified_sync import (
+from vllm.distributed.weight_transfer.verification import (
+    ABORT_FIELD,
+    DEFAULT_RECEIPT_TIMEOUT_S,
     TrainerPublication,
+    describe_error,
     device_identity,
+    payload_checksum,
     served_world_size,
 )
 from vllm.logger import init_logger

@@ -39,7 +39,7 @@ from vllm.distributed.weight_transfer.ipc_wire import (
     IPCWeightTransferInitInfo,
     IPCWeightTransferUpdateInfo,
 )
-from vllm.distributed.weight_transfer.verified_sync import (
+from vllm.distributed.weight_transfer.verification import (
     WorkerPublication,
     device_identity,
 )

@@ -52,7 +52,6 @@ from vllm.distributed.weight_transfer.checkpoint_structure import (
     checkpoint_dtype_kinds,
     module_dtype_kinds,
 )
-from vllm.distributed.weight_transfer.publication import Manifest
 from vllm.distributed.weight_transfer.sharded_rdt_bake import bake_worker_plan
 from vllm.distributed.weight_transfer.sharded_rdt_chunks import (
     PullPlan,
@@ -76,7 +75,8 @@ from vllm.distributed.weight_transfer.sharded_rdt_transport import (
     InProcessTransport,
     ProducerLink,
 )
-from vllm.distributed.weight_transfer.verified_sync import (
+from vllm.distributed.weight_transfer.verification import (
+    Manifest,
     WorkerPublication,
     device_identity,
 )

@@ -61,13 +61,15 @@ from typing import Any
 
 import torch
 
-from vllm.distributed.weight_transfer.publication import describe_error
 from vllm.distributed.weight_transfer.sharded_rdt_chunks import PullChunk
 from vllm.distributed.weight_transfer.sharded_rdt_producer import Producer
 from vllm.distributed.weight_transfer.sharded_rdt_transport import (
     ConsumerTransport,
     ProducerLink,
     ProducerServer,
+)
+from vllm.distributed.weight_transfer.verification import (
+    describe_error,
 )
 from vllm.logger import init_logger
 

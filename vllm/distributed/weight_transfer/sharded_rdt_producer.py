@@ -44,8 +44,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from vllm.distributed.weight_transfer.checksum import payload_checksum
-from vllm.distributed.weight_transfer.receipts import ReceiptInbox
 from vllm.distributed.weight_transfer.sharded_rdt_chunks import (
     PullChunk,
     chunks_digest,
@@ -59,6 +57,10 @@ from vllm.distributed.weight_transfer.sharded_rdt_common import (
 from vllm.distributed.weight_transfer.sharded_rdt_ops import (
     dtype_from_name,
     replay_slice,
+)
+from vllm.distributed.weight_transfer.verification import (
+    ReceiptInbox,
+    payload_checksum,
 )
 from vllm.logger import init_logger
 

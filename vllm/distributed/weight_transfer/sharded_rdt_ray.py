@@ -29,12 +29,6 @@ from typing import Any
 
 import torch
 
-from vllm.distributed.weight_transfer.publication import Receipt
-from vllm.distributed.weight_transfer.receipts import (
-    DEFAULT_RECEIPT_TIMEOUT_S,
-    ReceiptInbox,
-    ReceiptTimeoutError,
-)
 from vllm.distributed.weight_transfer.sharded_rdt_chunks import PullChunk
 from vllm.distributed.weight_transfer.sharded_rdt_common import (
     PRODUCE_METHOD_NAME,
@@ -45,6 +39,12 @@ from vllm.distributed.weight_transfer.sharded_rdt_transport import (
     ConsumerTransport,
     ProducerLink,
     ProducerServer,
+)
+from vllm.distributed.weight_transfer.verification import (
+    DEFAULT_RECEIPT_TIMEOUT_S,
+    Receipt,
+    ReceiptInbox,
+    ReceiptTimeoutError,
 )
 from vllm.logger import init_logger
 

@@ -53,12 +53,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
     layerwise_groups,
 )
-from vllm.distributed.weight_transfer.fencing import set_served_version
 from vllm.distributed.weight_transfer.full_resync import (
     FullResyncTrainerEngine,
     ModelVersions,
 )
-from vllm.distributed.weight_transfer.receipts import DEFAULT_RECEIPT_TIMEOUT_S
 from vllm.distributed.weight_transfer.sharded_rdt_common import (
     DEFAULT_GATHER_LOOKAHEAD,
     DEFAULT_NUM_RDT_BUFFERS,
@@ -79,9 +77,11 @@ from vllm.distributed.weight_transfer.trainer_group import (
     make_trainer_group,
     on_sender,
 )
-from vllm.distributed.weight_transfer.verified_sync import (
+from vllm.distributed.weight_transfer.verification import (
+    DEFAULT_RECEIPT_TIMEOUT_S,
     TrainerPublication,
     device_identity,
+    set_served_version,
 )
 from vllm.logger import init_logger
 

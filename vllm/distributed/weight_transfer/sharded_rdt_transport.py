@@ -37,9 +37,11 @@ from typing import Any
 
 import torch
 
-from vllm.distributed.weight_transfer.receipts import ReceiptInbox
 from vllm.distributed.weight_transfer.sharded_rdt_chunks import PullChunk
 from vllm.distributed.weight_transfer.sharded_rdt_producer import Producer
+from vllm.distributed.weight_transfer.verification import (
+    ReceiptInbox,
+)
 
 
 class ProducerLink(ABC):

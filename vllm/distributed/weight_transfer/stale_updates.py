@@ -29,7 +29,9 @@ import shutil
 import time
 from typing import Any
 
-from vllm.distributed.weight_transfer.fencing import ABORT_FIELD
+from vllm.distributed.weight_transfer.verification import (
+    ABORT_FIELD,
+)
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)

@@ -50,8 +50,10 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
-from vllm.distributed.weight_transfer.fencing import is_fenced_version
-from vllm.distributed.weight_transfer.publication import (
+# Submodules, not the package: verification.publication uses SyncRecord, so
+# this module may be imported while the package is still initializing.
+from vllm.distributed.weight_transfer.verification.fence import is_fenced_version
+from vllm.distributed.weight_transfer.verification.wire import (
     PUBLICATION_FIELD,
     PublicationHeader,
     describe_error,

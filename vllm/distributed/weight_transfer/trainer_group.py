@@ -28,7 +28,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from vllm.distributed.weight_transfer.publication import describe_error
+from vllm.distributed.weight_transfer.verification import (
+    describe_error,
+)
 
 T = TypeVar("T")
 

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Checks for the fields of the fork's wire messages, shared by every module
-that parses them (``ipc_wire``, ``publication``, ``sharded_rdt_common``):
+that parses them (``ipc_wire``, ``verification.wire``, ``sharded_rdt_common``):
 dtype names, integers, and which fields a message may and must carry. Each
 raises ``ValueError`` naming where the bad value was found. Depends on torch
 only."""

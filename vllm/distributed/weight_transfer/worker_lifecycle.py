@@ -47,17 +47,17 @@ from vllm.distributed.weight_transfer.base import (
     TUpdateInfo,
     WeightTransferEngine,
 )
-from vllm.distributed.weight_transfer.fencing import (
-    WeightsFencedError,
-    WeightState,
-    abort_reason,
-    fenced_message,
-)
 from vllm.distributed.weight_transfer.layerwise_session import (
     LayerwiseReloadSession,
 )
-from vllm.distributed.weight_transfer.publication import describe_error
-from vllm.distributed.weight_transfer.verified_sync import WorkerPublication
+from vllm.distributed.weight_transfer.verification import (
+    WeightsFencedError,
+    WeightState,
+    WorkerPublication,
+    abort_reason,
+    describe_error,
+    fenced_message,
+)
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)

@@ -44,15 +44,9 @@ from vllm.distributed.weight_transfer.clients import (
     HTTPVLLMWeightSyncClient,
     OfflineLLMWeightSyncClient,
 )
-from vllm.distributed.weight_transfer.fencing import is_fenced_version
 from vllm.distributed.weight_transfer.ipc_engine import (
     IPCTrainerInitInfo,
     IPCTrainerWeightTransferEngine,
-)
-from vllm.distributed.weight_transfer.publication import (
-    Manifest,
-    PublicationHeader,
-    attach_publication,
 )
 from vllm.distributed.weight_transfer.testing import (
     FreshLoadOracle,
@@ -71,6 +65,12 @@ from vllm.distributed.weight_transfer.testing.ipc_faults import (
 )
 from vllm.distributed.weight_transfer.testing.server import metric_value, serve
 from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
+from vllm.distributed.weight_transfer.verification import (
+    Manifest,
+    PublicationHeader,
+    attach_publication,
+    is_fenced_version,
+)
 
 pytestmark = pytest.mark.slow
 

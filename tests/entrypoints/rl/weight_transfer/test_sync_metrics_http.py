@@ -21,16 +21,16 @@ from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-from vllm.distributed.weight_transfer.publication import (
-    Manifest,
-    PublicationHeader,
-    attach_publication,
-)
 from vllm.distributed.weight_transfer.testing import (
     completions_greedy,
     load_hf_model,
 )
 from vllm.distributed.weight_transfer.testing.server import metric_value, serve
+from vllm.distributed.weight_transfer.verification import (
+    Manifest,
+    PublicationHeader,
+    attach_publication,
+)
 
 pytestmark = pytest.mark.slow
 

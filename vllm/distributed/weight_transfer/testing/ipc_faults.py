@@ -51,7 +51,7 @@ class ByteFlippingClient:
         from vllm.distributed.weight_transfer.ipc_wire import (
             IPCWeightTransferUpdateInfo,
         )
-        from vllm.distributed.weight_transfer.publication import pop_publication
+        from vllm.distributed.weight_transfer.verification import pop_publication
 
         _, _, rest = pop_publication(update_info)
         info = IPCWeightTransferUpdateInfo.from_dict(rest)

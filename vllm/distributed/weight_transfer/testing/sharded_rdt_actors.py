@@ -399,7 +399,7 @@ class ToyRdtConsumer:
         return out
 
     def _pull(self, link: Any, chunks: list[Any]) -> dict[str, torch.Tensor]:
-        from vllm.distributed.weight_transfer.checksum import payload_checksum
+        from vllm.distributed.weight_transfer.verification import payload_checksum
 
         out: dict[str, torch.Tensor] = {}
         for chunk in chunks:

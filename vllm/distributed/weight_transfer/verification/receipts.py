@@ -48,7 +48,7 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from vllm.distributed.weight_transfer.publication import (
+from vllm.distributed.weight_transfer.verification.wire import (
     PublicationHeader,
     Receipt,
 )

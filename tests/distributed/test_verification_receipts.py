@@ -13,12 +13,11 @@ import pytest
 import torch
 
 from vllm.distributed.weight_transfer.base import ParamMeta
-from vllm.distributed.weight_transfer.publication import (
-    Manifest,
-    PublicationHeader,
-    Receipt,
+from vllm.distributed.weight_transfer.verification.checks import (
+    ManifestChecker,
+    verify_receipts,
 )
-from vllm.distributed.weight_transfer.receipts import (
+from vllm.distributed.weight_transfer.verification.receipts import (
     CallbackReceiptSink,
     ReceiptInbox,
     ReceiptTimeoutError,
@@ -27,9 +26,10 @@ from vllm.distributed.weight_transfer.receipts import (
     receipt_file_name,
     sink_for,
 )
-from vllm.distributed.weight_transfer.verification import (
-    ManifestChecker,
-    verify_receipts,
+from vllm.distributed.weight_transfer.verification.wire import (
+    Manifest,
+    PublicationHeader,
+    Receipt,
 )
 
 MANIFEST = Manifest.from_params([ParamMeta("w", torch.float32, (4,))])

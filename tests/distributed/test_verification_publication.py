@@ -15,19 +15,19 @@ import pytest
 import torch
 
 from vllm.distributed.weight_transfer.base import ParamMeta
-from vllm.distributed.weight_transfer.fencing import (
+from vllm.distributed.weight_transfer.verification.fence import (
     WeightsFencedError,
     WeightState,
     is_fenced_version,
 )
-from vllm.distributed.weight_transfer.publication import (
+from vllm.distributed.weight_transfer.verification.publication import (
+    TrainerPublication,
+    WorkerPublication,
+)
+from vllm.distributed.weight_transfer.verification.wire import (
     ChecksumMismatch,
     IncompleteUpdate,
     ManifestMismatch,
-)
-from vllm.distributed.weight_transfer.verified_sync import (
-    TrainerPublication,
-    WorkerPublication,
 )
 
 

@@ -47,13 +47,31 @@ from typing import Any
 
 import torch
 
-from vllm.distributed.weight_transfer.checksum import ALGORITHM, payload_checksum
-from vllm.distributed.weight_transfer.fencing import (
+# The module, not SyncRecord: sync_metrics imports this package, so when it is
+# imported first it is only half-initialized here.
+from vllm.distributed.weight_transfer import sync_metrics
+from vllm.distributed.weight_transfer.verification.checks import (
+    Delivery,
+    ManifestChecker,
+    VerifiedPublication,
+    verify_receipts,
+)
+from vllm.distributed.weight_transfer.verification.checksum import (
+    ALGORITHM,
+    payload_checksum,
+)
+from vllm.distributed.weight_transfer.verification.fence import (
     WeightFence,
     fenced_version,
     set_served_version,
 )
-from vllm.distributed.weight_transfer.publication import (
+from vllm.distributed.weight_transfer.verification.receipts import (
+    DEFAULT_RECEIPT_TIMEOUT_S,
+    ReceiptInbox,
+    ShmReceiptBox,
+    sink_for,
+)
+from vllm.distributed.weight_transfer.verification.wire import (
     ChecksumMismatch,
     Manifest,
     ManifestMismatch,
@@ -65,19 +83,6 @@ from vllm.distributed.weight_transfer.publication import (
     attach_publication,
     describe_error,
     pop_publication,
-)
-from vllm.distributed.weight_transfer.receipts import (
-    DEFAULT_RECEIPT_TIMEOUT_S,
-    ReceiptInbox,
-    ShmReceiptBox,
-    sink_for,
-)
-from vllm.distributed.weight_transfer.sync_metrics import SyncRecord
-from vllm.distributed.weight_transfer.verification import (
-    Delivery,
-    ManifestChecker,
-    VerifiedPublication,
-    verify_receipts,
 )
 from vllm.logger import init_logger
 
@@ -126,7 +131,7 @@ class TrainerPublication:
         self.header = header
         self.box = box
         self.inbox = inbox
-        self.record = SyncRecord(backend=header.backend, side="trainer")
+        self.record = sync_metrics.SyncRecord(backend=header.backend, side="trainer")
         self.record.bind(header)
         self.record.nbytes = header.payload_bytes
         self._sent_manifest = False
@@ -303,7 +308,7 @@ class WorkerPublication:
         self._producer_call = producer_call
         self.header: PublicationHeader | None = None
         self.checker: ManifestChecker | None = None
-        self.record: SyncRecord | None = None
+        self.record: sync_metrics.SyncRecord | None = None
         # The payload checksums of the message being received, by buffer.
         self.message_checksums: list[str] | None = None
 
@@ -311,7 +316,7 @@ class WorkerPublication:
         self.fence.start()
         self.header = None
         self.checker = None
-        self.record = SyncRecord(
+        self.record = sync_metrics.SyncRecord(
             backend=self.backend, side=f"worker {self.worker_rank}"
         )
 

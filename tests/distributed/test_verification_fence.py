@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm.distributed.weight_transfer.base import ParamMeta
-from vllm.distributed.weight_transfer.fencing import (
+from vllm.distributed.weight_transfer.verification.fence import (
     WeightFence,
     WeightsFencedError,
     WeightState,
@@ -17,7 +17,10 @@ from vllm.distributed.weight_transfer.fencing import (
     set_served_version,
     version_ceiling,
 )
-from vllm.distributed.weight_transfer.publication import Manifest, PublicationHeader
+from vllm.distributed.weight_transfer.verification.wire import (
+    Manifest,
+    PublicationHeader,
+)
 
 MANIFEST = Manifest.from_params([ParamMeta("w", torch.float32, (2,))])
 

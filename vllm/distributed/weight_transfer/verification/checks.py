@@ -6,7 +6,7 @@ Worker side: ``ManifestChecker`` admits every arriving tensor or slice against
 the publication's manifest before it touches a weight, counts what landed and
 writes the ``Receipt`` at finish. Trainer side: ``verify_receipts`` accepts a
 publication only when every expected worker attests all of it. The data types
-live in ``publication``.
+live in ``wire``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from vllm.distributed.weight_transfer.publication import (
+from vllm.distributed.weight_transfer.verification.wire import (
     ChecksumMismatch,
     IncompleteUpdate,
     Manifest,
@@ -26,11 +26,10 @@ from vllm.distributed.weight_transfer.publication import (
     PublicationHeader,
     Receipt,
     ReceiptError,
-    check_int,
     coverage_digest,
-    dtype_name,
     some_names,
 )
+from vllm.distributed.weight_transfer.wire_fields import check_int, dtype_name
 
 Delivery = Literal["full", "sliced"]
 

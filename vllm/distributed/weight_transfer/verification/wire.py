@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Verified publication: what a weight update claims, and what workers attest.
+"""The wire data of a publication: what an update claims, what workers attest.
 
 A *publication* is one weight update (one ``start -> update* -> finish``). The
 trainer describes it with a ``PublicationHeader`` that travels in every update
@@ -9,13 +9,13 @@ against the header's ``Manifest`` with a ``ManifestChecker`` before any weight
 is touched, and attests at finish with a ``Receipt``. The trainer accepts the
 update, and only then makes its version visible, when ``verify_receipts``
 passes for every worker. The checker and ``verify_receipts`` live in
-``verification``; fencing after a failure in ``fencing``.
+``checks``; fencing after a failure in ``fence``.
 
 Everything here is plain data: frozen dataclasses validated in
 ``__post_init__``, with ``to_dict``/``from_dict`` to plain JSON. Backends
 decide how headers and receipts travel (see ``receipts``).
 
-Lifecycle (the building blocks; ``verified_sync`` bundles them per side, and
+Lifecycle (the building blocks; ``publication`` bundles them per side, and
 ``docs/training/weight_transfer/verification.md`` wires them per backend)::
 
     trainer                                 worker
@@ -364,7 +364,7 @@ class PublicationHeader:
                 f"update carries the whole manifest ({self.manifest_bytes} bytes)"
             )
         if self.checksum is not None:
-            from vllm.distributed.weight_transfer.checksum import ALGORITHM
+            from vllm.distributed.weight_transfer.verification.checksum import ALGORITHM
 
             if self.checksum != ALGORITHM:
                 raise ValueError(

@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.weight_transfer.publication import (
+from vllm.distributed.weight_transfer.verification.wire import (
     PublicationHeader,
     describe_error,
 )

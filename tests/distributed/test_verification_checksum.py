@@ -5,7 +5,7 @@
 import pytest
 import torch
 
-from vllm.distributed.weight_transfer.checksum import (
+from vllm.distributed.weight_transfer.verification.checksum import (
     payload_checksum,
     tensor_checksum,
 )
