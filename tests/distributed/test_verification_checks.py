@@ -107,15 +107,6 @@ def test_incomplete_full_update_has_no_receipt():
         checker.receipt(0, "cpu:host:0")
 
 
-def test_partial_update_attests_what_landed():
-    checker = ManifestChecker(header(scope="partial", payload_bytes=16), manifest())
-    checker.admit("layers.1.w", torch.float32, (4,))
-    checker.landed("layers.1.w", 16)
-    r = checker.receipt(0, "cpu:host:0")
-    assert not r.complete and r.bytes_landed == 16
-    assert r.coverage == coverage_digest([("layers.1.w", 16)])
-
-
 def test_sliced_plan_tracks_bytes_per_name():
     h = header()
     plan = {"embed.weight": 32, "layers.0.w": 32}
@@ -178,15 +169,13 @@ def test_verify_rejects_a_receipt_of_another_publication():
 
 
 def test_verify_rejects_short_full_delivery_and_reports_worker_errors():
-    h = header(scope="partial", payload_bytes=16)
-    checker = ManifestChecker(h, manifest())
+    full = header()
+    # A worker that was planned one tensor: complete by its own plan, short of
+    # the full delivery the trainer expects.
+    checker = ManifestChecker(full, manifest(), expected={"layers.1.w": 16})
     checker.admit("layers.1.w", torch.float32, (4,))
     checker.landed("layers.1.w", 16)
-    partial = checker.receipt(0, "cpu:host:0")
-    full = header()
-    short = Receipt.from_dict(
-        {**partial.to_dict(), "publication_id": full.publication_id, "scope": "full"}
-    )
+    short = checker.receipt(0, "cpu:host:0")
     failed = Receipt.failure(full, 1, "cpu:host:1", "boom")
     with pytest.raises(ReceiptError) as e:
         verify_receipts(full, [short, failed], expected_workers=[0, 1])
@@ -194,17 +183,17 @@ def test_verify_rejects_short_full_delivery_and_reports_worker_errors():
     assert "worker 1 (cpu:host:1) failed: boom" in str(e.value)
 
 
-def test_verify_partial_pins_what_was_sent():
-    h = header(scope="partial", payload_bytes=16)
-    checker = ManifestChecker(h, manifest())
-    checker.admit("layers.1.w", torch.float32, (4,))
+def test_verify_sliced_coverage_pins_what_was_sent():
+    h = header()
+    checker = ManifestChecker(h, manifest(), expected={"layers.1.w": 16})
+    checker.admit_slice("layers.1.w", torch.float32, 16)
     checker.landed("layers.1.w", 16)
     r = checker.receipt(0, "cpu:host:0")
-    verify_receipts(
-        h, [r], [0], expected_coverage=coverage_digest([("layers.1.w", 16)])
-    )
+    sent = coverage_digest([("layers.1.w", 16)])
+    verify_receipts(h, [r], [0], delivery="sliced", expected_coverage=sent)
+    other = coverage_digest([("a", 1)])
     with pytest.raises(ReceiptError, match="coverage digest differs"):
-        verify_receipts(h, [r], [0], expected_coverage=coverage_digest([("a", 1)]))
+        verify_receipts(h, [r], [0], delivery="sliced", expected_coverage=other)
 
 
 def test_verify_requires_checksums_when_they_were_sent():

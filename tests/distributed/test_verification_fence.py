@@ -25,14 +25,12 @@ from vllm.distributed.weight_transfer.verification.wire import (
 MANIFEST = Manifest.from_params([ParamMeta("w", torch.float32, (2,))])
 
 
-def header(version: int = 1, scope: str = "full") -> PublicationHeader:
+def header(version: int = 1) -> PublicationHeader:
     return PublicationHeader.create(
         backend="ipc",
         model_version=version,
         manifest=MANIFEST,
         trainer_devices=["cpu:h:0"],
-        scope=scope,  # type: ignore[arg-type]
-        payload_bytes=8,
     )
 
 
@@ -80,16 +78,6 @@ def test_full_resync_clears_the_fence():
     fence.touch()
     fence.finish()
     assert fence.state == WeightState.COMMITTED and not fence.status.resync_required
-
-
-def test_partial_update_cannot_clear_the_fence():
-    fence = committed_fence()
-    fence.start()
-    fence.touch()
-    fence.fail("boom")
-    fence.start()
-    with pytest.raises(WeightsFencedError, match="is partial and cannot clear"):
-        fence.bind(header(2, scope="partial"))
 
 
 def test_update_without_header_cannot_clear_the_fence():

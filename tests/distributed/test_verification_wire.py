@@ -16,6 +16,7 @@ from vllm.distributed.weight_transfer.verification.wire import (
     ManifestEntry,
     ManifestMismatch,
     PublicationHeader,
+    Receipt,
     attach_publication,
     describe_error,
     pop_publication,
@@ -117,6 +118,7 @@ def test_header_rejects_manifest_it_does_not_announce():
         ({"model_version": -1}, "model_version must be an integer >= 0"),
         ({"trainer_devices": ["a", "b"]}, "has 2 entries but trainer_world_size is 1"),
         ({"scope": "most"}, "scope is 'most'"),
+        ({"scope": "partial"}, "scope is 'partial'; this vLLM accepts only 'full'"),
         ({"checksum": "md5"}, "checksum is 'md5'"),
         ({"receipt_channel": "shm"}, "receipt_dir must be set exactly when"),
         ({"publication_id": "x"}, "publication_id 'x'"),
@@ -137,6 +139,13 @@ def test_header_ids_with_a_trailing_newline_are_refused(field):
     d[field] += "\n"
     with pytest.raises(ValueError, match=field):
         PublicationHeader.from_dict(d)
+
+
+def test_a_receipt_of_another_scope_is_refused():
+    d = Receipt.failure(header(), 0, "cpu:host:0", "boom").to_dict()
+    d["scope"] = "partial"
+    with pytest.raises(ValueError, match="receipt.scope is 'partial'; expected 'full'"):
+        Receipt.from_dict(d)
 
 
 def test_attach_and_pop_leave_the_backend_payload_unchanged():

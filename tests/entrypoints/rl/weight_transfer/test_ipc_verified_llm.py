@@ -68,7 +68,6 @@ from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 from vllm.distributed.weight_transfer.verification import (
     Manifest,
     PublicationHeader,
-    attach_publication,
     is_fenced_version,
 )
 
@@ -228,7 +227,8 @@ def test_worker_failing_mid_update_fences_until_a_full_resync(rig):
     status = rig.fence()
     assert status["state"] == "fenced" and INJECTED_FAILURE in status["reason"]
 
-    # A partial publication cannot clear the fence: update_weights refuses it.
+    # A publication announcing anything but the full scope is refused at parse
+    # and cannot clear the fence.
     header = PublicationHeader.create(
         backend="ipc",
         model_version=time.time_ns() // 1000 + 1_000_000,  # newer than any
@@ -236,13 +236,12 @@ def test_worker_failing_mid_update_fences_until_a_full_resync(rig):
             [ParamMeta("lm_head.weight", torch.float32, (1,))]
         ),
         trainer_devices=["cpu:test:0"],
-        scope="partial",
     )
+    partial = {**header.to_dict(), "scope": "partial"}
     rig.llm.start_weight_update()
-    with pytest.raises(Exception, match=RESYNC):
-        rig.llm.update_weights(
-            {"update_info": attach_publication({"names": []}, header)}
-        )
+    with pytest.raises(Exception, match="scope is 'partial'"):
+        rig.llm.update_weights({"update_info": {"names": [], "publication": partial}})
+    assert rig.fence()["state"] == "fenced"
     # Nor can a finish without a single verified tensor.
     rig.llm.start_weight_update()
     with pytest.raises(Exception, match=RESYNC):

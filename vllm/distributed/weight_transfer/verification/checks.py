@@ -44,8 +44,8 @@ class ManifestChecker:
     Call ``admit`` (whole tensors) or ``admit_slice`` (part of a tensor) before
     the bytes touch a weight; both raise ``ManifestMismatch`` naming the tensor
     and the disagreement. Call ``landed`` once the bytes are in place. At
-    finish, ``receipt`` attests what landed; for a full-scope publication it
-    raises ``IncompleteUpdate`` if anything promised is missing.
+    finish, ``receipt`` attests what landed; it raises ``IncompleteUpdate`` if
+    anything promised is missing.
 
     ``expected`` maps each tensor name this worker must receive to the bytes it
     receives of it (slice bytes as planned: a plan may read a tensor more than
@@ -194,9 +194,9 @@ class ManifestChecker:
         worker_device: str,
         timings: Mapping[str, float] | None = None,
     ) -> Receipt:
-        """Attest what landed; ``IncompleteUpdate`` if a full update is short."""
+        """Attest what landed; ``IncompleteUpdate`` if anything is missing."""
         missing = self.missing()
-        if missing and self.header.scope == "full":
+        if missing:
             raise IncompleteUpdate(
                 f"publication {self.header.publication_id} finished on worker "
                 f"{worker_rank} with {len(missing)} of {len(self.expected)} "
@@ -250,12 +250,10 @@ def verify_receipts(
     ``delivery="sliced"``: each worker received its planned share, so each
     receipt must be ``complete`` against its own plan; pass
     ``expected_coverage`` (one digest for all, or per rank) to also pin which
-    tensors and byte counts landed. For ``scope="partial"`` pass the coverage of
-    what was sent (``coverage_digest``); completeness against the manifest is
-    not required. ``expected_workers`` is the set of worker ranks (one
-    engine), or the number of distinct workers (several engines, whose ranks
-    repeat; workers are then told apart by ``(rank, device)``). Raises
-    ``ReceiptError`` listing every problem found.
+    tensors and byte counts landed. ``expected_workers`` is the set of worker
+    ranks (one engine), or the number of distinct workers (several engines,
+    whose ranks repeat; workers are then told apart by ``(rank, device)``).
+    Raises ``ReceiptError`` listing every problem found.
     """
     problems: list[str] = []
     by_key, checked, workers = _match_workers(receipts, expected_workers, problems)
@@ -351,11 +349,9 @@ def _receipt_problems(
             f"{who} checked against manifest {r.manifest_digest[:16]}…, not "
             f"{header.manifest_digest[:16]}…"
         )
-    if r.scope != header.scope:
-        problems.append(f"{who} reports scope {r.scope!r}, not {header.scope!r}")
     if header.checksum is not None and r.checksums_verified == 0:
         problems.append(f"{who} verified no checksums though they were sent")
-    if header.scope == "full" and delivery == "full":
+    if delivery == "full":
         if (
             r.tensors_landed != header.manifest_count
             or r.bytes_landed != header.manifest_bytes
@@ -367,7 +363,7 @@ def _receipt_problems(
             )
         if coverage is None and header.manifest is not None:
             coverage = header.manifest.full_coverage_digest()
-    elif header.scope == "full" and not r.complete:
+    elif not r.complete:
         problems.append(
             f"{who} is incomplete: {r.bytes_landed} of {r.expected_bytes} "
             "planned bytes landed"

@@ -15,10 +15,9 @@ its first byte landed cannot be rolled back: the model now mixes two versions.
 * ``start`` is always allowed: it is how a resync begins.
 * While fenced, ``update_weights`` and ``finish_weight_update`` raise
   ``WeightsFencedError`` with the reason and what to do.
-* A resync clears the fence only if it is a full-scope publication that
-  finishes with a complete receipt; a partial publication cannot repair
-  weights it does not carry, and an update without a publication header
-  (a hand-built payload) cannot prove it is complete.
+* A resync clears the fence only if it is a publication that finishes with a
+  complete receipt; an update without a publication header (a hand-built
+  payload) cannot prove it is complete.
 * A failure before any weight was touched (a rejected header or manifest)
   leaves the weights intact: the update is closed and the state returns to what
   it was, with the failure remembered in ``status.last_failure``.
@@ -201,12 +200,6 @@ class WeightFence:
                 f"publication {header.publication_id} carries model version "
                 f"{header.model_version}, older than the committed version "
                 f"{self._committed_version}; versions never go backwards"
-            )
-        if self._resync_required and header.scope != "full":
-            raise WeightsFencedError(
-                fenced_message(self._reason or "unknown")
-                + f"; publication {header.publication_id} is partial and cannot "
-                "clear the fence"
             )
         self._header = header
 

@@ -58,7 +58,9 @@ from vllm.distributed.weight_transfer.wire_fields import (
 PUBLICATION_FIELD = "publication"
 CHECKSUMS_FIELD = "payload_checksums"
 MANIFEST_FORMAT = 1
-Scope = Literal["full", "partial"]
+# Every publication sends every manifest tensor. The field stays on the wire
+# and is checked, so a sender that announces anything else is refused.
+Scope = Literal["full"]
 ReceiptChannelKind = Literal["shm", "producer", "none"]
 
 # Matched with fullmatch: ``$`` would accept a trailing newline.
@@ -307,8 +309,8 @@ class PublicationHeader:
 
     ``manifest`` (the entries) rides at least on the first message; later
     messages may carry only the digest, counts and bytes. ``payload_bytes`` is
-    the tensor bytes the publication carries, each tensor counted once (the
-    manifest's bytes for a full update). ``receipt_dir`` is set iff
+    the tensor bytes the publication carries, each tensor counted once: the
+    manifest's bytes, as every publication is full. ``receipt_dir`` is set iff
     ``receipt_channel == "shm"``.
     """
 
@@ -354,11 +356,12 @@ class PublicationHeader:
                 f"publication.trainer_devices has {len(self.trainer_devices)} "
                 f"entries but trainer_world_size is {self.trainer_world_size}"
             )
-        if self.scope not in ("full", "partial"):
+        if self.scope != "full":
             raise ValueError(
-                f"publication.scope is {self.scope!r}; expected 'full' or 'partial'"
+                f"publication.scope is {self.scope!r}; this vLLM accepts only "
+                "'full' (every manifest tensor is sent)"
             )
-        if self.scope == "full" and self.payload_bytes != self.manifest_bytes:
+        if self.payload_bytes != self.manifest_bytes:
             raise ValueError(
                 f"publication.payload_bytes is {self.payload_bytes} but a full "
                 f"update carries the whole manifest ({self.manifest_bytes} bytes)"
@@ -394,8 +397,6 @@ class PublicationHeader:
         model_version: int,
         manifest: Manifest,
         trainer_devices: Sequence[str],
-        scope: Scope = "full",
-        payload_bytes: int | None = None,
         checksum: str | None = None,
         receipt_channel: ReceiptChannelKind = "none",
         receipt_dir: str | None = None,
@@ -409,12 +410,9 @@ class PublicationHeader:
             manifest_digest=manifest.digest,
             manifest_count=manifest.count,
             manifest_bytes=manifest.total_bytes,
-            payload_bytes=(
-                manifest.total_bytes if payload_bytes is None else payload_bytes
-            ),
+            payload_bytes=manifest.total_bytes,
             trainer_world_size=len(trainer_devices),
             trainer_devices=tuple(trainer_devices),
-            scope=scope,
             checksum=checksum,
             receipt_channel=receipt_channel,
             receipt_dir=receipt_dir,
@@ -581,8 +579,8 @@ class Receipt:
         check_int(self.worker_rank, "receipt.worker_rank")
         _check_str(self.worker_device, "receipt.worker_device")
         _check_digest(self.manifest_digest, "receipt.manifest_digest")
-        if self.scope not in ("full", "partial"):
-            raise ValueError(f"receipt.scope is {self.scope!r}")
+        if self.scope != "full":
+            raise ValueError(f"receipt.scope is {self.scope!r}; expected 'full'")
         check_int(self.tensors_landed, "receipt.tensors_landed")
         check_int(self.bytes_landed, "receipt.bytes_landed")
         check_int(self.expected_bytes, "receipt.expected_bytes")
