@@ -232,7 +232,46 @@ class ShardedRDTWeightTransferEngine(
         )
         if transport_name == "rdt":
             check_ray_rdt_version()
+        started = time.perf_counter()
+        consumer_id, metas, plan, pulls = self._plan_consumer(init_info)
 
+        # Every check so far is pure: an init they refuse leaves the previous
+        # one serving syncs. From here on the old links give way to new ones.
+        self._release()
+        transport, links, buffers, size = self._connect(
+            init_info, transport_name, consumer_id, pulls
+        )
+        self.consumer_id = consumer_id
+        self.pub.worker_rank = consumer_id
+        self.manifest = Manifest.from_params(metas)
+        self.expected = planned_bytes(pulls)
+        self.transport_name = transport_name
+        self.stall_timeout_s = init_info.stall_timeout_s
+        self.plan = plan
+        self.pulls = pulls
+        self._transport = transport
+        self._links = links
+        self._buffers = buffers
+        self._lander = ChunkLander(self.model, plan, pulls)
+        logger.info(
+            "sharded_rdt consumer %d: %s transport, %d chunks from %d producers, "
+            "%d bytes per sync, %d receive buffers of %d bytes; ready in %.2f s",
+            consumer_id,
+            transport_name,
+            len(pulls.chunks),
+            len(links),
+            pulls.payload_bytes,
+            len(buffers),
+            size,
+            time.perf_counter() - started,
+        )
+
+    def _plan_consumer(
+        self, init_info: ShardedRDTWeightTransferInitInfo
+    ) -> tuple[int, list[ParamMeta], WorkerPlan, PullPlan]:
+        """This worker's consumer id, the trainer's tensors, the baked plan
+        and the pull plan; touches nothing but the plan's own recording."""
+        parallel = self.parallel_config
         num_consumers = init_info.num_consumers or parallel.world_size_across_dp
         num_replicas = max(1, init_info.num_replicas)
         workers_per_replica = max(1, num_consumers // num_replicas)
@@ -255,7 +294,6 @@ class ShardedRDTWeightTransferEngine(
         check_manifest_dtypes(
             Manifest.from_params(metas), kinds, "(init_weight_transfer_engine)"
         )
-        started = time.perf_counter()
         plan = bake_worker_plan(
             self.model,
             metas,
@@ -278,11 +316,18 @@ class ShardedRDTWeightTransferEngine(
             group_lens=init_info.group_lens,
             workers_per_replica=workers_per_replica if num_replicas > 1 else 0,
         )
-        pulls = build_pull_plan(plan, router, consumer_id)
+        return consumer_id, metas, plan, build_pull_plan(plan, router, consumer_id)
 
-        # Every check above is pure: an init they refuse leaves the previous
-        # one serving syncs. From here on the old links give way to new ones.
-        self._release()
+    def _connect(
+        self,
+        init_info: ShardedRDTWeightTransferInitInfo,
+        transport_name: str,
+        consumer_id: int,
+        pulls: PullPlan,
+    ) -> tuple[ConsumerTransport, list[ProducerLink], list[torch.Tensor], int]:
+        """Links to every producer, each told which chunks this consumer
+        pulls, and the receive buffers; on any failure everything opened here
+        is closed again."""
         transport = make_consumer_transport(transport_name, init_info, consumer_id)
         endpoints: list[Any] = (
             list(init_info.trainer_actor_names)
@@ -310,30 +355,7 @@ class ShardedRDTWeightTransferEngine(
                 link.close()
             transport.close()
             raise
-        self.consumer_id = consumer_id
-        self.pub.worker_rank = consumer_id
-        self.manifest = Manifest.from_params(metas)
-        self.expected = planned_bytes(pulls)
-        self.transport_name = transport_name
-        self.stall_timeout_s = init_info.stall_timeout_s
-        self.plan = plan
-        self.pulls = pulls
-        self._transport = transport
-        self._links = links
-        self._buffers = buffers
-        self._lander = ChunkLander(self.model, plan, pulls)
-        logger.info(
-            "sharded_rdt consumer %d: %s transport, %d chunks from %d producers, "
-            "%d bytes per sync, %d receive buffers of %d bytes; ready in %.2f s",
-            consumer_id,
-            transport_name,
-            len(pulls.chunks),
-            len(endpoints),
-            pulls.payload_bytes,
-            len(buffers),
-            size,
-            time.perf_counter() - started,
-        )
+        return transport, links, buffers, size
 
     # -- updates -------------------------------------------------------------
 
