@@ -1,0 +1,479 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""A sharded_rdt plan compiled into byte runs: the one-copy data plane's table.
+
+A `WorkerPlan` says which slice of which trainer tensor lands in which region of
+which worker tensor. When every slice is a strided view of its source and the
+region has the slice's dtype, landing the plan is a pure byte move: each byte the
+worker keeps is read once from the trainer's tensor and written once into its
+place. `compile_copy_table` turns the plan into that move, written as plain
+integer arrays:
+
+    entry i: rows[i] rows of nbytes[i] contiguous bytes each;
+             row r reads  sources[src[i]] at byte src_offset[i] + r * src_pitch[i]
+             and writes   dests[dst[i]]   at byte dst_offset[i] + r * dst_pitch[i]
+
+One entry is one "2D run"; ``rows == 1`` is a plain contiguous run. A slice with
+contiguous rows (a column slice of a TP-sharded matrix, say) is one entry with
+one row per matrix row, so a plan of tens of thousands of copies stays a table of
+tens of thousands of entries even when it has millions of rows. Runs that
+continue each other (same tensors, adjacent bytes on both sides) are merged.
+
+What is not a byte move is not guessed at. A copy goes to ``fallback``, by
+position in ``plan.copies`` and by name, when
+
+* its op chain is not a strided view of the source (an op that had to copy,
+  such as a ``reshape`` of a non-viewable layout);
+* its slice's dtype differs from its region's (the loader's ``copy_`` casts);
+* its slice and region shapes differ other than by size-1 dimensions;
+* its destination bytes overlap another copy's in the same tensor (the plan's
+  order decides who wins there; a batched copy has no order). Then every copy
+  into that tensor falls back, so table and fallback never write the same
+  bytes and can run in either order.
+
+``contiguous`` in a chain keeps the logical element order, so it is skipped.
+
+The table knows source tensors by checkpoint name (geometry from the caller's
+metadata: the plan records slice shapes, not source shapes) and destination
+tensors by region qualname, sized to cover every region that lands in them.
+Sources are taken to be contiguous in their recorded shape. Executing the table
+on real tensors is `copy_table_exec`'s job; this module does no I/O and touches
+no tensor data (chains are replayed on meta tensors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm.distributed.weight_transfer.sharded_rdt_ops import (
+    SliceSpec,
+    dtype_from_name,
+    dtype_name,
+)
+from vllm.distributed.weight_transfer.sharded_rdt_plan import Region, WorkerPlan
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor the table reads or writes. For a source, ``shape`` is its
+    checkpoint shape; for a destination, ``(numel,)`` with the fewest elements
+    that hold every region written into it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_from_name(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class FallbackCopy:
+    """A copy of the plan the table leaves to the ordinary path."""
+
+    index: int  # position in plan.copies
+    source: str
+    region: str
+    reason: str
+
+    def describe(self) -> str:
+        return f"copy {self.index}: {self.source!r} -> {self.region}: {self.reason}"
+
+
+_FIELDS = (
+    "src",
+    "src_offset",
+    "dst",
+    "dst_offset",
+    "nbytes",
+    "rows",
+    "src_pitch",
+    "dst_pitch",
+)
+
+
+@dataclass(frozen=True, eq=False)
+class CopyTable:
+    """See the module docstring. Every array has one element per entry; offsets,
+    sizes and pitches are in bytes."""
+
+    sources: tuple[TensorSpec, ...]
+    dests: tuple[TensorSpec, ...]
+    src: np.ndarray
+    src_offset: np.ndarray
+    dst: np.ndarray
+    dst_offset: np.ndarray
+    nbytes: np.ndarray
+    rows: np.ndarray
+    src_pitch: np.ndarray
+    dst_pitch: np.ndarray
+    fallback: tuple[FallbackCopy, ...] = ()
+    copies: int = 0  # plan copies the table carries
+
+    @property
+    def entries(self) -> int:
+        return int(self.src.shape[0])
+
+    @property
+    def runs(self) -> int:
+        """Contiguous byte runs (rows summed over entries)."""
+        return int(self.rows.sum())
+
+    @property
+    def total_bytes(self) -> int:
+        return int((self.nbytes * self.rows).sum())
+
+    def alignment(self) -> int:
+        """Largest power of two (at most 16) dividing every offset, size and
+        pitch of the table: the widest word an executor may move."""
+        if self.entries == 0:
+            return 16
+        acc = np.bitwise_or.reduce(
+            np.concatenate(
+                [
+                    self.src_offset,
+                    self.dst_offset,
+                    self.nbytes,
+                    self.src_pitch,
+                    self.dst_pitch,
+                    np.array([16], dtype=np.int64),
+                ]
+            )
+        )
+        return int(acc & -acc)
+
+    def flat_runs(self) -> dict[str, np.ndarray]:
+        """Every row as a run of its own: arrays ``src``, ``src_offset``,
+        ``dst``, ``dst_offset``, ``nbytes``. Sized by `runs`; for tests and
+        small tables."""
+        rows = self.rows
+        entry = np.repeat(np.arange(self.entries), rows)
+        starts = np.cumsum(rows) - rows
+        r = np.arange(int(rows.sum()), dtype=np.int64) - np.repeat(starts, rows)
+        return {
+            "src": self.src[entry],
+            "src_offset": self.src_offset[entry] + r * self.src_pitch[entry],
+            "dst": self.dst[entry],
+            "dst_offset": self.dst_offset[entry] + r * self.dst_pitch[entry],
+            "nbytes": self.nbytes[entry],
+        }
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "copies": self.copies,
+            "entries": self.entries,
+            "runs": self.runs,
+            "bytes": self.total_bytes,
+            "sources": len(self.sources),
+            "dests": len(self.dests),
+            "alignment": self.alignment(),
+            "fallback": len(self.fallback),
+        }
+
+
+class _NotAView(Exception):
+    pass
+
+
+def _strided_geometry(
+    shape: tuple[int, ...], dtype: torch.dtype, spec: SliceSpec
+) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """(element offset, shape, stride) of ``spec``'s slice inside a contiguous
+    source of ``shape``: the chain replayed on a meta tensor, refusing any op
+    whose result is not a view of the source."""
+    root = torch.empty(shape, dtype=dtype, device="meta")
+    out = root
+    for op in spec.chain:
+        if op.name == "contiguous":
+            continue  # same elements in the same logical order
+        out = op.apply(out)
+        if out is not root and out._base is not root:
+            raise _NotAView(f"{op} is not a view of the source here")
+    if tuple(out.shape) != spec.shape:
+        raise ValueError(
+            f"replaying {spec.describe()} on {tuple(shape)} gives shape "
+            f"{tuple(out.shape)}, but the plan expects {spec.shape}; the source "
+            "metadata does not match the one the plan was baked from"
+        )
+    return int(out.storage_offset()), tuple(out.shape), tuple(out.stride())
+
+
+def _runs_of(
+    src_offset: int,
+    src_stride: Sequence[int],
+    dst_offset: int,
+    dst_stride: Sequence[int],
+    shape: Sequence[int],
+    itemsize: int,
+) -> list[tuple[int, int, int, int, int, int]]:
+    """2D runs (src_off, dst_off, nbytes, rows, src_pitch, dst_pitch), all in
+    bytes, moving a strided source onto a strided destination of one logical
+    shape, in row-major order. Size-1 dims are dropped first."""
+    dims = [
+        (n, a, b)
+        for n, a, b in zip(shape, src_stride, dst_stride, strict=True)
+        if n != 1
+    ]
+    if any(n == 0 for n, _, _ in dims):
+        return []
+    # Merge a dim into the one before it where both sides continue contiguously.
+    merged: list[list[int]] = []
+    for n, a, b in dims:
+        if merged:
+            pn, pa, pb = merged[-1]
+            if pa == n * a and pb == n * b:
+                merged[-1] = [pn * n, a, b]
+                continue
+        merged.append([n, a, b])
+    if merged and merged[-1][1] == 1 and merged[-1][2] == 1:
+        inner = merged.pop()[0]
+    else:
+        inner = 1  # no contiguous row: every element is its own run
+    row = inner * itemsize
+    if not merged:
+        return [(src_offset * itemsize, dst_offset * itemsize, row, 1, row, row)]
+    n_rows, a_row, b_row = merged[-1]
+    outer = merged[:-1]
+    a_base = np.zeros(1, dtype=np.int64) + src_offset
+    b_base = np.zeros(1, dtype=np.int64) + dst_offset
+    for n, a, b in outer:
+        step = np.arange(n, dtype=np.int64)
+        a_base = (a_base[:, None] + step[None, :] * a).reshape(-1)
+        b_base = (b_base[:, None] + step[None, :] * b).reshape(-1)
+    return [
+        (
+            int(sa) * itemsize,
+            int(sb) * itemsize,
+            row,
+            n_rows,
+            a_row * itemsize,
+            b_row * itemsize,
+        )
+        for sa, sb in zip(a_base.tolist(), b_base.tolist(), strict=True)
+    ]
+
+
+def _squeezed(shape: Sequence[int]) -> tuple[int, ...]:
+    return tuple(s for s in shape if s != 1)
+
+
+def _region_bounds(region: Region, itemsize: int) -> tuple[int, int]:
+    """[first byte, end byte) the region spans in its tensor."""
+    if region.numel == 0:
+        return region.offset * itemsize, region.offset * itemsize
+    lo = region.offset + sum(
+        (n - 1) * s for n, s in zip(region.shape, region.stride, strict=True) if s < 0
+    )
+    return lo * itemsize, (region.last_element + 1) * itemsize
+
+
+def _overlapping(intervals: list[tuple[int, int, int, int, int, int]]) -> bool:
+    """Whether any two rows of these (dst_off, nbytes, rows, dst_pitch, ...)
+    byte runs share a byte."""
+    starts, ends = [], []
+    for off, nbytes, rows, pitch, _, _ in intervals:
+        r = np.arange(rows, dtype=np.int64) * pitch + off
+        starts.append(r)
+        ends.append(r + nbytes)
+    s = np.concatenate(starts)
+    e = np.concatenate(ends)
+    order = np.argsort(s, kind="stable")
+    s, e = s[order], e[order]
+    return bool(np.any(s[1:] < e[:-1]))
+
+
+def compile_copy_table(
+    plan: WorkerPlan,
+    source_metas: Mapping[str, tuple[Sequence[int], torch.dtype | str]],
+) -> CopyTable:
+    """Compile ``plan`` into a `CopyTable`.
+
+    ``source_metas`` maps each checkpoint name the plan reads to its (shape,
+    dtype), e.g. from the trainer's ``ParamMeta`` list. Sources appear in the
+    table in first-use order, destinations in first-write order.
+    """
+    copies = plan.copies
+    geometry_cache: dict[Any, tuple[int, tuple[int, ...], tuple[int, ...]] | str] = {}
+    source_specs: dict[str, TensorSpec] = {}
+    dst_index: dict[str, int] = {}
+    dst_dtype: list[str] = []
+    dst_end: list[int] = []
+    fallback: dict[int, FallbackCopy] = {}
+    # Per copy that stays: (copy index, src idx, dst idx, runs).
+    planned: list[tuple[int, str, int, list[tuple[int, int, int, int, int, int]]]] = []
+    bounds: dict[int, list[tuple[int, int, int]]] = {}  # dst -> (lo, hi, copy)
+
+    for ci, copy in enumerate(copies):
+        spec, region = copy.slice, copy.region
+        qualname = region.qualname
+        di = dst_index.get(qualname)
+        if di is None:
+            di = dst_index[qualname] = len(dst_dtype)
+            dst_dtype.append(region.dtype)
+            dst_end.append(0)
+        elif dst_dtype[di] != region.dtype:
+            raise ValueError(
+                f"{qualname} is written as {dst_dtype[di]} and as {region.dtype} "
+                "by the same plan"
+            )
+        itemsize = dtype_from_name(region.dtype).itemsize
+        dst_end[di] = max(dst_end[di], (region.last_element + 1) * itemsize)
+        lo, hi = _region_bounds(region, itemsize)
+        if hi > lo:
+            bounds.setdefault(di, []).append((lo, hi, ci))
+
+        def fall(
+            reason: str, ci: int = ci, spec: SliceSpec = spec, qualname: str = qualname
+        ) -> None:
+            fallback[ci] = FallbackCopy(ci, spec.source, qualname, reason)
+
+        if spec.dtype != region.dtype:
+            fall(f"cast {spec.dtype} -> {region.dtype}")
+            continue
+        if _squeezed(spec.shape) != _squeezed(region.shape):
+            fall(f"slice shape {spec.shape} lands in region shape {region.shape}")
+            continue
+        meta = source_metas.get(spec.source)
+        if meta is None:
+            raise KeyError(
+                f"no metadata for source {spec.source!r}; source_metas must "
+                "name every checkpoint tensor the plan reads"
+            )
+        shape = tuple(int(s) for s in meta[0])
+        dtype = dtype_from_name(dtype_name(meta[1]))
+        if dtype_name(dtype) != spec.dtype:
+            raise ValueError(
+                f"source {spec.source!r} is {dtype_name(dtype)} but the plan "
+                f"slices it as {spec.dtype}"
+            )
+        key = (shape, spec.dtype, spec.chain, spec.shape)
+        geometry = geometry_cache.get(key)
+        if geometry is None:
+            try:
+                geometry = _strided_geometry(shape, dtype, spec)
+            except _NotAView as e:
+                geometry = f"op chain is not a strided view: {e}"
+            geometry_cache[key] = geometry
+        if isinstance(geometry, str):
+            fall(geometry)
+            continue
+        s_off, s_shape, s_stride = geometry
+        source_specs[spec.source] = TensorSpec(spec.source, shape, spec.dtype)
+        # Pair the dims of both sides after dropping size-1 dims.
+        s_dims = [(n, a) for n, a in zip(s_shape, s_stride, strict=True) if n != 1]
+        d_dims = [
+            (n, b) for n, b in zip(region.shape, region.stride, strict=True) if n != 1
+        ]
+        runs = _runs_of(
+            s_off,
+            [a for _, a in s_dims],
+            region.offset,
+            [b for _, b in d_dims],
+            [n for n, _ in s_dims],
+            itemsize,
+        )
+        planned.append((ci, spec.source, di, runs))
+
+    # Destination overlaps: bounding boxes first, exact rows only where they meet.
+    overlapped: set[int] = set()
+    for di, boxes in bounds.items():
+        boxes.sort()
+        if all(boxes[k + 1][0] >= boxes[k][1] for k in range(len(boxes) - 1)):
+            continue
+        rows = [
+            (off_d, nb, nr, pd, 0, 0)
+            for ci, _, d, runs in planned
+            if d == di
+            for (_, off_d, nb, nr, _, pd) in runs
+        ]
+        box_copies = {ci for _, _, ci in boxes}
+        # Copies that could not be planned still write bytes: count their boxes.
+        rows += [
+            (lo, hi - lo, 1, 0, 0, 0)
+            for lo, hi, ci in boxes
+            if ci in fallback and ci in box_copies
+        ]
+        if _overlapping(rows):
+            overlapped.add(di)
+    if overlapped:
+        for ci, copy in enumerate(copies):
+            if dst_index[copy.region.qualname] in overlapped and ci not in fallback:
+                fallback[ci] = FallbackCopy(
+                    ci,
+                    copy.slice.source,
+                    copy.region.qualname,
+                    "destination bytes overlap another copy into the same tensor",
+                )
+        planned = [p for p in planned if p[0] not in fallback]
+
+    # Sources the table reads, in first-use order.
+    src_index: dict[str, int] = {}
+    for _, name, _, _ in planned:
+        src_index.setdefault(name, len(src_index))
+    columns: list[list[int]] = [[] for _ in _FIELDS]
+    for _, name, di, runs in planned:
+        si = src_index[name]
+        for s_off_b, d_off_b, nbytes, n_rows, s_pitch, d_pitch in runs:
+            if columns[0]:
+                last = len(columns[0]) - 1
+                p_src, p_soff, p_dst, p_doff, p_nb, p_rows, p_sp, p_dp = (
+                    c[last] for c in columns
+                )
+                if p_src == si and p_dst == di:
+                    # One contiguous run continuing another on both sides.
+                    if (
+                        p_rows == 1
+                        and n_rows == 1
+                        and p_soff + p_nb == s_off_b
+                        and p_doff + p_nb == d_off_b
+                    ):
+                        columns[4][last] = p_nb + nbytes
+                        columns[6][last] = columns[7][last] = p_nb + nbytes
+                        continue
+                    # Further rows of the same 2D run.
+                    if (
+                        p_nb == nbytes
+                        and p_sp == s_pitch
+                        and p_dp == d_pitch
+                        and p_soff + p_rows * p_sp == s_off_b
+                        and p_doff + p_rows * p_dp == d_off_b
+                    ):
+                        columns[5][last] = p_rows + n_rows
+                        continue
+            for col, value in zip(
+                columns,
+                (si, s_off_b, di, d_off_b, nbytes, n_rows, s_pitch, d_pitch),
+                strict=True,
+            ):
+                col.append(value)
+
+    arrays = {
+        name: np.asarray(col, dtype=np.int32 if name in ("src", "dst") else np.int64)
+        for name, col in zip(_FIELDS, columns, strict=True)
+    }
+    dests = tuple(
+        TensorSpec(
+            qualname,
+            (dst_end[di] // dtype_from_name(dst_dtype[di]).itemsize,),
+            dst_dtype[di],
+        )
+        for qualname, di in dst_index.items()
+    )
+    return CopyTable(
+        sources=tuple(source_specs[name] for name in src_index),
+        dests=dests,
+        fallback=tuple(fallback[ci] for ci in sorted(fallback)),
+        copies=len(planned),
+        **arrays,
+    )
