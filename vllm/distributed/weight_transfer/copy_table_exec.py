@@ -51,7 +51,10 @@ from vllm.distributed.weight_transfer.sharded_rdt_ops import (
 from vllm.distributed.weight_transfer.sharded_rdt_plan import WorkerPlan
 
 METHODS = ("triton", "foreach", "loop")
-DEFAULT_TASK_BYTES = 512 * 1024
+# On an H200, 128 KiB tasks reached 92-99.7% of a flat device copy on the
+# baked Qwen3 plans, 1-2 points above 512 KiB and 2 MiB
+# (benchmarks/results/copy_table_h200.json).
+DEFAULT_TASK_BYTES = 128 * 1024
 _TILE_BYTES = 16 * 1024
 _MIN_COLS_BYTES = 64
 _WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
