@@ -293,145 +293,155 @@ def _overlapping(intervals: list[tuple[int, int, int, int, int, int]]) -> bool:
     return bool(np.any(s[1:] < e[:-1]))
 
 
-def compile_copy_table(
-    plan: WorkerPlan,
-    source_metas: Mapping[str, tuple[Sequence[int], torch.dtype | str]],
-) -> CopyTable:
-    """Compile ``plan`` into a `CopyTable`.
+# A contiguous or 2D byte run: (source offset, destination offset, bytes per
+# row, rows, source pitch, destination pitch), all in bytes.
+_Run = tuple[int, int, int, int, int, int]
 
-    ``source_metas`` maps each checkpoint name the plan reads to its (shape,
-    dtype), e.g. from the trainer's ``ParamMeta`` list. Sources appear in the
-    table in first-use order, destinations in first-write order.
-    """
-    copies = plan.copies
-    geometry_cache: dict[Any, tuple[int, tuple[int, ...], tuple[int, ...]] | str] = {}
-    source_specs: dict[str, TensorSpec] = {}
-    dst_index: dict[str, int] = {}
-    dst_dtype: list[str] = []
-    dst_end: list[int] = []
-    fallback: dict[int, FallbackCopy] = {}
-    # Per copy that stays: (copy index, src idx, dst idx, runs).
-    planned: list[tuple[int, str, int, list[tuple[int, int, int, int, int, int]]]] = []
-    bounds: dict[int, list[tuple[int, int, int]]] = {}  # dst -> (lo, hi, copy)
 
-    for ci, copy in enumerate(copies):
-        spec, region = copy.slice, copy.region
-        qualname = region.qualname
-        di = dst_index.get(qualname)
+@dataclass
+class _Planned:
+    """One plan copy that stays in the table, as byte runs."""
+
+    copy_index: int
+    source: str
+    dest: int
+    runs: list[_Run]
+
+
+@dataclass
+class _Destinations:
+    """The tensors the plan writes, in first-write order: dtype, the bytes up
+    to the highest region, and each region's byte bounding box (for the
+    overlap check)."""
+
+    index: dict[str, int]
+    dtypes: list[str]
+    ends: list[int]
+    boxes: dict[int, list[tuple[int, int, int]]]  # dest -> (lo, hi, copy)
+
+    def add(self, copy_index: int, region: Region) -> int:
+        di = self.index.get(region.qualname)
         if di is None:
-            di = dst_index[qualname] = len(dst_dtype)
-            dst_dtype.append(region.dtype)
-            dst_end.append(0)
-        elif dst_dtype[di] != region.dtype:
+            di = self.index[region.qualname] = len(self.dtypes)
+            self.dtypes.append(region.dtype)
+            self.ends.append(0)
+        elif self.dtypes[di] != region.dtype:
             raise ValueError(
-                f"{qualname} is written as {dst_dtype[di]} and as {region.dtype} "
-                "by the same plan"
+                f"{region.qualname} is written as {self.dtypes[di]} and as "
+                f"{region.dtype} by the same plan"
             )
         itemsize = dtype_from_name(region.dtype).itemsize
-        dst_end[di] = max(dst_end[di], (region.last_element + 1) * itemsize)
+        self.ends[di] = max(self.ends[di], (region.last_element + 1) * itemsize)
         lo, hi = _region_bounds(region, itemsize)
         if hi > lo:
-            bounds.setdefault(di, []).append((lo, hi, ci))
+            self.boxes.setdefault(di, []).append((lo, hi, copy_index))
+        return di
 
-        def fall(
-            reason: str, ci: int = ci, spec: SliceSpec = spec, qualname: str = qualname
-        ) -> None:
-            fallback[ci] = FallbackCopy(ci, spec.source, qualname, reason)
-
-        if spec.dtype != region.dtype:
-            fall(f"cast {spec.dtype} -> {region.dtype}")
-            continue
-        if _squeezed(spec.shape) != _squeezed(region.shape):
-            fall(f"slice shape {spec.shape} lands in region shape {region.shape}")
-            continue
-        meta = source_metas.get(spec.source)
-        if meta is None:
-            raise KeyError(
-                f"no metadata for source {spec.source!r}; source_metas must "
-                "name every checkpoint tensor the plan reads"
+    def specs(self) -> tuple[TensorSpec, ...]:
+        return tuple(
+            TensorSpec(
+                qualname,
+                (self.ends[di] // dtype_from_name(self.dtypes[di]).itemsize,),
+                self.dtypes[di],
             )
-        shape = tuple(int(s) for s in meta[0])
-        dtype = dtype_from_name(dtype_name(meta[1]))
-        if dtype_name(dtype) != spec.dtype:
-            raise ValueError(
-                f"source {spec.source!r} is {dtype_name(dtype)} but the plan "
-                f"slices it as {spec.dtype}"
-            )
-        key = (shape, spec.dtype, spec.chain, spec.shape)
-        geometry = geometry_cache.get(key)
-        if geometry is None:
-            try:
-                geometry = _strided_geometry(shape, dtype, spec)
-            except _NotAView as e:
-                geometry = f"op chain is not a strided view: {e}"
-            geometry_cache[key] = geometry
-        if isinstance(geometry, str):
-            fall(geometry)
-            continue
-        s_off, s_shape, s_stride = geometry
-        source_specs[spec.source] = TensorSpec(spec.source, shape, spec.dtype)
-        # Pair the dims of both sides after dropping size-1 dims.
-        s_dims = [(n, a) for n, a in zip(s_shape, s_stride, strict=True) if n != 1]
-        d_dims = [
-            (n, b) for n, b in zip(region.shape, region.stride, strict=True) if n != 1
-        ]
-        runs = _runs_of(
-            s_off,
-            [a for _, a in s_dims],
-            region.offset,
-            [b for _, b in d_dims],
-            [n for n, _ in s_dims],
-            itemsize,
+            for qualname, di in self.index.items()
         )
-        planned.append((ci, spec.source, di, runs))
 
-    # Destination overlaps: bounding boxes first, exact rows only where they meet.
+
+def _source_spec(
+    name: str,
+    source_metas: Mapping[str, tuple[Sequence[int], torch.dtype | str]],
+    sliced_as: str,
+) -> TensorSpec:
+    meta = source_metas.get(name)
+    if meta is None:
+        raise KeyError(
+            f"no metadata for source {name!r}; source_metas must name every "
+            "checkpoint tensor the plan reads"
+        )
+    shape = tuple(int(s) for s in meta[0])
+    # Normalized through torch, so an alias ("half") names its dtype.
+    dtype = dtype_name(dtype_from_name(dtype_name(meta[1])))
+    if dtype != sliced_as:
+        raise ValueError(
+            f"source {name!r} is {dtype} but the plan slices it as {sliced_as}"
+        )
+    return TensorSpec(name, shape, dtype)
+
+
+def _copy_runs(
+    spec: SliceSpec,
+    region: Region,
+    source: TensorSpec,
+    geometry_cache: dict[Any, tuple[int, tuple[int, ...], tuple[int, ...]] | str],
+) -> list[_Run] | str:
+    """The byte runs of one copy whose slice dtype and shape match its region,
+    or why it cannot be a byte copy."""
+    key = (source.shape, spec.dtype, spec.chain, spec.shape)
+    geometry = geometry_cache.get(key)
+    if geometry is None:
+        try:
+            geometry = _strided_geometry(
+                source.shape, dtype_from_name(source.dtype), spec
+            )
+        except _NotAView as e:
+            geometry = f"op chain is not a strided view: {e}"
+        geometry_cache[key] = geometry
+    if isinstance(geometry, str):
+        return geometry
+    s_off, s_shape, s_stride = geometry
+    # Pair the dims of both sides after dropping size-1 dims.
+    s_dims = [(n, a) for n, a in zip(s_shape, s_stride, strict=True) if n != 1]
+    d_strides = [b for n, b in zip(region.shape, region.stride, strict=True) if n != 1]
+    return _runs_of(
+        s_off,
+        [a for _, a in s_dims],
+        region.offset,
+        d_strides,
+        [n for n, _ in s_dims],
+        dtype_from_name(region.dtype).itemsize,
+    )
+
+
+def _overlapping_dests(
+    dests: _Destinations, planned: list[_Planned], fallback: set[int]
+) -> set[int]:
+    """Destinations where two copies write the same bytes: bounding boxes
+    first, exact rows only where boxes meet. Copies that fell back still write
+    their bytes, so their boxes count."""
     overlapped: set[int] = set()
-    for di, boxes in bounds.items():
+    for di, boxes in dests.boxes.items():
         boxes.sort()
         if all(boxes[k + 1][0] >= boxes[k][1] for k in range(len(boxes) - 1)):
             continue
         rows = [
             (off_d, nb, nr, pd, 0, 0)
-            for ci, _, d, runs in planned
-            if d == di
-            for (_, off_d, nb, nr, _, pd) in runs
+            for p in planned
+            if p.dest == di
+            for (_, off_d, nb, nr, _, pd) in p.runs
         ]
-        box_copies = {ci for _, _, ci in boxes}
-        # Copies that could not be planned still write bytes: count their boxes.
-        rows += [
-            (lo, hi - lo, 1, 0, 0, 0)
-            for lo, hi, ci in boxes
-            if ci in fallback and ci in box_copies
-        ]
+        rows += [(lo, hi - lo, 1, 0, 0, 0) for lo, hi, ci in boxes if ci in fallback]
         if _overlapping(rows):
             overlapped.add(di)
-    if overlapped:
-        for ci, copy in enumerate(copies):
-            if dst_index[copy.region.qualname] in overlapped and ci not in fallback:
-                fallback[ci] = FallbackCopy(
-                    ci,
-                    copy.slice.source,
-                    copy.region.qualname,
-                    "destination bytes overlap another copy into the same tensor",
-                )
-        planned = [p for p in planned if p[0] not in fallback]
+    return overlapped
 
-    # Sources the table reads, in first-use order.
-    src_index: dict[str, int] = {}
-    for _, name, _, _ in planned:
-        src_index.setdefault(name, len(src_index))
+
+def _merged_columns(
+    planned: list[_Planned], src_index: Mapping[str, int]
+) -> list[list[int]]:
+    """The table's columns (`_FIELDS` order), merging a run into the previous
+    entry when it continues it: one contiguous run after another on both
+    sides, or further rows of the same 2D run."""
     columns: list[list[int]] = [[] for _ in _FIELDS]
-    for _, name, di, runs in planned:
-        si = src_index[name]
-        for s_off_b, d_off_b, nbytes, n_rows, s_pitch, d_pitch in runs:
+    for p in planned:
+        si, di = src_index[p.source], p.dest
+        for s_off_b, d_off_b, nbytes, n_rows, s_pitch, d_pitch in p.runs:
             if columns[0]:
                 last = len(columns[0]) - 1
                 p_src, p_soff, p_dst, p_doff, p_nb, p_rows, p_sp, p_dp = (
                     c[last] for c in columns
                 )
                 if p_src == si and p_dst == di:
-                    # One contiguous run continuing another on both sides.
                     if (
                         p_rows == 1
                         and n_rows == 1
@@ -441,7 +451,6 @@ def compile_copy_table(
                         columns[4][last] = p_nb + nbytes
                         columns[6][last] = columns[7][last] = p_nb + nbytes
                         continue
-                    # Further rows of the same 2D run.
                     if (
                         p_nb == nbytes
                         and p_sp == s_pitch
@@ -457,22 +466,70 @@ def compile_copy_table(
                 strict=True,
             ):
                 col.append(value)
+    return columns
 
+
+def compile_copy_table(
+    plan: WorkerPlan,
+    source_metas: Mapping[str, tuple[Sequence[int], torch.dtype | str]],
+) -> CopyTable:
+    """Compile ``plan`` into a `CopyTable`.
+
+    ``source_metas`` maps each checkpoint name the plan reads to its (shape,
+    dtype), e.g. from the trainer's ``ParamMeta`` list. Sources appear in the
+    table in first-use order, destinations in first-write order.
+    """
+    copies = plan.copies
+    dests = _Destinations({}, [], [], {})
+    geometry_cache: dict[Any, tuple[int, tuple[int, ...], tuple[int, ...]] | str] = {}
+    source_specs: dict[str, TensorSpec] = {}
+    fallback: dict[int, FallbackCopy] = {}
+    planned: list[_Planned] = []
+
+    for ci, copy in enumerate(copies):
+        spec, region = copy.slice, copy.region
+        di = dests.add(ci, region)
+        if spec.dtype != region.dtype:
+            reason: str | None = f"cast {spec.dtype} -> {region.dtype}"
+        elif _squeezed(spec.shape) != _squeezed(region.shape):
+            reason = f"slice shape {spec.shape} lands in region shape {region.shape}"
+        else:
+            source = _source_spec(spec.source, source_metas, spec.dtype)
+            runs = _copy_runs(spec, region, source, geometry_cache)
+            if isinstance(runs, str):
+                reason = runs
+            else:
+                reason = None
+                source_specs[spec.source] = source
+                planned.append(_Planned(ci, spec.source, di, runs))
+        if reason is not None:
+            fallback[ci] = FallbackCopy(ci, spec.source, region.qualname, reason)
+
+    overlapped = _overlapping_dests(dests, planned, set(fallback))
+    if overlapped:
+        # A batched copy has no order, so every copy into such a tensor lands
+        # the ordinary way, in plan order.
+        for ci, copy in enumerate(copies):
+            if dests.index[copy.region.qualname] in overlapped and ci not in fallback:
+                fallback[ci] = FallbackCopy(
+                    ci,
+                    copy.slice.source,
+                    copy.region.qualname,
+                    "destination bytes overlap another copy into the same tensor",
+                )
+        planned = [p for p in planned if p.copy_index not in fallback]
+
+    src_index: dict[str, int] = {}
+    for p in planned:
+        src_index.setdefault(p.source, len(src_index))
+    columns = _merged_columns(planned, src_index)
     arrays = {
         name: np.asarray(col, dtype=np.int32 if name in ("src", "dst") else np.int64)
         for name, col in zip(_FIELDS, columns, strict=True)
     }
-    dests = tuple(
-        TensorSpec(
-            qualname,
-            (dst_end[di] // dtype_from_name(dst_dtype[di]).itemsize,),
-            dst_dtype[di],
-        )
-        for qualname, di in dst_index.items()
-    )
     return CopyTable(
         sources=tuple(source_specs[name] for name in src_index),
-        dests=dests,
+        dests=dests.specs(),
         fallback=tuple(fallback[ci] for ci in sorted(fallback)),
         copies=len(planned),
         **arrays,
