@@ -18,6 +18,7 @@ from vllm.distributed.weight_transfer.sharded_rdt_bake import (
     IncompletePlanError,
     bake_worker_plan,
 )
+from vllm.distributed.weight_transfer.sharded_rdt_common import RdtRouter
 from vllm.distributed.weight_transfer.sharded_rdt_lazy import UnplannableLoaderError
 from vllm.distributed.weight_transfer.sharded_rdt_reload import IN_PLACE
 from vllm.distributed.weight_transfer.testing.sharded_rdt_checks import land_chunks
@@ -116,8 +117,9 @@ def _assert_same_state(model, before):
         assert after[name][2] is loader, name
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-chunk", "group-split"])
 @pytest.mark.parametrize("rank", [0, 1])
-def test_landing_the_replayed_plan_equals_load_weights(rank):
+def test_landing_the_replayed_plan_equals_load_weights(rank, split):
     reference = Toy(rank)
     reference.load_weights(CHECKPOINT.items())
 
@@ -125,7 +127,18 @@ def test_landing_the_replayed_plan_equals_load_weights(rank):
     plan = bake_worker_plan(model, _metas(CHECKPOINT), worker=f"tp{rank}/2")
     # The engine's landing path (pack_chunk, then ChunkLander); the toy's
     # parameters are real and in place, so neither module step runs.
-    land_chunks(model, plan, CHECKPOINT, IN_PLACE)
+    # Split: two producers, each holding every other checkpoint tensor, so
+    # the gather group arrives as one chunk from each.
+    names = list(CHECKPOINT)
+    router = RdtRouter(
+        2,
+        1,
+        owner_sets=[[0], [1]],
+        name_owner_class=[i % 2 for i in range(len(names))],
+        names=names,
+        group_lens=[len(names)],
+    )
+    land_chunks(model, plan, CHECKPOINT, IN_PLACE, router=router if split else None)
 
     expected = _state(reference)
     for name, (_, value, _) in _state(model).items():

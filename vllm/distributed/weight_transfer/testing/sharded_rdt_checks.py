@@ -48,6 +48,7 @@ from vllm.distributed.weight_transfer.testing.tiny_models import (
 )
 
 if TYPE_CHECKING:
+    from vllm.distributed.weight_transfer.sharded_rdt_common import RdtRouter
     from vllm.distributed.weight_transfer.sharded_rdt_plan import WorkerPlan
     from vllm.distributed.weight_transfer.sharded_rdt_reload import ModuleSteps
 
@@ -351,17 +352,19 @@ def land_chunks(
     plan: WorkerPlan,
     tensors: dict[str, torch.Tensor],
     steps: ModuleSteps | None = None,
+    router: RdtRouter | None = None,
 ) -> None:
     """Land ``plan`` in ``model`` from ``tensors`` through the production path
-    of one sync: the pull plan of a lone consumer served by a lone producer,
-    each chunk packed by the producer's ``pack_chunk`` and landed, in order, by
-    the engine's ``ChunkLander`` with ``steps``."""
+    of one sync: the pull plan of consumer 0 under ``router`` (default: a lone
+    producer and a lone consumer), each chunk packed by the producer's
+    ``pack_chunk`` and landed, in order, by the engine's ``ChunkLander`` with
+    ``steps``."""
     from vllm.distributed.weight_transfer.sharded_rdt_chunks import build_pull_plan
     from vllm.distributed.weight_transfer.sharded_rdt_common import RdtRouter
     from vllm.distributed.weight_transfer.sharded_rdt_producer import pack_chunk
     from vllm.distributed.weight_transfer.sharded_rdt_reload import ChunkLander
 
-    pulls = build_pull_plan(plan, RdtRouter(1, 1), consumer_id=0)
+    pulls = build_pull_plan(plan, router or RdtRouter(1, 1), consumer_id=0)
     lander = ChunkLander(model, plan, pulls, steps)
     lander.begin()
     for index, chunk in enumerate(pulls.chunks):
