@@ -8,17 +8,25 @@ output as a Hugging Face forward pass of them (fp32).
 One server per module (start-up costs ~30 s on CPU). The tests run in file
 order and each one first puts the trainer model into the state it checks, so
 the server's weights always follow the trainer's.
+
+Careless requests (issue #12: an open update with no weights, malformed
+``update_weights`` bodies) are sent as raw HTTP, through the route handlers and
+the sync-metrics middleware: the server keeps answering completions with
+exactly the old weights, counts the failure on ``/metrics``, and the trainer's
+next ``send_weights()`` recovers without a manual step.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
 import torch
 
-from vllm.distributed.weight_transfer.base import ModuleSource
+from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 from vllm.distributed.weight_transfer.ipc_engine import (
@@ -26,15 +34,26 @@ from vllm.distributed.weight_transfer.ipc_engine import (
     IPCTrainerWeightTransferEngine,
 )
 from vllm.distributed.weight_transfer.testing import (
+    DEFAULT_PROMPTS,
     GreedyResult,
     TinyModelSpec,
+    assert_bit_identical,
     assert_serves_weights,
     build_tiny_model,
     hf_greedy,
     load_hf_model,
     randomize_weights_,
 )
-from vllm.distributed.weight_transfer.testing.server import ServerProcess, serve
+from vllm.distributed.weight_transfer.testing.server import (
+    ServerProcess,
+    metric_value,
+    serve,
+)
+from vllm.distributed.weight_transfer.verification import (
+    Manifest,
+    PublicationHeader,
+    attach_publication,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -184,6 +203,129 @@ def test_bad_update_is_refused_and_the_server_keeps_serving(
 
     assert server.is_alive()
     assert_serves(server, trainer_model)  # what the server held before
+
+
+@dataclass(frozen=True)
+class Careless:
+    """What a client sends after ``POST /start_weight_update``, and what the
+    server must answer."""
+
+    update_info: Any  # the body's update_info; None: no update_weights at all
+    refusal: str | None = None  # the cause the refusal names
+    # /metrics counts the refusal once, under one of these phases
+    failure_phases: tuple[str, ...] = ()
+    seed: int = 0  # the trainer's weights for the recovering sync
+
+
+def _header_with_manifest_dtype_5() -> dict[str, Any]:
+    """An update message (no tensors) whose publication header lists one
+    manifest entry with the dtype ``5``."""
+    header = PublicationHeader.create(
+        backend="ipc",
+        model_version=1,
+        manifest=Manifest.from_params(
+            [ParamMeta("model.norm.weight", torch.float32, (128,))]
+        ),
+        trainer_devices=["cpu:test:0"],
+    )
+    update = attach_publication({"names": []}, header)
+    update["publication"]["manifest"]["entries"][0][1] = 5
+    return update
+
+
+CARELESS = {
+    # A trainer that dies right after start while rollouts continue.
+    "start-then-generate": Careless(None, seed=11),
+    # Upstream's per-rank list form, with no entry for this worker.
+    "empty-list": Careless(
+        [], "list index out of range", failure_phases=("update",), seed=12
+    ),
+    # Counted under "abort" today: the observer sees the message's abort field.
+    "abort-with-names": Careless(
+        {"abort": "x", "names": []},
+        "abort must be the only field",
+        failure_phases=("update", "abort"),
+        seed=13,
+    ),
+    "manifest-dtype-5": Careless(
+        _header_with_manifest_dtype_5(),
+        "dtype is 5",
+        failure_phases=("update",),
+        seed=14,
+    ),
+}
+FAILURE_PHASES = ("start", "update", "finish", "abort", "verify")
+
+
+def failures(server: ServerProcess) -> dict[str, float]:
+    text = requests.get(f"{server.base_url}/metrics", timeout=30).text
+    return {
+        phase: metric_value(
+            text, "vllm:weight_transfer_failures_total", backend="ipc", phase=phase
+        )
+        for phase in FAILURE_PHASES
+    }
+
+
+def committed_syncs(server: ServerProcess) -> float:
+    text = requests.get(f"{server.base_url}/metrics", timeout=30).text
+    return metric_value(text, "vllm:weight_transfer_syncs_total", backend="ipc")
+
+
+def weight_info(server: ServerProcess) -> dict:
+    return requests.get(f"{server.base_url}/weight_info", timeout=30).json()
+
+
+@pytest.mark.parametrize("case", CARELESS, ids=CARELESS)
+def test_careless_requests_after_start_leave_the_old_weights_serving(
+    server, trainer, trainer_model, case
+):
+    """Issue #12's killers, over HTTP: after ``start`` (and a malformed
+    update, if any) a completion is answered by exactly the old weights, the
+    failure is counted, and the trainer's next sync closes what was left open
+    and serves its weights."""
+    careless = CARELESS[case]
+    before = served_greedy(server)
+    version = weight_info(server)
+    failed_before = failures(server)
+
+    assert post(server, "start_weight_update").status_code == 200
+    if careless.update_info is not None:
+        response = post(server, "update_weights", {"update_info": careless.update_info})
+        assert 400 <= response.status_code < 600, response.text
+        message = response.json()["error"]["message"]
+        assert careless.refusal is not None and careless.refusal in message, message
+
+    completion = requests.post(
+        f"{server.base_url}/v1/completions",
+        json={
+            "model": server.model,
+            "prompt": list(DEFAULT_PROMPTS[0]),
+            "max_tokens": 3,
+            "temperature": 0.0,
+        },
+        timeout=120,
+    )
+    assert completion.status_code == 200, completion.text
+    assert server.is_alive()
+    # Nothing landed: the old weights, bit for bit, and no fence.
+    assert_bit_identical(served_greedy(server), before, what=f"vLLM after {case}")
+    assert weight_info(server) == version
+
+    failed = failures(server)
+    counted = {p: failed[p] - failed_before[p] for p in FAILURE_PHASES}
+    assert sum(counted.values()) == (1 if careless.failure_phases else 0), counted
+    assert all(
+        counted[p] == 0 for p in FAILURE_PHASES if p not in careless.failure_phases
+    ), counted
+
+    # The trainer's next sync closes whatever is still open on its own.
+    syncs = committed_syncs(server)
+    randomize_weights_(trainer_model, seed=careless.seed)
+    trainer.send_weights(weight_version=f"after-{case}")
+    assert weight_info(server) == {"weight_version": f"after-{case}"}
+    assert committed_syncs(server) == syncs + 1
+    assert_serves(server, trainer_model)
 
 
 def test_update_after_failures_succeeds(server, trainer, trainer_model):
