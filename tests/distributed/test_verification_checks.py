@@ -4,12 +4,11 @@
 trainer's receipt verification."""
 
 import json
-from typing import Any
 
 import pytest
 import torch
+from verification_samples import METAS, header, manifest
 
-from vllm.distributed.weight_transfer.base import ParamMeta
 from vllm.distributed.weight_transfer.verification.checks import (
     ManifestChecker,
     verify_receipts,
@@ -24,27 +23,6 @@ from vllm.distributed.weight_transfer.verification.wire import (
     ReceiptError,
     coverage_digest,
 )
-
-METAS = [
-    ParamMeta("embed.weight", torch.bfloat16, (8, 4)),
-    ParamMeta("layers.0.w", torch.float32, (4, 4)),
-    ParamMeta("layers.1.w", torch.float32, (4,)),
-]
-
-
-def manifest() -> Manifest:
-    return Manifest.from_params(METAS)
-
-
-def header(**kw) -> PublicationHeader:
-    args: dict[str, Any] = dict(
-        backend="ipc",
-        model_version=3,
-        manifest=manifest(),
-        trainer_devices=["cpu:host:0"],
-    )
-    args.update(kw)
-    return PublicationHeader.create(**args)
 
 
 def land_all(checker: ManifestChecker) -> None:

@@ -4,10 +4,10 @@
 an update message carries."""
 
 import json
-from typing import Any
 
 import pytest
 import torch
+from verification_samples import METAS, header, manifest
 
 from vllm.distributed.weight_transfer.base import ParamMeta
 from vllm.distributed.weight_transfer.verification.wire import (
@@ -21,28 +21,6 @@ from vllm.distributed.weight_transfer.verification.wire import (
     describe_error,
     pop_publication,
 )
-
-METAS = [
-    ParamMeta("embed.weight", torch.bfloat16, (8, 4)),
-    ParamMeta("layers.0.w", torch.float32, (4, 4)),
-    ParamMeta("layers.1.w", torch.float32, (4,)),
-]
-
-
-def manifest() -> Manifest:
-    return Manifest.from_params(METAS)
-
-
-def header(**kw) -> PublicationHeader:
-    args: dict[str, Any] = dict(
-        backend="ipc",
-        model_version=3,
-        manifest=manifest(),
-        trainer_devices=["cpu:host:0"],
-    )
-    args.update(kw)
-    return PublicationHeader.create(**args)
-
 
 # -- manifest -----------------------------------------------------------------
 

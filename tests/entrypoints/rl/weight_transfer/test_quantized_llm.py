@@ -17,7 +17,6 @@ Face comparison: the served model is the quantized one.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from typing import Any
 
@@ -60,35 +59,26 @@ def _assert_quantized(dtypes: dict[str, str]) -> None:
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def ipc_engine(request):
     tp = request.param
-    env = {
-        "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else None,
-        # collective_rpc(fn) pickles the function (reads the served dtypes).
-        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
+    with pytest.MonkeyPatch.context() as env:
+        if tp == 2:
+            env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
         else:
-            os.environ[k] = v
-    model_dir = build_tiny_model(TinyModelSpec(arch="qwen3"))
-    llm = tiny_llm(
-        model_dir,
-        dtype="bfloat16",
-        tensor_parallel_size=tp,
-        backend="ipc",
-        quantization=QUANTIZATION,
-    )
-    try:
-        yield llm, model_dir, tp
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+            env.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+        # collective_rpc(fn) pickles the function (reads the served dtypes).
+        env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        model_dir = build_tiny_model(TinyModelSpec(arch="qwen3"))
+        llm = tiny_llm(
+            model_dir,
+            dtype="bfloat16",
+            tensor_parallel_size=tp,
+            backend="ipc",
+            quantization=QUANTIZATION,
+        )
+        try:
+            yield llm, model_dir, tp
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
 
 
 def test_ipc_updates_an_fp8_engine_exactly_like_a_fresh_load(ipc_engine):
