@@ -3,6 +3,11 @@
 """The planner on real vLLM model classes: dense Qwen3, Qwen3-MoE and Llama
 (fused QKV and gate/up), fp32 and bf16, at TP=1 and on each rank of TP=2.
 
+A plan baked on the same model class built on the meta device (no weights
+anywhere) must be the plan baked on the loaded model: this is what lets a
+full-size config be planned on a machine that could not hold its weights
+(benchmarks/weight_transfer/bench_plan_scale.py).
+
 Each TP size runs once per module in worker processes that form a real gloo
 tensor-parallel group (`run_planner_checks`); the tests read their reports.
 """
@@ -92,3 +97,28 @@ def test_a_partly_covered_module_is_reported_by_name(reports):
         (partial,) = report.partial_modules
         assert partial.startswith("model.layers.0.self_attn.qkv_proj: "), label
         assert "model.layers.0.self_attn.qkv_proj" in report.incomplete_error, label
+
+
+def test_meta_model_parameters_have_no_storage(reports):
+    for label, report in _all(reports):
+        assert report.meta_param_devices == ["meta"], label
+        # Only the rotary cache is real: vLLM shares one rotary module between
+        # models of equal rope settings, and the loaded model made it first.
+        for name in report.meta_model_real_buffers:
+            assert name.endswith("rotary_emb.cos_sin_cache"), (label, name)
+
+
+def test_plan_baked_on_meta_equals_plan_baked_on_loaded_model(reports):
+    for label, report in _all(reports):
+        assert report.digest, label
+        assert report.meta_digest == report.digest, (
+            label,
+            report.dump,
+            report.meta_dump,
+        )
+
+
+def test_ranks_get_different_plans_on_meta_too(reports):
+    for case_index in range(len(CASES)):
+        ranks = [rank_reports[case_index] for rank_reports in reports[2]]
+        assert ranks[0].meta_digest != ranks[1].meta_digest

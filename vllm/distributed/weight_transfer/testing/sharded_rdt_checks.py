@@ -23,11 +23,9 @@ What a case checks, on one rank:
   can differ; the lander's module steps are therefore ``IN_PLACE`` here, and
   the in-engine test covers the layerwise reload ones.)
 * how many bytes ``load_weights`` fills, against the plan's byte count;
-* baking without one QKV input reports ``qkv_proj`` as partly covered.
-
-`check_meta_bake` is a lighter case: it bakes the plan once on the model loaded
-with its weights and once on the same model class built on the meta device
-(`build_meta_model`, no storage at all), for the comparison of the two plans.
+* baking without one QKV input reports ``qkv_proj`` as partly covered;
+* the plan baked again on the same model class built on the meta device
+  (`build_meta_model`, no storage at all), for the comparison of the two plans.
 """
 
 from __future__ import annotations
@@ -97,18 +95,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-CaseCheck = Callable[[CaseReport, str, int], None]
-
-
 def run_planner_checks(
     tp_size: int,
     cases: Sequence[PlannerCase],
     timeout_s: float = 400.0,
-    check: CaseCheck | None = None,
 ) -> list[list[CaseReport]]:
-    """Reports per rank, then per case (``result[rank][case]``). ``check`` fills
-    a case's report on one rank (a module-level function, since it is sent to
-    spawned processes); the full planner check by default."""
+    """Reports per rank, then per case (``result[rank][case]``)."""
     import multiprocessing
 
     folders = [str(build_tiny_model(TinyModelSpec(arch=c.arch))) for c in cases]  # type: ignore[arg-type]
@@ -118,7 +110,7 @@ def run_planner_checks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, tp_size, port, list(cases), folders, queue, check),
+            args=(rank, tp_size, port, list(cases), folders, queue),
             daemon=True,
         )
         for rank in range(tp_size)
@@ -145,9 +137,7 @@ def _rank_main(
     cases: list[PlannerCase],
     folders: list[str],
     queue: Any,
-    check: CaseCheck | None = None,
 ) -> None:
-    check = check or _check_case
     reports: list[dict[str, Any]] = []
     try:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -161,7 +151,7 @@ def _rank_main(
         for case, folder in zip(cases, folders, strict=True):
             report = CaseReport(case.arch, case.dtype, rank, tp_size)
             try:
-                check(report, folder, tp_size)
+                _check_case(report, folder, tp_size)
             except Exception:
                 report.error = traceback.format_exc()
             reports.append(dataclasses.asdict(report))
@@ -445,23 +435,18 @@ def _check_case(report: CaseReport, folder: str, tp_size: int) -> None:
     except IncompletePlanError as err:
         report.incomplete_error = str(err)
     report.restore_mismatches += _state_mismatches(before, _resident_state(model))
+    _bake_on_meta(report, folder, tp_size, metas, worker)
 
 
-def check_meta_bake(report: CaseReport, folder: str, tp_size: int) -> None:
-    """Bake this rank's plan on the loaded model and on the meta-built one."""
-    from vllm.distributed.weight_transfer.base import ParamMeta
+def _bake_on_meta(
+    report: CaseReport,
+    folder: str,
+    tp_size: int,
+    metas: list[Any],
+    worker: str,
+) -> None:
+    """Bake this rank's plan again on a meta-built model (no weight storage)."""
     from vllm.distributed.weight_transfer.sharded_rdt_bake import bake_worker_plan
-
-    dtype = getattr(torch, report.dtype)
-    checkpoint = checkpoint_tensors(folder, dtype, seed=1234)
-    metas = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in checkpoint.items()]
-    worker = f"{report.arch}/{report.dtype}/tp{report.rank}of{tp_size}"
-
-    model, config = _build_model(folder, report.dtype, tp_size)
-    plan = bake_worker_plan(model, metas, worker=worker, vllm_config=config)
-    report.digest = plan.digest()
-    report.dump = plan.dump()
-    del model
 
     meta_model, meta_config = build_meta_model(folder, report.dtype, tp_size)
     report.meta_param_devices = sorted({str(t.device) for t in meta_model.parameters()})
