@@ -80,6 +80,7 @@ from vllm.distributed.weight_transfer.verification import (
     WorkerPublication,
     device_identity,
 )
+from vllm.distributed.weight_transfer.wire_fields import check_int
 from vllm.distributed.weight_transfer.worker_lifecycle import LayerwiseWorkerEngine
 from vllm.logger import init_logger
 
@@ -363,7 +364,11 @@ class ShardedRDTWeightTransferEngine(
         # The sync id is known before any check, so that a refusal below
         # names this sync to the producers even before the first pull.
         sync_id = update_info.get("sync_id") if isinstance(update_info, dict) else None
-        if isinstance(sync_id, int) and not isinstance(sync_id, bool) and sync_id > 0:
+        try:
+            check_int(sync_id, "sync_id", minimum=1)
+        except ValueError:
+            pass  # the parse below refuses it, naming the field
+        else:
             for link in self._links:
                 link.sync_id = sync_id
         super().update_weights(update_info)
