@@ -238,8 +238,9 @@ class ControlListener:
             ).start()
 
     def _refuse(self, sock: socket.socket, peer: Any) -> None:
-        sock.close()
+        # Counted before the close, so whoever sees the close sees the count.
         self.refused_connections += 1
+        sock.close()
         # The first refusal, then one line per hundred: a flood must not
         # flood the log too.
         if self.refused_connections % 100 == 1:
