@@ -36,6 +36,7 @@ from vllm.distributed.weight_transfer.verification import (
     WeightState,
     WorkerPublication,
     is_fenced_version,
+    is_prepare_request,
 )
 
 
@@ -69,6 +70,10 @@ class LoopbackClient:
             if self.pub.fence.state == WeightState.UPDATING:
                 self.pub.fail(update_info["abort"], weights_intact=True)
             return
+        if is_prepare_request(update_info):
+            self.calls.append("prepare")
+            self.pub.prepare()
+            return
         self.calls.append("update")
         message = self.pub.begin_message(json.loads(json.dumps(update_info)))
         info = IPCWeightTransferUpdateInfo.from_dict(message)
@@ -84,6 +89,7 @@ class LoopbackClient:
                 start = min(v.offset for v in mine)
                 end = max(v.offset + v.nbytes for v in mine)
                 self.pub.check_buffer(i, buf[start:end])
+            self.pub.touch()  # as an in-place worker: the weights change now
             for v in info.views():
                 self.pub.admit(v.name, v.dtype, v.shape, v.nbytes)
                 raw = buffers[v.buffer][v.offset : v.offset + v.nbytes]
@@ -102,6 +108,8 @@ class LoopbackClient:
         )
         if self.pub.fence.state == WeightState.UPDATING:
             self.pub.finish()
+        if weight_version is not None:  # upstream's finish sets the version
+            self.versions.append(weight_version)
 
     def update_weight_version(self, new_version):
         self.versions.append(new_version)
@@ -163,8 +171,9 @@ def test_every_tensor_arrives_bit_exact(packed):
     engine.send_weights(weight_version="v1")
     assert client.init_info == {"packed": packed}
     assert client.calls[0] == "init" and client.calls[1] == "start"
-    # the version is stamped after the receipt verified, not at finish
-    assert client.calls[-1] == "finish" and client.versions == ["v1"]
+    # the receipt is verified after prepare, then the commit stamps the version
+    assert client.calls[-2:] == ["prepare", "finish:v1"]
+    assert client.versions == ["v1"]
     assert engine.last_plan is not None
     assert client.calls.count("update") == len(engine.last_plan.chunks) > 1
     assert list(client.received) == list(tensors)
@@ -238,7 +247,7 @@ def test_drop_in_upstream_call_works_through_the_factory():
     ).send_weights()
     for name, p in model.named_parameters():
         assert torch.equal(client.received[name], p.detach())
-    assert client.calls == ["init", "start", "update", "finish"]
+    assert client.calls == ["init", "start", "update", "prepare", "finish"]
 
 
 def test_trainer_init_needs_a_source():
@@ -339,7 +348,9 @@ def test_checksums_catch_a_byte_changed_after_export(packed):
     with pytest.raises(ChecksumMismatch, match="changed in transit"):
         engine.send_weights(weight_version="v1")
     assert client.calls[-2:] == ["abort", "finish"]
-    assert len(client.versions) == 1 and is_fenced_version(client.versions[0])
+    # The worker refused the first message before touching a weight, and its
+    # failure receipt says so: the served version is left alone.
+    assert client.versions == []
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -586,8 +597,13 @@ class TwoEngineClient:
 
     def _all(self, method, *args):
         for i, engine in enumerate(self.engines):
-            if method == "finish_weight_update" and i == 1 and self.silent_second:
-                continue  # this engine never finishes: no receipt
+            if (
+                method == "update_weights"
+                and is_prepare_request(args[0])
+                and i == 1
+                and self.silent_second
+            ):
+                continue  # this engine never prepares: no receipt
             getattr(engine, method)(*args)
 
     def init_weight_transfer_engine(self, init_info):
@@ -637,6 +653,10 @@ def test_an_engine_without_a_receipt_fails_the_sync_naming_the_count():
     )
     with pytest.raises(TimeoutError, match="1 of 2 worker"):
         engine.send_weights(weight_version="v1")
+    # Neither engine committed: the trainer aborted both instead of finishing.
+    for one in client.engines:
+        assert "finish:v1" not in one.calls
+        assert one.calls[-2:] == ["abort", "finish"]
     assert is_fenced_version(client.engines[0].versions[-1])
 
 

@@ -27,7 +27,25 @@ class WeightTransferConfig:
     such an update by itself.
     """
 
+    staging: Literal["off", "device", "host"] = "off"
+    """Where an ``ipc`` or ``sharded_rdt`` worker keeps an update until it
+    commits. ``"off"`` (the default) lands every tensor in the served weights
+    as it arrives, so generation must be paused for the whole update.
+    ``"device"`` (the model's device) or ``"host"`` (host memory, pinned on
+    CUDA) stages the bytes instead: the engine keeps serving the old weights
+    during the transfer, a failure before the commit leaves them serving
+    unfenced, and ``finish_weight_update`` commits in one call. Staging holds
+    every byte the worker receives once: the worker's pull plan for
+    ``sharded_rdt``, every tensor sent for ``ipc``; an update that does not
+    fit in free memory is refused before it is copied.
+    """
+
     def __post_init__(self) -> None:
+        if self.staging not in ("off", "device", "host"):
+            raise ValueError(
+                "weight_transfer_config.staging must be 'off', 'device' or "
+                f"'host', got {self.staging!r}"
+            )
         if not self.update_timeout_s > 0:
             raise ValueError(
                 "weight_transfer_config.update_timeout_s must be a positive number "

@@ -56,7 +56,9 @@ from vllm.distributed.weight_transfer.verification import (
     ReceiptTimeoutError,
     WeightState,
     WorkerPublication,
+    abort_reason,
     is_fenced_version,
+    is_prepare_request,
 )
 
 
@@ -153,6 +155,18 @@ class Consumers:
             self.pubs[cid].start()
 
     def update_weights(self, update_info: Any) -> None:
+        if is_prepare_request(update_info):
+            self.calls.append("prepare")
+            for cid in self._live():
+                self.pubs[cid].prepare()
+            return
+        reason = abort_reason(update_info)
+        if reason is not None:
+            self.calls.append("abort")
+            for cid in self._live():
+                if self.pubs[cid].fence.state == WeightState.UPDATING:
+                    self.pubs[cid].fail(f"the trainer aborted the update: {reason}")
+            return
         # Workers pull concurrently; a group is released only when all of
         # them have read it.
         self.calls.append("update")
@@ -200,6 +214,8 @@ class Consumers:
         self.calls.append("finish")
         for cid in self._live():
             self.pubs[cid].finish()
+        if weight_version is not None:  # upstream's finish sets the version
+            self.update_weight_version(weight_version)
 
     def update_weight_version(self, new_version: str) -> None:
         self.calls.append("version")
@@ -229,7 +245,7 @@ def test_send_weights_serves_every_consumer_the_live_values():
             for p in model.parameters():
                 p.add_(step + 1.0)
         engine.send_weights()
-        assert client.calls[-3:] == ["start", "update", "finish"]
+        assert client.calls[-4:] == ["start", "update", "prepare", "finish"]
         for got in client.received:
             for name, param in model.named_parameters():
                 assert torch.equal(got[name], param.detach()[:1])
@@ -247,7 +263,9 @@ def test_the_version_is_set_only_after_every_receipt_verified():
     client = Consumers(2)
     engine = _init(client, ModuleSource(model), model_version=7)
     engine.send_weights(weight_version="step-1")
-    assert client.calls[-4:] == ["start", "update", "finish", "version"]
+    # Receipts are written at prepare and verified before the commit (finish),
+    # which sets the version.
+    assert client.calls[-5:] == ["start", "update", "prepare", "finish", "version"]
     assert client.versions == ["step-1"]
     pub = engine.last_publication
     assert pub.header.model_version == 7 and pub.header.backend == "sharded_rdt"
@@ -323,20 +341,25 @@ def test_a_manifest_mismatch_is_refused_before_anything_lands():
     engine.shutdown()
 
 
-def test_a_missing_receipt_fails_the_sync_and_fences_the_version():
+def test_a_missing_receipt_fails_the_sync_before_the_commit_and_fences_the_version():
     client = Consumers(2)
     engine = _init(client, ModuleSource(Toy()), receipt_timeout_s=0.5)
-    real_finish = client.finish_weight_update
+    real_update = client.update_weights
 
-    def finish_without_worker_1(weight_version=None):
-        client.calls.append("finish")
-        client.pubs[0].finish()
+    def prepare_without_worker_1(update_info):
+        if not is_prepare_request(update_info):
+            return real_update(update_info)
+        client.calls.append("prepare")
+        client.pubs[0].prepare()
 
-    client.finish_weight_update = finish_without_worker_1  # type: ignore[method-assign]
+    client.update_weights = prepare_without_worker_1  # type: ignore[method-assign]
     with pytest.raises(ReceiptTimeoutError, match=r"worker\(s\) \[1\]"):
         engine.send_weights(weight_version="v")
-    assert client.versions and is_fenced_version(client.versions[-1])
-    client.finish_weight_update = real_finish  # type: ignore[method-assign]
+    # Never committed: the trainer aborted the update instead of finishing it.
+    assert client.calls[-4:] == ["prepare", "abort", "finish", "version"]
+    assert "v" not in client.versions
+    assert is_fenced_version(client.versions[-1])
+    client.update_weights = real_update  # type: ignore[method-assign]
     engine.shutdown()
 
 

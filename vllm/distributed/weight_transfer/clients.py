@@ -32,6 +32,14 @@ runs, data-parallel ranks included (``get_world_size()``). Verified publication
 uses both: the version becomes visible only after every worker's receipt was
 checked, and receipts are expected from that many workers.
 
+For the commit (``full_resync.commit_update``) every client can also hold
+generation for just that call (``pause_generation("keep")``,
+``resume_generation()``, ``is_paused()``: the ``/pause`` routes over HTTP,
+``sleep(level=0)`` and ``wake_up(tags=["scheduling"])`` on ``LLM`` and
+``AsyncLLM``) and drop the KV cache computed with the old weights
+(``reset_prefix_cache(reset_running_requests=True)``: running requests are
+preempted and recomputed with the new weights).
+
 Update payloads are dicts (or a list of dicts, one per worker); objects with a
 ``to_dict()`` method, such as ``IPCWeightTransferUpdateInfo``, are converted.
 ``requests`` and ``ray`` are imported on first use.
@@ -105,7 +113,12 @@ class HTTPVLLMWeightSyncClient:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
 
-    def _post(self, route: str, body: dict[str, Any] | None = None) -> Any:
+    def _post(
+        self,
+        route: str,
+        body: dict[str, Any] | None = None,
+        params: dict[str, str] | None = None,
+    ) -> Any:
         url = f"{self.base_url}/{route}"
         data = None
         if body is not None:
@@ -120,6 +133,7 @@ class HTTPVLLMWeightSyncClient:
             response = requests.post(
                 url,
                 data=data,
+                params=params,
                 headers={"Content-Type": "application/json"} if data else None,
                 timeout=self.timeout,
             )
@@ -161,18 +175,32 @@ class HTTPVLLMWeightSyncClient:
     def update_weight_version(self, new_version: str) -> None:
         self._post("update_weight_version", {"new_version": new_version})
 
-    def get_world_size(self) -> int:
-        url = f"{self.base_url}/get_world_size"
-        response = requests.get(
-            url, params={"include_dp": "true"}, timeout=self.timeout
-        )
+    def pause_generation(self, mode: str = "keep") -> None:
+        self._post("pause", params={"mode": mode})
+
+    def resume_generation(self) -> None:
+        self._post("resume")
+
+    def is_paused(self) -> bool:
+        return bool(self._get("is_paused")["is_paused"])
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
+        flag = "true" if reset_running_requests else "false"
+        self._post("reset_prefix_cache", params={"reset_running_requests": flag})
+
+    def _get(self, route: str, params: dict[str, str] | None = None) -> Any:
+        url = f"{self.base_url}/{route}"
+        response = requests.get(url, params=params, timeout=self.timeout)
         if not response.ok:
             raise requests.HTTPError(
                 f"GET {url} failed with HTTP {response.status_code}: "
                 f"{response.text[:2000]}",
                 response=response,
             )
-        return int(response.json()["world_size"])
+        return response.json()
+
+    def get_world_size(self) -> int:
+        return int(self._get("get_world_size", {"include_dp": "true"})["world_size"])
 
 
 class RayVLLMWeightSyncClient:
@@ -234,6 +262,22 @@ class RayVLLMWeightSyncClient:
         """Workers of all actors together (DP ranks included)."""
         return sum(int(n) for n in self._call("get_world_size", True))
 
+    # Holding generation for the commit: ``LLM`` and ``AsyncLLM`` both pause
+    # scheduling with ``sleep(level=0)`` and resume it with
+    # ``wake_up(tags=["scheduling"])``; every actor is held at once.
+
+    def pause_generation(self, mode: str = "keep") -> None:
+        self._call("sleep", level=0, mode=mode)
+
+    def resume_generation(self) -> None:
+        self._call("wake_up", tags=["scheduling"])
+
+    def is_paused(self) -> bool:
+        return any(self._call("is_sleeping"))
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
+        self._call("reset_prefix_cache", reset_running_requests=reset_running_requests)
+
 
 class OfflineLLMWeightSyncClient:
     """Drives an offline ``vllm.LLM`` living in the trainer's process."""
@@ -261,6 +305,21 @@ class OfflineLLMWeightSyncClient:
 
     def update_weight_version(self, new_version: str) -> None:
         self.llm.update_weight_version(new_version)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
+        self.llm.reset_prefix_cache(reset_running_requests=reset_running_requests)
+
+    # The engine core schedules on its own process: generation goes on while
+    # the trainer works, so the commit holds it like the other clients do.
+
+    def pause_generation(self, mode: str = "keep") -> None:
+        self.llm.sleep(level=0, mode=mode)
+
+    def resume_generation(self) -> None:
+        self.llm.wake_up(tags=["scheduling"])
+
+    def is_paused(self) -> bool:
+        return bool(self.llm.llm_engine.is_sleeping())
 
     def get_world_size(self) -> int:
         return int(self.llm.get_world_size(include_dp=True))

@@ -4,16 +4,31 @@
 share: upstream's ``trainer_init`` entry point (each sync resends every weight
 it reads from a ``WeightSource``, so construction without one is refused up
 front, naming the backend, and the rest is the engine's ``from_init_info``),
-the model versions their publications carry (``ModelVersions``), and a
-publication's life around one sync (``_publishing``, ``_commit_publication``):
-any failure fences the served version, success stamps ``weight_version`` only
-after every receipt verified."""
+the model versions their publications carry (``ModelVersions``), a
+publication's life around one sync (``_publishing``, ``_verify_publication``):
+any failure fences the served version, and the commit (``commit_update``)
+comes only after every receipt verified.
+
+The end of every sync, after the last weight was sent::
+
+    verified: update_weights({"prepare": publication_id})  ; receipts written
+              verify every expected worker's receipt         ; nothing committed
+    commit_update(client, weight_version):
+        pause_generation("keep")   if the client can and generation runs
+        finish_weight_update(weight_version)                  ; the commit
+        reset_prefix_cache(reset_running_requests=True)       ; if the client can
+        resume_generation()        if it paused
+
+Holding generation for just the commit puts the switch, the version label and
+the cache reset between the same two engine steps: every output token is
+labelled with the weights that produced it, and no request after the switch
+reads KV computed by the old weights (running requests are recomputed)."""
 
 from __future__ import annotations
 
 import time
 from abc import abstractmethod
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from typing import Any, Self
 
@@ -24,9 +39,50 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 from vllm.distributed.weight_transfer.verification import (
+    ABORT_FIELD,
+    PREPARE_FIELD,
     TrainerPublication,
-    set_served_version,
 )
+from vllm.distributed.weight_transfer.verification.receipts import ExpectedWorkers
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def abort_update(client: VLLMWeightSyncClient, reason: str) -> None:
+    """Best effort: close the open update on the server with the trainer's
+    abort message, then the finish vLLM's Worker needs to close it. A staged
+    update is dropped; an in-place one is fenced if weights had landed."""
+    for method, args in (
+        ("update_weights", ({ABORT_FIELD: reason[:2000]},)),
+        ("finish_weight_update", ()),
+    ):
+        try:
+            getattr(client, method)(*args)
+        except Exception as e:  # the server may have aborted on its own
+            logger.debug("abort: %s raised %s", method, e)
+
+
+def commit_update(client: VLLMWeightSyncClient, weight_version: str | None) -> None:
+    """Finish the open update with generation held for just this call (when
+    the client can hold it and nobody else did), then drop the KV cache the
+    old weights computed; see the module docstring."""
+    pause = getattr(client, "pause_generation", None)
+    hold = callable(pause) and not client.is_paused()  # type: ignore[attr-defined]
+    if hold:
+        pause(mode="keep")  # type: ignore[misc]
+    try:
+        # Upstream's clients take the version at finish; without one, the
+        # call has upstream's bare form.
+        client.finish_weight_update(
+            *(() if weight_version is None else (weight_version,))
+        )
+        reset = getattr(client, "reset_prefix_cache", None)
+        if callable(reset):
+            reset(reset_running_requests=True)
+    finally:
+        if hold:
+            client.resume_generation()  # type: ignore[attr-defined]
 
 
 class FullResyncTrainerEngine(TrainerWeightTransferEngine[TTrainerInitInfo]):
@@ -53,35 +109,42 @@ class FullResyncTrainerEngine(TrainerWeightTransferEngine[TTrainerInitInfo]):
 
     @contextmanager
     def _publishing(
-        self, pub: TrainerPublication | None
+        self,
+        pub: TrainerPublication | None,
+        expected: Callable[[], ExpectedWorkers] | None = None,
     ) -> Iterator[TrainerPublication | None]:
         """One sync's publication (None when unverified or not the sender):
-        any failure inside sets the served version to ``fenced:...``, and the
-        publication is closed at the end."""
+        any failure inside sets the served version to ``fenced:...``, unless
+        every worker of ``expected()`` reported that it kept its weights (a
+        staged update); the publication is closed at the end."""
         try:
             yield pub
         except BaseException as e:
             if pub is not None:
-                pub.fail(self.client, e)
+                workers: ExpectedWorkers | None = None
+                if expected is not None:
+                    try:
+                        workers = expected()
+                    except Exception as why:  # the server may be gone
+                        logger.debug("expected workers unknown: %s", why)
+                pub.fail(self.client, e, workers)
             raise
         finally:
             if pub is not None:
                 pub.close()
 
-    def _commit_publication(
+    def _verify_publication(
         self,
         pub: TrainerPublication,
         expected: Collection[int] | int,
-        weight_version: str | None,
         timeout_s: float,
         **verify_options: Any,
     ) -> None:
-        """Verify every expected worker's receipt, then make
-        ``weight_version`` the served version."""
+        """Ask every worker to prepare (check and write its receipt), then
+        verify every expected worker's receipt; nothing is committed yet."""
+        self.client.update_weights({PREPARE_FIELD: pub.header.publication_id})
         pub.verify(expected, timeout_s=timeout_s, **verify_options)
         self.last_publication = pub
-        if weight_version is not None:
-            set_served_version(self.client, weight_version)
 
     @classmethod
     @abstractmethod

@@ -23,9 +23,10 @@ Protocol of ``send_weights()`` (every trainer rank calls it; the rank with
             other half of the buffer. Either way no rank overwrites bytes its
             colocated worker still reads: a chunk that shares bytes with the
             one in flight waits for that call (and its barrier) first
-    sender: client.finish_weight_update()         ; all ranks agree
-    sender: pub.verify(every worker's receipt), then
-            client.update_weight_version(weight_version) ; all ranks agree
+    sender: client.update_weights({"prepare": id}) ; every worker checks and
+            writes its receipt; pub.verify(every receipt) ; all ranks agree
+    sender: commit_update(client, weight_version)   ; finish_weight_update
+            with generation held for just that call (``full_resync``)
 
 Wires (``IPCTrainerInitInfo.wire``): ``"fork"`` (the default) sends JSON
 handle objects, tensor offsets and the publication header, which the fork's
@@ -56,6 +57,8 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.full_resync import (
     FullResyncTrainerEngine,
     ModelVersions,
+    abort_update,
+    commit_update,
 )
 from vllm.distributed.weight_transfer.ipc_dataplane import (
     ExportedBuffer,
@@ -87,7 +90,6 @@ from vllm.distributed.weight_transfer.trainer_group import (
     on_sender,
 )
 from vllm.distributed.weight_transfer.verification import (
-    ABORT_FIELD,
     DEFAULT_RECEIPT_TIMEOUT_S,
     TrainerPublication,
     describe_error,
@@ -381,35 +383,33 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         plan = self._plan_for(metas)
         self.last_plan = plan
         pub = self._open_publication(metas)
-        # Unverified, the version is set at finish (upstream's way).
-        stamp = None if pub is not None else weight_version
         try:
-            with self._publishing(pub):
+            with self._publishing(pub, self._expected_workers):
                 self._on_sender(
                     "start_weight_update",
                     lambda: start_update(self.client, f"ipc trainer rank {self.rank}"),
                 )
-                self._send_and_finish(plan, metas, stamp)
-                if self.verify_publication:
-                    self._on_sender(
-                        "verify receipts", lambda: self._commit(weight_version)
-                    )
+                self._send_and_commit(plan, metas, weight_version)
         finally:
             self._pub = None
 
-    def _send_and_finish(
-        self, plan: TransferPlan, metas: list[ParamMeta], stamp: str | None
+    def _send_and_commit(
+        self,
+        plan: TransferPlan,
+        metas: list[ParamMeta],
+        weight_version: str | None,
     ) -> None:
-        """Send every chunk and finish the update (with ``stamp`` as the
-        version, if given); on any failure abort it on the server."""
+        """Send every chunk, verify every receipt (when verifying), then
+        commit with ``weight_version``; on any failure abort the update on
+        the server."""
         buffers: list[ExportedBuffer] = []
         try:
             self._send_chunks(plan, metas, buffers)
+            if self.verify_publication:
+                self._on_sender("verify receipts", self._verify)
             self._on_sender(
                 "finish_weight_update",
-                lambda: self.client.finish_weight_update(
-                    *(() if stamp is None else (stamp,))
-                ),
+                lambda: commit_update(self.client, weight_version),
             )
         except BaseException as e:
             # Also after a failed finish: vLLM's Worker keeps the update open
@@ -444,18 +444,21 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         )
         return self._pub
 
-    def _commit(self, weight_version: str | None) -> None:
-        """Verify every worker's receipt, then make the version visible."""
-        pub = self._pub
-        assert pub is not None
+    def _expected_workers(self) -> range | int:
+        """The workers whose receipts a publication waits for."""
         workers = served_world_size(self.client)
         # One engine: its workers are ranks 0..n-1. Several engines behind one
         # client (a Ray client over several actors) each number their workers
         # from 0, so the trainer waits for that many distinct workers instead.
         engines = len(getattr(self.client, "handles", None) or [self.client])
-        expected: range | int = range(workers) if engines == 1 else workers
-        self._commit_publication(
-            pub, expected, weight_version, self.init_info.receipt_timeout_s
+        return range(workers) if engines == 1 else workers
+
+    def _verify(self) -> None:
+        """Have every worker prepare, then verify every worker's receipt."""
+        pub = self._pub
+        assert pub is not None
+        self._verify_publication(
+            pub, self._expected_workers(), self.init_info.receipt_timeout_s
         )
 
     def _plan_for(self, metas: list[ParamMeta]) -> TransferPlan:
@@ -541,16 +544,8 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
 
     def _abort_on_server(self, reason: str) -> None:
         """Best effort: leave the server serving its previous weights."""
-        if not self.is_sender:
-            return
-        for method, args in (
-            ("update_weights", ({ABORT_FIELD: reason[:2000]},)),
-            ("finish_weight_update", ()),
-        ):
-            try:
-                getattr(self.client, method)(*args)
-            except Exception as e:  # the server may have aborted on its own
-                logger.debug("ipc abort: %s raised %s", method, e)
+        if self.is_sender:
+            abort_update(self.client, reason)
 
     def _send_chunks(
         self,

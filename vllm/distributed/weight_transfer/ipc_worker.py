@@ -39,6 +39,7 @@ from vllm.distributed.weight_transfer.ipc_wire import (
     IPCWeightTransferInitInfo,
     IPCWeightTransferUpdateInfo,
 )
+from vllm.distributed.weight_transfer.staged_update import StagedUpdate
 from vllm.distributed.weight_transfer.verification import (
     WorkerPublication,
     device_identity,
@@ -115,6 +116,10 @@ class IPCWeightTransferEngine(
         if shapes is not None:
             check_manifest_shapes(manifest, shapes, header.publication_id)
         check_manifest_dtypes(manifest, self._kinds(), header.publication_id)
+        session = self._session
+        if isinstance(session, StagedUpdate):
+            # ipc workers receive (and so stage) every tensor whole.
+            session.expect(manifest.total_bytes, f"publication {header.publication_id}")
 
     def _on_update_closed(self) -> None:
         # Workers release their mappings when an update ends, so the trainer

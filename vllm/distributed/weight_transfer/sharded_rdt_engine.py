@@ -20,6 +20,14 @@ the slices of the trainer's tensors its own weight loaders keep.
     their weights). Any failure aborts the session, which restores every layer
     not yet completed, and tells the producers.
 
+With staging (``WeightTransferConfig.staging``), ``update_weights`` starts
+the pulls on a background thread and returns: each chunk is checked and
+copied into staging while the engine keeps serving the old weights. The
+trainer's prepare message waits for the pulls (each bounded by
+``stall_timeout_s``) and re-raises their failure, which leaves the engine
+unfenced; ``finish_weight_update`` lands the staged chunks through the same
+``ChunkLander`` in one call.
+
 Verified publication (`WorkerPublication`): the update message's header must
 carry the manifest this worker baked its plan from, or the update is refused
 before anything is pulled (the weights stay intact, the engine is not
@@ -52,6 +60,9 @@ from vllm.distributed.weight_transfer.checkpoint_structure import (
     checkpoint_dtype_kinds,
     module_dtype_kinds,
 )
+from vllm.distributed.weight_transfer.layerwise_session import (
+    LayerwiseReloadSession,
+)
 from vllm.distributed.weight_transfer.sharded_rdt_bake import bake_worker_plan
 from vllm.distributed.weight_transfer.sharded_rdt_chunks import (
     PullPlan,
@@ -75,13 +86,18 @@ from vllm.distributed.weight_transfer.sharded_rdt_transport import (
     InProcessTransport,
     ProducerLink,
 )
+from vllm.distributed.weight_transfer.staged_update import StagedUpdate
 from vllm.distributed.weight_transfer.verification import (
     Manifest,
     WorkerPublication,
+    describe_error,
     device_identity,
 )
 from vllm.distributed.weight_transfer.wire_fields import check_int
-from vllm.distributed.weight_transfer.worker_lifecycle import LayerwiseWorkerEngine
+from vllm.distributed.weight_transfer.worker_lifecycle import (
+    LayerwiseWorkerEngine,
+    UpdateSession,
+)
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -385,9 +401,43 @@ class ShardedRDTWeightTransferEngine(
             link.sync_id = update_info.sync_id
             link.checksums = header is not None and header.checksum is not None
         lander = self._lander
+        if isinstance(session, StagedUpdate):
+            # Refuse before the first pull when this worker's plan cannot be
+            # staged; the lander's steps run at the commit.
+            session.expect(self.pulls.payload_bytes, "this worker's pull plan")
+
+            def begin(landing: LayerwiseReloadSession) -> None:
+                landing.begin_landing()
+                lander.begin()
+
+            session.defer(begin)
+            # The pulls run while the engine keeps serving; the trainer's
+            # prepare message waits for them.
+            session.in_background(
+                lambda stop: self._pull_all(lander, session, started, stop),
+                name="sharded-rdt-stage",
+            )
+            return
         session.begin_landing()
         lander.begin()
-        pulled, timing = self._run_pulls(lander)
+        self._pull_all(lander, session, started, None)
+
+    def _pull_all(
+        self,
+        lander: ChunkLander,
+        session: UpdateSession,
+        started: float,
+        stop: threading.Event | None,
+    ) -> None:
+        """Pull and land (or stage) every chunk; record the sync's numbers."""
+        assert self.pulls is not None
+        header = self.pub.header
+        try:
+            pulled, timing = self._run_pulls(lander, session, stop)
+        except BaseException as e:
+            if stop is not None:  # a background pull: tell the producers now
+                self._on_update_failed(describe_error(e))
+            raise
         elapsed = time.perf_counter() - started
         self.last_receipt = {
             "consumer_id": self.consumer_id,
@@ -418,11 +468,15 @@ class ShardedRDTWeightTransferEngine(
     # -- internals -----------------------------------------------------------
 
     def _run_pulls(
-        self, lander: ChunkLander
+        self,
+        lander: ChunkLander,
+        session: UpdateSession,
+        cancel: threading.Event | None = None,
     ) -> tuple[dict[int, int], dict[str, float]]:
         """Pull every chunk in order on a background thread, at most one per
         receive buffer ahead, and land each one here as it arrives. Returns the
-        bytes pulled per producer and the seconds spent pulling and landing."""
+        bytes pulled per producer and the seconds spent pulling and landing.
+        ``cancel`` set: stop within half a second, raising ``RuntimeError``."""
         assert self.pulls is not None
         chunks = self.pulls.chunks
         pulled: dict[int, int] = {}
@@ -464,18 +518,11 @@ class ShardedRDTWeightTransferEngine(
         thread.start()
         try:
             for _ in chunks:
-                try:
-                    item = ready.get(timeout=self.stall_timeout_s)
-                except queue.Empty:
-                    raise TimeoutError(
-                        f"sharded_rdt consumer {self.consumer_id}: no chunk arrived "
-                        f"for {self.stall_timeout_s:.1f}s; a producer most likely "
-                        "died or stalled"
-                    ) from None
+                item = self._next_chunk(ready, cancel)
                 if isinstance(item, _Failed):
                     raise item.error
                 i, data, checksum = item
-                self._land(lander, i, data, checksum, timing)
+                self._land(lander, session, i, data, checksum, timing)
                 pulled[chunks[i].producer] = (
                     pulled.get(chunks[i].producer, 0) + chunks[i].payload_bytes
                 )
@@ -485,16 +532,40 @@ class ShardedRDTWeightTransferEngine(
             thread.join(timeout=1.0)
         return pulled, timing
 
+    def _next_chunk(
+        self, ready: queue.Queue[Any], cancel: threading.Event | None
+    ) -> Any:
+        """The next pulled chunk, within the stall timeout, unless cancelled."""
+        deadline = time.monotonic() + self.stall_timeout_s
+        while True:
+            if cancel is not None and cancel.is_set():
+                raise RuntimeError(
+                    f"sharded_rdt consumer {self.consumer_id}: the staged pull "
+                    "was cancelled (the update was aborted)"
+                )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"sharded_rdt consumer {self.consumer_id}: no chunk arrived "
+                    f"for {self.stall_timeout_s:.1f}s; a producer most likely "
+                    "died or stalled"
+                )
+            try:
+                return ready.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                continue
+
     def _land(
         self,
         lander: ChunkLander,
+        session: UpdateSession,
         index: int,
         data: torch.Tensor,
         checksum: str | None,
         timing: dict[str, float],
     ) -> None:
         """Check chunk ``index`` (its checksum, each slice against the plan),
-        then land it."""
+        then land it, or stage a copy to land at the commit."""
         assert self.pulls is not None
         chunk = self.pulls.chunks[index]
         pub = self.pub
@@ -509,7 +580,10 @@ class ShardedRDTWeightTransferEngine(
             pub.admit_slice(spec.source, None, spec.nbytes)
         self._mark_landed()
         t0 = time.perf_counter()
-        if pub.record is not None:
+        if isinstance(session, StagedUpdate):
+            staged = session.stage(data, f"chunk seq {chunk.seq}")
+            session.defer(lambda _landing: lander.land(index, staged))
+        elif pub.record is not None:
             with pub.record.phase("load"):
                 lander.land(index, data)
         else:

@@ -56,6 +56,8 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.full_resync import (
     FullResyncTrainerEngine,
     ModelVersions,
+    abort_update,
+    commit_update,
 )
 from vllm.distributed.weight_transfer.sharded_rdt_common import (
     DEFAULT_GATHER_LOOKAHEAD,
@@ -80,8 +82,8 @@ from vllm.distributed.weight_transfer.trainer_group import (
 from vllm.distributed.weight_transfer.verification import (
     DEFAULT_RECEIPT_TIMEOUT_S,
     TrainerPublication,
+    describe_error,
     device_identity,
-    set_served_version,
 )
 from vllm.logger import init_logger
 
@@ -416,20 +418,9 @@ class ShardedRDTTrainerWeightTransferEngine(
                     n,
                     live,
                 )
-        if (
-            self.is_sender
-            and weight_version is not None
-            and not callable(getattr(self.client, "update_weight_version", None))
-        ):
-            raise TypeError(
-                f"{type(self.client).__name__} has no update_weight_version, which "
-                "send_weights(weight_version=...) needs to set the version once "
-                "the receipts verified; use a client from "
-                "vllm.distributed.weight_transfer.clients"
-            )
         group = self._group
         pub = self._open_publication()
-        with self._publishing(pub):
+        with self._publishing(pub, lambda: live):
             self._on_sender(
                 "start_weight_update",
                 lambda: start_update(
@@ -462,16 +453,26 @@ class ShardedRDTTrainerWeightTransferEngine(
             if pool is not None:
                 pool.shutdown(wait=False)
             error = "; then ".join(m for _, m in sorted(failures)) or None
-            group.exchange(None, error, "sharded_rdt send_weights")
-            self._on_sender("finish_weight_update", self.client.finish_weight_update)
-            if self.init_info.verify_publication:
-                # Every rank joins; only the sender holds the publication.
+            try:
+                # With staging, a worker's pull fails after its update_weights
+                # returned: the update stays open until this abort.
+                group.exchange(None, error, "sharded_rdt send_weights")
+                if self.init_info.verify_publication:
+                    # Every rank joins; only the sender holds the publication.
+                    self._on_sender("verify receipts", lambda: self._verify(pub, live))
                 self._on_sender(
-                    "verify receipts",
-                    lambda: self._commit(pub, live, weight_version),
+                    "finish_weight_update",
+                    lambda: commit_update(self.client, weight_version),
                 )
-            elif weight_version is not None and self.is_sender:
-                set_served_version(self.client, weight_version)
+            except BaseException as e:
+                if self.is_sender:
+                    # Also after a failed finish: vLLM's Worker keeps the
+                    # update open until a finish returns.
+                    abort_update(
+                        self.client,
+                        f"sharded_rdt trainer rank {self.rank}: {describe_error(e)}",
+                    )
+                raise
 
     def _open_publication(self) -> TrainerPublication | None:
         """The sender's publication of this sync (None elsewhere or when off);
@@ -496,20 +497,12 @@ class ShardedRDTTrainerWeightTransferEngine(
             inbox=self._server.receipts,
         )
 
-    def _commit(
-        self,
-        pub: TrainerPublication | None,
-        live: list[int],
-        weight_version: str | None,
-    ) -> None:
-        """Verify every live consumer's receipt, then make the version visible."""
+    def _verify(self, pub: TrainerPublication | None, live: list[int]) -> None:
+        """Have every worker prepare, then verify every live consumer's
+        receipt; nothing is committed yet."""
         assert pub is not None  # the sender holds it whenever verification is on
-        self._commit_publication(
-            pub,
-            live,
-            weight_version,
-            self.init_info.receipt_timeout_s,
-            delivery="sliced",
+        self._verify_publication(
+            pub, live, self.init_info.receipt_timeout_s, delivery="sliced"
         )
 
     def _on_sender(self, what: str, step: Callable[[], Any]) -> Any:

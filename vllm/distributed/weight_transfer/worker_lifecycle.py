@@ -19,9 +19,21 @@ model is the old weights, the new weights, or fenced with a reason.
   (``_on_update_failed``) and fails the publication: the engine is fenced
   when a weight had already landed (``_mark_landed``), and the error is never
   blank.
+- ``update_weights`` with ``{"prepare": publication_id}`` (the trainer sent
+  every weight): the worker checks what it holds and writes its receipt
+  before anything is committed, so the trainer can verify every worker of
+  every engine before any of them commits. A refusal fails the update.
 - ``finish_weight_update`` completes the session and commits the
-  publication (its receipt); a failure fences. A fenced engine refuses it and
-  says how to recover.
+  publication (its receipt, unless ``prepare`` wrote it); a failure fences.
+  A fenced engine refuses it and says how to recover.
+
+Staging (``WeightTransferConfig.staging`` other than ``"off"``): the session
+is a ``StagedUpdate`` instead. The bytes go to memory the worker owns, the
+model keeps serving the old weights through the whole transfer, and
+``finish_weight_update`` commits them in one call after the checks. Any
+failure before the commit (a refused message, the deadline, the trainer's
+abort, a failed prepare or pre-commit check) drops the staging and leaves the
+engine unfenced; only a failure inside the commit fences.
 
 The rule for ``finish_weight_update`` after a failed update (tested for both
 backends in ``tests/distributed/test_worker_lifecycle.py``): when nothing had
@@ -33,7 +45,8 @@ closes quietly either way.
 
 Backends implement ``_make_publication`` and ``receive_weights`` (which
 lands through ``_session_for`` and calls ``_mark_landed`` before the first
-weight reaches the model), and may hook ``_on_start``,
+weight reaches the model; with staging, ``_session_for`` returns the
+``StagedUpdate`` and ``_mark_landed`` changes nothing), and may hook ``_on_start``,
 ``_on_new_publication``, ``_on_update_failed`` and ``_on_update_closed``.
 """
 
@@ -50,6 +63,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.layerwise_session import (
     LayerwiseReloadSession,
 )
+from vllm.distributed.weight_transfer.staged_update import StagedUpdate
 from vllm.distributed.weight_transfer.verification import (
     WeightsFencedError,
     WeightState,
@@ -57,10 +71,13 @@ from vllm.distributed.weight_transfer.verification import (
     abort_reason,
     describe_error,
     fenced_message,
+    is_prepare_request,
 )
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
+
+UpdateSession = LayerwiseReloadSession | StagedUpdate
 
 
 class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
@@ -71,7 +88,7 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._session: LayerwiseReloadSession | None = None
+        self._session: UpdateSession | None = None
         # Created on first use (``_make_publication`` may query the device).
         self._pub: WorkerPublication | None = None
         # Set once a weight of the open update was handed to the model.
@@ -111,7 +128,12 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         """The worker's update state (``FenceStatus.to_dict``), for diagnostics."""
         return self.pub.fence.status.to_dict()
 
-    def _session_for(self, what: str) -> LayerwiseReloadSession:
+    @property
+    def staging(self) -> str:
+        """``WeightTransferConfig.staging``: ``"off"``, ``"device"`` or ``"host"``."""
+        return getattr(self.config, "staging", "off") or "off"
+
+    def _session_for(self, what: str) -> UpdateSession:
         """The open update's session, within its deadline, or an error that
         says why there is none."""
         session = self._session
@@ -126,7 +148,10 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
 
     def _mark_landed(self) -> None:
         """Call before handing the first weight of an update to the model: a
-        failure from here on fences the engine."""
+        failure from here on fences the engine. Staged updates hand nothing
+        to the model before the commit, which marks it itself."""
+        if isinstance(self._session, StagedUpdate):
+            return
         self.pub.touch()
         self._landed = True
 
@@ -140,12 +165,23 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         self._landed = False
         self._aborted = False
         self._on_start()
-        session = LayerwiseReloadSession(
-            self.model,
-            self.model_config,
-            on_abort=self._session_aborted,
-            timeout_s=getattr(self.config, "update_timeout_s", None),
-        )
+        timeout_s = getattr(self.config, "update_timeout_s", None)
+        session: UpdateSession
+        if self.staging == "off":
+            session = LayerwiseReloadSession(
+                self.model,
+                self.model_config,
+                on_abort=self._session_aborted,
+                timeout_s=timeout_s,
+            )
+        else:
+            session = StagedUpdate(
+                self.model,
+                self.model_config,
+                where=self.staging,  # type: ignore[arg-type]
+                model_device=self.device,
+                timeout_s=timeout_s,
+            )
         session.start()
         self._session = session
 
@@ -159,6 +195,11 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
             self._close_aborted(reason)
             return
         try:
+            if is_prepare_request(update_info):
+                what = f"{self.backend_name} prepare"
+                self.pub.fence.check_open(what)
+                self._prepare(self._session_for(what))
+                return
             # No update open, or fenced: refused before anything changes (the
             # failure path below then only tells the backend).
             self.pub.fence.check_open(f"{self.backend_name} update_weights")
@@ -202,10 +243,12 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
                 # An earlier failure closed the update with the weights intact.
                 return
             try:
-                if session is not None and session.is_open:
+                if isinstance(session, StagedUpdate) and session.is_open:
+                    self._commit_staged(session)
+                elif session is not None and session.is_open:
                     session.finish()
             except BaseException as e:
-                self.pub.fail(e, weights_intact=False)
+                self.pub.fail(e, weights_intact=not self._landed)
                 if isinstance(e, Exception) and not str(e).strip():
                     raise RuntimeError(
                         f"{self.backend_name} finish_weight_update failed: "
@@ -221,6 +264,28 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         self._on_update_closed()
 
     # -- internals -----------------------------------------------------------
+
+    def _prepare(self, session: UpdateSession) -> None:
+        """Check what this worker holds and write its receipt; nothing is
+        committed (the trainer's prepare message, or a staged finish)."""
+        if isinstance(session, StagedUpdate):
+            session.prepare()
+        self.pub.prepare()
+
+    def _commit_staged(self, session: StagedUpdate) -> None:
+        """Finish a staged update: the checks and the receipt (unless the
+        prepare message did them), then the commit, which alone fences on
+        failure."""
+        if not self.pub.receipt_sent:
+            self._prepare(session)
+        self.pub.touch()
+        self._landed = True
+        record = self.pub.record
+        if record is not None:
+            with record.phase("commit"):
+                session.finish()
+        else:
+            session.finish()
 
     def _session_aborted(self, reason: str, landed: bool) -> None:
         """The session aborted itself (a forward pass during landing, or the

@@ -11,7 +11,10 @@
   function: set ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` before creating the
   ``LLM``). The first makes the worker's ``call``-th load (from 1) raise once,
   after the weights of that chunk were handed to the loader; the second reads
-  the worker engine's fence state.
+  the worker engine's fence state. ``fail_stage_once(worker, call)`` is the
+  first for a staged update (``staging`` on): the ``call``-th message's
+  tensors are staged, then it raises. ``worker_staging(worker)`` reports
+  what the worker holds for staging and its resident memory.
 * ``push_then_die(base_url, model_dir, seed, chunk_bytes)`` is the body of a
   trainer process that pushes seeded weights to a ``vllm serve`` in chunks of
   ``chunk_bytes`` and SIGKILLs itself as soon as the first chunk was accepted:
@@ -86,6 +89,38 @@ def fail_load_once(worker: Any, call: int) -> None:
         raise RuntimeError(f"{INJECTED_FAILURE} on load {call}")
 
     LayerwiseReloadSession.load = load  # type: ignore[method-assign,assignment]
+
+
+def fail_stage_once(worker: Any, call: int) -> None:
+    """For ``llm.collective_rpc``: the worker's ``call``-th staged load (from
+    1) stages its tensors, then raises, once."""
+    from vllm.distributed.weight_transfer.staged_update import StagedUpdate
+
+    original = StagedUpdate.load
+    calls = [0]
+
+    def load(session: Any, *args: Any, **kwargs: Any) -> None:
+        calls[0] += 1
+        if calls[0] < call:
+            return original(session, *args, **kwargs)
+        StagedUpdate.load = original  # type: ignore[method-assign]
+        original(session, *args, **kwargs)
+        raise RuntimeError(f"{INJECTED_FAILURE} on staged load {call}")
+
+    StagedUpdate.load = load  # type: ignore[method-assign,assignment]
+
+
+def worker_staging(worker: Any) -> dict[str, Any]:
+    """For ``llm.collective_rpc``: the bytes the worker engine holds in
+    staging, whether an update is open, and the process's resident bytes."""
+    import psutil
+
+    session = worker.weight_transfer_engine._session
+    return {
+        "staged_bytes": getattr(session, "staged_bytes", 0) if session else 0,
+        "open": bool(session is not None and session.is_open),
+        "rss": psutil.Process().memory_info().rss,
+    }
 
 
 def worker_fence_status(worker: Any) -> dict[str, Any]:

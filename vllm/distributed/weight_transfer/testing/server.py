@@ -27,6 +27,7 @@ A server that exits during start-up or is not healthy within
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -81,6 +82,7 @@ def serve_args(
     *,
     host: str = "127.0.0.1",
     weight_transfer_backend: str | None = "ipc",
+    weight_transfer_options: Mapping[str, object] | None = None,
     dtype: str = "float32",
     max_model_len: int = TINY_ENGINE_ARGS["max_model_len"],
     max_num_seqs: int = TINY_ENGINE_ARGS["max_num_seqs"],
@@ -88,9 +90,10 @@ def serve_args(
     extra_args: Sequence[str] = (),
     fresh_load_oracle: bool = True,
 ) -> list[str]:
-    """The argument list after ``vllm`` for one server. ``fresh_load_oracle``
-    installs the worker methods of ``testing.fresh_load`` (see
-    ``ServerProcess.fresh_load_oracle``)."""
+    """The argument list after ``vllm`` for one server. The weight-transfer
+    config is ``weight_transfer_backend`` plus ``weight_transfer_options``
+    (e.g. ``{"staging": "host"}``). ``fresh_load_oracle`` installs the worker
+    methods of ``testing.fresh_load`` (see ``ServerProcess.fresh_load_oracle``)."""
     args = [
         "serve",
         str(model_dir),
@@ -111,10 +114,8 @@ def serve_args(
     if tensor_parallel_size != 1:
         args += ["--tensor-parallel-size", str(tensor_parallel_size)]
     if weight_transfer_backend is not None:
-        args += [
-            "--weight-transfer-config",
-            f'{{"backend": "{weight_transfer_backend}"}}',
-        ]
+        config = {"backend": weight_transfer_backend, **(weight_transfer_options or {})}
+        args += ["--weight-transfer-config", json.dumps(config)]
     if fresh_load_oracle:
         args += ["--worker-extension-cls", WORKER_EXTENSION]
     return args + list(extra_args)
@@ -236,6 +237,7 @@ def serve(
     model_dir: str | os.PathLike[str],
     *,
     weight_transfer_backend: str | None = "ipc",
+    weight_transfer_options: Mapping[str, object] | None = None,
     dtype: str = "float32",
     max_model_len: int = TINY_ENGINE_ARGS["max_model_len"],
     max_num_seqs: int = TINY_ENGINE_ARGS["max_num_seqs"],
@@ -256,6 +258,7 @@ def serve(
         model_dir,
         port,
         weight_transfer_backend=weight_transfer_backend,
+        weight_transfer_options=weight_transfer_options,
         dtype=dtype,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,

@@ -146,6 +146,22 @@ class LLMHost:
     def shutdown_weight_transfer_engine(self) -> None:
         self.llm.collective_rpc("shutdown_weight_transfer_engine")
 
+    # What the client holds generation with for the commit (as on ``LLM``).
+    def sleep(self, level: int = 0, mode: str = "keep") -> None:
+        self.llm.sleep(level=level, mode=mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.llm.wake_up(tags=tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self.llm.llm_engine.is_sleeping())
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Drop KV blocks cached under the previous weights."""
+        return bool(
+            self.llm.reset_prefix_cache(reset_running_requests=reset_running_requests)
+        )
+
     # Oracle helpers.
     def greedy(self) -> Any:
         from vllm.distributed.weight_transfer.testing import vllm_greedy
@@ -176,10 +192,6 @@ class LLMHost:
 
     def weight_version(self) -> str | None:
         return self.llm.get_weight_version()
-
-    def reset_prefix_cache(self) -> bool:
-        """Drop KV blocks cached under the previous weights."""
-        return bool(self.llm.reset_prefix_cache())
 
     def version_seen_at_finish(self) -> str | None:
         """The served version right after the last finish_weight_update."""

@@ -32,12 +32,14 @@ from vllm.distributed.weight_transfer.verification.checks import (
 from vllm.distributed.weight_transfer.verification.checksum import payload_checksum
 from vllm.distributed.weight_transfer.verification.fence import (
     ABORT_FIELD,
+    PREPARE_FIELD,
     WeightsFencedError,
     WeightState,
     abort_reason,
     fenced_message,
     fenced_version,
     is_fenced_version,
+    is_prepare_request,
     set_served_version,
 )
 from vllm.distributed.weight_transfer.verification.publication import (
@@ -90,9 +92,11 @@ __all__ = [
     "ReceiptTimeoutError",
     # fence
     "ABORT_FIELD",
+    "PREPARE_FIELD",
     "WeightState",
     "WeightsFencedError",
     "abort_reason",
+    "is_prepare_request",
     "fenced_message",
     "fenced_version",
     "is_fenced_version",

@@ -79,6 +79,23 @@ def abort_reason(d: object) -> str | None:
     return d[ABORT_FIELD]
 
 
+PREPARE_FIELD = "prepare"
+
+
+def is_prepare_request(d: object) -> bool:
+    """Whether ``d`` is the trainer's prepare message (``{"prepare":
+    publication_id}``): every weight was sent; the worker checks what it holds
+    and writes its receipt before the commit (``finish_weight_update``)."""
+    if not isinstance(d, dict) or PREPARE_FIELD not in d:
+        return False
+    if set(d) != {PREPARE_FIELD} or not isinstance(d[PREPARE_FIELD], str):
+        raise ValueError(
+            f"update_info.{PREPARE_FIELD} must be the only field and a string "
+            f"(the publication id), got fields {sorted(d)}"
+        )
+    return True
+
+
 class WeightState(enum.Enum):
     IDLE = "idle"
     UPDATING = "updating"

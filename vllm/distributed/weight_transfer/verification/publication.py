@@ -62,12 +62,15 @@ from vllm.distributed.weight_transfer.verification.checksum import (
 )
 from vllm.distributed.weight_transfer.verification.fence import (
     WeightFence,
+    WeightState,
     fenced_version,
     set_served_version,
 )
 from vllm.distributed.weight_transfer.verification.receipts import (
     DEFAULT_RECEIPT_TIMEOUT_S,
+    ExpectedWorkers,
     ReceiptInbox,
+    ReceiptTimeoutError,
     ShmReceiptBox,
     sink_for,
 )
@@ -86,6 +89,10 @@ from vllm.distributed.weight_transfer.verification.wire import (
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
+
+# How long a failed sync waits for the workers' failure receipts before it
+# fences the served version anyway.
+FAILURE_RECEIPT_WAIT_S = 2.0
 
 
 def device_identity(device: torch.device | str) -> str:
@@ -246,10 +253,29 @@ class TrainerPublication:
         self.record.log(logger)
         return self.verified
 
-    def fail(self, client: Any, error: BaseException | str) -> None:
-        """Fence the served version (best effort) and log the failed sync."""
+    def fail(
+        self,
+        client: Any,
+        error: BaseException | str,
+        expected_workers: ExpectedWorkers | None = None,
+    ) -> None:
+        """Fence the served version (best effort) and log the failed sync.
+
+        The version is left alone when every one of ``expected_workers``
+        reported the failure with its weights intact (a staged or refused
+        update): the engines serve the previous version, unfenced."""
         self.record.finish(ok=False, error=error)
         self.record.log(logger)
+        if expected_workers is not None and self._all_kept_their_weights(
+            expected_workers
+        ):
+            logger.warning(
+                "publication %s failed (%s); every worker kept its previous "
+                "weights, so the served version is unchanged",
+                self.header.publication_id,
+                describe_error(error),
+            )
+            return
         version = fenced_version(self.header.publication_id, describe_error(error))
         try:
             set_served_version(client, version)
@@ -257,6 +283,23 @@ class TrainerPublication:
             logger.error(
                 "could not set the served weight version to %r: %s", version, e
             )
+
+    def _all_kept_their_weights(self, expected_workers: ExpectedWorkers) -> bool:
+        """Whether every expected worker's receipt is a failure with its
+        weights intact, within ``FAILURE_RECEIPT_WAIT_S`` (failure receipts are
+        sent as the update closes, best effort)."""
+        try:
+            receipts = self.collect(expected_workers, FAILURE_RECEIPT_WAIT_S)
+        except (ReceiptTimeoutError, ValueError):
+            return False
+        got = {(r.worker_rank, r.worker_device): r for r in receipts}
+        if isinstance(expected_workers, int):
+            enough = len(got) >= expected_workers
+        else:
+            enough = set(expected_workers) <= {rank for rank, _ in got}
+        return enough and all(
+            r.error is not None and r.weights_intact is True for r in got.values()
+        )
 
     def close(self) -> None:
         if self.box is not None:
@@ -306,11 +349,15 @@ class WorkerPublication:
         self.record: sync_metrics.SyncRecord | None = None
         # The payload checksums of the message being received, by buffer.
         self.message_checksums: list[str] | None = None
+        # The receipt went out at the trainer's prepare message; the commit
+        # (``finish``) does not write it again.
+        self._receipt_sent = False
 
     def start(self) -> None:
         self.fence.start()
         self.header = None
         self.checker = None
+        self._receipt_sent = False
         self.record = sync_metrics.SyncRecord(
             backend=self.backend, side=f"worker {self.worker_rank}"
         )
@@ -406,19 +453,45 @@ class WorkerPublication:
         if self.header is not None:
             self._deliver(
                 Receipt.failure(
-                    self.header, self.worker_rank, self.worker_device, reason
+                    self.header,
+                    self.worker_rank,
+                    self.worker_device,
+                    reason,
+                    weights_intact=self.fence.state != WeightState.FENCED,
                 ),
                 best_effort=True,
             )
         self.header = None
         self.checker = None
+        self._receipt_sent = False
+
+    @property
+    def receipt_sent(self) -> bool:
+        """Whether this update's receipt went out at the prepare message."""
+        return self._receipt_sent
+
+    def prepare(self) -> Receipt | None:
+        """Write the receipt before the commit, so the trainer can verify every
+        worker of every engine before any of them commits. An incomplete
+        update raises ``IncompleteUpdate`` here (the caller fails it)."""
+        self.fence.check_open("prepare")
+        if self.checker is None:
+            return None
+        assert self.record is not None
+        receipt = self.checker.receipt(
+            self.worker_rank, self.worker_device, timings=self.record.phases
+        )
+        self._deliver(receipt, best_effort=False)
+        self._receipt_sent = True
+        return receipt
 
     def finish(self) -> Receipt | None:
-        """Write the receipt and commit; an incomplete update fails and fences."""
+        """Write the receipt (unless ``prepare`` did) and commit; an incomplete
+        update fails and fences."""
         self.fence.check_open("finish_weight_update")
         receipt = None
         try:
-            if self.checker is not None:
+            if self.checker is not None and not self._receipt_sent:
                 assert self.record is not None
                 receipt = self.checker.receipt(
                     self.worker_rank, self.worker_device, timings=self.record.phases
@@ -433,6 +506,7 @@ class WorkerPublication:
             self.record.log(logger)
         self.header = None
         self.checker = None
+        self._receipt_sent = False
         return receipt
 
     def _deliver(self, receipt: Receipt, *, best_effort: bool) -> None:

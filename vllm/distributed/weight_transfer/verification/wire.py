@@ -550,7 +550,10 @@ class Receipt:
     ``complete`` is the worker's own verdict: every byte it was promised
     (``expected_bytes``) landed. ``coverage`` is ``coverage_digest`` over the
     ``(name, bytes)`` that landed. ``error`` is set when the worker failed; such
-    a receipt never verifies. ``timings`` holds phase durations in seconds.
+    a receipt never verifies, and ``weights_intact`` then says whether the
+    worker's served weights are still exactly the previous ones (a refused or
+    staged update) or not (it fenced itself). ``timings`` holds phase
+    durations in seconds.
     """
 
     publication_id: str
@@ -567,6 +570,7 @@ class Receipt:
     checksums_verified: int = 0
     error: str | None = None
     timings: dict[str, float] = field(default_factory=dict, compare=False)
+    weights_intact: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.publication_id, str) or not _PUBLICATION_ID_RE.fullmatch(
@@ -590,6 +594,13 @@ class Receipt:
         check_int(self.checksums_verified, "receipt.checksums_verified")
         if self.error is not None and not isinstance(self.error, str):
             raise ValueError(f"receipt.error must be a string or null: {self.error!r}")
+        if self.weights_intact is not None and not isinstance(
+            self.weights_intact, bool
+        ):
+            raise ValueError(
+                "receipt.weights_intact must be a bool or null: "
+                f"{self.weights_intact!r}"
+            )
         if not isinstance(self.timings, dict) or not all(
             isinstance(k, str)
             and isinstance(v, (int, float))
@@ -616,12 +627,13 @@ class Receipt:
             "checksums_verified": self.checksums_verified,
             "error": self.error,
             "timings": dict(self.timings),
+            "weights_intact": self.weights_intact,
         }
 
     @classmethod
     def from_dict(cls, d: object) -> Receipt:
         names = set(cls.__dataclass_fields__)
-        required = names - {"checksums_verified", "error", "timings"}
+        required = names - {"checksums_verified", "error", "timings", "weights_intact"}
         d = check_fields(d, names, required, "receipt")
         return cls(**d)
 
@@ -632,8 +644,10 @@ class Receipt:
         worker_rank: int,
         worker_device: str,
         error: str,
+        weights_intact: bool | None = None,
     ) -> Receipt:
-        """A receipt reporting that this worker failed the publication."""
+        """A receipt reporting that this worker failed the publication, and
+        whether its served weights are still the previous ones."""
         return cls(
             publication_id=header.publication_id,
             model_version=header.model_version,
@@ -647,4 +661,5 @@ class Receipt:
             complete=False,
             coverage=coverage_digest(()),
             error=error[:4000],
+            weights_intact=weights_intact,
         )

@@ -1,0 +1,272 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Staged updates (``WeightTransferConfig.staging``) on the ipc worker engine
+and a small torch model (no vLLM engine): the model serves its old weights
+until ``finish_weight_update`` commits, a forward pass in between is served
+normally, every failure before the commit drops the staging without fencing,
+the receipt is written at the trainer's prepare message before anything is
+committed, and staging that does not fit is refused before it is copied."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_ipc_worker import (
+    EngineClient,
+    TinyNet,
+    reload_ready,
+    state,
+)
+
+from vllm.distributed.weight_transfer import ModuleSource
+from vllm.distributed.weight_transfer import staged_update as staged_module
+from vllm.distributed.weight_transfer.ipc_engine import (
+    IPCTrainerInitInfo,
+    IPCTrainerWeightTransferEngine,
+    IPCWeightTransferEngine,
+)
+from vllm.distributed.weight_transfer.staged_update import (
+    StagedUpdate,
+    StagingDoesNotFit,
+)
+from vllm.distributed.weight_transfer.verification import (
+    PREPARE_FIELD,
+    is_prepare_request,
+)
+
+
+def staged_engine(
+    model: torch.nn.Module, where: str = "host", timeout_s: float = 600.0
+) -> IPCWeightTransferEngine:
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(),
+        model_config=SimpleNamespace(dtype=None, model=None),
+    )
+    return IPCWeightTransferEngine(
+        SimpleNamespace(  # type: ignore[arg-type]
+            backend="ipc", staging=where, update_timeout_s=timeout_s
+        ),
+        vllm_config,  # type: ignore[arg-type]
+        torch.device("cpu"),
+        model,
+    )
+
+
+class ServingClient(EngineClient):
+    """Drives the engine like the worker's RPC handlers and runs a forward
+    pass of the served model after every update message, as an engine that
+    keeps generating would; records what each forward saw."""
+
+    def __init__(self, engine: IPCWeightTransferEngine) -> None:
+        super().__init__(engine)
+        self.seen: list[dict[str, torch.Tensor]] = []
+        self.finished = False
+
+    def update_weights(self, update_info):
+        super().update_weights(update_info)
+        model = self.engine.model
+        model.b(model.a(torch.ones(1, 4)))  # type: ignore[operator]  # a forward
+        self.seen.append(state(model))
+
+
+def trainer_for(client, model, **kwargs) -> IPCTrainerWeightTransferEngine:
+    return IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=64, **kwargs),
+        client=client,
+        source=ModuleSource(model),
+    )
+
+
+def assert_state(model: torch.nn.Module, want: dict[str, torch.Tensor]) -> None:
+    for name, value in want.items():
+        param = dict(model.named_parameters())[name]
+        assert not param.is_meta and torch.equal(param, value), name
+
+
+@pytest.mark.parametrize("verified", [True, False])
+def test_the_old_weights_serve_until_the_commit(verified):
+    target, trainer = reload_ready(0), TinyNet(1)
+    before = state(target)
+    engine = staged_engine(target)
+    client = ServingClient(engine)
+    trainer_for(client, trainer, verify_publication=verified).send_weights()
+    weights = [s for s in client.seen]
+    assert len(weights) >= 2  # several messages, a forward after each
+    for seen in weights:  # every forward before the commit saw the old weights
+        for name, value in before.items():
+            assert torch.equal(seen[name], value), name
+    assert_state(target, state(trainer))
+    assert engine.fence_status["state"] == "committed"
+
+
+def test_the_receipt_is_written_at_prepare_before_anything_commits():
+    target, trainer = reload_ready(0), TinyNet(1)
+    before = state(target)
+    engine = staged_engine(target)
+    prepared: list[dict] = []
+
+    class WatchesPrepare(EngineClient):
+        def update_weights(self, update_info):
+            super().update_weights(update_info)
+            if is_prepare_request(update_info):
+                pub = self.engine.pub
+                prepared.append(
+                    {"receipt_sent": pub.receipt_sent, "state": state(target)}
+                )
+
+    trainer_for(WatchesPrepare(engine), trainer).send_weights(weight_version="v1")
+    assert len(prepared) == 1 and prepared[0]["receipt_sent"]
+    assert_state_equal(prepared[0]["state"], before)
+    assert_state(target, state(trainer))
+
+
+def assert_state_equal(got, want):
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
+class FailsAtMessage(EngineClient):
+    """Forwards update messages, but makes message ``n`` (from 1) fail inside
+    the worker after its bytes were received."""
+
+    def __init__(self, engine, n: int) -> None:
+        super().__init__(engine)
+        self.n, self.calls = n, 0
+
+    def update_weights(self, update_info):
+        self.calls += 1
+        if self.calls == self.n:
+            original = StagedUpdate.load
+
+            def failing(session, *args, **kwargs):
+                raise RuntimeError("injected failure while staging")
+
+            StagedUpdate.load = failing  # type: ignore[method-assign,assignment]
+            try:
+                return super().update_weights(update_info)
+            finally:
+                StagedUpdate.load = original  # type: ignore[method-assign]
+        return super().update_weights(update_info)
+
+
+@pytest.mark.parametrize("at", [1, 2])
+def test_a_failure_before_the_commit_keeps_the_old_weights_unfenced(at):
+    target, trainer = reload_ready(0), TinyNet(1)
+    before = state(target)
+    engine = staged_engine(target)
+    with pytest.raises(RuntimeError, match="injected failure while staging"):
+        trainer_for(FailsAtMessage(engine, at), trainer).send_weights()
+    assert_state(target, before)
+    status = engine.fence_status
+    assert status["state"] != "fenced", status
+    assert "injected" in (status["last_failure"] or "")
+    assert engine._session is None or not engine._session.is_open
+    trainer_for(EngineClient(engine), trainer).send_weights()  # no resync needed
+    assert_state(target, state(trainer))
+
+
+def test_the_trainers_abort_drops_the_staging_unfenced():
+    target, trainer = reload_ready(0), TinyNet(1)
+    before = state(target)
+    engine = staged_engine(target)
+    engine.start_weight_update()
+    session = engine._session
+    assert isinstance(session, StagedUpdate)
+    session.load([("a.weight", torch.ones(6, 4)), ("a.bias", torch.ones(6))])
+    assert session.staged_bytes == (24 + 6) * 4
+    engine.update_weights({"abort": "trainer rank 1 died"})
+    engine.finish_weight_update()
+    assert session.staged_bytes == 0
+    assert_state(target, before)
+    assert engine.fence_status["state"] != "fenced"
+    trainer_for(EngineClient(engine), trainer).send_weights()
+    assert_state(target, state(trainer))
+
+
+def test_an_update_past_its_deadline_is_dropped_unfenced(monkeypatch):
+    target, trainer = reload_ready(0), TinyNet(1)
+    before = state(target)
+    engine = staged_engine(target, timeout_s=5.0)
+    engine.start_weight_update()
+    session = engine._session
+    assert isinstance(session, StagedUpdate)
+    session.load([("a.weight", torch.ones(6, 4))])
+    session._last_call -= 10.0  # the trainer went silent for 10 s
+    with pytest.raises(TimeoutError, match="without a call from the trainer"):
+        engine.update_weights({PREPARE_FIELD: "p"})
+    assert session.staged_bytes == 0
+    assert_state(target, before)
+    assert engine.fence_status["state"] != "fenced"
+    engine.finish_weight_update()  # vLLM's Worker still holds it open: closes quietly
+    trainer_for(EngineClient(engine), trainer).send_weights()
+    assert_state(target, state(trainer))
+
+
+def test_staging_that_does_not_fit_is_refused_before_it_is_copied(monkeypatch):
+    target, trainer = reload_ready(0), TinyNet(1)
+    before = state(target)
+    engine = staged_engine(target)
+    # 100 bytes free: the publication's 136 bytes cannot be staged.
+    monkeypatch.setattr(staged_module, "free_bytes", lambda device: 100)
+    with pytest.raises(StagingDoesNotFit, match="needs 0.000 GiB of staging"):
+        trainer_for(EngineClient(engine), trainer).send_weights()
+    assert_state(target, before)
+    assert engine.fence_status["state"] != "fenced"
+    monkeypatch.undo()
+    trainer_for(EngineClient(engine), trainer).send_weights()
+    assert_state(target, state(trainer))
+
+
+def test_a_name_sent_twice_is_refused_before_the_commit():
+    target = reload_ready(0)
+    before = state(target)
+    engine = staged_engine(target)
+    engine.start_weight_update()
+    session = engine._session
+    assert isinstance(session, StagedUpdate)
+    session.load([("a.weight", torch.ones(6, 4))])
+    with pytest.raises(ValueError, match="more than once"):
+        session.load([("a.weight", torch.zeros(6, 4))])
+    assert_state(target, before)
+
+
+def test_a_failure_inside_the_commit_fences():
+    """The one failure staging cannot undo: the commit itself (here a layer
+    that lacks a parameter, which only the model's loader can tell)."""
+    target = reload_ready(0)
+    engine = staged_engine(target)
+    engine.start_weight_update()
+    session = engine._session
+    assert isinstance(session, StagedUpdate)
+    session.load([("a.bias", torch.ones(6)), ("b.weight", torch.ones(3, 6))])
+    with pytest.raises(Exception, match="without all of their parameters"):
+        engine.finish_weight_update()
+    status = engine.fence_status
+    assert status["state"] == "fenced", status
+
+
+def test_twenty_failed_syncs_leave_no_staging_behind():
+    target, trainer = reload_ready(0), TinyNet(1)
+    engine = staged_engine(target)
+    sessions = []
+    for _ in range(20):
+        with pytest.raises(RuntimeError, match="injected"):
+            trainer_for(FailsAtMessage(engine, 2), trainer).send_weights()
+        sessions.append(engine._session)
+    assert all(getattr(s, "staged_bytes", 0) == 0 for s in sessions)
+    assert engine.fence_status["state"] != "fenced"
+    trainer_for(EngineClient(engine), trainer).send_weights()
+    assert_state(target, state(trainer))
+
+
+def test_host_staging_lives_in_host_memory_and_device_staging_on_the_model():
+    model = reload_ready(0)
+    host = StagedUpdate(model, None, where="host", model_device=torch.device("cpu"))
+    host.start()
+    assert host.stage(torch.ones(3)).device.type == "cpu"
+    on_model = StagedUpdate(
+        model, None, where="device", model_device=torch.device("cpu")
+    )
+    assert on_model.device == torch.device("cpu")

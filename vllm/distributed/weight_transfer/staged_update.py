@@ -1,0 +1,364 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""One weight update staged in memory the worker owns while the engine keeps
+serving the weights it has, then committed in one call.
+
+``WeightTransferConfig.staging`` selects it (``"device"`` or ``"host"``; the
+default ``"off"`` lands in place through ``LayerwiseReloadSession``). The
+worker engine drives it through the same calls as the in-place session:
+
+1. ``start()`` (from ``start_weight_update``): opens the update. The model is
+   not touched until the commit, so generation keeps running on the served
+   weights for the whole transfer; nothing hooks the forward pass.
+2. ``load(weights)`` (ipc) or ``stage(data)`` + ``defer(land)``
+   (``sharded_rdt``, from a background pull started with ``in_background``,
+   so that the engine keeps stepping while the bytes arrive), any number of
+   times: each tensor is copied into staging
+   (``where``: the model's device, or host memory, pinned on CUDA) and the
+   step that will land it is remembered. A name received twice is refused.
+   Staging is counted against the memory the worker has free; a transfer
+   that would not fit is refused before it is copied (``StagingDoesNotFit``).
+3. ``prepare()`` (from the trainer's prepare message, or at the start of
+   ``finish``): waits for the background work and re-raises its failure,
+   then checks, by name only, that the update covers every fused group it
+   touches. A refusal here leaves the model untouched.
+4. ``finish()`` (from ``finish_weight_update``): the commit. A layerwise reload
+   session lands every staged tensor in order and processes each layer, all
+   inside this one call, so no engine step runs between the first and the
+   last layer. Staging is released afterwards, whatever happened.
+   ``abort(reason)`` before the commit stops the background work and drops
+   the staging: the served weights were never touched. A failure inside the
+   commit is handled like an in-place failure (layers that did not complete
+   go back; the worker engine fences because ``touched`` is set).
+
+Deadline: ``timeout_s`` bounds the gap between two calls, as for the in-place
+session; past it the update is aborted (staging dropped) and the call raises
+``TimeoutError``.
+
+What staging costs: every byte this worker receives, in the dtype it arrives
+in, once (``staged_bytes``). For ``sharded_rdt`` that is exactly the bytes of
+this worker's pull plan; for ``ipc`` it is every tensor the trainer sends,
+since every worker receives whole tensors and slices them when it loads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import torch
+
+from vllm.distributed.weight_transfer.layerwise_session import (
+    LayerwiseReloadSession,
+)
+from vllm.distributed.weight_transfer.update_completeness import FusedGroups
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+StagingWhere = Literal["device", "host"]
+
+# How long ``abort`` waits for stopped background work.
+_STOP_JOIN_S = 30.0
+
+# Staging may take at most this share of the memory free when it is reserved;
+# the rest is left for the engine's own allocations while it keeps serving.
+FREE_MEMORY_SHARE = 0.9
+
+
+class StagingDoesNotFit(MemoryError):
+    """The staging an update needs exceeds the memory this worker has free."""
+
+
+def free_bytes(device: torch.device) -> int:
+    """Bytes free for new tensors on ``device`` (host memory for CPU)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def staging_device(where: StagingWhere, model_device: torch.device) -> torch.device:
+    """Where staged tensors live: the model's device, or host memory."""
+    return model_device if where == "device" else torch.device("cpu")
+
+
+Land = Callable[[LayerwiseReloadSession], None]
+
+
+class StagedUpdate:
+    """Stage one update, then commit it; see the module docstring."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config: Any,
+        *,
+        where: StagingWhere,
+        model_device: torch.device,
+        timeout_s: float | None = None,
+        free_memory: Callable[[torch.device], int] | None = None,
+    ) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.where = where
+        self.device = staging_device(where, model_device)
+        self.timeout_s = timeout_s
+        # How many bytes are free on a device (``free_bytes`` by default).
+        self._free_memory = free_memory
+        self._pin = where == "host" and model_device.type == "cuda"
+        self.aborted_reason: str | None = None
+        self.staged_bytes = 0
+        self._open = False
+        self._touched = False
+        self._prepared = False
+        self._received: set[str] = set()
+        self._lands: list[Land] = []
+        self._last_call = time.monotonic()
+        self._committing: LayerwiseReloadSession | None = None
+        # Work running on a thread while the engine serves, and its stop flag.
+        self._background: tuple[threading.Thread, threading.Event] | None = None
+        self._background_error: BaseException | None = None
+
+    # -- state the worker engine reads ----------------------------------------
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    @property
+    def landing(self) -> bool:
+        """Whether the commit has begun writing into the model."""
+        return self._touched
+
+    @property
+    def touched(self) -> bool:
+        """Whether the commit has begun writing into the model; a failure
+        from here on leaves a partly committed model."""
+        return self._touched
+
+    def start(self) -> None:
+        if self._open:
+            raise RuntimeError("this staged update is already open")
+        self._open = True
+        self.aborted_reason = None
+        self._last_call = time.monotonic()
+
+    def check_deadline(self, what: str) -> None:
+        """Abort the update and raise ``TimeoutError`` when more than
+        ``timeout_s`` passed since its last call; otherwise note this call."""
+        now = time.monotonic()
+        idle = now - self._last_call
+        self._last_call = now
+        if not self._open or self.timeout_s is None or idle <= self.timeout_s:
+            return
+        reason = (
+            f"the update went {idle:.0f} s without a call from the trainer "
+            f"(update_timeout_s={self.timeout_s:g})"
+        )
+        self.abort(reason)
+        raise TimeoutError(self.closed_message(what))
+
+    def closed_message(self, what: str) -> str:
+        if self.aborted_reason is not None:
+            return (
+                f"{what}: the staged weight update was aborted "
+                f"({self.aborted_reason}); the served weights are unchanged. Send "
+                "{'abort': ...} or call finish_weight_update to close it, then "
+                "start a new full update"
+            )
+        return f"{what} needs an open update; call start_weight_update first"
+
+    # -- staging ------------------------------------------------------------------
+
+    def expect(self, nbytes: int, what: str) -> None:
+        """Refuse now if ``nbytes`` more staging will not fit (called with the
+        whole update's size when it is known up front)."""
+        free = (self._free_memory or free_bytes)(self.device)
+        if nbytes > FREE_MEMORY_SHARE * free:
+            raise StagingDoesNotFit(
+                f"{what} needs {_gib(nbytes)} of staging on {self.device} "
+                f"({self.where!r}) beyond the {_gib(self.staged_bytes)} staged so "
+                f"far, but only {_gib(free)} is free (staging may take "
+                f"{FREE_MEMORY_SHARE:.0%} of it). Free memory, choose "
+                "staging='host' (or 'device'), or set staging='off' and pause "
+                "generation during updates"
+            )
+
+    def stage(self, data: torch.Tensor, what: str = "a tensor") -> torch.Tensor:
+        """A copy of ``data`` in staging, counted against free memory."""
+        self._check_open("stage")
+        nbytes = data.numel() * data.element_size()
+        self.expect(nbytes, what)
+        copy = torch.empty(
+            data.shape,
+            dtype=data.dtype,
+            device=self.device,
+            pin_memory=self._pin,
+        )
+        copy.copy_(data)
+        self.staged_bytes += nbytes
+        return copy
+
+    def defer(self, land: Land) -> None:
+        """Run ``land(session)`` at the commit, in the order deferred."""
+        self._check_open("defer")
+        self._lands.append(land)
+
+    def receive_names(self, names: Iterable[str]) -> None:
+        """Note names of this update; a name received twice is refused."""
+        names = list(names)
+        fresh = set(names)
+        repeated = fresh & self._received
+        if len(fresh) != len(names) or repeated:
+            dup = sorted(repeated) or _first_repeat(names)
+            raise ValueError(
+                f"this update carries {dup[0]!r} more than once; each tensor "
+                "may travel once per update"
+            )
+        self._received |= fresh
+
+    def load(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        foreign_storages: set[int] | None = None,
+    ) -> None:
+        """Stage checkpoint-format tensors by name (the ``ipc`` path). The
+        copies are owned, so ``foreign_storages`` never needs copying later."""
+        del foreign_storages  # every staged tensor is a copy already
+        self._check_open("load()")
+        self.check_deadline("load()")
+        weights = list(weights)
+        self.receive_names(name for name, _ in weights)
+        staged = [(name, self.stage(tensor, name)) for name, tensor in weights]
+        self.defer(lambda session: session.load(staged))
+
+    def in_background(self, work: Callable[[threading.Event], None], name: str) -> None:
+        """Run ``work(stop)`` on a thread while the engine keeps serving.
+        ``work`` must return soon after ``stop`` is set and bound its own
+        waits; ``prepare`` waits for it and re-raises its failure, ``abort``
+        stops it. The deadline counts from the moment it ends."""
+        self._check_open("in_background")
+        if self._background is not None:
+            raise RuntimeError("this staged update already runs background work")
+        stop = threading.Event()
+
+        def run() -> None:
+            try:
+                work(stop)
+            except BaseException as e:
+                self._background_error = e
+            finally:
+                self._last_call = time.monotonic()
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        self._background = (thread, stop)
+        thread.start()
+
+    # -- commit ------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Wait for the background work, then name-level checks before the
+        commit; the model is not touched."""
+        self._check_open("prepare")
+        self._join_background(stop=False)
+        self.check_deadline("prepare")
+        if self._received:
+            groups = FusedGroups.of(
+                self.model, getattr(self.model_config, "hf_config", None)
+            )
+            groups.check(self._received)
+        self._prepared = True
+
+    def finish(self) -> None:
+        """Commit: land every staged tensor into the model in this one call."""
+        self._check_open("finish()")
+        if not self._prepared:
+            self.prepare()
+        else:
+            self.check_deadline("finish()")
+        try:
+            if self._lands:
+                session = LayerwiseReloadSession(self.model, self.model_config)
+                session.start()
+                self._committing = session
+                self._touched = True
+                try:
+                    for land in self._lands:
+                        land(session)
+                    session.finish()
+                except BaseException as e:
+                    session.abort(f"the commit failed: {type(e).__name__}: {e}")
+                    raise
+        finally:
+            self._committing = None
+            self._release()
+            self._open = False
+
+    def abort(self, reason: str = "the update was aborted") -> None:
+        """Drop the staging; the served weights were not touched."""
+        if not self._open:
+            return
+        self.aborted_reason = reason
+        self._join_background(stop=True)
+        if self._committing is not None:
+            self._committing.abort(reason)
+        dropped = self.staged_bytes
+        self._release()
+        self._open = False
+        logger.warning(
+            "Staged weight update aborted (%s); %s of staging dropped, the served "
+            "weights are unchanged",
+            reason,
+            _gib(dropped),
+        )
+
+    # -- internals -------------------------------------------------------------
+
+    def _check_open(self, what: str) -> None:
+        if not self._open:
+            raise RuntimeError(self.closed_message(what))
+
+    def _join_background(self, *, stop: bool) -> None:
+        """Wait for the background work (stopping it first when ``stop``);
+        re-raise its failure unless it was stopped."""
+        if self._background is None:
+            return
+        thread, flag = self._background
+        if stop:
+            flag.set()
+        thread.join(None if not stop else _STOP_JOIN_S)
+        if thread.is_alive():
+            logger.warning(
+                "staged update: %s did not stop within %.0f s; its staging is "
+                "dropped anyway",
+                thread.name,
+                _STOP_JOIN_S,
+            )
+        self._background = None
+        error, self._background_error = self._background_error, None
+        if error is not None and not stop:
+            raise error
+
+    def _release(self) -> None:
+        self._lands = []
+        self._received = set()
+        self._prepared = False
+        self.staged_bytes = 0
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.3f} GiB"
+
+
+def _first_repeat(names: list[str]) -> list[str]:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            return [name]
+        seen.add(name)
+    return []
