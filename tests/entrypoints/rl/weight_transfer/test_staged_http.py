@@ -1,0 +1,245 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Staged updates over HTTP: a real ``vllm serve`` started with
+``--weight-transfer-config '{"backend": "ipc", "staging": "host"}'`` keeps
+answering streaming clients through a whole sync.
+
+While four clients stream greedy completions back to back, a trainer in this
+process pushes new weights in many chunks, and a completion sent after every
+chunk still gets exactly the old weights' output. The trainer holds
+generation only for the commit (``/pause?mode=keep``, finish, KV reset,
+``/resume``). Then:
+
+* every stream completed with all its tokens;
+* each stream is the old weights' output, the new weights' output, or the old
+  output up to some token followed by the new weights' continuation of that
+  prefix; a long stream started right before the commit is cut over that way;
+* the server serves exactly a fresh load of the trainer's weights (and
+  Hugging Face's fp32 forward of them), ``/weight_info`` names the new
+  version and generation is no longer paused.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from vllm.distributed.weight_transfer.base import ModuleSource
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+from vllm.distributed.weight_transfer.ipc_engine import (
+    IPCTrainerInitInfo,
+    IPCTrainerWeightTransferEngine,
+)
+from vllm.distributed.weight_transfer.testing import (
+    DEFAULT_PROMPTS,
+    assert_bit_identical,
+    assert_serves_weights,
+    load_hf_model,
+    randomize_weights_,
+)
+from vllm.distributed.weight_transfer.testing.oracle import completions_greedy
+from vllm.distributed.weight_transfer.testing.server import ServerProcess, serve
+
+pytestmark = pytest.mark.slow
+
+STREAM_TOKENS = 32
+LONG_STREAM_TOKENS = 200  # far more than a commit takes to generate
+CHUNK_CAP = 128 * 1024  # many update messages for the ~2 MB model
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path):
+    with serve(
+        tiny_model_dir,
+        weight_transfer_backend="ipc",
+        weight_transfer_options={"staging": "host"},
+    ) as s:
+        yield s
+
+
+def push(server: ServerProcess, model: Any, version: str, client: Any = None) -> None:
+    IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=CHUNK_CAP),
+        client=client or HTTPVLLMWeightSyncClient(server.base_url, timeout=120),
+        source=ModuleSource(model),
+    ).send_weights(weight_version=version)
+
+
+def stream_tokens(
+    server: ServerProcess,
+    prompt: tuple[int, ...],
+    max_tokens: int = STREAM_TOKENS,
+    first_token: threading.Event | None = None,
+) -> list[int]:
+    """The token ids of one streamed greedy completion; ``first_token`` is set
+    once some have arrived."""
+    response = requests.post(
+        f"{server.base_url}/v1/completions",
+        json={
+            "model": server.model,
+            "prompt": list(prompt),
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        },
+        stream=True,
+        timeout=120,
+    )
+    response.raise_for_status()
+    tokens: list[int] = []
+    for line in response.iter_lines():
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        for choice in json.loads(line[len(b"data: ") :])["choices"]:
+            tokens += choice.get("token_ids") or []
+        if tokens and first_token is not None:
+            first_token.set()
+    return tokens
+
+
+class Streams:
+    """``n`` clients streaming completions back to back until ``stop()``."""
+
+    def __init__(self, server: ServerProcess, n: int) -> None:
+        self.server = server
+        self.done: list[tuple[int, list[int]]] = []  # (prompt index, tokens)
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._run, args=(i % len(DEFAULT_PROMPTS),))
+            for i in range(n)
+        ]
+
+    def __enter__(self) -> Streams:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(120)
+
+    def _run(self, prompt_index: int) -> None:
+        while not self._stop.is_set():
+            try:
+                tokens = stream_tokens(self.server, DEFAULT_PROMPTS[prompt_index])
+            except BaseException as e:
+                self.errors.append(e)
+                return
+            self.done.append((prompt_index, tokens))
+
+
+class CompletesAfterEachMessage:
+    """A sync client that sends one completion after every update message,
+    and, right before the commit, starts a long stream and waits for its first
+    tokens: a request certainly in flight at the commit."""
+
+    def __init__(self, inner: HTTPVLLMWeightSyncClient, server: ServerProcess):
+        self.inner, self.server = inner, server
+        self.during: list[Any] = []
+        self.long_stream: list[int] = []
+        self._long = threading.Thread(target=self._stream_long)
+        self._first_token = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def update_weights(self, update_info: Any) -> None:
+        self.inner.update_weights(update_info)
+        self.during.append(self.server.greedy())
+
+    def pause_generation(self, mode: str = "keep") -> None:
+        # The commit begins by holding generation.
+        self._long.start()
+        assert self._first_token.wait(60), "the long stream never started"
+        self.inner.pause_generation(mode)
+
+    def join(self) -> None:
+        self._long.join(120)
+
+    def _stream_long(self) -> None:
+        self.long_stream = stream_tokens(
+            self.server, DEFAULT_PROMPTS[0], LONG_STREAM_TOKENS, self._first_token
+        )
+
+
+def switch_point(
+    server: ServerProcess,
+    prompt: tuple[int, ...],
+    tokens: list[int],
+    old_tokens: tuple[int, ...],
+) -> int:
+    """Where ``tokens`` switch from the old weights' greedy output to the new
+    weights' greedy continuation of that prefix (``len(tokens)`` when they
+    never switch, 0 when they are the new weights' from the start); fails
+    when they are neither."""
+    k = next(
+        (i for i, (a, b) in enumerate(zip(tokens, old_tokens, strict=False)) if a != b),
+        len(tokens),
+    )
+    if k == len(tokens):
+        return k
+    continuation = completions_greedy(
+        server.base_url,
+        server.model,
+        prompts=[list(prompt) + tokens[:k]],
+        max_tokens=len(tokens) - k,
+    )
+    assert tokens[k:] == list(continuation.tokens[0]), (
+        f"a stream of prompt {prompt} is neither version: {tokens}"
+    )
+    return k
+
+
+def test_streams_keep_going_through_a_staged_sync_and_switch_once(server):
+    model = load_hf_model(server.model, "float32")
+    randomize_weights_(model, seed=1)
+    push(server, model, "s1")
+    before = server.greedy()
+    old = completions_greedy(server.base_url, server.model, max_tokens=STREAM_TOKENS)
+    (old_long,) = completions_greedy(
+        server.base_url,
+        server.model,
+        prompts=[list(DEFAULT_PROMPTS[0])],
+        max_tokens=LONG_STREAM_TOKENS,
+    ).tokens
+    randomize_weights_(model, seed=2)
+    sync_client = CompletesAfterEachMessage(
+        HTTPVLLMWeightSyncClient(server.base_url, timeout=120), server
+    )
+    with Streams(server, 4) as streams:
+        while len(streams.done) < 4 and not streams.errors:
+            threading.Event().wait(0.05)  # streams are under way
+        push(server, model, "s2", client=sync_client)
+        sync_client.join()
+        started = len(streams.done)
+        while len(streams.done) < started + 4 and not streams.errors:
+            threading.Event().wait(0.05)  # streams go on after the commit
+    assert not streams.errors, streams.errors
+    assert len(sync_client.during) >= 5, "the sync should span many messages"
+    for result in sync_client.during:
+        assert_bit_identical(result, before, what="a completion during the transfer")
+
+    for prompt_index, tokens in streams.done:
+        assert len(tokens) == STREAM_TOKENS, "every stream completes"
+        switch_point(
+            server, DEFAULT_PROMPTS[prompt_index], tokens, old.tokens[prompt_index]
+        )
+    # The long stream was in flight at the commit: old tokens, then new ones.
+    assert len(sync_client.long_stream) == LONG_STREAM_TOKENS
+    k = switch_point(server, DEFAULT_PROMPTS[0], sync_client.long_stream, old_long)
+    assert 0 < k < LONG_STREAM_TOKENS, f"the long stream switched at {k}"
+
+    assert_serves_weights(server.fresh_load_oracle(), model, dtype="float32")
+    info = requests.get(f"{server.base_url}/weight_info", timeout=30).json()
+    assert info["weight_version"] == "s2"
+    paused = requests.get(f"{server.base_url}/is_paused", timeout=30).json()
+    assert paused["is_paused"] is False

@@ -1,0 +1,255 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Staged updates (``WeightTransferConfig(staging="host")``) through a real
+vLLM engine on CPU with the ``ipc`` backend: one offline ``LLM`` (dense
+Qwen3, fp32, TP=1) shared by every scenario.
+
+* Generation between every update message of a sync serves exactly the old
+  weights; after the commit the engine serves exactly a fresh load of the
+  trainer's weights (and, in fp32, Hugging Face's forward of them).
+* Requests in flight across a sync all complete; each one's output carries
+  the weight version of every token (vLLM's ``weight_versions`` spans): the
+  tokens before the switch equal the old weights' greedy output and the
+  tokens after it equal the new weights' continuation of the same prefix,
+  bit for bit (the commit drops the KV cache, so the prefix is recomputed).
+* A failure before the commit (a worker raising while staging, a flipped
+  byte caught by the checksums, a manifest the server contradicts, a trainer
+  that vanishes mid-sync) leaves the old weights serving and the engine
+  unfenced; the next sync succeeds with no manual step.
+* Twenty failed syncs leave no staging, shared memory or resident memory
+  behind.
+
+Each test first pushes the state it starts from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_ipc_verified_llm import (
+    ResizedSource,
+    Rig,
+)
+
+from vllm.config import WeightTransferConfig
+from vllm.distributed.weight_transfer import ModuleSource
+from vllm.distributed.weight_transfer.testing import (
+    GreedyResult,
+    assert_bit_identical,
+    load_hf_model,
+    randomize_weights_,
+    vllm_greedy,
+)
+from vllm.distributed.weight_transfer.testing.ipc_faults import (
+    INJECTED_FAILURE,
+    ByteFlippingClient,
+    fail_stage_once,
+    worker_staging,
+)
+from vllm.distributed.weight_transfer.testing.oracle import DEFAULT_PROMPTS
+from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def rig(tiny_model_dir: Path) -> Iterator[Rig]:
+    with pytest.MonkeyPatch.context() as env:
+        # collective_rpc(fn) pickles fn (test-only fault injection and status).
+        env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        llm = tiny_llm(
+            tiny_model_dir,
+            weight_transfer_config=WeightTransferConfig(backend="ipc", staging="host"),
+        )
+        try:
+            yield Rig(llm, load_hf_model(tiny_model_dir, "float32"))
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+
+
+class AfterEachMessage:
+    """A sync client that runs ``then()`` after every update message it
+    forwards, as an engine that keeps serving would between two messages."""
+
+    def __init__(self, inner: Any, then: Callable[[], None]) -> None:
+        self.inner, self.then = inner, then
+        self.messages = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def update_weights(self, update_info: Any) -> None:
+        self.inner.update_weights(update_info)
+        self.messages += 1
+        self.then()
+
+
+def test_generation_during_the_transfer_serves_the_old_weights(rig: Rig):
+    rig.push(seed=1, version="s1")
+    before = vllm_greedy(rig.llm)
+    randomize_weights_(rig.model, seed=2)
+    during: list[GreedyResult] = []
+    client = AfterEachMessage(rig.client(), lambda: during.append(vllm_greedy(rig.llm)))
+    rig.trainer(client=client).send_weights(weight_version="s2")
+    assert client.messages >= 3, "the sync should span several messages"
+    for result in during:
+        assert_bit_identical(result, before, what="generation during the transfer")
+    assert rig.llm.get_weight_version() == "s2"
+    rig.assert_serves_trainer()
+    assert rig.fence()["state"] == "committed"
+
+
+def test_requests_in_flight_switch_versions_at_the_commit(rig: Rig):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    max_tokens = 40
+    rig.push(seed=3, version="s3")
+    old = vllm_greedy(rig.llm, max_tokens=max_tokens)
+    randomize_weights_(rig.model, seed=4)
+    engine = rig.llm.llm_engine
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0
+    )
+    ids = [f"in-flight-{i}" for i in range(len(DEFAULT_PROMPTS))]
+    for request_id, prompt in zip(ids, DEFAULT_PROMPTS, strict=True):
+        engine.add_request(
+            request_id, TokensPrompt(prompt_token_ids=list(prompt)), params
+        )
+    finals: dict[str, Any] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+
+    step()
+    step()
+    rig.trainer(client=AfterEachMessage(rig.client(), step)).send_weights(
+        weight_version="s4"
+    )
+    while engine.has_unfinished_requests():
+        step()
+    assert sorted(finals) == sorted(ids), "every request in flight completes"
+
+    completions = [finals[request_id].outputs[0] for request_id in ids]
+    for i, (prompt, c) in enumerate(zip(DEFAULT_PROMPTS, completions, strict=True)):
+        k = c.weight_versions[0].end  # the first token of the new weights
+        assert 0 < k < max_tokens, "the sync must fall inside the request"
+        spans = [(s.version, s.start, s.end) for s in c.weight_versions]
+        assert spans == [("s3", 0, k), ("s4", k, max_tokens)], spans
+        tokens = tuple(c.token_ids)
+        logprobs = tuple(
+            float(step_lp[tok].logprob)
+            for tok, step_lp in zip(tokens, c.logprobs, strict=True)
+        )
+        assert tokens[:k] == old.tokens[i][:k], f"prompt {i}: before the switch"
+        assert logprobs[:k] == old.logprobs[i][:k], f"prompt {i}: before the switch"
+        # The new weights' continuation of the same prefix, computed afresh.
+        new = vllm_greedy(
+            rig.llm,
+            prompts=[list(prompt) + list(tokens[:k])],
+            max_tokens=max_tokens - k,
+        )
+        assert tokens[k:] == new.tokens[0], f"prompt {i}: after the switch"
+        assert logprobs[k:] == new.logprobs[0], f"prompt {i}: after the switch"
+    rig.assert_serves_trainer()
+
+
+class VanishesAfter:
+    """A client whose trainer dies after ``n`` update messages: every later
+    call (the trainer's own abort included) fails without reaching the server."""
+
+    def __init__(self, inner: Any, n: int) -> None:
+        self.inner, self.n, self.sent = inner, n, 0
+
+    def __getattr__(self, name: str) -> Any:
+        if self.sent >= self.n:
+            raise ConnectionError("the trainer is gone")
+        return getattr(self.inner, name)
+
+    def update_weights(self, update_info: Any) -> None:
+        if self.sent >= self.n:
+            raise ConnectionError("the trainer is gone")
+        self.sent += 1
+        self.inner.update_weights(update_info)
+
+
+def _fault_worker_raises(rig: Rig) -> None:
+    rig.llm.collective_rpc(fail_stage_once, args=(2,))
+    rig.trainer().send_weights(weight_version="never")
+
+
+def _fault_flipped_byte(rig: Rig) -> None:
+    client = ByteFlippingClient(rig.client(), message=1)
+    rig.trainer(client=client, verify_checksums=True).send_weights(
+        weight_version="never"
+    )
+
+
+def _fault_manifest(rig: Rig) -> None:
+    name = "model.norm.weight"
+    rig.trainer(source=ResizedSource(ModuleSource(rig.model), name)).send_weights(
+        weight_version="never"
+    )
+
+
+def _fault_trainer_vanishes(rig: Rig) -> None:
+    rig.trainer(client=VanishesAfter(rig.client(), 2)).send_weights(
+        weight_version="never"
+    )
+
+
+@pytest.mark.parametrize(
+    ("fault", "cause"),
+    [
+        (_fault_worker_raises, INJECTED_FAILURE),
+        (_fault_flipped_byte, "checksum"),
+        (_fault_manifest, "model.norm.weight"),
+        (_fault_trainer_vanishes, "the trainer is gone"),
+    ],
+    ids=["worker-raises", "flipped-byte", "manifest", "trainer-vanishes"],
+)
+def test_a_failure_before_the_commit_keeps_the_old_weights_serving(
+    rig: Rig, fault, cause
+):
+    rig.push(seed=5, version="s5")
+    before = vllm_greedy(rig.llm)
+    randomize_weights_(rig.model, seed=6)
+    with pytest.raises(Exception) as info:
+        fault(rig)
+    assert cause in str(info.value)
+    assert_bit_identical(vllm_greedy(rig.llm), before, what="after the failed sync")
+    assert rig.llm.get_weight_version() != "never"
+    status = rig.fence()
+    assert status["state"] != "fenced", status
+    # The next full sync needs no manual step (a vanished trainer's update is
+    # still open on the server: the new trainer abandons it).
+    rig.push(seed=7, version="s7")
+
+
+def test_twenty_failed_syncs_leave_nothing_behind(rig: Rig):
+    rig.push(seed=8, version="s8")
+    before = vllm_greedy(rig.llm)
+    segments = set(glob.glob("/dev/shm/vllm-wt-*"))
+    (start,) = rig.llm.collective_rpc(worker_staging)
+    randomize_weights_(rig.model, seed=9)
+    for _ in range(20):
+        rig.llm.collective_rpc(fail_stage_once, args=(2,))
+        with contextlib.suppress(Exception):
+            rig.trainer().send_weights(weight_version="never")
+    (end,) = rig.llm.collective_rpc(worker_staging)
+    assert end["staged_bytes"] == 0 and not end["open"], end
+    assert set(glob.glob("/dev/shm/vllm-wt-*")) <= segments
+    # Each failed sync staged about 2 MB: twenty leaks would be 40 MB.
+    grown = end["rss"] - start["rss"]
+    assert grown < 16 * 2**20, f"worker RSS grew by {grown / 2**20:.1f} MiB"
+    assert_bit_identical(vllm_greedy(rig.llm), before, what="after 20 failures")
+    assert rig.fence()["state"] != "fenced"
+    rig.push(seed=10, version="s10")
