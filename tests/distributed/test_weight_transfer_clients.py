@@ -26,6 +26,7 @@ from vllm.distributed.weight_transfer.clients import (
     OfflineLLMWeightSyncClient,
     RayVLLMWeightSyncClient,
 )
+from vllm.distributed.weight_transfer.full_resync import commit_update
 from vllm.distributed.weight_transfer.ipc_wire import IPCWeightTransferUpdateInfo
 
 
@@ -288,3 +289,93 @@ def test_offline_client_sets_the_version_and_reads_the_world_size():
     client.update_weight_version("v6")
     assert client.get_world_size() == 3
     assert llm.calls == [("update_weight_version", "v6"), ("get_world_size", True)]
+
+
+# -- the commit (full_resync.commit_update) -----------------------------------
+
+
+class _CommitClient:
+    """Records the calls of a commit; ``paused`` is whether someone else
+    holds generation; ``fail_finish`` makes the commit raise."""
+
+    def __init__(self, paused=False, fail_finish=False):
+        self.calls = []
+        self.paused = paused
+        self.fail_finish = fail_finish
+
+    def is_paused(self):
+        self.calls.append("is_paused")
+        return self.paused
+
+    def pause_generation(self, mode="keep"):
+        self.calls.append(f"pause:{mode}")
+
+    def resume_generation(self):
+        self.calls.append("resume")
+
+    def finish_weight_update(self, weight_version=None):
+        self.calls.append(f"finish:{weight_version}")
+        if self.fail_finish:
+            raise RuntimeError("the commit failed")
+
+    def reset_prefix_cache(self, reset_running_requests=False):
+        self.calls.append(f"reset:{reset_running_requests}")
+
+
+def test_the_commit_holds_generation_for_the_finish_and_the_cache_reset():
+    client = _CommitClient()
+    commit_update(client, "v3")  # type: ignore[arg-type]
+    assert client.calls == [
+        "is_paused",
+        "pause:keep",
+        "finish:v3",
+        "reset:True",
+        "resume",
+    ]
+
+
+def test_the_commit_leaves_a_pause_it_did_not_take():
+    client = _CommitClient(paused=True)
+    commit_update(client, None)  # type: ignore[arg-type]
+    assert client.calls == ["is_paused", "finish:None", "reset:True"]
+
+
+def test_a_failed_commit_still_resumes_generation():
+    client = _CommitClient(fail_finish=True)
+    with pytest.raises(RuntimeError, match="the commit failed"):
+        commit_update(client, "v4")  # type: ignore[arg-type]
+    assert client.calls[-1] == "resume"
+
+
+def test_a_client_with_upstreams_four_methods_only_gets_a_plain_finish():
+    class Plain:
+        def __init__(self):
+            self.calls = []
+
+        def finish_weight_update(self, weight_version=None):
+            self.calls.append(("finish", weight_version))
+
+    client = Plain()
+    commit_update(client, "v5")  # type: ignore[arg-type]
+    assert client.calls == [("finish", "v5")]
+
+
+def test_ray_actors_are_held_through_sleep_and_wake_up(fake_ray):
+    class Bare:  # an actor class with the sync methods only
+        def finish_weight_update(self):
+            pass
+
+    # ``_Actor`` answers every method; a bare handle has only its own.
+    actor = _Actor()
+    client = RayVLLMWeightSyncClient(actor)  # type: ignore[arg-type]
+    commit_update(client, None)
+    assert [c[0] for c in actor.calls] == [
+        "is_sleeping",
+        "sleep",
+        "finish_weight_update",
+        "reset_prefix_cache",
+        "wake_up",
+    ]
+    bare = RayVLLMWeightSyncClient(Bare())  # type: ignore[arg-type]
+    with pytest.raises(NotImplementedError, match="have no is_sleeping"):
+        bare.is_paused()

@@ -264,19 +264,31 @@ class RayVLLMWeightSyncClient:
 
     # Holding generation for the commit: ``LLM`` and ``AsyncLLM`` both pause
     # scheduling with ``sleep(level=0)`` and resume it with
-    # ``wake_up(tags=["scheduling"])``; every actor is held at once.
+    # ``wake_up(tags=["scheduling"])``; every actor is held at once. An actor
+    # class without these methods raises ``NotImplementedError`` here, and the
+    # commit goes on without them.
 
     def pause_generation(self, mode: str = "keep") -> None:
-        self._call("sleep", level=0, mode=mode)
+        self._optional("sleep", level=0, mode=mode)
 
     def resume_generation(self) -> None:
-        self._call("wake_up", tags=["scheduling"])
+        self._optional("wake_up", tags=["scheduling"])
 
     def is_paused(self) -> bool:
-        return any(self._call("is_sleeping"))
+        return any(self._optional("is_sleeping"))
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
-        self._call("reset_prefix_cache", reset_running_requests=reset_running_requests)
+        self._optional(
+            "reset_prefix_cache", reset_running_requests=reset_running_requests
+        )
+
+    def _optional(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        lacking = [h for h in self.handles if not hasattr(h, method)]
+        if lacking:
+            raise NotImplementedError(
+                f"{len(lacking)} of {len(self.handles)} actor(s) have no {method}()"
+            )
+        return self._call(method, *args, **kwargs)
 
 
 class OfflineLLMWeightSyncClient:

@@ -67,10 +67,9 @@ def commit_update(client: VLLMWeightSyncClient, weight_version: str | None) -> N
     """Finish the open update with generation held for just this call (when
     the client can hold it and nobody else did), then drop the KV cache the
     old weights computed; see the module docstring."""
-    pause = getattr(client, "pause_generation", None)
-    hold = callable(pause) and not client.is_paused()  # type: ignore[attr-defined]
+    hold = _can_hold(client)
     if hold:
-        pause(mode="keep")  # type: ignore[misc]
+        client.pause_generation(mode="keep")  # type: ignore[attr-defined]
     try:
         # Upstream's clients take the version at finish; without one, the
         # call has upstream's bare form.
@@ -79,10 +78,25 @@ def commit_update(client: VLLMWeightSyncClient, weight_version: str | None) -> N
         )
         reset = getattr(client, "reset_prefix_cache", None)
         if callable(reset):
-            reset(reset_running_requests=True)
+            try:
+                reset(reset_running_requests=True)
+            except NotImplementedError as e:  # an actor class without it
+                logger.warning("the KV cache of the old weights stays: %s", e)
     finally:
         if hold:
             client.resume_generation()  # type: ignore[attr-defined]
+
+
+def _can_hold(client: Any) -> bool:
+    """Whether the commit should hold generation: the client can, and nobody
+    else paused it (whoever did resumes it)."""
+    if not callable(getattr(client, "pause_generation", None)):
+        return False
+    try:
+        return not client.is_paused()
+    except NotImplementedError as e:  # an actor class without the methods
+        logger.warning("committing without holding generation: %s", e)
+        return False
 
 
 class FullResyncTrainerEngine(TrainerWeightTransferEngine[TTrainerInitInfo]):
