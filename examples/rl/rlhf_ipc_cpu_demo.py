@@ -13,8 +13,9 @@ What happens:
    and, each step, trains it to continue the first prompt with a fixed target
    sentence, then calls ``send_weights()``: the weights travel through POSIX
    shared memory (``/dev/shm``), the HTTP routes carry only their description.
-   ``send_weights`` returns once every worker's receipt is verified; the
-   trainer then resets the prefix cache (``POST /reset_prefix_cache``).
+   ``send_weights`` verifies every worker's receipt, then commits with
+   generation held for just the commit, and drops the KV blocks the old
+   weights computed (``POST /reset_prefix_cache``) before it returns.
 4. After every step the served greedy completion is compared with two
    oracles: what the same server serves, bit for bit, when its workers load
    the trainer's weights fresh from a checkpoint (``testing.fresh_load``), and
@@ -33,7 +34,6 @@ import sys
 import time
 from pathlib import Path
 
-import requests
 import torch
 
 from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource
@@ -170,11 +170,6 @@ def main() -> int:
             t0 = time.perf_counter()
             trainer.send_weights(weight_version=f"step-{step}")
             sync_s = time.perf_counter() - t0
-            # Committed (every worker's receipt verified): KV blocks cached
-            # from the old weights must not serve the next prompts.
-            requests.post(
-                f"{server.base_url}/reset_prefix_cache", timeout=60
-            ).raise_for_status()
             plan = trainer.last_plan
             chunks = len(plan.chunks) if plan is not None else "?"
             served = completions_greedy(server.base_url, server.model)

@@ -119,7 +119,6 @@ def main() -> int:
             t0 = time.perf_counter()
             trainer.send_weights()
             sync_s = time.perf_counter() - t0
-            llm.reset_prefix_cache()  # cached KV blocks hold the old weights
             try:
                 got = assert_serves_weights(fresh_load, model, dtype=dtype)
                 ok = True

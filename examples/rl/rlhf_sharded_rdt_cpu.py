@@ -141,9 +141,8 @@ def main() -> int:
     failures = 0
     for step in range(1, args.steps + 1):
         ray.get([t.train_step.remote(step) for t in ranks])
+        # send_weights also drops the KV blocks the previous weights computed.
         seconds = ray.get([t.send.remote(step) for t in ranks])
-        # Cached KV blocks were computed with the previous weights.
-        ray.get(llm.reset_prefix_cache.remote())
         version = ray.get(llm.weight_version.remote())
         got = ray.get(llm.greedy.remote())
         want = ray.get(ranks[0].greedy.remote())
