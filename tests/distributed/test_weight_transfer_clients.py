@@ -360,7 +360,10 @@ def test_a_client_with_upstreams_four_methods_only_gets_a_plain_finish():
     assert client.calls == [("finish", "v5")]
 
 
-def test_ray_actors_are_held_through_sleep_and_wake_up(fake_ray):
+def test_ray_actors_commit_without_holding_generation(fake_ray):
+    """A sync actor serves one call at a time: holding generation across
+    several calls could deadlock with a generate call queued in between."""
+
     class Bare:  # an actor class with the sync methods only
         def finish_weight_update(self):
             pass
@@ -370,12 +373,9 @@ def test_ray_actors_are_held_through_sleep_and_wake_up(fake_ray):
     client = RayVLLMWeightSyncClient(actor)  # type: ignore[arg-type]
     commit_update(client, None)
     assert [c[0] for c in actor.calls] == [
-        "is_sleeping",
-        "sleep",
         "finish_weight_update",
         "reset_prefix_cache",
-        "wake_up",
     ]
     bare = RayVLLMWeightSyncClient(Bare())  # type: ignore[arg-type]
-    with pytest.raises(NotImplementedError, match="have no is_sleeping"):
-        bare.is_paused()
+    with pytest.raises(NotImplementedError, match="have no reset_prefix_cache"):
+        bare.reset_prefix_cache(reset_running_requests=True)

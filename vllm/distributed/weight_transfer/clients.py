@@ -32,13 +32,15 @@ runs, data-parallel ranks included (``get_world_size()``). Verified publication
 uses both: the version becomes visible only after every worker's receipt was
 checked, and receipts are expected from that many workers.
 
-For the commit (``full_resync.commit_update``) every client can also hold
-generation for just that call (``pause_generation("keep")``,
+For the commit (``full_resync.commit_update``) the HTTP and offline clients
+can also hold generation for just that call (``pause_generation("keep")``,
 ``resume_generation()``, ``is_paused()``: the ``/pause`` routes over HTTP,
-``sleep(level=0)`` and ``wake_up(tags=["scheduling"])`` on ``LLM`` and
-``AsyncLLM``) and drop the KV cache computed with the old weights
+``sleep(level=0)`` and ``wake_up(tags=["scheduling"])`` on ``LLM``), and every
+client can drop the KV cache computed with the old weights
 (``reset_prefix_cache(reset_running_requests=True)``: running requests are
-preempted and recomputed with the new weights).
+preempted and recomputed with the new weights). The Ray client does not hold
+generation: an actor serves one call at a time, so a generate call queued
+between the pause and the resume would wait forever.
 
 Update payloads are dicts (or a list of dicts, one per worker); objects with a
 ``to_dict()`` method, such as ``IPCWeightTransferUpdateInfo``, are converted.
@@ -262,20 +264,12 @@ class RayVLLMWeightSyncClient:
         """Workers of all actors together (DP ranks included)."""
         return sum(int(n) for n in self._call("get_world_size", True))
 
-    # Holding generation for the commit: ``LLM`` and ``AsyncLLM`` both pause
-    # scheduling with ``sleep(level=0)`` and resume it with
-    # ``wake_up(tags=["scheduling"])``; every actor is held at once. An actor
-    # class without these methods raises ``NotImplementedError`` here, and the
-    # commit goes on without them.
-
-    def pause_generation(self, mode: str = "keep") -> None:
-        self._optional("sleep", level=0, mode=mode)
-
-    def resume_generation(self) -> None:
-        self._optional("wake_up", tags=["scheduling"])
-
-    def is_paused(self) -> bool:
-        return any(self._optional("is_sleeping"))
+    # No pause_generation here: an actor runs one call at a time, so a
+    # generate call queued on it between the trainer's pause and resume would
+    # wait for the resume that waits behind it. The commit therefore does not
+    # hold generation on actors (see ``full_resync.commit_update``). An actor
+    # class without reset_prefix_cache raises ``NotImplementedError`` here,
+    # and the commit goes on without it.
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
         self._optional(

@@ -19,6 +19,7 @@ join a gloo group; each may hold only part of the model (``hold``).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Collection, Iterator
 from typing import Any
 
@@ -78,6 +79,26 @@ class FailingSource(WeightSource):
         for i, item in enumerate(self.inner):
             if i == self.after:
                 raise RuntimeError(f"injected trainer failure after {i} tensors")
+            yield item
+
+
+class SlowSource(WeightSource):
+    """``inner``, waiting ``delay_s`` before each tensor: a sync that lasts
+    long enough to generate during it."""
+
+    def __init__(self, inner: WeightSource, delay_s: float) -> None:
+        self.inner = inner
+        self.delay_s = delay_s
+
+    def metadata(self) -> list[ParamMeta]:
+        return self.inner.metadata()
+
+    def held_names(self) -> Collection[str] | None:
+        return self.inner.held_names()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for item in self.inner:
+            time.sleep(self.delay_s)
             yield item
 
 
@@ -145,16 +166,6 @@ class LLMHost:
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.llm.collective_rpc("shutdown_weight_transfer_engine")
-
-    # What the client holds generation with for the commit (as on ``LLM``).
-    def sleep(self, level: int = 0, mode: str = "keep") -> None:
-        self.llm.sleep(level=level, mode=mode)
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        self.llm.wake_up(tags=tags)
-
-    def is_sleeping(self) -> bool:
-        return bool(self.llm.llm_engine.is_sleeping())
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Drop KV blocks cached under the previous weights."""
@@ -323,6 +334,15 @@ class TrainerRank:
         except Exception as e:
             return f"{type(e).__name__}: {e}"
         raise AssertionError("send_weights did not fail")
+
+    def send_slowly(self, delay_s: float, weight_version: str | None = None) -> None:
+        """A sync whose source waits ``delay_s`` before each tensor."""
+        source = self.engine.source
+        self.engine.source = SlowSource(source, delay_s)
+        try:
+            self.engine.send_weights(weight_version=weight_version)
+        finally:
+            self.engine.source = source
 
     def send_failing(self, after: int) -> str:
         """A sync whose source raises after ``after`` tensors; returns the
