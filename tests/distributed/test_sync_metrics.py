@@ -162,6 +162,22 @@ def test_fenced_version_after_commit_counts_a_verify_failure(registry, observer)
     assert value(registry, "vllm:weight_transfer_failures_total", **labels) == 1
 
 
+def test_an_abort_after_the_prepare_counts_a_verify_failure(registry, observer):
+    observer.observe_route("start", started=100.0, ok=True, backend="ipc")
+    for info in (
+        attach_publication({"names": []}, header()),
+        {"prepare": "abcdef0123"},  # the workers wrote their receipts
+        {"abort": "receipt of worker 1 missing"},  # the trainer rejected them
+    ):
+        observer.observe_route(
+            "update", started=100.5, ok=True, backend="ipc", update_info=info
+        )
+    observer.observe_route("finish", started=101.5, ok=True, backend="ipc")
+    labels = {"backend": "ipc", "phase": "verify"}
+    assert value(registry, "vllm:weight_transfer_failures_total", **labels) == 1
+    assert value(registry, "vllm:weight_transfer_syncs_total", backend="ipc") == 0
+
+
 def test_failed_start_is_counted(registry, observer):
     observer.observe_route("start", started=0, ok=False, backend="ipc")
     labels = {"backend": "ipc", "phase": "start"}

@@ -23,8 +23,10 @@ or a ``fenced:`` weight version counts a failure. It sits next to upstream's
   committed syncs (``publication.payload_bytes``; 0 without a header);
 * ``vllm:weight_transfer_sync_seconds{backend}``: start to end of finish;
 * ``vllm:weight_transfer_failures_total{backend,phase}``: phase is ``start``,
-  ``update``, ``finish``, ``abort`` (the trainer aborted) or ``verify`` (the
-  trainer rejected the receipts and fenced the version).
+  ``update``, ``finish``, ``abort`` (the trainer aborted before its prepare
+  message) or ``verify`` (the trainer aborted after the workers prepared: it
+  rejected the receipts, of this engine or another; or, from a trainer that
+  verifies after finish, a ``fenced:`` version set after a commit).
 
 ``WeightSyncMetricsMiddleware`` feeds the observer from the RL routes. The
 fork's ``register_rl_api_routers`` installs it next to upstream's RL router, so
@@ -52,7 +54,10 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 # Submodules, not the package: verification.publication uses SyncRecord, so
 # this module may be imported while the package is still initializing.
-from vllm.distributed.weight_transfer.verification.fence import is_fenced_version
+from vllm.distributed.weight_transfer.verification.fence import (
+    PREPARE_FIELD,
+    is_fenced_version,
+)
 from vllm.distributed.weight_transfer.verification.wire import (
     PUBLICATION_FIELD,
     PublicationHeader,
@@ -189,6 +194,8 @@ class _OpenSync:
     backend: str
     header: PublicationHeader | None = None
     failed: bool = False
+    # The trainer's prepare message went through: receipts are out.
+    prepared: bool = False
 
 
 class RouteSyncObserver:
@@ -246,11 +253,14 @@ class RouteSyncObserver:
                 return
             if header is not None and sync.header is None:
                 sync.header = header
+            if ok and is_prepare_message(update_info):
+                sync.prepared = True
             if not sync.failed and (not ok or aborted):
                 sync.failed = True
-                m.failures.labels(
-                    _backend(sync), "abort" if aborted else "update"
-                ).inc()
+                phase = (
+                    "update" if not aborted else "verify" if sync.prepared else "abort"
+                )
+                m.failures.labels(_backend(sync), phase).inc()
             return
         if operation == "finish":
             self._open = None
@@ -282,6 +292,11 @@ class RouteSyncObserver:
 
 def _backend(sync: _OpenSync) -> str:
     return sync.header.backend if sync.header is not None else sync.backend
+
+
+def is_prepare_message(update_info: Any) -> bool:
+    """Whether an update payload is the trainer's prepare message."""
+    return isinstance(update_info, dict) and PREPARE_FIELD in update_info
 
 
 def _inspect_update(update_info: Any) -> tuple[PublicationHeader | None, bool]:

@@ -16,14 +16,17 @@ Trainer (the sender rank), inside ``send_weights``::
             info = pub.attach(info)                    # header rides along
             info["checksums"] = [pub.checksum(buf)]    # if pub.checksums
             client.update_weights(info)
-        client.finish_weight_update()                  # no version here
+        client.update_weights({"prepare": id})       # workers write receipts
         pub.verify(expected_workers=range(n))          # waits for receipts
-        set_served_version(client, weight_version)     # now visible
+        commit_update(client, weight_version)          # finish: now visible
     except BaseException as e:
-        pub.fail(client, e)                            # served version fenced
-        raise
+        abort_update(client, reason)                   # nothing committed
+        pub.fail(client, e, expected_workers)          # fenced, unless every
+        raise                                          # worker kept its weights
     finally:
         pub.close()
+
+(``commit_update`` and ``abort_update`` are in ``full_resync``.)
 
 Worker engine::
 
@@ -33,13 +36,17 @@ Worker engine::
                            self.pub.check_payload(what, expected, buf)
                            self.pub.touch(); load; self.pub.landed(name, nbytes)
                            on any exception: self.pub.fail(e, weights_intact=?)
-    finish_weight_update:  self.pub.finish()   # receipt, then commit
+                           # the failure receipt says whether the weights are
+                           # intact
+    update_weights({"prepare": id}): self.pub.prepare()   # the receipt
+    finish_weight_update:  self.pub.finish()   # receipt unless prepared; commit
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -70,8 +77,8 @@ from vllm.distributed.weight_transfer.verification.receipts import (
     DEFAULT_RECEIPT_TIMEOUT_S,
     ExpectedWorkers,
     ReceiptInbox,
-    ReceiptTimeoutError,
     ShmReceiptBox,
+    missing_workers,
     sink_for,
 )
 from vllm.distributed.weight_transfer.verification.wire import (
@@ -286,20 +293,32 @@ class TrainerPublication:
 
     def _all_kept_their_weights(self, expected_workers: ExpectedWorkers) -> bool:
         """Whether every expected worker's receipt is a failure with its
-        weights intact, within ``FAILURE_RECEIPT_WAIT_S`` (failure receipts are
-        sent as the update closes, best effort)."""
-        try:
-            receipts = self.collect(expected_workers, FAILURE_RECEIPT_WAIT_S)
-        except (ReceiptTimeoutError, ValueError):
-            return False
-        got = {(r.worker_rank, r.worker_device): r for r in receipts}
-        if isinstance(expected_workers, int):
-            enough = len(got) >= expected_workers
-        else:
-            enough = set(expected_workers) <= {rank for rank, _ in got}
-        return enough and all(
-            r.error is not None and r.weights_intact is True for r in got.values()
-        )
+        weights intact. Failure receipts are sent, best effort, as each worker
+        closes the update: wait for all of them, at most
+        ``FAILURE_RECEIPT_WAIT_S``."""
+        deadline = time.monotonic() + FAILURE_RECEIPT_WAIT_S
+        while True:
+            try:
+                have = self._receipts_now()
+            except ValueError:  # an unreadable receipt: assume the worst
+                return False
+            if not missing_workers(have, expected_workers):
+                return all(
+                    r.error is not None and r.weights_intact is True
+                    for r in have.values()
+                )
+            if any(r.weights_intact is False for r in have.values()):
+                return False
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+
+    def _receipts_now(self) -> dict[tuple[int, str], Receipt]:
+        if self.box is not None:
+            return self.box.read()
+        if self.inbox is not None:
+            return self.inbox.read(self.header.publication_id)
+        return {}
 
     def close(self) -> None:
         if self.box is not None:

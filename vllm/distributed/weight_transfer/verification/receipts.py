@@ -285,6 +285,12 @@ class ReceiptInbox:
             cond=self._cond,
         )
 
+    def read(self, publication_id: str) -> dict[WorkerKey, Receipt]:
+        """The receipts of ``publication_id`` present now, by worker."""
+        with self._cond:
+            got = self._receipts.get(publication_id, {})
+            return {worker_key(r): r for r in got.values()}
+
     def discard(self, publication_id: str) -> None:
         with self._cond:
             self._receipts.pop(publication_id, None)
@@ -312,6 +318,13 @@ def sink_for(
             )
         return CallbackReceiptSink(producer_call)
     return None
+
+
+def missing_workers(
+    have: Mapping[WorkerKey, Receipt], expected: ExpectedWorkers
+) -> str:
+    """Who of ``expected`` has no receipt in ``have`` (empty when nobody)."""
+    return _missing(have, expected)
 
 
 def _missing(have: Mapping[WorkerKey, Receipt], expected: ExpectedWorkers) -> str:
