@@ -373,6 +373,7 @@ def test_a_refused_update_naming_the_next_sync_fails_it_and_the_one_after_recove
             ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=SHORT_STALL_S)
         )
         before = ray.get(llm.greedy.remote())
+        version = ray.get(llm.weight_version.remote())
         ray.get(llm.start_weight_update.remote())
         with pytest.raises(Exception, match=r"unknown field\(s\) \['bogus'\]"):
             ray.get(
@@ -384,9 +385,10 @@ def test_a_refused_update_naming_the_next_sync_fails_it_and_the_one_after_recove
             timeout=120,
         )
         assert "consumer 0 aborted" in error and "'bogus'" in error
-        assert ray.get(llm.weight_version.remote()).startswith("fenced:")
         (status,) = ray.get(llm.fence_status.remote())
         assert status["state"] != "fenced", status  # refused before any pull
+        # ... and the worker's failure receipt says so: the version stays.
+        assert ray.get(llm.weight_version.remote()) == version
         assert "'bogus'" in status["last_failure"]
         _assert_serves(llm, before, "vLLM after the failed sync")
 
@@ -427,4 +429,87 @@ def test_an_init_declaring_a_float_tensor_int32_is_refused_and_init_recovers(eng
         ray.get(ranks[0].send.remote(weight_version="step-127"), timeout=120)
         assert _states(llm) == ["committed"]
         assert ray.get(llm.weight_version.remote()) == "step-127"
+        _assert_serves_trainer(llm, ranks[0])
+
+
+# ---------------------------------------------------------------------------
+# Staged updates (WeightTransferConfig(staging="host")) on a dense TP=1 engine
+# of their own: the pulls run in the background while the engine serves the
+# old weights, and a failure before the commit leaves them serving unfenced.
+
+
+@pytest.fixture(scope="module")
+def staged_engine(ray_cluster):
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import LLMHost
+
+    model_dir = str(build_tiny_model(TinyModelSpec(arch="qwen3")))
+    llm = ray.remote(num_cpus=0)(LLMHost).remote(
+        model_dir,
+        weight_transfer_config=WeightTransferConfig(
+            backend="sharded_rdt", staging="host"
+        ),
+    )
+    ray.get(llm.pids.remote())  # wait until the engine is up
+    yield llm, model_dir
+    ray.kill(llm)
+
+
+def test_a_staged_sync_serves_the_old_weights_while_it_pulls(staged_engine):
+    llm, model_dir = staged_engine
+    with _trainers(model_dir, 1) as ranks:
+        ray.get(ranks[0].init.remote(llm, num_consumers=1, stall_timeout_s=20.0))
+        _sync_and_check(llm, ranks, 201)
+        before = ray.get(llm.greedy.remote())
+        ray.get(ranks[0].randomize.remote(202))
+        # A source that waits before each tensor keeps the pulls going for a
+        # few seconds; the engine answers requests all the while.
+        sending = ranks[0].send_slowly.remote(0.1, weight_version="step-202")
+        during = []
+        while not ray.wait([sending], timeout=0)[0]:
+            during.append(ray.get(llm.greedy.remote()))
+        ray.get(sending)
+        after = ray.get(llm.greedy.remote())
+        _assert_serves_trainer(llm, ranks[0])
+        # Requests answered while the sync ran saw the old weights, then (a
+        # request queued behind the commit) the new ones; never anything else,
+        # never back.
+        switched = [r == after for r in during]
+        assert all(
+            r == before for r, new in zip(during, switched, strict=True) if not new
+        )
+        assert switched == sorted(switched), "the served weights went back"
+        assert switched.count(False) >= 2, "the sync should outlast a few requests"
+        assert _states(llm) == ["committed"]
+        assert ray.get(llm.weight_version.remote()) == "step-202"
+
+
+def test_a_staged_pull_that_fails_keeps_the_old_weights_and_version(staged_engine):
+    llm, model_dir = staged_engine
+    with _trainers(model_dir, 1) as ranks:
+        ray.get(
+            ranks[0].init.remote(
+                llm, num_consumers=1, verify_checksums=True, stall_timeout_s=20.0
+            )
+        )
+        _sync_and_check(llm, ranks, 203)
+        ray.get(ranks[0].send.remote(weight_version="step-203"))
+        before = ray.get(llm.greedy.remote())
+
+        ray.get(ranks[0].randomize.remote(204))
+        ray.get(ranks[0].flip_byte_after_checksum.remote(seq=1))
+        error = ray.get(
+            ranks[0].send_expecting_failure.remote(weight_version="step-204"),
+            timeout=120,
+        )
+        assert "chunk seq 1" in error and "checksum" in error
+        # Chunk 0 was only staged: nothing is fenced, the old weights serve
+        # and the served version still names them.
+        assert _states(llm) == ["committed"]
+        assert ray.get(llm.weight_version.remote()) == "step-203"
+        _assert_serves(llm, before, "vLLM after the failed staged sync")
+
+        ray.get(ranks[0].send.remote(weight_version="step-204"), timeout=120)
+        assert _states(llm) == ["committed"]
+        assert ray.get(llm.weight_version.remote()) == "step-204"
         _assert_serves_trainer(llm, ranks[0])

@@ -18,6 +18,9 @@ Qwen3, fp32, TP=1) shared by every scenario.
   unfenced; the next sync succeeds with no manual step.
 * Twenty failed syncs leave no staging, shared memory or resident memory
   behind.
+* A MoE model at TP=2 (its own engine): generation during the transfer serves
+  the old weights, a trainer failing mid-sync changes nothing, and the commit
+  serves the trainer's weights on both workers.
 
 Each test first pushes the state it starts from.
 """
@@ -37,7 +40,8 @@ from test_ipc_verified_llm import (
 )
 
 from vllm.config import WeightTransferConfig
-from vllm.distributed.weight_transfer import ModuleSource
+from vllm.distributed.weight_transfer import ModuleSource, ParamMeta, WeightSource
+from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
 from vllm.distributed.weight_transfer.testing import (
     GreedyResult,
     assert_bit_identical,
@@ -253,3 +257,82 @@ def test_twenty_failed_syncs_leave_nothing_behind(rig: Rig):
     assert_bit_identical(vllm_greedy(rig.llm), before, what="after 20 failures")
     assert rig.fence()["state"] != "fenced"
     rig.push(seed=10, version="s10")
+
+
+# ---------------------------------------------------------------------------
+# The same on a MoE model at TP=2: every worker stages whole tensors and
+# commits its own slice of them, experts included.
+
+
+@pytest.fixture(scope="module")
+def moe_tp2() -> Iterator[Rig]:
+    from vllm.distributed.weight_transfer.testing import (
+        TinyModelSpec,
+        build_tiny_model,
+    )
+
+    model_dir = build_tiny_model(TinyModelSpec(arch="qwen3_moe"))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        llm = tiny_llm(
+            model_dir,
+            tensor_parallel_size=2,
+            weight_transfer_config=WeightTransferConfig(backend="ipc", staging="host"),
+        )
+        try:
+            yield Rig(llm, load_hf_model(model_dir, "float32"))
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+
+
+def moe_trainer(rig: Rig, client: Any = None, source: Any = None) -> Any:
+    # HF keeps a MoE layer's experts fused in memory; vLLM loads them by
+    # their checkpoint names.
+    return rig.trainer(client=client, source=source or CheckpointNamesSource(rig.model))
+
+
+class FailsAfter(WeightSource):
+    """``inner``, raising after ``n`` tensors: a trainer that fails mid-sync."""
+
+    def __init__(self, inner: WeightSource, n: int) -> None:
+        self.inner, self.n = inner, n
+
+    def metadata(self) -> list[ParamMeta]:
+        return self.inner.metadata()
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        for i, item in enumerate(self.inner):
+            if i == self.n:
+                raise RuntimeError(f"the trainer failed after {i} tensors")
+            yield item
+
+
+def test_moe_tp2_serves_the_old_weights_until_the_commit_and_survives_a_failure(
+    moe_tp2: Rig,
+):
+    rig = moe_tp2
+    randomize_weights_(rig.model, seed=11)
+    moe_trainer(rig).send_weights(weight_version="m1")
+    rig.assert_serves_trainer()
+    before = vllm_greedy(rig.llm)
+
+    # A trainer failing mid-sync: both workers drop their staging, unfenced.
+    randomize_weights_(rig.model, seed=12)
+    with pytest.raises(RuntimeError, match="the trainer failed after"):
+        moe_trainer(
+            rig, source=FailsAfter(CheckpointNamesSource(rig.model), 20)
+        ).send_weights(weight_version="never")
+    assert_bit_identical(vllm_greedy(rig.llm), before, what="after the failure")
+    assert rig.llm.get_weight_version() == "m1"
+
+    # Generation between every message serves the old weights; the commit
+    # switches both workers to the trainer's.
+    during: list[GreedyResult] = []
+    client = AfterEachMessage(rig.client(), lambda: during.append(vllm_greedy(rig.llm)))
+    moe_trainer(rig, client=client).send_weights(weight_version="m2")
+    assert client.messages >= 3
+    for result in during:
+        assert_bit_identical(result, before, what="generation during the transfer")
+    assert rig.llm.get_weight_version() == "m2"
+    rig.assert_serves_trainer()
