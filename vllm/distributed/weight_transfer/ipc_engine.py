@@ -23,16 +23,22 @@ workers have read it (the barrier after its chunk).
 The worker lands each chunk through ``LayerwiseReloadSession``
 (``layerwise_session``): start -> load per chunk -> finish, so fused and
 quantized layers are processed after loading. It maps each buffer once per
-update and releases it at finish.
+update and releases it at finish. With ``WeightTransferConfig.staging`` the
+chunks are copied into worker-owned memory instead and land in one call at
+finish (``staged_update``).
 
 Verified publication (``verification``, on by default): the sender opens a
 ``TrainerPublication`` whose header rides in every update message; each worker
 checks the header's manifest against the served checkpoint's shapes and every
-tensor against the manifest before it touches a weight, and writes a receipt
-at finish into a shared-memory directory the trainer reads. ``send_weights``
-returns only after every worker's receipt was verified, and only then stamps
-``weight_version``; on any failure it sets the served version to
-``fenced:<publication id>: <reason>`` and re-raises. With
+tensor against the manifest before it touches a weight. After the last chunk
+the sender sends ``{"prepare": publication_id}``: each worker checks what it
+holds and writes a receipt into a shared-memory directory the trainer reads,
+and nothing is committed yet. The sender verifies every worker's receipt and
+only then commits (``full_resync.commit_update``):
+``finish_weight_update(weight_version)`` with generation held for just that
+call, then a prefix-cache reset. On any failure it aborts the update on the
+server, sets the served version to ``fenced:<publication id>: <reason>``
+unless every worker reported its weights intact, and re-raises. With
 ``verify_checksums=True`` every rank checksums each chunk it exported, the
 sender checks that the ranks agree, and each worker checksums the bytes it
 mapped before loading them. A worker whose weights were touched by a failed
