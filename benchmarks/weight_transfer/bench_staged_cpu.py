@@ -1,0 +1,296 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Benchmark: generation under a steady load while the weights are updated,
+staged against stop-the-world, through ``vllm serve`` over ``ipc`` on CPU.
+
+A generated Qwen3 (18 layers of the CPU benchmarks' shape by default, 1.17 GB
+of float32 weights; nothing downloaded) is served twice, one server after the
+other: with ``staging="host"`` and with the default ``staging="off"``. On each,
+``--streams`` clients stream greedy completions back to back for the whole
+run, and every streamed chunk's arrival time is recorded. The trainer, this
+process, pushes new weights ``--rounds`` times (after one warm-up sync).
+
+* staged: the trainer's ``send_weights()`` runs while the streams go on;
+  generation is held only for the commit.
+* stop-the-world (``staging="off"``): generation must not run while weights
+  land, so the trainer pauses it (``/pause?mode=keep``) for the whole
+  ``send_weights()`` and resumes it after: today's way.
+
+Per mode and round: ``sync_s`` (the whole ``send_weights()``), ``held_s``
+(staged: pause to resume around the commit; stop-the-world: the whole sync),
+``max_gap_s`` (the longest time between two streamed chunks of any stream
+while the sync ran), tokens per second during the sync and while idle
+(the same streams, the same length of time, before the sync). The JSON in
+``benchmarks/results/staged_cpu.json`` carries the issue's two ratios for the
+staged mode, as medians over the rounds:
+
+* ``max_generation_gap_over_sync``: the longest gap during a staged sync over
+  the stop-the-world sync's duration (target: at most 0.10);
+* ``throughput_during_sync_over_idle``: tokens per second during a staged sync
+  over tokens per second while idle (target: at least 0.50);
+
+and ``commit_over_sync`` (how much of a staged sync generation is held) and
+the workers' resident memory after the syncs in each mode.
+
+Run: ``python benchmarks/weight_transfer/bench_staged_cpu.py [--rounds 3]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import threading
+import time
+from typing import Any
+
+import requests
+from _bench_common import (
+    QWEN3_BENCH_SHAPE,
+    RESULTS,
+    child_rss_bytes,
+    emit_json,
+    git_commit,
+    machine_info,
+)
+
+BENCH_SPEC = {**QWEN3_BENCH_SHAPE, "num_layers": 18}
+CHUNK_BYTES = 64 * 2**20
+STREAM_TOKENS = 48
+
+
+class Load:
+    """Clients streaming greedy completions back to back; records the arrival
+    time of every streamed chunk, per stream."""
+
+    def __init__(self, base_url: str, model: str, streams: int) -> None:
+        self.base_url, self.model = base_url, model
+        self.arrivals: list[list[float]] = [[] for _ in range(streams)]
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True)
+            for i in range(streams)
+        ]
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(120)
+
+    def _run(self, i: int) -> None:
+        while not self._stop.is_set():
+            try:
+                response = requests.post(
+                    f"{self.base_url}/v1/completions",
+                    json={
+                        "model": self.model,
+                        "prompt": [1, 17, 93, 255, 41 + i],
+                        "max_tokens": STREAM_TOKENS,
+                        "temperature": 0.0,
+                        "ignore_eos": True,
+                        "stream": True,
+                    },
+                    stream=True,
+                    timeout=300,
+                )
+                response.raise_for_status()
+                for line in response.iter_lines():
+                    if line.startswith(b"data: {"):
+                        json.loads(line[len(b"data: ") :])
+                        self.arrivals[i].append(time.perf_counter())
+            except Exception as e:
+                self.errors.append(f"{type(e).__name__}: {e}")
+                return
+
+    def tokens_between(self, start: float, end: float) -> int:
+        return sum(start <= t <= end for times in self.arrivals for t in times)
+
+    def max_gap(self, start: float, end: float) -> float:
+        """The longest time within ``[start, end]`` in which some stream got
+        nothing (a stream's gaps include the one spanning ``start``)."""
+        longest = 0.0
+        for times in self.arrivals:
+            previous = max((t for t in times if t < start), default=start)
+            for t in times:
+                if t < start or t > end:
+                    continue
+                longest = max(longest, t - previous)
+                previous = t
+            longest = max(longest, end - previous) if previous >= start else longest
+        return longest
+
+
+class HeldClock:
+    """A sync client that adds up the time between ``pause_generation`` and
+    ``resume_generation``."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.held_s = 0.0
+        self._since: float | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def pause_generation(self, mode: str = "keep") -> None:
+        self._since = time.perf_counter()
+        self.inner.pause_generation(mode)
+
+    def resume_generation(self) -> None:
+        self.inner.resume_generation()
+        assert self._since is not None
+        self.held_s += time.perf_counter() - self._since
+        self._since = None
+
+
+def run_mode(staging: str, model_dir: Any, model: Any, args: Any) -> dict:
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.ipc_engine import (
+        IPCTrainerInitInfo,
+        IPCTrainerWeightTransferEngine,
+    )
+    from vllm.distributed.weight_transfer.testing import (
+        assert_serves_weights,
+        randomize_weights_,
+    )
+    from vllm.distributed.weight_transfer.testing.server import serve
+
+    rounds = []
+    with serve(
+        model_dir,
+        weight_transfer_backend="ipc",
+        weight_transfer_options={"staging": staging},
+        startup_timeout_s=600,
+    ) as server:
+        client = HeldClock(HTTPVLLMWeightSyncClient(server.base_url, timeout=600))
+        trainer = IPCTrainerWeightTransferEngine.trainer_init(
+            IPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=CHUNK_BYTES),
+            client=client,
+            source=ModuleSource(model),
+        )
+        with Load(server.base_url, server.model, args.streams) as load:
+            while min(len(a) for a in load.arrivals) < 2 and not load.errors:
+                time.sleep(0.1)
+            for round_ in range(args.rounds + 1):
+                randomize_weights_(model, seed=100 + round_, std=0.02)
+                client.held_s = 0.0
+                t0 = time.perf_counter()
+                if staging == "off":  # stop the world for the whole update
+                    client.pause_generation("keep")
+                trainer.send_weights(weight_version=f"round-{round_}")
+                if staging == "off":
+                    client.resume_generation()
+                t1 = time.perf_counter()
+                sync_s = t1 - t0
+                # Idle: the same streams for as long, right after the sync.
+                time.sleep(sync_s)
+                t2 = time.perf_counter()
+                during = load.tokens_between(t0, t1) / sync_s
+                idle = load.tokens_between(t1 + 0.1 * sync_s, t2) / (0.9 * sync_s)
+                row = {
+                    "sync_s": round(sync_s, 4),
+                    "held_s": round(client.held_s, 4),
+                    "max_gap_s": round(load.max_gap(t0, t1), 4),
+                    "tokens_per_s_during_sync": round(during, 2),
+                    "tokens_per_s_idle": round(idle, 2),
+                }
+                label = " (warm-up)" if round_ == 0 else ""
+                print(f"[staging={staging}] round {round_}{label}: {row}")
+                if round_:
+                    rounds.append(row)
+            errors = list(load.errors)
+        rss = child_rss_bytes()
+        assert_serves_weights(server.fresh_load_oracle(), model, dtype="float32")
+        trainer.shutdown()
+    if errors:
+        raise RuntimeError(f"a stream failed: {errors[0]}")
+
+    def median(key: str) -> float:
+        return round(statistics.median(r[key] for r in rounds), 4)
+
+    return {
+        "staging": staging,
+        "rounds": rounds,
+        "sync_median_s": median("sync_s"),
+        "held_median_s": median("held_s"),
+        "max_gap_median_s": median("max_gap_s"),
+        "tokens_per_s_during_sync_median": median("tokens_per_s_during_sync"),
+        "tokens_per_s_idle_median": median("tokens_per_s_idle"),
+        "worker_rss_bytes_after": rss,
+        "oracle_match": True,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--streams", type=int, default=2)
+    p.add_argument("--num-layers", type=int, default=BENCH_SPEC["num_layers"])
+    p.add_argument("--out", default=str(RESULTS / "staged_cpu.json"))
+    args = p.parse_args()
+    commit = git_commit()
+    from vllm.distributed.weight_transfer.testing import (
+        TinyModelSpec,
+        build_tiny_model,
+        load_hf_model,
+    )
+
+    spec = TinyModelSpec(**{**BENCH_SPEC, "num_layers": args.num_layers})
+    model_dir = build_tiny_model(spec)
+    model = load_hf_model(model_dir, "float32")
+    nbytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    print(f"model {model_dir.name}: {nbytes / 1e9:.2f} GB float32")
+
+    staged = run_mode("host", model_dir, model, args)
+    stopped = run_mode("off", model_dir, model, args)
+    gap_over_sync = staged["max_gap_median_s"] / stopped["sync_median_s"]
+    during_over_idle = (
+        staged["tokens_per_s_during_sync_median"] / staged["tokens_per_s_idle_median"]
+    )
+    commit_over_sync = staged["held_median_s"] / staged["sync_median_s"]
+    print(
+        f"staged: longest generation gap {staged['max_gap_median_s']:.3f} s over a "
+        f"stop-the-world sync of {stopped['sync_median_s']:.3f} s = "
+        f"{gap_over_sync:.3f} (target <= 0.10); throughput during the sync over "
+        f"idle {during_over_idle:.3f} (target >= 0.50); commit "
+        f"{staged['held_median_s']:.3f} s of a {staged['sync_median_s']:.3f} s sync"
+    )
+    emit_json(
+        {
+            "benchmark": "staged_vs_stop_the_world_cpu",
+            "commit": commit,
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": machine_info(),
+            "model": {
+                "dir": model_dir.name,
+                "spec": dataclasses.asdict(spec),
+                "bytes": nbytes,
+            },
+            "streams": args.streams,
+            "stream_tokens": STREAM_TOKENS,
+            "chunk_bytes": CHUNK_BYTES,
+            "staged": staged,
+            "stop_the_world": stopped,
+            "max_generation_gap_over_sync": round(gap_over_sync, 4),
+            "throughput_during_sync_over_idle": round(during_over_idle, 4),
+            "commit_over_sync": round(commit_over_sync, 4),
+            "targets": {
+                "max_generation_gap_over_sync": 0.10,
+                "throughput_during_sync_over_idle": 0.50,
+            },
+        },
+        args.out,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
