@@ -270,3 +270,69 @@ def test_host_staging_lives_in_host_memory_and_device_staging_on_the_model():
         model, None, where="device", model_device=torch.device("cpu")
     )
     assert on_model.device == torch.device("cpu")
+
+
+def test_weights_after_the_prepare_are_refused_and_nothing_commits():
+    target = reload_ready(0)
+    before = state(target)
+    engine = staged_engine(target)
+    engine.start_weight_update()
+    session = engine._session
+    assert isinstance(session, StagedUpdate)
+    session.load([("a.weight", torch.ones(6, 4)), ("a.bias", torch.ones(6))])
+    engine.update_weights({PREPARE_FIELD: "p"})
+    with pytest.raises(ValueError, match="after the trainer's prepare message"):
+        engine.update_weights({"names": [], "dtype_names": [], "shapes": []})
+    engine.finish_weight_update()  # the refusal closed the update
+    assert_state(target, before)
+    assert engine.fence_status["state"] != "fenced"
+
+
+def test_a_deadline_between_prepare_and_commit_drops_the_update_unfenced():
+    target = reload_ready(0)
+    before = state(target)
+    engine = staged_engine(target, timeout_s=5.0)
+    engine.start_weight_update()
+    session = engine._session
+    assert isinstance(session, StagedUpdate)
+    session.load([("a.weight", torch.ones(6, 4)), ("a.bias", torch.ones(6))])
+    engine.update_weights({PREPARE_FIELD: "p"})
+    session._last_call -= 10.0  # the trainer went silent before finishing
+    with pytest.raises(TimeoutError, match="without a call from the trainer"):
+        engine.finish_weight_update()
+    assert session.staged_bytes == 0 and not session.is_open
+    assert_state(target, before)
+    assert engine.fence_status["state"] != "fenced"
+
+
+def test_the_deadline_does_not_run_while_background_work_does():
+    import threading
+
+    model = reload_ready(0)
+    update = StagedUpdate(
+        model, None, where="host", model_device=torch.device("cpu"), timeout_s=1.0
+    )
+    update.start()
+    release = threading.Event()
+    update.in_background(lambda stop: release.wait(10), name="slow-pull")
+    update._last_call -= 5.0  # longer than the deadline, but the pull runs
+    update.check_deadline("prepare")  # no TimeoutError
+    release.set()
+    update.prepare()  # waits for the pull, then checks
+    assert update.prepared
+    update.abort("done")
+
+
+def test_a_background_failure_is_raised_by_prepare():
+    model = reload_ready(0)
+    update = StagedUpdate(model, None, where="host", model_device=torch.device("cpu"))
+    update.start()
+
+    def pull(stop):
+        raise RuntimeError("the producer went away")
+
+    update.in_background(pull, name="failing-pull")
+    with pytest.raises(RuntimeError, match="the producer went away"):
+        update.prepare()
+    update.abort("failed")
+    assert not update.is_open

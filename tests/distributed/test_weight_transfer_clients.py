@@ -379,3 +379,15 @@ def test_ray_actors_commit_without_holding_generation(fake_ray):
     bare = RayVLLMWeightSyncClient(Bare())  # type: ignore[arg-type]
     with pytest.raises(NotImplementedError, match="have no reset_prefix_cache"):
         bare.reset_prefix_cache(reset_running_requests=True)
+
+
+def test_a_failed_resume_is_tried_once_more():
+    class FlakyResume(_CommitClient):
+        def resume_generation(self):
+            super().resume_generation()
+            if self.calls.count("resume") == 1:
+                raise ConnectionError("the answer was lost")
+
+    client = FlakyResume()
+    commit_update(client, "v6")  # type: ignore[arg-type]
+    assert client.calls[-2:] == ["resume", "resume"]

@@ -68,9 +68,9 @@ def commit_update(client: VLLMWeightSyncClient, weight_version: str | None) -> N
     the client can hold it and nobody else did), then drop the KV cache the
     old weights computed; see the module docstring."""
     hold = _can_hold(client)
-    if hold:
-        client.pause_generation(mode="keep")  # type: ignore[attr-defined]
     try:
+        if hold:
+            client.pause_generation(mode="keep")  # type: ignore[attr-defined]
         # Upstream's clients take the version at finish; without one, the
         # call has upstream's bare form.
         client.finish_weight_update(
@@ -84,7 +84,18 @@ def commit_update(client: VLLMWeightSyncClient, weight_version: str | None) -> N
                 logger.warning("the KV cache of the old weights stays: %s", e)
     finally:
         if hold:
-            client.resume_generation()  # type: ignore[attr-defined]
+            _resume(client)
+
+
+def _resume(client: Any) -> None:
+    """Resume generation; once more if the first call fails (a pause left in
+    place would hold generation for ever, and the next commit would take it
+    for someone else's)."""
+    try:
+        client.resume_generation()
+    except Exception as e:
+        logger.warning("resume_generation failed (%s); trying once more", e)
+        client.resume_generation()
 
 
 def _can_hold(client: Any) -> bool:

@@ -253,7 +253,16 @@ class ShardedRDTWeightTransferEngine(
         consumer_id, metas, plan, pulls = self._plan_consumer(init_info)
 
         # Every check so far is pure: an init they refuse leaves the previous
-        # one serving syncs. From here on the old links give way to new ones.
+        # one serving syncs. From here on the old links give way to new ones,
+        # and an update still open on them (a staged pull may be running) is
+        # closed first.
+        if self._session is not None and self._session.is_open:
+            self._fail_update(
+                RuntimeError(
+                    "init_weight_transfer_engine replaced the transfer an open "
+                    "update was using"
+                )
+            )
         self._release()
         transport, links, buffers, size = self._connect(
             init_info, transport_name, consumer_id, pulls
@@ -578,7 +587,10 @@ class ShardedRDTWeightTransferEngine(
         slices = [p.spec for p in chunk.slices if p.spec.nbytes]
         for spec in slices:
             pub.admit_slice(spec.source, None, spec.nbytes)
-        self._mark_landed()
+        if not isinstance(session, StagedUpdate):
+            # (The engine's own session may already be detached by a finish
+            # that waits for this background pull: decide by this one.)
+            self._mark_landed()
         t0 = time.perf_counter()
         if isinstance(session, StagedUpdate):
             staged = session.stage(data, f"chunk seq {chunk.seq}")

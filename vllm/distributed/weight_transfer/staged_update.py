@@ -73,10 +73,15 @@ class StagingDoesNotFit(MemoryError):
 
 
 def free_bytes(device: torch.device) -> int:
-    """Bytes free for new tensors on ``device`` (host memory for CPU)."""
+    """Bytes free for new tensors on ``device`` (host memory for CPU): on
+    CUDA also what PyTorch's caching allocator holds unused, such as the
+    previous update's staging."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(
+            device
+        )
+        return int(free + max(cached, 0))
     import psutil
 
     return int(psutil.virtual_memory().available)
@@ -136,6 +141,11 @@ class StagedUpdate:
         return self._touched
 
     @property
+    def prepared(self) -> bool:
+        """Whether ``prepare`` passed: no more weights may join the update."""
+        return self._prepared
+
+    @property
     def touched(self) -> bool:
         """Whether the commit has begun writing into the model; a failure
         from here on leaves a partly committed model."""
@@ -154,6 +164,8 @@ class StagedUpdate:
         now = time.monotonic()
         idle = now - self._last_call
         self._last_call = now
+        if self._background is not None and self._background[0].is_alive():
+            return  # the pull is the update's work, not a silent trainer
         if not self._open or self.timeout_s is None or idle <= self.timeout_s:
             return
         reason = (
@@ -201,6 +213,12 @@ class StagedUpdate:
             pin_memory=self._pin,
         )
         copy.copy_(data)
+        if data.is_cuda or copy.is_cuda:
+            # The caller reuses ``data`` (a receive buffer) once this returns,
+            # and RDMA writes into it do not wait for queued device work.
+            torch.cuda.current_stream(
+                data.device if data.is_cuda else copy.device
+            ).synchronize()
         self.staged_bytes += nbytes
         return copy
 
@@ -279,8 +297,7 @@ class StagedUpdate:
         self._check_open("finish()")
         if not self._prepared:
             self.prepare()
-        else:
-            self.check_deadline("finish()")
+        self._join_background(stop=False)
         try:
             if self._lands:
                 session = LayerwiseReloadSession(self.model, self.model_config)
@@ -288,8 +305,10 @@ class StagedUpdate:
                 self._committing = session
                 self._touched = True
                 try:
-                    for land in self._lands:
-                        land(session)
+                    # Each staged tensor is dropped as soon as it has landed.
+                    lands, self._lands = self._lands, []
+                    while lands:
+                        lands.pop(0)(session)
                     session.finish()
                 except BaseException as e:
                     session.abort(f"the commit failed: {type(e).__name__}: {e}")
@@ -349,6 +368,9 @@ class StagedUpdate:
         self._received = set()
         self._prepared = False
         self.staged_bytes = 0
+        if self._pin and hasattr(torch._C, "_host_emptyCache"):
+            # Pinned staging stays in PyTorch's host cache otherwise.
+            torch._C._host_emptyCache()
 
 
 def _gib(nbytes: int) -> str:

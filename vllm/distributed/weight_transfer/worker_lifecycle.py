@@ -95,6 +95,8 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         self._landed = False
         # Set by an abort message until the finish that closes the update.
         self._aborted = False
+        # Set once the update's receipt went out (the prepare message).
+        self._prepared = False
 
     # -- backend hooks -------------------------------------------------------
 
@@ -164,6 +166,7 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         self.pub.start()
         self._landed = False
         self._aborted = False
+        self._prepared = False
         self._on_start()
         timeout_s = getattr(self.config, "update_timeout_s", None)
         session: UpdateSession
@@ -200,6 +203,12 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
                 self.pub.fence.check_open(what)
                 self._prepare(self._session_for(what))
                 return
+            if self._prepared:
+                raise ValueError(
+                    "update_weights after the trainer's prepare message: the "
+                    "receipts are written, so no more weights may join this "
+                    "update; finish it or abort it"
+                )
             # No update open, or fenced: refused before anything changes (the
             # failure path below then only tells the backend).
             self.pub.fence.check_open(f"{self.backend_name} update_weights")
@@ -271,13 +280,21 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         if isinstance(session, StagedUpdate):
             session.prepare()
         self.pub.prepare()
+        self._prepared = True
 
     def _commit_staged(self, session: StagedUpdate) -> None:
         """Finish a staged update: the checks and the receipt (unless the
         prepare message did them), then the commit, which alone fences on
         failure."""
-        if not self.pub.receipt_sent:
-            self._prepare(session)
+        try:
+            if not self.pub.receipt_sent:
+                self._prepare(session)
+            # Checked before the first write, so a late commit is dropped, not
+            # fenced.
+            session.check_deadline("finish_weight_update")
+        except BaseException as e:
+            session.abort(describe_error(e))
+            raise
         self.pub.touch()
         self._landed = True
         record = self.pub.record
