@@ -314,7 +314,11 @@ def test_the_deadline_does_not_run_while_background_work_does():
     )
     update.start()
     release = threading.Event()
-    update.in_background(lambda stop: release.wait(10), name="slow-pull")
+
+    def slow_pull(stop: threading.Event) -> None:
+        release.wait(10)
+
+    update.in_background(slow_pull, name="slow-pull")
     update._last_call -= 5.0  # longer than the deadline, but the pull runs
     update.check_deadline("prepare")  # no TimeoutError
     release.set()
