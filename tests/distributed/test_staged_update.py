@@ -193,7 +193,7 @@ def test_an_update_past_its_deadline_is_dropped_unfenced(monkeypatch):
     session = engine._session
     assert isinstance(session, StagedUpdate)
     session.load([("a.weight", torch.ones(6, 4))])
-    session._last_call -= 10.0  # the trainer went silent for 10 s
+    session._calls.last_call -= 10.0  # the trainer went silent for 10 s
     with pytest.raises(TimeoutError, match="without a call from the trainer"):
         engine.update_weights({PREPARE_FIELD: "p"})
     assert session.staged_bytes == 0
@@ -297,7 +297,7 @@ def test_a_deadline_between_prepare_and_commit_drops_the_update_unfenced():
     assert isinstance(session, StagedUpdate)
     session.load([("a.weight", torch.ones(6, 4)), ("a.bias", torch.ones(6))])
     engine.update_weights({PREPARE_FIELD: "p"})
-    session._last_call -= 10.0  # the trainer went silent before finishing
+    session._calls.last_call -= 10.0  # the trainer went silent before finishing
     with pytest.raises(TimeoutError, match="without a call from the trainer"):
         engine.finish_weight_update()
     assert session.staged_bytes == 0 and not session.is_open
@@ -319,7 +319,7 @@ def test_the_deadline_does_not_run_while_background_work_does():
         release.wait(10)
 
     update.in_background(slow_pull, name="slow-pull")
-    update._last_call -= 5.0  # longer than the deadline, but the pull runs
+    update._calls.last_call -= 5.0  # longer than the deadline, but the pull runs
     update.check_deadline("prepare")  # no TimeoutError
     release.set()
     update.prepare()  # waits for the pull, then checks

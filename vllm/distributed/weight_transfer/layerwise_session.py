@@ -55,7 +55,6 @@ result is copied into the kernel tensors.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -65,6 +64,7 @@ from vllm.distributed.weight_transfer.update_completeness import (
     FusedGroups,
     IncompleteUpdateError,
 )
+from vllm.distributed.weight_transfer.update_calls import UpdateCalls
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -103,14 +103,11 @@ class LayerwiseReloadSession:
         self.model = model
         self.model_config = model_config
         self.on_abort = on_abort
-        # Longest gap between two calls of one update (None: no limit).
-        self.timeout_s = timeout_s
-        self._last_call = time.monotonic()
-        self.aborted_reason: str | None = None
+        # The deadline between calls, the names received, the abort reason.
+        self._calls = UpdateCalls(timeout_s)
         self._hooked: list[Any] = []
         self._open = False
         self._landing = False
-        self._received: set[str] = set()
         self._forward_guard: Any = None
 
     @property
@@ -122,25 +119,23 @@ class LayerwiseReloadSession:
         """Whether layers have been moved aside for this update."""
         return self._landing
 
+    @property
+    def aborted_reason(self) -> str | None:
+        """Why the last update was aborted (None unless it was)."""
+        return self._calls.aborted_reason
+
     def start(self) -> None:
         if self._open:
             raise RuntimeError("this layerwise reload session is already open")
         self._open = True
-        self.aborted_reason = None
-        self._last_call = time.monotonic()
+        self._calls.restart()
 
     def check_deadline(self, what: str) -> None:
         """Abort the update and raise ``TimeoutError`` when more than
         ``timeout_s`` passed since its last call; otherwise note this call."""
-        now = time.monotonic()
-        idle = now - self._last_call
-        self._last_call = now
-        if not self._open or self.timeout_s is None or idle <= self.timeout_s:
+        reason = self._calls.overdue(self._open)
+        if reason is None:
             return
-        reason = (
-            f"the update went {idle:.0f} s without a call from the trainer "
-            f"(update_timeout_s={self.timeout_s:g})"
-        )
         landed = self._landing
         self.abort(reason)
         if self.on_abort is not None:
@@ -177,17 +172,9 @@ class LayerwiseReloadSession:
             raise RuntimeError(self.closed_message("load()"))
         self.check_deadline("load()")
         weights = list(weights)
-        names = [name for name, _ in weights]
-        fresh = set(names)
-        repeated = fresh & self._received
-        if len(fresh) != len(names) or repeated:
-            dup = sorted(repeated) or _first_repeats(names)
-            raise ValueError(
-                f"this update carries {dup[0]!r} more than once; each tensor "
-                "may travel once per update"
-            )
+        fresh = self._calls.new_names(name for name, _ in weights)
         self.begin_landing()
-        self._received |= fresh
+        self._calls.received |= fresh
         with torch.no_grad(), disable_mtp_completeness_check():
             self.model.load_weights(weights=weights)  # type: ignore[operator]
         if foreign_storages:
@@ -206,7 +193,7 @@ class LayerwiseReloadSession:
             groups = FusedGroups.of(
                 self.model, getattr(self.model_config, "hf_config", None)
             )
-            groups.check(self._received)
+            groups.check(self._calls.received)
             self._check_layers_whole()
             finalize_layerwise_reload(self.model, self.model_config)
         except BaseException as e:
@@ -223,7 +210,7 @@ class LayerwiseReloadSession:
 
         if not self._open:
             return
-        self.aborted_reason = reason
+        self._calls.aborted_reason = reason
         if not self._landing:
             self._close()
             return
@@ -255,17 +242,11 @@ class LayerwiseReloadSession:
             self._forward_guard = None
         self._open = False
         self._landing = False
-        self._received = set()
+        self._calls.received = set()
 
     def closed_message(self, what: str) -> str:
         """Why ``what`` cannot run on this closed session, and what to do."""
-        if self.aborted_reason is not None:
-            return (
-                f"{what}: the weight update was aborted ({self.aborted_reason}); "
-                "send {'abort': ...} or call finish_weight_update to close it, "
-                "then start a new full update"
-            )
-        return f"{what} needs an open update; call start_weight_update first"
+        return self._calls.closed_message(what)
 
     def _forward_while_landing(self, module: Any, args: Any) -> None:
         """Forward pre-hook installed while layers sit on the meta device."""
@@ -354,11 +335,3 @@ class LayerwiseReloadSession:
         if copied:
             logger.debug("Copied %d buffered weight(s) out of the transfer", copied)
 
-
-def _first_repeats(names: list[str]) -> list[str]:
-    seen: set[str] = set()
-    for name in names:
-        if name in seen:
-            return [name]
-        seen.add(name)
-    return []

@@ -44,7 +44,6 @@ since every worker receives whole tensors and slices them when it loads.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
@@ -53,6 +52,7 @@ import torch
 from vllm.distributed.weight_transfer.layerwise_session import (
     LayerwiseReloadSession,
 )
+from vllm.distributed.weight_transfer.update_calls import UpdateCalls
 from vllm.distributed.weight_transfer.update_completeness import FusedGroups
 from vllm.logger import init_logger
 
@@ -112,18 +112,20 @@ class StagedUpdate:
         self.model_config = model_config
         self.where = where
         self.device = staging_device(where, model_device)
-        self.timeout_s = timeout_s
+        # The deadline between calls, the names received, the abort reason.
+        self._calls = UpdateCalls(
+            timeout_s,
+            noun="staged weight update",
+            aborted_note="the served weights are unchanged",
+        )
         # How many bytes are free on a device (``free_bytes`` by default).
         self._free_memory = free_memory
         self._pin = where == "host" and model_device.type == "cuda"
-        self.aborted_reason: str | None = None
         self.staged_bytes = 0
         self._open = False
         self._touched = False
         self._prepared = False
-        self._received: set[str] = set()
         self._lands: list[Land] = []
-        self._last_call = time.monotonic()
         self._committing: LayerwiseReloadSession | None = None
         # Work running on a thread while the engine serves, and its stop flag.
         self._background: tuple[threading.Thread, threading.Event] | None = None
@@ -141,6 +143,11 @@ class StagedUpdate:
         return self._touched
 
     @property
+    def aborted_reason(self) -> str | None:
+        """Why the last update was aborted (None unless it was)."""
+        return self._calls.aborted_reason
+
+    @property
     def prepared(self) -> bool:
         """Whether ``prepare`` passed: no more weights may join the update."""
         return self._prepared
@@ -155,35 +162,21 @@ class StagedUpdate:
         if self._open:
             raise RuntimeError("this staged update is already open")
         self._open = True
-        self.aborted_reason = None
-        self._last_call = time.monotonic()
+        self._calls.restart()
 
     def check_deadline(self, what: str) -> None:
         """Abort the update and raise ``TimeoutError`` when more than
         ``timeout_s`` passed since its last call; otherwise note this call."""
-        now = time.monotonic()
-        idle = now - self._last_call
-        self._last_call = now
+        reason = self._calls.overdue(self._open)
         if self._background is not None and self._background[0].is_alive():
             return  # the pull is the update's work, not a silent trainer
-        if not self._open or self.timeout_s is None or idle <= self.timeout_s:
+        if reason is None:
             return
-        reason = (
-            f"the update went {idle:.0f} s without a call from the trainer "
-            f"(update_timeout_s={self.timeout_s:g})"
-        )
         self.abort(reason)
         raise TimeoutError(self.closed_message(what))
 
     def closed_message(self, what: str) -> str:
-        if self.aborted_reason is not None:
-            return (
-                f"{what}: the staged weight update was aborted "
-                f"({self.aborted_reason}); the served weights are unchanged. Send "
-                "{'abort': ...} or call finish_weight_update to close it, then "
-                "start a new full update"
-            )
-        return f"{what} needs an open update; call start_weight_update first"
+        return self._calls.closed_message(what)
 
     # -- staging ------------------------------------------------------------------
 
@@ -229,16 +222,7 @@ class StagedUpdate:
 
     def receive_names(self, names: Iterable[str]) -> None:
         """Note names of this update; a name received twice is refused."""
-        names = list(names)
-        fresh = set(names)
-        repeated = fresh & self._received
-        if len(fresh) != len(names) or repeated:
-            dup = sorted(repeated) or _first_repeat(names)
-            raise ValueError(
-                f"this update carries {dup[0]!r} more than once; each tensor "
-                "may travel once per update"
-            )
-        self._received |= fresh
+        self._calls.received |= self._calls.new_names(names)
 
     def load(
         self,
@@ -271,7 +255,7 @@ class StagedUpdate:
             except BaseException as e:
                 self._background_error = e
             finally:
-                self._last_call = time.monotonic()
+                self._calls.note_call()
 
         thread = threading.Thread(target=run, name=name, daemon=True)
         self._background = (thread, stop)
@@ -285,11 +269,11 @@ class StagedUpdate:
         self._check_open("prepare")
         self._join_background(stop=False)
         self.check_deadline("prepare")
-        if self._received:
+        if self._calls.received:
             groups = FusedGroups.of(
                 self.model, getattr(self.model_config, "hf_config", None)
             )
-            groups.check(self._received)
+            groups.check(self._calls.received)
         self._prepared = True
 
     def finish(self) -> None:
@@ -322,7 +306,7 @@ class StagedUpdate:
         """Drop the staging; the served weights were not touched."""
         if not self._open:
             return
-        self.aborted_reason = reason
+        self._calls.aborted_reason = reason
         self._join_background(stop=True)
         if self._committing is not None:
             self._committing.abort(reason)
@@ -365,7 +349,7 @@ class StagedUpdate:
 
     def _release(self) -> None:
         self._lands = []
-        self._received = set()
+        self._calls.received = set()
         self._prepared = False
         self.staged_bytes = 0
         if self._pin and hasattr(torch._C, "_host_emptyCache"):
@@ -376,11 +360,3 @@ class StagedUpdate:
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.3f} GiB"
 
-
-def _first_repeat(names: list[str]) -> list[str]:
-    seen: set[str] = set()
-    for name in names:
-        if name in seen:
-            return [name]
-        seen.add(name)
-    return []
