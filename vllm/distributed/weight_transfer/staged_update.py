@@ -29,7 +29,7 @@ worker engine drives it through the same calls as the in-place session:
    ``abort(reason)`` before the commit stops the background work and drops
    the staging: the served weights were never touched. A failure inside the
    commit is handled like an in-place failure (layers that did not complete
-   go back; the worker engine fences because ``touched`` is set).
+   go back; the worker engine fences because the commit had begun).
 
 Deadline: ``timeout_s`` bounds the gap between two calls, as for the in-place
 session; past it the update is aborted (staging dropped) and the call raises
@@ -123,7 +123,6 @@ class StagedUpdate:
         self._pin = where == "host" and model_device.type == "cuda"
         self.staged_bytes = 0
         self._open = False
-        self._touched = False
         self._prepared = False
         self._lands: list[Land] = []
         self._committing: LayerwiseReloadSession | None = None
@@ -138,11 +137,6 @@ class StagedUpdate:
         return self._open
 
     @property
-    def landing(self) -> bool:
-        """Whether the commit has begun writing into the model."""
-        return self._touched
-
-    @property
     def aborted_reason(self) -> str | None:
         """Why the last update was aborted (None unless it was)."""
         return self._calls.aborted_reason
@@ -151,12 +145,6 @@ class StagedUpdate:
     def prepared(self) -> bool:
         """Whether ``prepare`` passed: no more weights may join the update."""
         return self._prepared
-
-    @property
-    def touched(self) -> bool:
-        """Whether the commit has begun writing into the model; a failure
-        from here on leaves a partly committed model."""
-        return self._touched
 
     def start(self) -> None:
         if self._open:
@@ -287,7 +275,6 @@ class StagedUpdate:
                 session = LayerwiseReloadSession(self.model, self.model_config)
                 session.start()
                 self._committing = session
-                self._touched = True
                 try:
                     # Each staged tensor is dropped as soon as it has landed.
                     lands, self._lands = self._lands, []
