@@ -67,16 +67,23 @@ class WeightsFencedError(RuntimeError):
 ABORT_FIELD = "abort"
 
 
+def _sole_string_field(d: object, name: str, meaning: str = "") -> str | None:
+    """``d[name]`` when ``d`` is a message carrying field ``name``, or None
+    for any other message; ``ValueError`` unless that field is the only one
+    and a string (``meaning`` says what the string is, for the error)."""
+    if not isinstance(d, dict) or name not in d:
+        return None
+    if set(d) != {name} or not isinstance(d[name], str):
+        raise ValueError(
+            f"update_info.{name} must be the only field and a string{meaning}, "
+            f"got fields {sorted(d)}"
+        )
+    return d[name]
+
+
 def abort_reason(d: object) -> str | None:
     """The reason of an abort message, or None for any other message."""
-    if not isinstance(d, dict) or ABORT_FIELD not in d:
-        return None
-    if set(d) != {ABORT_FIELD} or not isinstance(d[ABORT_FIELD], str):
-        raise ValueError(
-            f"update_info.{ABORT_FIELD} must be the only field and a string, got "
-            f"fields {sorted(d)}"
-        )
-    return d[ABORT_FIELD]
+    return _sole_string_field(d, ABORT_FIELD)
 
 
 PREPARE_FIELD = "prepare"
@@ -86,14 +93,7 @@ def is_prepare_request(d: object) -> bool:
     """Whether ``d`` is the trainer's prepare message (``{"prepare":
     publication_id}``): every weight was sent; the worker checks what it holds
     and writes its receipt before the commit (``finish_weight_update``)."""
-    if not isinstance(d, dict) or PREPARE_FIELD not in d:
-        return False
-    if set(d) != {PREPARE_FIELD} or not isinstance(d[PREPARE_FIELD], str):
-        raise ValueError(
-            f"update_info.{PREPARE_FIELD} must be the only field and a string "
-            f"(the publication id), got fields {sorted(d)}"
-        )
-    return True
+    return _sole_string_field(d, PREPARE_FIELD, " (the publication id)") is not None
 
 
 class WeightState(enum.Enum):
