@@ -39,13 +39,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
-import threading
 import time
 from typing import Any
 
-import requests
 from _bench_common import (
     QWEN3_BENCH_SHAPE,
     RESULTS,
@@ -55,59 +52,25 @@ from _bench_common import (
     machine_info,
 )
 
+from vllm.distributed.weight_transfer.testing.streams import StreamingClients
+
 BENCH_SPEC = {**QWEN3_BENCH_SHAPE, "num_layers": 18}
 CHUNK_BYTES = 64 * 2**20
 STREAM_TOKENS = 48
 
 
-class Load:
+class Load(StreamingClients):
     """Clients streaming greedy completions back to back; records the arrival
     time of every streamed chunk, per stream."""
 
     def __init__(self, base_url: str, model: str, streams: int) -> None:
-        self.base_url, self.model = base_url, model
-        self.arrivals: list[list[float]] = [[] for _ in range(streams)]
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._run, args=(i,), daemon=True)
-            for i in range(streams)
-        ]
-
-    def __enter__(self) -> Load:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(120)
-
-    def _run(self, i: int) -> None:
-        while not self._stop.is_set():
-            try:
-                response = requests.post(
-                    f"{self.base_url}/v1/completions",
-                    json={
-                        "model": self.model,
-                        "prompt": [1, 17, 93, 255, 41 + i],
-                        "max_tokens": STREAM_TOKENS,
-                        "temperature": 0.0,
-                        "ignore_eos": True,
-                        "stream": True,
-                    },
-                    stream=True,
-                    timeout=300,
-                )
-                response.raise_for_status()
-                for line in response.iter_lines():
-                    if line.startswith(b"data: {"):
-                        json.loads(line[len(b"data: ") :])
-                        self.arrivals[i].append(time.perf_counter())
-            except Exception as e:
-                self.errors.append(f"{type(e).__name__}: {e}")
-                return
+        super().__init__(
+            base_url,
+            model,
+            [[1, 17, 93, 255, 41 + i] for i in range(streams)],
+            STREAM_TOKENS,
+            timeout_s=300,
+        )
 
     def tokens_between(self, start: float, end: float) -> int:
         return sum(start <= t <= end for times in self.arrivals for t in times)

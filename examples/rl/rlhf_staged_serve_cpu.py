@@ -32,13 +32,10 @@ Run: ``python examples/rl/rlhf_staged_serve_cpu.py [--steps 3]
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import threading
 import time
 from pathlib import Path
 
-import requests
 import torch
 
 from vllm.distributed.weight_transfer.base import ModuleSource
@@ -55,6 +52,7 @@ from vllm.distributed.weight_transfer.testing import (
     load_hf_model,
 )
 from vllm.distributed.weight_transfer.testing.server import ServerProcess, serve
+from vllm.distributed.weight_transfer.testing.streams import StreamingClients
 
 CHUNK_BYTES = 256 * 1024  # many small messages: the transfer takes a while
 STREAM_TOKENS = 24
@@ -68,61 +66,34 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-class StreamingClient:
+class StreamingClient(StreamingClients):
     """Streams greedy completions back to back on a thread; records every
     finished stream's end time and the longest gap between two chunks."""
 
     def __init__(self, server: ServerProcess) -> None:
-        self.server = server
-        self.finished_at: list[float] = []
-        self.gaps: list[tuple[float, float]] = []  # (when, gap seconds)
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        super().__init__(
+            server.base_url,
+            server.model,
+            [DEFAULT_PROMPTS[0]],
+            STREAM_TOKENS,
+            join_timeout_s=60,
+        )
 
-    def __enter__(self) -> StreamingClient:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(60)
+    @property
+    def finished_at(self) -> list[float]:
+        return [s.finished_at for s in self.streams if s.finished_at is not None]
 
     def longest_gap(self, start: float, end: float) -> float:
-        return max((g for t, g in self.gaps if start <= t <= end), default=0.0)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._stream_once()
-            except Exception as e:  # reported by the main thread
-                self.errors.append(f"{type(e).__name__}: {e}")
-                return
-
-    def _stream_once(self) -> None:
-        response = requests.post(
-            f"{self.server.base_url}/v1/completions",
-            json={
-                "model": self.server.model,
-                "prompt": list(DEFAULT_PROMPTS[0]),
-                "max_tokens": STREAM_TOKENS,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "stream": True,
-            },
-            stream=True,
-            timeout=120,
-        )
-        response.raise_for_status()
-        last = time.perf_counter()
-        for line in response.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            json.loads(line[len(b"data: ") :])
-            now = time.perf_counter()
-            self.gaps.append((now, now - last))
-            last = now
-        self.finished_at.append(time.perf_counter())
+        """The longest wait for a chunk (the first one counted from the start
+        of its response) among chunks that arrived within ``[start, end]``."""
+        longest = 0.0
+        for stream in self.streams:
+            last = stream.started
+            for now in stream.arrivals:
+                if last is not None and start <= now <= end:
+                    longest = max(longest, now - last)
+                last = now
+        return longest
 
 
 def main() -> int:

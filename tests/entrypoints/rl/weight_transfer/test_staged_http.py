@@ -23,7 +23,6 @@ generation only for the commit (``/pause?mode=keep``, finish, KV reset,
 
 from __future__ import annotations
 
-import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,11 @@ from vllm.distributed.weight_transfer.testing import (
 )
 from vllm.distributed.weight_transfer.testing.oracle import completions_greedy
 from vllm.distributed.weight_transfer.testing.server import ServerProcess, serve
+from vllm.distributed.weight_transfer.testing.streams import (
+    Stream,
+    StreamingClients,
+    stream_completion,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -80,63 +84,31 @@ def stream_tokens(
 ) -> list[int]:
     """The token ids of one streamed greedy completion; ``first_token`` is set
     once some have arrived."""
-    response = requests.post(
-        f"{server.base_url}/v1/completions",
-        json={
-            "model": server.model,
-            "prompt": list(prompt),
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-            "return_token_ids": True,
-        },
-        stream=True,
-        timeout=120,
-    )
-    response.raise_for_status()
-    tokens: list[int] = []
-    for line in response.iter_lines():
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        for choice in json.loads(line[len(b"data: ") :])["choices"]:
-            tokens += choice.get("token_ids") or []
-        if tokens and first_token is not None:
+
+    def on_chunk(stream: Stream) -> None:
+        if stream.tokens and first_token is not None:
             first_token.set()
-    return tokens
+
+    return stream_completion(
+        server.base_url,
+        server.model,
+        Stream(0, list(prompt)),
+        max_tokens,
+        token_ids=True,
+        on_chunk=on_chunk,
+    ).tokens
 
 
-class Streams:
-    """``n`` clients streaming completions back to back until ``stop()``."""
-
-    def __init__(self, server: ServerProcess, n: int) -> None:
-        self.server = server
-        self.done: list[tuple[int, list[int]]] = []  # (prompt index, tokens)
-        self.errors: list[BaseException] = []
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._run, args=(i % len(DEFAULT_PROMPTS),))
-            for i in range(n)
-        ]
-
-    def __enter__(self) -> Streams:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(120)
-
-    def _run(self, prompt_index: int) -> None:
-        while not self._stop.is_set():
-            try:
-                tokens = stream_tokens(self.server, DEFAULT_PROMPTS[prompt_index])
-            except BaseException as e:
-                self.errors.append(e)
-                return
-            self.done.append((prompt_index, tokens))
+def streams(server: ServerProcess, n: int) -> StreamingClients:
+    """``n`` clients streaming completions back to back until the block ends;
+    client ``i`` streams prompt ``i % len(DEFAULT_PROMPTS)``."""
+    return StreamingClients(
+        server.base_url,
+        server.model,
+        [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(n)],
+        STREAM_TOKENS,
+        token_ids=True,
+    )
 
 
 class CompletesAfterEachMessage:
@@ -236,21 +208,23 @@ def sync_once(server: ServerProcess, model: Any, seed: int, version: str) -> boo
     sync_client = CompletesAfterEachMessage(
         HTTPVLLMWeightSyncClient(server.base_url, timeout=120), server
     )
-    with Streams(server, 4) as streams:
-        while len(streams.done) < 4 and not streams.errors:
+    with streams(server, 4) as load:
+        while len(load.done) < 4 and not load.errors:
             threading.Event().wait(0.05)  # streams are under way
         push(server, model, version, client=sync_client)
         sync_client.join()
-        started = len(streams.done)
-        while len(streams.done) < started + 4 and not streams.errors:
+        started = len(load.done)
+        while len(load.done) < started + 4 and not load.errors:
             threading.Event().wait(0.05)  # streams go on after the commit
-    assert not streams.errors, streams.errors
+    assert not load.errors, load.errors
     assert len(sync_client.during) >= 5, "the sync should span many messages"
     for result in sync_client.during:
         assert_bit_identical(result, before, what="a completion during the transfer")
 
     cut_over = 0
-    for prompt_index, tokens in streams.done:
+    for done in load.done:
+        prompt_index = done.client % len(DEFAULT_PROMPTS)
+        tokens = done.tokens
         assert len(tokens) == STREAM_TOKENS, "every stream completes"
         k = switch_point(
             server, DEFAULT_PROMPTS[prompt_index], tokens, old.tokens[prompt_index]
