@@ -229,8 +229,9 @@ class FakeEngine:
     """The engine-client calls the weight routes make, with a configured backend."""
 
     def __init__(self, backend: str) -> None:
+        # Staged: the in-place update guard (its own tests) stays out of these.
         self.vllm_config = SimpleNamespace(
-            weight_transfer_config=SimpleNamespace(backend=backend)
+            weight_transfer_config=SimpleNamespace(backend=backend, staging="host")
         )
         self.fail_update = False
 

@@ -24,7 +24,9 @@ class WeightTransferConfig:
     past it, the update is aborted (layers that did not complete go back to
     their previous weights; the engine is fenced if any weight had landed) and
     the call fails with the reason. A trainer that starts a new sync abandons
-    such an update by itself.
+    such an update by itself. Under ``vllm serve``, an in-place update whose
+    weights are landing is aborted by the server as soon as the time passes,
+    and the served version names the cause (``update_guard``).
     """
 
     staging: Literal["off", "device", "host"] = "off"

@@ -8,6 +8,11 @@ The routes are upstream's router, unchanged. The fork adds
 ``vllm:rl_weight_update_operation_*`` metrics. The middleware reads what each
 weight route was sent and answered, which is all the sync observer needs; see
 ``vllm.distributed.weight_transfer.sync_metrics``.
+
+Inside it sits ``InPlaceUpdateGuard``: while an in-place ``ipc`` or
+``sharded_rdt`` update lands, generation is held, ``/resume`` is refused and
+the update has an eager deadline; see
+``vllm.distributed.weight_transfer.update_guard``.
 """
 
 from fastapi import FastAPI
@@ -17,7 +22,10 @@ def register_rl_api_routers(app: FastAPI) -> None:
     from vllm.distributed.weight_transfer.sync_metrics import (
         WeightSyncMetricsMiddleware,
     )
+    from vllm.distributed.weight_transfer.update_guard import InPlaceUpdateGuard
     from vllm.entrypoints.rl.online.api_router import router
 
     app.include_router(router)
+    # The last one added runs first: the metrics see what the guard answers.
+    app.add_middleware(InPlaceUpdateGuard)
     app.add_middleware(WeightSyncMetricsMiddleware)

@@ -9,6 +9,11 @@ One server per module (start-up costs ~30 s on CPU). The tests run in file
 order and each one first puts the trainer model into the state it checks, so
 the server's weights always follow the trainer's.
 
+While an in-place update lands, the server holds generation itself
+(``update_guard``): a completion sent mid-sync waits and is answered by the new
+weights, ``/resume`` is refused, and a trainer that dies mid-sync is aborted at
+the deadline with a ``fenced:`` version naming it.
+
 Careless requests (issue #12: an open update with no weights, malformed
 ``update_weights`` bodies) are sent as raw HTTP, through the route handlers and
 the sync-metrics middleware: the server keeps answering completions with
@@ -18,6 +23,8 @@ next ``send_weights()`` recovers without a manual step.
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +47,7 @@ from vllm.distributed.weight_transfer.testing import (
     assert_bit_identical,
     assert_serves_weights,
     build_tiny_model,
+    completions_greedy,
     hf_greedy,
     load_hf_model,
     randomize_weights_,
@@ -72,9 +80,18 @@ def post(server: ServerProcess, route: str, body: dict | None = None):
     return requests.post(f"{server.base_url}/{route}", json=body, timeout=120)
 
 
+# Short enough for the deadline test to wait it out, far above any gap
+# between two calls of one sync.
+UPDATE_TIMEOUT_S = 15
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path):
-    with serve(tiny_model_dir, weight_transfer_backend="ipc") as s:
+    with serve(
+        tiny_model_dir,
+        weight_transfer_backend="ipc",
+        weight_transfer_options={"update_timeout_s": UPDATE_TIMEOUT_S},
+    ) as s:
         yield s
 
 
@@ -395,3 +412,126 @@ def test_a_trainer_killed_between_chunks_does_not_block_the_next_sync(
     assert not [
         n for n in os.listdir("/dev/shm") if n.startswith(f"vllm-wt-{process.pid}-")
     ]
+
+
+class Completions(threading.Thread):
+    """The oracle prompts through ``/v1/completions`` on a thread."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        super().__init__(daemon=True)
+        self.server = server
+        self.result: GreedyResult | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = completions_greedy(
+                self.server.base_url, self.server.model, timeout=120
+            )
+        except BaseException as e:
+            self.error = e
+
+    def outcome(self, timeout_s: float = 120) -> GreedyResult:
+        self.join(timeout_s)
+        assert not self.is_alive(), "the completions never came back"
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+class CompletesMidSync:
+    """A sync client that, once the first weights went out, sends completions
+    and a ``/resume`` and notes what the server did with them."""
+
+    def __init__(self, inner: HTTPVLLMWeightSyncClient, server: ServerProcess):
+        self.inner = inner
+        self.server = server
+        self.completions: Completions | None = None
+        self.waited = False
+        self.paused = False
+        self.resume: requests.Response | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def update_weights(self, update_info: Any) -> None:
+        self.inner.update_weights(update_info)
+        control = isinstance(update_info, dict) and (
+            "abort" in update_info or "prepare" in update_info
+        )
+        if self.completions is None and not control:
+            self.completions = Completions(self.server)
+            self.completions.start()
+            time.sleep(1.5)
+            self.waited = self.completions.is_alive()
+            self.paused = self.inner.is_paused()
+            self.resume = post(self.server, "resume")
+
+
+def test_generation_mid_sync_waits_for_the_new_weights(server, trainer_model):
+    """Nobody paused: the server holds generation from the first weights to
+    the finish, so a completion sent mid-sync is answered by the new weights
+    and the engine is not fenced."""
+    randomize_weights_(trainer_model, seed=43)
+    client = CompletesMidSync(
+        HTTPVLLMWeightSyncClient(server.base_url, timeout=120), server
+    )
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed=True),
+        client=client,
+        source=ModuleSource(trainer_model),
+    )
+    assert isinstance(trainer, IPCTrainerWeightTransferEngine)
+    trainer.send_weights(weight_version="held-43")
+
+    assert client.completions is not None
+    assert client.waited and client.paused
+    assert client.resume is not None and client.resume.status_code == 409
+    assert "weight update is landing" in client.resume.text
+    mid_sync = client.completions.outcome()
+    assert weight_info(server) == {"weight_version": "held-43"}
+    assert not client.inner.is_paused()
+    assert_bit_identical(mid_sync, served_greedy(server), what="completion mid-sync")
+    assert_serves(server, trainer_model)
+
+
+def test_a_trainer_dying_mid_sync_is_fenced_at_the_deadline(
+    server, trainer_model, tiny_model_dir
+):
+    """The dead trainer's update holds generation until the deadline; then the
+    server aborts it, names the cause in the served version, answers the
+    waiting completions, and the next sync needs no manual step."""
+    import multiprocessing
+
+    from vllm.distributed.weight_transfer.testing.ipc_faults import push_then_die
+
+    before = weight_info(server)
+    process = multiprocessing.get_context("spawn").Process(
+        target=push_then_die,
+        args=(server.base_url, str(tiny_model_dir), 44, 256 * 1024),
+    )
+    process.start()
+    process.join(180)
+    completions = Completions(server)
+    completions.start()
+    time.sleep(2)
+    assert completions.is_alive(), "generation must wait while weights land"
+    assert weight_info(server) == before
+
+    completions.outcome(timeout_s=UPDATE_TIMEOUT_S + 120)
+    version = weight_info(server)["weight_version"]
+    assert version.startswith("fenced:"), version
+    assert "update_timeout_s" in version, version
+    assert server.is_alive()
+
+    randomize_weights_(trainer_model, seed=45)
+    fresh = WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed=True),
+        client=HTTPVLLMWeightSyncClient(server.base_url, timeout=120),
+        source=ModuleSource(trainer_model),
+    )
+    assert isinstance(fresh, IPCTrainerWeightTransferEngine)
+    fresh.send_weights(weight_version="after-the-deadline")
+    assert weight_info(server) == {"weight_version": "after-the-deadline"}
+    assert_serves(server, trainer_model)

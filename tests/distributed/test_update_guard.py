@@ -1,0 +1,262 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""``InPlaceUpdateGuard`` against a recording engine and a scripted ASGI app
+(fast unit tests; ``test_ipc_http.py`` runs it inside ``vllm serve``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import verification_samples
+
+from vllm.distributed.weight_transfer.update_guard import InPlaceUpdateGuard
+
+WEIGHTS = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[1]]}
+
+
+class RecordingEngine:
+    """The engine client calls the guard makes, in order."""
+
+    def __init__(self, backend="ipc", staging="off", timeout_s=30.0, paused=False):
+        self.calls: list[tuple] = []
+        self.paused = paused
+        self.vllm_config = SimpleNamespace(
+            weight_transfer_config=SimpleNamespace(
+                backend=backend, staging=staging, update_timeout_s=timeout_s
+            )
+        )
+
+    async def is_paused(self) -> bool:
+        return self.paused
+
+    async def pause_generation(self, *, mode: str) -> None:
+        self.calls.append(("pause", mode))
+        self.paused = True
+
+    async def resume_generation(self) -> None:
+        self.calls.append(("resume",))
+        self.paused = False
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        self.calls.append(("reset_prefix_cache", reset_running_requests))
+        return True
+
+    async def collective_rpc(self, method: str, kwargs: dict | None = None) -> list:
+        self.calls.append(("rpc", method, kwargs))
+        return [None]
+
+    async def update_weight_version(self, version: str) -> None:
+        self.calls.append(("version", version))
+
+
+class Routes:
+    """An ASGI app answering each path with a scripted status; it notes what
+    the engine had been asked before each route ran."""
+
+    def __init__(self, engine: RecordingEngine, delay_s: float = 0.0) -> None:
+        self.engine = engine
+        self.status: dict[str, int] = {}
+        self.seen: list[tuple[str, bytes, bool]] = []
+        self.delay_s = delay_s
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        self.seen.append((scope["path"], body, self.engine.paused))
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        status = self.status.get(scope["path"], 200)
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+
+class Server:
+    def __init__(self, engine: RecordingEngine, api_servers: int = 1, **kw) -> None:
+        self.engine = engine
+        self.routes = Routes(engine, **kw)
+        self.guard = InPlaceUpdateGuard(self.routes)
+        self.app = SimpleNamespace(
+            state=SimpleNamespace(
+                engine_client=engine,
+                args=SimpleNamespace(api_server_count=api_servers),
+            )
+        )
+
+    async def post(self, path: str, body: Any = None) -> int:
+        raw = json.dumps(body).encode() if body is not None else b""
+        # The body in two pieces, as a client may stream it.
+        pieces = [raw[: len(raw) // 2], raw[len(raw) // 2 :]]
+        status = 0
+
+        async def receive() -> dict:
+            if pieces:
+                return {
+                    "type": "http.request",
+                    "body": pieces.pop(0),
+                    "more_body": bool(pieces),
+                }
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+
+        scope = {"type": "http", "method": "POST", "path": path, "app": self.app}
+        await self.guard(scope, receive, send)
+        return status
+
+    async def update(self, update_info: Any) -> int:
+        return await self.post("/update_weights", {"update_info": update_info})
+
+
+def run(coro) -> Any:
+    return asyncio.run(coro)
+
+
+def test_weights_are_held_from_the_first_message_until_finish():
+    async def go(server: Server) -> None:
+        assert await server.post("/start_weight_update") == 200
+        assert server.engine.calls == []  # start alone holds nothing
+        assert await server.update(WEIGHTS) == 200
+        assert await server.update(WEIGHTS) == 200
+        assert server.engine.calls == [("pause", "keep")]
+        assert await server.update({"prepare": "p" * 8}) == 200
+        assert await server.post("/finish_weight_update", {}) == 200
+        assert server.engine.calls == [
+            ("pause", "keep"),
+            ("reset_prefix_cache", True),
+            ("resume",),
+        ]
+
+    server = Server(RecordingEngine())
+    run(go(server))
+    # The weights reached the engine only once generation was held; the body
+    # reached the route whole.
+    path, body, paused = server.routes.seen[1]
+    assert path == "/update_weights" and paused
+    assert json.loads(body) == {"update_info": WEIGHTS}
+
+
+def test_a_pause_someone_else_took_is_left_to_them():
+    async def go(server: Server) -> None:
+        await server.update(WEIGHTS)
+        await server.post("/finish_weight_update")
+
+    server = Server(RecordingEngine(paused=True))
+    run(go(server))
+    assert server.engine.calls == []
+
+
+def test_a_client_pausing_during_the_hold_takes_the_pause_over():
+    async def go(server: Server) -> None:
+        await server.update(WEIGHTS)
+        assert await server.post("/pause") == 200
+        await server.post("/finish_weight_update")
+
+    server = Server(RecordingEngine())
+    run(go(server))
+    assert server.engine.calls == [("pause", "keep")]
+
+
+def test_resume_is_refused_while_weights_land():
+    async def go(server: Server) -> None:
+        assert await server.post("/resume") == 200  # nothing held: passes
+        await server.update(WEIGHTS)
+        assert await server.post("/resume") == 409
+        await server.post("/finish_weight_update")
+        assert await server.post("/resume") == 200
+
+    server = Server(RecordingEngine())
+    run(go(server))
+    assert [p for p, _, _ in server.routes.seen].count("/resume") == 2
+
+
+@pytest.mark.parametrize("failing", ["/update_weights", "/finish_weight_update"])
+def test_a_failed_call_that_ends_the_update_releases(failing):
+    async def go(server: Server) -> None:
+        server.routes.status[failing] = 500
+        await server.update(WEIGHTS)
+        if failing == "/finish_weight_update":
+            await server.post("/finish_weight_update")
+
+    server = Server(RecordingEngine())
+    run(go(server))
+    assert server.engine.calls[-1] == ("resume",)
+    assert server.engine.paused is False
+
+
+def test_abort_and_prepare_messages_hold_nothing():
+    async def go(server: Server) -> None:
+        await server.update({"abort": "x"})
+        await server.update({"prepare": "p" * 8})
+        await server.update([{"abort": "x"}])
+
+    server = Server(RecordingEngine())
+    run(go(server))
+    assert server.engine.calls == []
+
+
+def test_a_silent_update_is_aborted_and_fenced_at_the_deadline():
+    header = verification_samples.header(publication_id="pub-0123456789").to_dict()
+
+    async def go(server: Server) -> None:
+        await server.update({**WEIGHTS, "publication": header})
+        await asyncio.sleep(0.5)
+
+    server = Server(RecordingEngine(timeout_s=0.2))
+    run(go(server))
+    calls = server.engine.calls
+    assert calls[0] == ("pause", "keep")
+    abort = calls[1]
+    assert abort[:2] == ("rpc", "update_weights")
+    assert "update_timeout_s" in abort[2]["update_info"]["abort"]
+    assert calls[2] == ("rpc", "finish_weight_update", None)
+    kind, version = calls[3]
+    assert kind == "version"
+    assert version.startswith("fenced:pub-0123456789: no weight update call for 0.2 s")
+    assert calls[4:] == [("reset_prefix_cache", True), ("resume",)]
+
+
+def test_the_deadline_waits_for_a_call_in_flight():
+    async def go(server: Server) -> None:
+        await server.update(WEIGHTS)  # takes 0.4 s, twice the deadline
+        await server.update(WEIGHTS)
+        await server.post("/finish_weight_update")
+
+    server = Server(RecordingEngine(timeout_s=0.2), delay_s=0.4)
+    run(go(server))
+    assert [c[0] for c in server.engine.calls] == [
+        "pause",
+        "reset_prefix_cache",
+        "resume",
+    ]
+
+
+@pytest.mark.parametrize(
+    "engine, api_servers",
+    [
+        (RecordingEngine(staging="host"), 1),
+        (RecordingEngine(staging="device"), 1),
+        (RecordingEngine(backend="nccl"), 1),
+        (RecordingEngine(), 2),
+    ],
+    ids=["staged-host", "staged-device", "other-backend", "two-api-servers"],
+)
+def test_the_guard_is_off_where_it_does_not_apply(engine, api_servers):
+    async def go(server: Server) -> None:
+        await server.update(WEIGHTS)
+        assert await server.post("/resume") == 200
+        await server.post("/finish_weight_update")
+
+    server = Server(engine, api_servers=api_servers)
+    run(go(server))
+    assert engine.calls == []

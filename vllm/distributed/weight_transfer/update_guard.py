@@ -1,0 +1,403 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Keeps ``vllm serve`` from generating on a model whose weights are landing.
+
+An in-place update (``ipc`` or ``sharded_rdt`` with ``staging="off"``) writes
+the served weights layer by layer while it is open. A forward pass in that
+window would run on a model that is neither the old nor the new one; the
+worker's forward pre-hook then aborts the update and fences the engine, but
+the engine core's version label, which stamps every output, would still name
+the old weights until the trainer's next call. ``InPlaceUpdateGuard``, an ASGI
+middleware mounted with the RL routes, closes that window on the server side
+instead of relying on every client to pause first:
+
+- **Hold.** Before the first ``update_weights`` message that carries weights
+  (anything but ``{"abort": ...}`` or ``{"prepare": ...}``) reaches the
+  engine, generation is paused with ``mode="keep"`` unless someone else has
+  already paused it. Requests in flight are frozen and new ones wait; a
+  ``start_weight_update`` alone holds nothing, because the model is untouched
+  until weights arrive.
+- **Release.** The hold ends when the update ends: ``finish_weight_update``
+  answers (either way), or an ``update_weights`` call fails (vLLM's worker
+  closes the update then). If the guard took the pause, it resets the prefix
+  cache with running requests (frozen requests are recomputed on the weights
+  now served) and resumes generation.
+- **Refuse resume.** ``POST /resume`` while the hold is on is answered 409
+  with what to do; a resume would let a forward run on the landing model. A
+  client that sends ``POST /pause`` during the hold takes the pause over: the
+  guard will not resume generation at the release.
+- **Deadline.** While the hold is on and no weight route call is in flight,
+  ``WeightTransferConfig.update_timeout_s`` after the last one answered the
+  guard aborts the update itself (``{"abort": reason}``, then
+  ``finish_weight_update``), sets the served version to
+  ``fenced:<publication id>: <reason>`` (weights had been accepted, so the
+  engine is fenced) and releases. A trainer that dies mid-update therefore
+  holds generation for at most the deadline, and ``GET /weight_info`` names
+  the cause at once.
+
+The guard is off for staged engines (the model serves the old weights until a
+commit no forward can interleave with), for other backends, and when the
+server runs several API-server processes (``--api-server-count`` above 1): its
+state lives in one process, and the finish that ends an update may reach
+another. Offline ``LLM`` and Ray callers own their process and must pause
+around an in-place update themselves (or use staging).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+# Submodules, not the package: this module is imported by the API server.
+from vllm.distributed.weight_transfer.verification.fence import (
+    ABORT_FIELD,
+    PREPARE_FIELD,
+    fenced_version,
+)
+from vllm.distributed.weight_transfer.verification.wire import (
+    PUBLICATION_FIELD,
+    PublicationHeader,
+)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+# Backends whose in-place updates land layer by layer through the fork's
+# worker lifecycle (and understand ``{"abort": ...}``).
+GUARDED_BACKENDS = ("ipc", "sharded_rdt")
+
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+
+@dataclass
+class _Hold:
+    """An in-place update whose weights are landing, as the guard sees it."""
+
+    # Whether the guard paused generation (and so resumes it at the release).
+    owns_pause: bool
+    # The publication the update's messages named, for the fence label.
+    publication_id: str = "unknown"
+    # Weight route calls now being answered (the deadline waits for them).
+    calls_in_flight: int = 0
+    deadline: asyncio.TimerHandle | None = None
+    # The expiry task, once the deadline fired (kept so it is not collected).
+    expiry: asyncio.Future | None = None
+
+
+class InPlaceUpdateGuard:
+    """ASGI middleware; see the module docstring."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self._hold: _Hold | None = None
+        # Serializes hold, release and expiry; never held across a route call.
+        self._lock = asyncio.Lock()
+        self._warned_multi_server = False
+
+    async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        route = _route(scope)
+        if route is None or not self._applies(scope):
+            await self.app(scope, receive, send)
+            return
+        engine = scope["app"].state.engine_client
+        if route == "/resume":
+            await self._resume(engine, scope, receive, send)
+        elif route == "/update_weights":
+            await self._update_weights(engine, scope, receive, send)
+        else:
+            await self._weight_call(engine, route, scope, receive, send)
+
+    # -- routes ----------------------------------------------------------------
+
+    async def _update_weights(
+        self, engine: Any, scope: dict, receive: Receive, send: Send
+    ) -> None:
+        body, replay = await _read_body(receive)
+        update_info = _update_info(body)
+        if _carries_weights(update_info):
+            try:
+                await self._take_hold(engine, update_info)
+            except Exception as e:
+                logger.exception("Could not hold generation for a weight update")
+                await _json_response(
+                    send,
+                    503,
+                    "could not pause generation before landing weights "
+                    f"({type(e).__name__}: {e}); nothing was landed. Abort the "
+                    "update ({'abort': ...} then finish_weight_update) and "
+                    "retry, or pause generation yourself first",
+                )
+                return
+        try:
+            status = await self._call(scope, replay, send)
+        except BaseException:
+            await self._release(engine, "update_weights failed")
+            raise
+        if not 200 <= status < 300:
+            # vLLM's worker closes an update whose update_weights failed.
+            await self._release(engine, "update_weights failed")
+        else:
+            self._arm_deadline(engine)
+
+    async def _weight_call(
+        self, engine: Any, route: str, scope: dict, receive: Receive, send: Send
+    ) -> None:
+        if route == "/finish_weight_update":
+            try:
+                await self._call(scope, receive, send)
+            finally:
+                await self._release(engine, "finish_weight_update answered")
+            return
+        status = await self._call(scope, receive, send)
+        if route == "/pause" and 200 <= status < 300 and self._hold is not None:
+            # The client owns this pause now; it resumes when it wants to.
+            self._hold.owns_pause = False
+        self._arm_deadline(engine)
+
+    async def _resume(
+        self, engine: Any, scope: dict, receive: Receive, send: Send
+    ) -> None:
+        if self._hold is None:
+            await self.app(scope, receive, send)
+            return
+        await _json_response(
+            send,
+            409,
+            "an in-place weight update is landing: resuming generation now "
+            "would run the model on partly written weights. Finish the update "
+            "(finish_weight_update) or abort it (update_weights {'abort': "
+            "'<reason>'} then finish_weight_update); generation resumes then",
+        )
+
+    # -- hold and release ----------------------------------------------------
+
+    async def _call(self, scope: dict, receive: Receive, send: Send) -> int:
+        """Run the route, the deadline suspended meanwhile; its status."""
+        status = 500
+
+        async def note_status(message: dict) -> None:
+            nonlocal status
+            if message.get("type") == "http.response.start":
+                status = int(message.get("status", 500))
+            await send(message)
+
+        hold = self._hold
+        if hold is not None:
+            hold.calls_in_flight += 1
+            _cancel(hold)
+        try:
+            await self.app(scope, receive, note_status)
+        finally:
+            if hold is not None:
+                hold.calls_in_flight -= 1
+        return status
+
+    async def _take_hold(self, engine: Any, update_info: Any) -> None:
+        async with self._lock:
+            if self._hold is None:
+                owns = not await engine.is_paused()
+                if owns:
+                    await engine.pause_generation(mode="keep")
+                self._hold = _Hold(owns_pause=owns)
+                logger.info(
+                    "Holding generation while an in-place weight update lands%s",
+                    "" if owns else " (already paused by a client)",
+                )
+            publication = _publication_id(update_info)
+            if publication is not None:
+                self._hold.publication_id = publication
+
+    async def _release(self, engine: Any, why: str) -> None:
+        async with self._lock:
+            hold, self._hold = self._hold, None
+            if hold is None:
+                return
+            _cancel(hold)
+            if not hold.owns_pause:
+                return
+            logger.info("Resuming generation: %s", why)
+            try:
+                # Frozen requests hold KV computed by the previous weights.
+                await engine.reset_prefix_cache(reset_running_requests=True)
+            finally:
+                await _resume_once_more(engine)
+
+    def _arm_deadline(self, engine: Any) -> None:
+        hold = self._hold
+        if hold is None or hold.calls_in_flight:
+            return
+        _cancel(hold)
+        timeout_s = float(_config(engine).update_timeout_s)
+        loop = asyncio.get_running_loop()
+
+        def expire() -> None:
+            hold.deadline = None
+            hold.expiry = asyncio.ensure_future(self._expire(engine, hold, timeout_s))
+
+        hold.deadline = loop.call_later(timeout_s, expire)
+
+    async def _expire(self, engine: Any, hold: _Hold, timeout_s: float) -> None:
+        """The update went ``timeout_s`` without a call: abort it, fence the
+        label and release."""
+        if self._hold is not hold or hold.calls_in_flight:
+            return
+        reason = (
+            f"no weight update call for {timeout_s:g} s "
+            "(WeightTransferConfig.update_timeout_s): the server aborted the "
+            "update; send a full update to recover"
+        )
+        logger.error("Aborting an in-place weight update: %s", reason)
+        try:
+            await engine.collective_rpc(
+                "update_weights", kwargs={"update_info": {ABORT_FIELD: reason}}
+            )
+            await engine.collective_rpc("finish_weight_update")
+        except Exception:
+            # The update may have closed meanwhile; the label below still
+            # tells what happened to the weights that had landed.
+            logger.exception("Closing the expired weight update failed")
+        try:
+            await engine.update_weight_version(
+                fenced_version(hold.publication_id, reason)
+            )
+        finally:
+            await self._release(engine, "the update's deadline passed")
+
+    # -- what applies ----------------------------------------------------------
+
+    def _applies(self, scope: dict) -> bool:
+        try:
+            state = scope["app"].state
+            config = _config(state.engine_client)
+        except (AttributeError, KeyError):
+            return False
+        backend = getattr(config, "backend", None)
+        if (
+            backend not in GUARDED_BACKENDS
+            or getattr(config, "staging", "off") != "off"
+        ):
+            return False
+        servers = getattr(getattr(state, "args", None), "api_server_count", 1)
+        if (servers or 1) > 1:
+            if not self._warned_multi_server:
+                self._warned_multi_server = True
+                logger.warning(
+                    "%d API-server processes: the in-place update guard is "
+                    "off; pause generation around every in-place weight "
+                    "update yourself (or use staging)",
+                    servers,
+                )
+            return False
+        return True
+
+
+_ROUTES = (
+    "/update_weights",
+    "/finish_weight_update",
+    "/start_weight_update",
+    "/start_draft_weight_update",
+    "/pause",
+    "/resume",
+)
+
+
+def _route(scope: dict) -> str | None:
+    """The guarded route this request is for, or None."""
+    if scope.get("type") != "http" or scope.get("method") != "POST":
+        return None
+    path = str(scope.get("path", ""))
+    root = str(scope.get("root_path", "")).rstrip("/")
+    if root and path.startswith(root + "/"):
+        path = path[len(root) :]
+    return path if path in _ROUTES else None
+
+
+def _config(engine: Any) -> Any:
+    return engine.vllm_config.weight_transfer_config
+
+
+def _cancel(hold: _Hold) -> None:
+    if hold.deadline is not None:
+        hold.deadline.cancel()
+        hold.deadline = None
+
+
+async def _resume_once_more(engine: Any) -> None:
+    try:
+        await engine.resume_generation()
+    except Exception:
+        logger.exception("resume_generation failed; trying once more")
+        await engine.resume_generation()
+
+
+async def _read_body(receive: Receive) -> tuple[bytes, Receive]:
+    """The whole request body, and a ``receive`` that hands it to the route."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message.get("type") != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    body = b"".join(chunks)
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return body, replay
+
+
+def _update_info(body: bytes) -> Any:
+    try:
+        value = json.loads(body) if body else None
+    except ValueError:
+        return None
+    return value.get("update_info") if isinstance(value, dict) else None
+
+
+def _items(update_info: Any) -> list[Any]:
+    # A list holds one message per worker rank (data parallel).
+    return update_info if isinstance(update_info, list) else [update_info]
+
+
+def _carries_weights(update_info: Any) -> bool:
+    """Anything but an abort or prepare message may land weights (a malformed
+    body too: the engine refuses it, and the release follows)."""
+    return not any(
+        isinstance(item, dict) and (ABORT_FIELD in item or PREPARE_FIELD in item)
+        for item in _items(update_info)
+    )
+
+
+def _publication_id(update_info: Any) -> str | None:
+    """The id a valid publication header in the message names, if any."""
+    for item in _items(update_info):
+        if isinstance(item, dict) and PUBLICATION_FIELD in item:
+            try:
+                header = PublicationHeader.from_dict(item[PUBLICATION_FIELD])
+            except (TypeError, ValueError):
+                continue  # the worker refuses it; the label says "unknown"
+            return header.publication_id
+    return None
+
+
+async def _json_response(send: Send, status: int, message: str) -> None:
+    body = json.dumps({"error": {"message": message, "code": status}}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
