@@ -55,8 +55,8 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 # Submodules, not the package: verification.publication uses SyncRecord, so
 # this module may be imported while the package is still initializing.
 from vllm.distributed.weight_transfer.verification.fence import (
-    PREPARE_FIELD,
     is_fenced_version,
+    is_prepare_request,
 )
 from vllm.distributed.weight_transfer.verification.wire import (
     PUBLICATION_FIELD,
@@ -295,8 +295,11 @@ def _backend(sync: _OpenSync) -> str:
 
 
 def is_prepare_message(update_info: Any) -> bool:
-    """Whether an update payload is the trainer's prepare message."""
-    return isinstance(update_info, dict) and PREPARE_FIELD in update_info
+    """Whether an update payload is the trainer's prepare message (a malformed
+    one is the worker's to refuse; the route then fails)."""
+    with contextlib.suppress(ValueError):
+        return is_prepare_request(update_info)
+    return False
 
 
 def _inspect_update(update_info: Any) -> tuple[PublicationHeader | None, bool]:
