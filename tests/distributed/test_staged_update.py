@@ -10,6 +10,7 @@ committed, and staging that does not fit is refused before it is copied."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -52,6 +53,26 @@ def staged_engine(
         torch.device("cpu"),
         model,
     )
+
+
+class OpenUpdate(NamedTuple):
+    """A served model, its weights before any update, its engine with host
+    staging and the staged update that engine opened."""
+
+    target: TinyNet
+    before: dict[str, torch.Tensor]
+    engine: IPCWeightTransferEngine
+    session: StagedUpdate
+
+
+def open_update(timeout_s: float = 600.0) -> OpenUpdate:
+    target = reload_ready(0)
+    before = state(target)
+    engine = staged_engine(target, timeout_s=timeout_s)
+    engine.start_weight_update()
+    session = engine._session
+    assert isinstance(session, StagedUpdate)
+    return OpenUpdate(target, before, engine, session)
 
 
 class ServingClient(EngineClient):
@@ -168,12 +189,8 @@ def test_a_failure_before_the_commit_keeps_the_old_weights_unfenced(at):
 
 
 def test_the_trainers_abort_drops_the_staging_unfenced():
-    target, trainer = reload_ready(0), TinyNet(1)
-    before = state(target)
-    engine = staged_engine(target)
-    engine.start_weight_update()
-    session = engine._session
-    assert isinstance(session, StagedUpdate)
+    target, before, engine, session = open_update()
+    trainer = TinyNet(1)
     session.load([("a.weight", torch.ones(6, 4)), ("a.bias", torch.ones(6))])
     assert session.staged_bytes == (24 + 6) * 4
     engine.update_weights({"abort": "trainer rank 1 died"})
@@ -186,12 +203,8 @@ def test_the_trainers_abort_drops_the_staging_unfenced():
 
 
 def test_an_update_past_its_deadline_is_dropped_unfenced(monkeypatch):
-    target, trainer = reload_ready(0), TinyNet(1)
-    before = state(target)
-    engine = staged_engine(target, timeout_s=5.0)
-    engine.start_weight_update()
-    session = engine._session
-    assert isinstance(session, StagedUpdate)
+    target, before, engine, session = open_update(timeout_s=5.0)
+    trainer = TinyNet(1)
     session.load([("a.weight", torch.ones(6, 4))])
     session._calls.last_call -= 10.0  # the trainer went silent for 10 s
     with pytest.raises(TimeoutError, match="without a call from the trainer"):
@@ -220,12 +233,7 @@ def test_staging_that_does_not_fit_is_refused_before_it_is_copied(monkeypatch):
 
 
 def test_a_name_sent_twice_is_refused_before_the_commit():
-    target = reload_ready(0)
-    before = state(target)
-    engine = staged_engine(target)
-    engine.start_weight_update()
-    session = engine._session
-    assert isinstance(session, StagedUpdate)
+    target, before, _, session = open_update()
     session.load([("a.weight", torch.ones(6, 4))])
     with pytest.raises(ValueError, match="more than once"):
         session.load([("a.weight", torch.zeros(6, 4))])
@@ -235,11 +243,7 @@ def test_a_name_sent_twice_is_refused_before_the_commit():
 def test_a_failure_inside_the_commit_fences():
     """The one failure staging cannot undo: the commit itself (here a layer
     that lacks a parameter, which only the model's loader can tell)."""
-    target = reload_ready(0)
-    engine = staged_engine(target)
-    engine.start_weight_update()
-    session = engine._session
-    assert isinstance(session, StagedUpdate)
+    _, _, engine, session = open_update()
     session.load([("a.bias", torch.ones(6)), ("b.weight", torch.ones(3, 6))])
     with pytest.raises(Exception, match="without all of their parameters"):
         engine.finish_weight_update()
@@ -273,12 +277,7 @@ def test_host_staging_lives_in_host_memory_and_device_staging_on_the_model():
 
 
 def test_weights_after_the_prepare_are_refused_and_nothing_commits():
-    target = reload_ready(0)
-    before = state(target)
-    engine = staged_engine(target)
-    engine.start_weight_update()
-    session = engine._session
-    assert isinstance(session, StagedUpdate)
+    target, before, engine, session = open_update()
     session.load([("a.weight", torch.ones(6, 4)), ("a.bias", torch.ones(6))])
     engine.update_weights({PREPARE_FIELD: "p"})
     with pytest.raises(ValueError, match="after the trainer's prepare message"):
@@ -289,12 +288,7 @@ def test_weights_after_the_prepare_are_refused_and_nothing_commits():
 
 
 def test_a_deadline_between_prepare_and_commit_drops_the_update_unfenced():
-    target = reload_ready(0)
-    before = state(target)
-    engine = staged_engine(target, timeout_s=5.0)
-    engine.start_weight_update()
-    session = engine._session
-    assert isinstance(session, StagedUpdate)
+    target, before, engine, session = open_update(timeout_s=5.0)
     session.load([("a.weight", torch.ones(6, 4)), ("a.bias", torch.ones(6))])
     engine.update_weights({PREPARE_FIELD: "p"})
     session._calls.last_call -= 10.0  # the trainer went silent before finishing
