@@ -180,18 +180,59 @@ def test_resume_is_refused_while_weights_land():
     assert [p for p, _, _ in server.routes.seen].count("/resume") == 2
 
 
-@pytest.mark.parametrize("failing", ["/update_weights", "/finish_weight_update"])
-def test_a_failed_call_that_ends_the_update_releases(failing):
+def test_weights_refused_before_any_were_accepted_release_at_once():
     async def go(server: Server) -> None:
-        server.routes.status[failing] = 500
+        server.routes.status["/update_weights"] = 500
         await server.update(WEIGHTS)
-        if failing == "/finish_weight_update":
+        assert server.engine.paused is False
+        assert await server.post("/resume") == 200
+
+    server = Server(RecordingEngine())
+    run(go(server))
+    assert server.engine.calls == [
+        ("pause", "keep"),
+        ("reset_prefix_cache", True),
+        ("resume",),
+    ]
+
+
+@pytest.mark.parametrize("failing", ["/update_weights", "/finish_weight_update"])
+def test_a_failure_after_accepted_weights_holds_until_a_finish_succeeds(failing):
+    """The model may be mixed or fenced: generation waits for the trainer's
+    abort and finish."""
+
+    async def go(server: Server) -> None:
+        await server.update(WEIGHTS)
+        server.routes.status[failing] = 500
+        if failing == "/update_weights":
+            await server.update(WEIGHTS)
+        else:
             await server.post("/finish_weight_update")
+        assert server.engine.paused is True
+        assert await server.post("/resume") == 409
+        server.routes.status[failing] = 200
+        await server.update({"abort": "the trainer saw the failure"})
+        assert server.engine.paused is True
+        await server.post("/finish_weight_update")
+        assert server.engine.paused is False
 
     server = Server(RecordingEngine())
     run(go(server))
     assert server.engine.calls[-1] == ("resume",)
-    assert server.engine.paused is False
+
+
+def test_a_failed_call_then_silence_is_fenced_at_the_deadline():
+    async def go(server: Server) -> None:
+        await server.update(WEIGHTS)
+        server.routes.status["/update_weights"] = 500
+        await server.update(WEIGHTS)
+        await asyncio.sleep(0.5)
+
+    server = Server(RecordingEngine(timeout_s=0.2))
+    run(go(server))
+    kinds = [c[0] for c in server.engine.calls]
+    assert kinds == ["pause", "rpc", "rpc", "version", "reset_prefix_cache", "resume"]
+    assert server.engine.calls[3][1].startswith("fenced:unknown: no weight update")
 
 
 def test_abort_and_prepare_messages_hold_nothing():

@@ -17,11 +17,14 @@ instead of relying on every client to pause first:
   already paused it. Requests in flight are frozen and new ones wait; a
   ``start_weight_update`` alone holds nothing, because the model is untouched
   until weights arrive.
-- **Release.** The hold ends when the update ends: ``finish_weight_update``
-  answers (either way), or an ``update_weights`` call fails (vLLM's worker
-  closes the update then). If the guard took the pause, it resets the prefix
-  cache with running requests (frozen requests are recomputed on the weights
-  now served) and resumes generation.
+- **Release.** The hold ends when ``finish_weight_update`` succeeds, or when
+  a call fails before any weights were accepted (the engine refused them;
+  vLLM's worker closes the update). After weights were accepted, a failed
+  call keeps the hold: the model may be mixed or fenced, and generation waits
+  for the trainer's recovery (the fork's trainers abort and finish at once)
+  or the deadline. If the guard took the pause, the release resets the
+  prefix cache with running requests (frozen requests are recomputed on the
+  weights now served) and resumes generation.
 - **Refuse resume.** ``POST /resume`` while the hold is on is answered 409
   with what to do; a resume would let a forward run on the landing model. A
   client that sends ``POST /pause`` during the hold takes the pause over: the
@@ -79,6 +82,8 @@ class _Hold:
 
     # Whether the guard paused generation (and so resumes it at the release).
     owns_pause: bool
+    # Whether an ``update_weights`` carrying weights succeeded in this hold.
+    accepted: bool = False
     # The publication the update's messages named, for the fence label.
     publication_id: str = "unknown"
     # Weight route calls now being answered (the deadline waits for them).
@@ -132,31 +137,47 @@ class InPlaceUpdateGuard:
                     "retry, or pause generation yourself first",
                 )
                 return
+        status = 500
         try:
             status = await self._call(scope, replay, send)
-        except BaseException:
-            await self._release(engine, "update_weights failed")
-            raise
-        if not 200 <= status < 300:
-            # vLLM's worker closes an update whose update_weights failed.
-            await self._release(engine, "update_weights failed")
-        else:
-            self._arm_deadline(engine)
+        finally:
+            ok = 200 <= status < 300
+            if ok and _carries_weights(update_info) and self._hold is not None:
+                self._hold.accepted = True
+            await self._after_call(engine, ended=False, ok=ok)
 
     async def _weight_call(
         self, engine: Any, route: str, scope: dict, receive: Receive, send: Send
     ) -> None:
-        if route == "/finish_weight_update":
-            try:
-                await self._call(scope, receive, send)
-            finally:
-                await self._release(engine, "finish_weight_update answered")
-            return
-        status = await self._call(scope, receive, send)
-        if route == "/pause" and 200 <= status < 300 and self._hold is not None:
-            # The client owns this pause now; it resumes when it wants to.
-            self._hold.owns_pause = False
-        self._arm_deadline(engine)
+        status = 500
+        try:
+            status = await self._call(scope, receive, send)
+        finally:
+            ok = 200 <= status < 300
+            if route == "/pause" and ok and self._hold is not None:
+                # The client owns this pause now; it resumes when it wants to.
+                self._hold.owns_pause = False
+            await self._after_call(
+                engine, ended=route == "/finish_weight_update", ok=ok
+            )
+
+    async def _after_call(self, engine: Any, *, ended: bool, ok: bool) -> None:
+        """Release, or re-arm the deadline, after a weight route answered.
+
+        A finish that succeeded ends the update. A failed call ends the hold
+        only while no weights were accepted (the engine refused them before
+        landing, or the failure left it fenced and the caller has the
+        error). Once weights were accepted, a failure may have left a mixed
+        or fenced model: generation stays held until a finish succeeds (the
+        fork's trainers abort and finish at once) or the deadline fences the
+        served version."""
+        hold = self._hold
+        if hold is None or hold.calls_in_flight:
+            return  # the call still in flight decides when it answers
+        if (ended and ok) or (not ok and not hold.accepted):
+            await self._release(engine, "the update ended")
+        else:
+            self._arm_deadline(engine)
 
     async def _resume(
         self, engine: Any, scope: dict, receive: Receive, send: Send
