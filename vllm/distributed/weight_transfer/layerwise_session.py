@@ -60,11 +60,11 @@ from typing import Any
 
 import torch
 
+from vllm.distributed.weight_transfer.update_calls import UpdateCalls
 from vllm.distributed.weight_transfer.update_completeness import (
     FusedGroups,
     IncompleteUpdateError,
 )
-from vllm.distributed.weight_transfer.update_calls import UpdateCalls
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -334,4 +334,3 @@ class LayerwiseReloadSession:
                         copied += 1
         if copied:
             logger.debug("Copied %d buffered weight(s) out of the transfer", copied)
-

@@ -346,4 +346,3 @@ class StagedUpdate:
 
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.3f} GiB"
-
