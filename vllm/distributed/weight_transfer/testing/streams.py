@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Self
 
 import requests
 
@@ -109,7 +110,7 @@ class StreamingClients:
         """The streams that completed."""
         return [s for s in self.streams if s.finished_at is not None]
 
-    def __enter__(self) -> StreamingClients:
+    def __enter__(self) -> Self:
         for thread in self._threads:
             thread.start()
         return self
