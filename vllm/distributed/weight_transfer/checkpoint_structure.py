@@ -43,22 +43,50 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 Shapes = dict[str, tuple[int, ...]]
-# Name -> dtype kind ("float", "int", "bool" or "complex").
+# Name -> dtype kind: "float", "int", "bool", "complex", or the exact name of
+# a narrow float format ("float8_e4m3fn", ...).
 Kinds = dict[str, str]
 _LIST_LIMIT = 8
+
+# safetensors' names of the float formats of 8 bits or fewer, as torch names
+# them. Each is a kind of its own: a cast from or to one of them is never a
+# change of precision only (float8 codes are meaningless without their
+# scales, and bfloat16 values do not fit float8 without a quantizer).
+_NARROW_SAFETENSORS = {
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+    "E8M0": "float8_e8m0fnu",
+    "F4": "float4_e2m1fn_x2",
+}
+
+
+# What every dtype refusal tells the trainer.
+DTYPE_KIND_RULE = (
+    "send each tensor in a dtype of the same kind as the served checkpoint "
+    "(floating point of 16 bits or more, integer, bool; a float8 or float4 "
+    "format only as itself: quantized codes need the checkpoint's own format "
+    "and scales)"
+)
 
 
 def dtype_kind(dtype: torch.dtype | str) -> str | None:
     """The kind of a torch dtype, a torch dtype name, or a safetensors dtype
-    (``"BF16"``, ``"I32"``, ``"BOOL"``); None if unknown."""
+    (``"BF16"``, ``"I32"``, ``"BOOL"``); None if unknown.
+
+    Floats of 16 bits or more share the kind ``"float"`` (a cast among them
+    is allowed); a narrower float format is its own kind, named as torch
+    names it."""
     if isinstance(dtype, str):
         found = getattr(torch, dtype, None) if not dtype.startswith("_") else None
         if isinstance(found, torch.dtype):
             dtype = found
+        elif dtype in _NARROW_SAFETENSORS:
+            return _NARROW_SAFETENSORS[dtype]
         elif dtype == "BOOL":
             return "bool"
-        elif dtype[:1] in ("F", "B"):  # F16, F32, F8_E4M3, BF16
-            return "float"
+        elif dtype[:1] in ("F", "B"):  # F16, F32, F64, BF16
+            return "float" if dtype[1:] in ("16", "32", "64", "F16") else None
         elif dtype[:1] in ("I", "U"):
             return "int"
         elif dtype[:1] == "C":
@@ -68,7 +96,7 @@ def dtype_kind(dtype: torch.dtype | str) -> str | None:
     if dtype.is_complex:
         return "complex"
     if dtype.is_floating_point:
-        return "float"
+        return "float" if dtype.itemsize >= 2 else str(dtype).removeprefix("torch.")
     return "bool" if dtype == torch.bool else "int"
 
 
@@ -85,11 +113,15 @@ def checkpoint_dtype_kinds(model_config: Any) -> Kinds | None:
 
 
 def module_dtype_kinds(module: torch.nn.Module) -> Kinds:
-    """Dtype kinds of ``module``'s parameters by name."""
+    """Dtype kinds of ``module``'s parameters by name (the stand-in when no
+    checkpoint is found). Parameters held in a narrow float format are left
+    out: a layer quantized while loading holds float8 although its checkpoint,
+    and so the trainer, sends wider floats, and the module cannot tell which."""
     return {
         name: kind
         for name, param in module.named_parameters(remove_duplicate=False)
         if (kind := dtype_kind(param.dtype)) is not None
+        and not (param.dtype.is_floating_point and param.dtype.itemsize < 2)
     }
 
 
@@ -188,6 +220,5 @@ def check_manifest_dtypes(
         raise ManifestMismatch(
             f"publication {publication_id}'s manifest declares {len(wrong)} "
             f"tensor(s) with a dtype the served model cannot take: {listed}; "
-            "send each tensor in a dtype of the same kind (floating point, "
-            "integer, bool) as the served checkpoint; nothing was loaded"
+            f"{DTYPE_KIND_RULE}; nothing was loaded"
         )

@@ -26,6 +26,7 @@ import torch
 
 from vllm.config.weight_transfer import WeightTransferConfig
 from vllm.distributed.weight_transfer.checkpoint_structure import (
+    DTYPE_KIND_RULE,
     Shapes,
     check_manifest_dtypes,
     check_manifest_shapes,
@@ -150,9 +151,8 @@ class IPCWeightTransferEngine(
         if wrong:
             raise ValueError(
                 f"update_info declares {len(wrong)} tensor(s) with a dtype the "
-                f"served model cannot take: {'; '.join(wrong[:8])}; send each "
-                "tensor in a dtype of the same kind (floating point, integer, "
-                "bool) as the served checkpoint; nothing was loaded"
+                f"served model cannot take: {'; '.join(wrong[:8])}; "
+                f"{DTYPE_KIND_RULE}; nothing was loaded"
             )
         for view in views:
             self.pub.admit(view.name, view.dtype, view.shape, view.nbytes)

@@ -18,14 +18,17 @@ Face comparison: the served model is the quantized one.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from vllm.distributed.weight_transfer import (
     ModuleSource,
     WeightTransferTrainerFactory,
 )
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 from vllm.distributed.weight_transfer.testing import (
@@ -110,6 +113,54 @@ def test_ipc_updates_an_fp8_engine_exactly_like_a_fresh_load(ipc_engine):
     if tp == 1:
         for dtypes in llm.collective_rpc(served_weight_dtypes):
             _assert_quantized(dtypes)
+
+
+class Float8Codes(WeightSource):
+    """The trainer's weights, one quantized linear layer's weight sent as
+    float8 codes: trainer-side quantization without the checkpoint's format
+    or scales."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.inner = ModuleSource(module)
+
+    def metadata(self) -> list[ParamMeta]:
+        return [
+            ParamMeta(m.name, torch.float8_e4m3fn, m.shape)
+            if m.name == QUANTIZED
+            else m
+            for m in self.inner.metadata()
+        ]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.inner:
+            yield name, tensor.to(torch.float8_e4m3fn) if name == QUANTIZED else tensor
+
+
+def test_float8_codes_for_an_engine_that_quantizes_on_load_are_refused(ipc_engine):
+    """The engine's checkpoint is bfloat16, so it expects full precision: codes
+    cast to bfloat16 would load meaningless weights. Refused before anything
+    lands, naming the tensor and the format; the next sync works."""
+    llm, model_dir, _ = ipc_engine
+    trainer_model = load_hf_model(model_dir, "float32")
+    client = OfflineLLMWeightSyncClient(llm)
+    llm.reset_prefix_cache()
+    before = vllm_greedy(llm)
+    codes = WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(rank=0), client=client, source=Float8Codes(trainer_model)
+    )
+    with pytest.raises(
+        Exception, match=r"down_proj.weight as float8_e4m3fn \(served model: float\)"
+    ):
+        codes.send_weights()
+    llm.reset_prefix_cache()
+    assert_bit_identical(vllm_greedy(llm), before, what="after refused float8 codes")
+
+    oracle = FreshLoadOracle(offline_worker_call(llm), lambda: vllm_greedy(llm))
+    WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(rank=0), client=client, source=ModuleSource(trainer_model)
+    ).send_weights()
+    llm.reset_prefix_cache()
+    oracle.assert_serves(trainer_model)
 
 
 def test_sharded_rdt_updates_an_fp8_engine_exactly_like_a_fresh_load():
