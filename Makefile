@@ -23,7 +23,7 @@ lint: setup
 	$(PY) tools/fork/check_spdx.py $(shell git ls-files)
 
 test: lint
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests --durations=40 $(PYTEST_ARGS)
 	bash tools/fork/upstream_tests.sh
 
 # Upstream's tests, unmodified, against the fork; the reasoned exceptions are in

@@ -230,6 +230,20 @@ def entry_points(text: str) -> dict[str, list[str]]:
     return groups
 
 
+# The fork's vLLM plugins, loaded in every engine process (vllm.plugins).
+FORK_GENERAL_PLUGINS = [
+    "weight_transfer_rpc_replies = "
+    "vllm.distributed.weight_transfer.rpc_replies:install",
+]
+
+
+def fork_entry_points(groups: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Upstream's entry points plus the fork's general plugins."""
+    plugins = groups.setdefault("vllm.general_plugins", [])
+    plugins.extend(p for p in FORK_GENERAL_PLUGINS if p not in plugins)
+    return groups
+
+
 def main() -> None:
     device = target_device()
     wheel = upstream_wheel(device)
@@ -251,7 +265,9 @@ def main() -> None:
         exclude_package_data={"": ["__pycache__/*", "*.pyc"]},
         install_requires=base,
         extras_require=extras,
-        entry_points=entry_points(dist_info.get("entry_points.txt", "")),
+        entry_points=fork_entry_points(
+            entry_points(dist_info.get("entry_points.txt", ""))
+        ),
         zip_safe=False,
     )
 

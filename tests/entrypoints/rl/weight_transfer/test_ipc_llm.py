@@ -251,11 +251,10 @@ def test_a_failed_update_leaves_the_engine_serving(rig):
     rig.push()
 
     # worker-side rejection after start, while layers sit on the meta device.
-    # TP=1 only: at TP>1 vLLM's MultiprocExecutor.collective_rpc raises on the
-    # first failed worker without draining the others' replies, so the next
-    # RPC reads a stale error (a bug outside weight transfer).
-    if rig.combo.tp == 1:
-        _rejected_update_keeps_serving(rig)
+    # At TP>1 every worker refuses: vLLM 0.32's executor would leave the other
+    # workers' replies queued for the next RPC; the fork's rpc_replies plugin
+    # keeps them in step, and the pushes below show it.
+    _rejected_update_keeps_serving(rig)
 
     # trainer-side failure after several chunks went through: the trainer aborts
     with pytest.raises(ValueError, match="with shape"):
