@@ -229,10 +229,11 @@ class FakeEngine:
     """The engine-client calls the weight routes make, with a configured backend."""
 
     def __init__(self, backend: str) -> None:
-        # Staged: the in-place update guard (its own tests) stays out of these.
+        # Staged: the update guard (its own tests) only holds the commit.
         self.vllm_config = SimpleNamespace(
             weight_transfer_config=SimpleNamespace(backend=backend, staging="host")
         )
+        self.paused = False
         self.fail_update = False
 
     async def start_weight_update(self) -> None:
@@ -247,6 +248,18 @@ class FakeEngine:
 
     async def update_weight_version(self, new_version) -> None:
         pass
+
+    async def is_paused(self) -> bool:
+        return self.paused
+
+    async def pause_generation(self, mode: str = "keep") -> None:
+        self.paused = True
+
+    async def resume_generation(self) -> None:
+        self.paused = False
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return True
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""``InPlaceUpdateGuard`` against a recording engine and a scripted ASGI app
+"""``WeightUpdateGuard`` against a recording engine and a scripted ASGI app
 (fast unit tests; ``test_ipc_http.py`` runs it inside ``vllm serve``)."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import verification_samples
 
-from vllm.distributed.weight_transfer.update_guard import InPlaceUpdateGuard
+from vllm.distributed.weight_transfer.update_guard import WeightUpdateGuard
 
+HOLD_HEADER = b"x-vllm-weight-commit-hold"
 WEIGHTS = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[1]]}
 
 
@@ -82,7 +83,9 @@ class Server:
     def __init__(self, engine: RecordingEngine, api_servers: int = 1, **kw) -> None:
         self.engine = engine
         self.routes = Routes(engine, **kw)
-        self.guard = InPlaceUpdateGuard(self.routes)
+        self.guard = WeightUpdateGuard(self.routes)
+        # The last answer's headers, by path.
+        self.headers: dict[str, dict[bytes, bytes]] = {}
         self.app = SimpleNamespace(
             state=SimpleNamespace(
                 engine_client=engine,
@@ -109,6 +112,7 @@ class Server:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                self.headers[path] = dict(message.get("headers", []))
 
         scope = {"type": "http", "method": "POST", "path": path, "app": self.app}
         await self.guard(scope, receive, send)
@@ -285,15 +289,15 @@ def test_the_deadline_waits_for_a_call_in_flight():
 @pytest.mark.parametrize(
     "engine, api_servers",
     [
-        (RecordingEngine(staging="host"), 1),
-        (RecordingEngine(staging="device"), 1),
         (RecordingEngine(backend="nccl"), 1),
         (RecordingEngine(), 2),
+        (RecordingEngine(staging="host"), 2),
     ],
-    ids=["staged-host", "staged-device", "other-backend", "two-api-servers"],
+    ids=["other-backend", "two-api-servers", "staged-two-api-servers"],
 )
 def test_the_guard_is_off_where_it_does_not_apply(engine, api_servers):
     async def go(server: Server) -> None:
+        await server.post("/start_weight_update")
         await server.update(WEIGHTS)
         assert await server.post("/resume") == 200
         await server.post("/finish_weight_update")
@@ -301,3 +305,57 @@ def test_the_guard_is_off_where_it_does_not_apply(engine, api_servers):
     server = Server(engine, api_servers=api_servers)
     run(go(server))
     assert engine.calls == []
+    assert HOLD_HEADER not in server.headers["/start_weight_update"]
+
+
+@pytest.mark.parametrize("staging", ["off", "host", "device"])
+def test_start_says_the_server_holds_the_commit(staging):
+    server = Server(RecordingEngine(staging=staging))
+    run(server.post("/start_weight_update"))
+    assert server.headers["/start_weight_update"][HOLD_HEADER] == b"server"
+
+
+@pytest.mark.parametrize("staging", ["host", "device"])
+def test_a_staged_engine_is_held_for_the_commit_only(staging):
+    """The transfer runs with generation on; the finish runs paused, then the
+    old KV is dropped and generation resumes, all within that request."""
+
+    async def go(server: Server) -> None:
+        await server.post("/start_weight_update")
+        await server.update(WEIGHTS)
+        await server.update({"prepare": "p" * 8})
+        assert server.engine.calls == []
+        assert await server.post("/finish_weight_update", {}) == 200
+
+    server = Server(RecordingEngine(staging=staging))
+    run(go(server))
+    paused_at = {path: paused for path, _, paused in server.routes.seen}
+    assert paused_at == {
+        "/start_weight_update": False,
+        "/update_weights": False,
+        "/finish_weight_update": True,
+    }
+    assert server.engine.calls == [
+        ("pause", "keep"),
+        ("reset_prefix_cache", True),
+        ("resume",),
+    ]
+
+
+def test_a_failed_commit_still_resumes_and_a_clients_pause_is_left_alone():
+    async def go(server: Server) -> None:
+        server.routes.status["/finish_weight_update"] = 500
+        assert await server.post("/finish_weight_update") == 500
+        assert server.engine.paused is False
+        server.engine.paused = True  # a client paused before the commit
+        server.routes.status["/finish_weight_update"] = 200
+        await server.post("/finish_weight_update")
+        assert server.engine.paused is True
+
+    server = Server(RecordingEngine(staging="host"))
+    run(go(server))
+    assert server.engine.calls == [
+        ("pause", "keep"),
+        ("reset_prefix_cache", True),
+        ("resume",),
+    ]

@@ -28,6 +28,10 @@ from vllm.distributed.weight_transfer.clients import (
 )
 from vllm.distributed.weight_transfer.full_resync import commit_update
 from vllm.distributed.weight_transfer.ipc_wire import IPCWeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.update_guard import (
+    COMMIT_HOLD_HEADER,
+    COMMIT_HOLD_VALUE,
+)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -42,15 +46,20 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if self.path == "/start_weight_update" and self.server.slow:  # type: ignore[attr-defined]
             time.sleep(1.0)
-        self._reply(200, {"message": "ok"})
+        headers = {}
+        if self.path == "/start_weight_update" and self.server.holds:  # type: ignore[attr-defined]
+            headers[COMMIT_HOLD_HEADER] = COMMIT_HOLD_VALUE
+        self._reply(200, {"message": "ok"}, headers)
 
     def do_GET(self):  # noqa: N802
         self.server.requests.append((self.path, None))  # type: ignore[attr-defined]
-        self._reply(200, {"world_size": 2})
+        self._reply(200, {"world_size": 2, "is_paused": False})
 
-    def _reply(self, status, payload):
+    def _reply(self, status, payload, headers=None):
         data = json.dumps(payload).encode()
         self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -65,6 +74,7 @@ def server():
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     srv.requests = []  # type: ignore[attr-defined]
     srv.slow = False  # type: ignore[attr-defined]
+    srv.holds = False  # type: ignore[attr-defined]
     srv.handle_error = lambda *args: None  # type: ignore[method-assign]
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
@@ -391,3 +401,26 @@ def test_a_failed_resume_is_tried_once_more():
     client = FlakyResume()
     commit_update(client, "v6")  # type: ignore[arg-type]
     assert client.calls[-2:] == ["resume", "resume"]
+
+
+@pytest.mark.parametrize("holds", [False, True], ids=["upstream-server", "fork-server"])
+def test_a_server_that_holds_the_commit_gets_the_finish_alone(server, holds):
+    """The fork's server says, on start, that it holds generation for the
+    commit: the commit is then one finish request, with no pause, is_paused,
+    reset or resume of the trainer's own."""
+    server.holds = holds
+    client = HTTPVLLMWeightSyncClient(f"http://127.0.0.1:{server.server_port}")
+    client.start_weight_update()
+    assert client.server_holds_commit is holds
+    commit_update(client, "v7")
+    paths = [p.split("?")[0] for p, _ in server.requests[1:]]
+    if holds:
+        assert paths == ["/finish_weight_update"]
+    else:
+        assert paths == [
+            "/is_paused",
+            "/pause",
+            "/finish_weight_update",
+            "/reset_prefix_cache",
+            "/resume",
+        ]

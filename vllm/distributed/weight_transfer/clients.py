@@ -40,7 +40,11 @@ client can drop the KV cache computed with the old weights
 (``reset_prefix_cache(reset_running_requests=True)``: running requests are
 preempted and recomputed with the new weights). The Ray client does not hold
 generation: an actor serves one call at a time, so a generate call queued
-between the pause and the resume would wait forever.
+between the pause and the resume would wait forever. Against the fork's
+``vllm serve`` the HTTP client does none of that: the server holds
+generation for the commit itself (``update_guard``) and says so on its answer
+to ``start_weight_update``, so the commit is one ``finish_weight_update``
+call (``server_holds_commit``).
 
 Update payloads are dicts (or a list of dicts, one per worker); objects with a
 ``to_dict()`` method, such as ``IPCWeightTransferUpdateInfo``, are converted.
@@ -60,6 +64,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitRequest,
     WeightTransferUpdatePayload,
     WeightTransferUpdateRequest,
+)
+from vllm.distributed.weight_transfer.update_guard import (
+    COMMIT_HOLD_HEADER,
+    COMMIT_HOLD_VALUE,
 )
 
 if TYPE_CHECKING:
@@ -114,6 +122,10 @@ class HTTPVLLMWeightSyncClient:
     def __init__(self, base_url: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        # Set from the answer to start_weight_update: the fork's server holds
+        # generation for the commit itself (update_guard), so the trainer's
+        # commit is the finish alone.
+        self.server_holds_commit = False
 
     def _post(
         self,
@@ -121,6 +133,15 @@ class HTTPVLLMWeightSyncClient:
         body: dict[str, Any] | None = None,
         params: dict[str, str] | None = None,
     ) -> Any:
+        response = self._send(route, body, params)
+        return response.json() if response.content else None
+
+    def _send(
+        self,
+        route: str,
+        body: dict[str, Any] | None = None,
+        params: dict[str, str] | None = None,
+    ) -> requests.Response:
         url = f"{self.base_url}/{route}"
         data = None
         if body is not None:
@@ -152,13 +173,16 @@ class HTTPVLLMWeightSyncClient:
                 f"{response.text[:2000]}",
                 response=response,
             )
-        return response.json() if response.content else None
+        return response
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._post("init_weight_transfer_engine", {"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        self._post("start_weight_update")
+        response = self._send("start_weight_update")
+        self.server_holds_commit = (
+            response.headers.get(COMMIT_HOLD_HEADER) == COMMIT_HOLD_VALUE
+        )
 
     def start_draft_weight_update(self) -> None:
         self._post("start_draft_weight_update")

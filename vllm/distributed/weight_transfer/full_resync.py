@@ -19,6 +19,11 @@ The end of every sync, after the last weight was sent::
         reset_prefix_cache(reset_running_requests=True)       ; if the client can
         resume_generation()        if it paused
 
+Against the fork's ``vllm serve`` (``client.server_holds_commit``) the server
+does the pause, the reset and the resume within the finish request itself
+(``update_guard``), so the commit is that one call and a trainer that dies
+during it cannot leave generation paused.
+
 Holding generation for just the commit puts the switch, the version label and
 the cache reset between the same two engine steps: every output token is
 labelled with the weights that produced it, and no request after the switch
@@ -67,6 +72,13 @@ def commit_update(client: VLLMWeightSyncClient, weight_version: str | None) -> N
     """Finish the open update with generation held for just this call (when
     the client can hold it and nobody else did), then drop the KV cache the
     old weights computed; see the module docstring."""
+    if getattr(client, "server_holds_commit", False):
+        # The fork's server holds generation around the finish and drops the
+        # old KV cache within the same request (update_guard).
+        client.finish_weight_update(
+            *(() if weight_version is None else (weight_version,))
+        )
+        return
     hold = _can_hold(client)
     try:
         if hold:

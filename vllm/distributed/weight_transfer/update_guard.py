@@ -1,15 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Keeps ``vllm serve`` from generating on a model whose weights are landing.
+"""Holds ``vllm serve``'s generation on the server side while a weight update
+lands or commits, so no client has to pause it, and none can leave it paused.
 
 An in-place update (``ipc`` or ``sharded_rdt`` with ``staging="off"``) writes
 the served weights layer by layer while it is open. A forward pass in that
 window would run on a model that is neither the old nor the new one; the
 worker's forward pre-hook then aborts the update and fences the engine, but
 the engine core's version label, which stamps every output, would still name
-the old weights until the trainer's next call. ``InPlaceUpdateGuard``, an ASGI
-middleware mounted with the RL routes, closes that window on the server side
-instead of relying on every client to pause first:
+the old weights until the trainer's next call. ``WeightUpdateGuard``, an ASGI
+middleware mounted with the RL routes, closes that window:
 
 - **Hold.** Before the first ``update_weights`` message that carries weights
   (anything but ``{"abort": ...}`` or ``{"prepare": ...}``) reaches the
@@ -38,12 +38,23 @@ instead of relying on every client to pause first:
   holds generation for at most the deadline, and ``GET /weight_info`` names
   the cause at once.
 
-The guard is off for staged engines (the model serves the old weights until a
-commit no forward can interleave with), for other backends, and when the
-server runs several API-server processes (``--api-server-count`` above 1): its
-state lives in one process, and the finish that ends an update may reach
-another. Offline ``LLM`` and Ray callers own their process and must pause
-around an in-place update themselves (or use staging).
+A staged engine serves the old weights until its commit, so only the commit
+is held: ``finish_weight_update`` runs inside a pause the guard takes (unless
+a client paused), and the release above follows it within the same request.
+The switch, the version label (the route sets it right after the finish) and
+the cache reset fall between the same two engine steps, and a trainer that
+dies mid-commit cannot leave generation paused.
+
+The answer to ``start_weight_update`` carries ``x-vllm-weight-commit-hold:
+server``: the fork's HTTP client then commits with the finish alone, without
+its own pause, reset and resume (``full_resync.commit_update``).
+
+The guard is off for other backends and when the server runs several
+API-server processes (``--api-server-count`` above 1): its state lives in one
+process, and the finish that ends an update may reach another. Offline
+``LLM`` and Ray callers own their process: the fork's trainers hold the
+commit through the client where it can, and an in-place update needs the
+caller to pause (or staging).
 """
 
 from __future__ import annotations
@@ -68,9 +79,14 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-# Backends whose in-place updates land layer by layer through the fork's
-# worker lifecycle (and understand ``{"abort": ...}``).
+# Backends whose updates land through the fork's worker lifecycle (and
+# understand ``{"abort": ...}``).
 GUARDED_BACKENDS = ("ipc", "sharded_rdt")
+# On the answer to ``start_weight_update``: the server holds generation for
+# the commit and drops the old KV cache itself (``commit_update`` reads it
+# through the HTTP client's ``server_holds_commit``).
+COMMIT_HOLD_HEADER = "x-vllm-weight-commit-hold"
+COMMIT_HOLD_VALUE = "server"
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
@@ -93,7 +109,7 @@ class _Hold:
     expiry: asyncio.Future | None = None
 
 
-class InPlaceUpdateGuard:
+class WeightUpdateGuard:
     """ASGI middleware; see the module docstring."""
 
     def __init__(self, app: Any) -> None:
@@ -105,12 +121,22 @@ class InPlaceUpdateGuard:
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         route = _route(scope)
-        if route is None or not self._applies(scope):
+        mode = self._mode(scope) if route is not None else None
+        if route is None or mode is None:
             await self.app(scope, receive, send)
             return
         engine = scope["app"].state.engine_client
+        if route in _START_ROUTES:
+            # Tells the fork's HTTP client that the server holds generation
+            # for the commit, so it sends no pause, reset or resume itself.
+            send = _with_header(send, COMMIT_HOLD_HEADER, COMMIT_HOLD_VALUE)
         if route == "/resume":
             await self._resume(engine, scope, receive, send)
+        elif mode == "staged":
+            if route == "/finish_weight_update":
+                await self._commit(engine, scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
         elif route == "/update_weights":
             await self._update_weights(engine, scope, receive, send)
         else:
@@ -178,6 +204,35 @@ class InPlaceUpdateGuard:
             await self._release(engine, "the update ended")
         else:
             self._arm_deadline(engine)
+
+    async def _commit(
+        self, engine: Any, scope: dict, receive: Receive, send: Send
+    ) -> None:
+        """A staged engine's ``finish_weight_update``: generation is held
+        for just this call, and the KV the old weights computed is dropped
+        before it resumes."""
+        try:
+            async with self._lock:
+                if self._hold is None:
+                    owns = not await engine.is_paused()
+                    if owns:
+                        await engine.pause_generation(mode="keep")
+                    self._hold = _Hold(owns_pause=owns)
+        except Exception as e:
+            logger.exception("Could not hold generation for a commit")
+            await _json_response(
+                send,
+                503,
+                "could not pause generation for the commit "
+                f"({type(e).__name__}: {e}); nothing was committed and the "
+                "staged update is still open: retry finish_weight_update, or "
+                "abort it",
+            )
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            await self._release(engine, "the staged update's commit answered")
 
     async def _resume(
         self, engine: Any, scope: dict, receive: Receive, send: Send
@@ -290,37 +345,34 @@ class InPlaceUpdateGuard:
 
     # -- what applies ----------------------------------------------------------
 
-    def _applies(self, scope: dict) -> bool:
+    def _mode(self, scope: dict) -> str | None:
+        """``"in_place"`` or ``"staged"`` for a guarded engine, else None."""
         try:
             state = scope["app"].state
             config = _config(state.engine_client)
         except (AttributeError, KeyError):
-            return False
-        backend = getattr(config, "backend", None)
-        if (
-            backend not in GUARDED_BACKENDS
-            or getattr(config, "staging", "off") != "off"
-        ):
-            return False
+            return None
+        if getattr(config, "backend", None) not in GUARDED_BACKENDS:
+            return None
         servers = getattr(getattr(state, "args", None), "api_server_count", 1)
         if (servers or 1) > 1:
             if not self._warned_multi_server:
                 self._warned_multi_server = True
                 logger.warning(
-                    "%d API-server processes: the in-place update guard is "
-                    "off; pause generation around every in-place weight "
-                    "update yourself (or use staging)",
+                    "%d API-server processes: the weight update guard is off; "
+                    "pause generation around every in-place weight update "
+                    "yourself (or use staging)",
                     servers,
                 )
-            return False
-        return True
+            return None
+        return "in_place" if getattr(config, "staging", "off") == "off" else "staged"
 
 
+_START_ROUTES = ("/start_weight_update", "/start_draft_weight_update")
 _ROUTES = (
     "/update_weights",
     "/finish_weight_update",
-    "/start_weight_update",
-    "/start_draft_weight_update",
+    *_START_ROUTES,
     "/pause",
     "/resume",
 )
@@ -410,6 +462,19 @@ def _publication_id(update_info: Any) -> str | None:
                 continue  # the worker refuses it; the label says "unknown"
             return header.publication_id
     return None
+
+
+def _with_header(send: Send, name: str, value: str) -> Send:
+    """``send`` that adds one header to the response."""
+
+    async def send_with_header(message: dict) -> None:
+        if message.get("type") == "http.response.start":
+            headers = list(message.get("headers", []))
+            headers.append((name.encode("latin-1"), value.encode("latin-1")))
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return send_with_header
 
 
 async def _json_response(send: Send, status: int, message: str) -> None:

@@ -9,10 +9,10 @@ The routes are upstream's router, unchanged. The fork adds
 weight route was sent and answered, which is all the sync observer needs; see
 ``vllm.distributed.weight_transfer.sync_metrics``.
 
-Inside it sits ``InPlaceUpdateGuard``: while an in-place ``ipc`` or
-``sharded_rdt`` update lands, generation is held, ``/resume`` is refused and
-the update has an eager deadline; see
-``vllm.distributed.weight_transfer.update_guard``.
+Inside it sits ``WeightUpdateGuard``: while an ``ipc`` or ``sharded_rdt``
+update lands in place or commits from staging, the server holds generation
+itself, ``/resume`` is refused, and an in-place update has an eager deadline;
+see ``vllm.distributed.weight_transfer.update_guard``.
 """
 
 from fastapi import FastAPI
@@ -22,10 +22,10 @@ def register_rl_api_routers(app: FastAPI) -> None:
     from vllm.distributed.weight_transfer.sync_metrics import (
         WeightSyncMetricsMiddleware,
     )
-    from vllm.distributed.weight_transfer.update_guard import InPlaceUpdateGuard
+    from vllm.distributed.weight_transfer.update_guard import WeightUpdateGuard
     from vllm.entrypoints.rl.online.api_router import router
 
     app.include_router(router)
     # The last one added runs first: the metrics see what the guard answers.
-    app.add_middleware(InPlaceUpdateGuard)
+    app.add_middleware(WeightUpdateGuard)
     app.add_middleware(WeightSyncMetricsMiddleware)
