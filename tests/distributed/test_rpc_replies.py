@@ -53,16 +53,28 @@ def answer(ex: Any, *replies: tuple[Any, Any]) -> None:
         (mq._queue if hasattr(mq, "_queue") else mq).queued.append(reply)
 
 
+# vLLM's own method: an engine started earlier in this process may have
+# loaded the plugin already.
+VLLM_COLLECTIVE_RPC = getattr(
+    MultiprocExecutor.collective_rpc, "__wrapped__", MultiprocExecutor.collective_rpc
+)
+
+
+@pytest.fixture
+def unpatched(monkeypatch):
+    monkeypatch.setattr(MultiprocExecutor, "collective_rpc", VLLM_COLLECTIVE_RPC)
+
+
 @pytest.fixture
 def aligned(monkeypatch):
     monkeypatch.setattr(
         MultiprocExecutor,
         "collective_rpc",
-        rpc_replies.aligned_collective_rpc(MultiprocExecutor.collective_rpc, OK),
+        rpc_replies.aligned_collective_rpc(VLLM_COLLECTIVE_RPC, OK),
     )
 
 
-def test_unpatched_vllm_reads_the_failed_calls_leftover():
+def test_unpatched_vllm_reads_the_failed_calls_leftover(unpatched):
     """What the plugin fixes, shown on vLLM's own method."""
     ex = executor()
     answer(ex, (FAILED, "rank 0 refused"), (OK, "rank 1 first call"))
@@ -120,12 +132,10 @@ def test_a_failure_reaching_an_aggregator_raises_the_workers_error():
         _ = failure.kv_connector_output
 
 
-def test_install_patches_once_and_is_a_registered_plugin(monkeypatch):
-    monkeypatch.setattr(
-        MultiprocExecutor, "collective_rpc", MultiprocExecutor.collective_rpc
-    )
+def test_install_patches_once_and_is_a_registered_plugin(unpatched):
     rpc_replies.install()
     patched = MultiprocExecutor.collective_rpc
+    assert patched.__wrapped__ is VLLM_COLLECTIVE_RPC  # type: ignore[attr-defined]
     rpc_replies.install()
     assert MultiprocExecutor.collective_rpc is patched
     plugins = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}

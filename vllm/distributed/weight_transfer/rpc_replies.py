@@ -116,6 +116,7 @@ def aligned_collective_rpc(original: Callable, success: Any) -> Callable:
 
     setattr(collective_rpc, _INSTALLED, True)
     collective_rpc.__doc__ = original.__doc__
+    collective_rpc.__wrapped__ = original  # type: ignore[attr-defined]
     return collective_rpc
 
 
