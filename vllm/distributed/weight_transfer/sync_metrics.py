@@ -374,16 +374,14 @@ class WeightSyncMetricsMiddleware:
                 body.extend(message.get("body", b""))
             return message
 
-        async def send_and_note(message: dict) -> None:
-            nonlocal status
-            if message.get("type") == "http.response.start":
-                status = int(message.get("status", 500))
-            await send(message)
-
         started = time.monotonic()
-        try:
-            await self.app(scope, receive_and_keep, send_and_note)
-        finally:
+        observed = False
+
+        def observe() -> None:
+            nonlocal observed
+            if observed:
+                return
+            observed = True
             parsed = _json_object(bytes(body))
             observer = self.observer or route_sync_observer()
             observer.observe_route(
@@ -394,6 +392,22 @@ class WeightSyncMetricsMiddleware:
                 update_info=parsed.get("update_info"),
                 new_version=parsed.get("new_version"),
             )
+
+        async def send_and_note(message: dict) -> None:
+            nonlocal status
+            kind = message.get("type")
+            if kind == "http.response.start":
+                status = int(message.get("status", 500))
+            elif kind == "http.response.body" and not message.get("more_body"):
+                # Counted before the client hears the end of the answer, so a
+                # scrape right after the call already sees it.
+                observe()
+            await send(message)
+
+        try:
+            await self.app(scope, receive_and_keep, send_and_note)
+        finally:
+            observe()
 
 
 def _route_path(scope: dict) -> str:

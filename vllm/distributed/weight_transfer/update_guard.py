@@ -163,29 +163,27 @@ class WeightUpdateGuard:
                     "retry, or pause generation yourself first",
                 )
                 return
-        status = 500
-        try:
-            status = await self._call(scope, replay, send)
-        finally:
-            ok = 200 <= status < 300
-            if ok and _carries_weights(update_info) and self._hold is not None:
+        carries = _carries_weights(update_info)
+
+        async def then(ok: bool) -> None:
+            if ok and carries and self._hold is not None:
                 self._hold.accepted = True
             await self._after_call(engine, ended=False, ok=ok)
+
+        await self._call(scope, replay, send, then)
 
     async def _weight_call(
         self, engine: Any, route: str, scope: dict, receive: Receive, send: Send
     ) -> None:
-        status = 500
-        try:
-            status = await self._call(scope, receive, send)
-        finally:
-            ok = 200 <= status < 300
+        async def then(ok: bool) -> None:
             if route == "/pause" and ok and self._hold is not None:
                 # The client owns this pause now; it resumes when it wants to.
                 self._hold.owns_pause = False
             await self._after_call(
                 engine, ended=route == "/finish_weight_update", ok=ok
             )
+
+        await self._call(scope, receive, send, then)
 
     async def _after_call(self, engine: Any, *, ended: bool, ok: bool) -> None:
         """Release, or re-arm the deadline, after a weight route answered.
@@ -229,10 +227,11 @@ class WeightUpdateGuard:
                 "abort it",
             )
             return
-        try:
-            await self.app(scope, receive, send)
-        finally:
+
+        async def then(ok: bool) -> None:
             await self._release(engine, "the staged update's commit answered")
+
+        await self._call(scope, receive, send, then)
 
     async def _resume(
         self, engine: Any, scope: dict, receive: Receive, send: Send
@@ -251,26 +250,52 @@ class WeightUpdateGuard:
 
     # -- hold and release ----------------------------------------------------
 
-    async def _call(self, scope: dict, receive: Receive, send: Send) -> int:
-        """Run the route, the deadline suspended meanwhile; its status."""
+    async def _call(
+        self,
+        scope: dict,
+        receive: Receive,
+        send: Send,
+        then: Callable[[bool], Awaitable[None]],
+    ) -> None:
+        """Run the route with the deadline suspended, then ``then(ok)``
+        (release, or re-arm the deadline) before the client hears the end of
+        the answer: a finish returns once generation serves again, and the
+        middlewares around see the same order. ``then`` runs once, also when
+        the route raises."""
         status = 500
+        hold = self._hold
+        pending = True
 
-        async def note_status(message: dict) -> None:
+        async def follow_up() -> None:
+            nonlocal pending
+            if not pending:
+                return
+            pending = False
+            if hold is not None:
+                hold.calls_in_flight -= 1
+            try:
+                await then(200 <= status < 300)
+            except Exception:
+                # The route's answer still goes out; the log says what the
+                # guard could not do (a resume that failed twice).
+                logger.exception("The weight update guard's follow-up failed")
+
+        async def forward(message: dict) -> None:
             nonlocal status
-            if message.get("type") == "http.response.start":
+            kind = message.get("type")
+            if kind == "http.response.start":
                 status = int(message.get("status", 500))
+            elif kind == "http.response.body" and not message.get("more_body"):
+                await follow_up()
             await send(message)
 
-        hold = self._hold
         if hold is not None:
             hold.calls_in_flight += 1
             _cancel(hold)
         try:
-            await self.app(scope, receive, note_status)
+            await self.app(scope, receive, forward)
         finally:
-            if hold is not None:
-                hold.calls_in_flight -= 1
-        return status
+            await follow_up()
 
     async def _take_hold(self, engine: Any, update_info: Any) -> None:
         async with self._lock:

@@ -6,9 +6,9 @@ answering streaming clients through a whole sync.
 
 While four clients stream greedy completions back to back, a trainer in this
 process pushes new weights in many chunks, and a completion sent after every
-chunk still gets exactly the old weights' output. The trainer holds
-generation only for the commit (``/pause?mode=keep``, finish, KV reset,
-``/resume``). Then:
+chunk still gets exactly the old weights' output. The server holds
+generation only for the commit, within the trainer's one finish request
+(``update_guard``: pause, finish, KV reset, resume). Then:
 
 * every stream completed with all its tokens;
 * each stream is the old weights' output, the new weights' output, or the old
@@ -130,11 +130,12 @@ class CompletesAfterEachMessage:
         self.inner.update_weights(update_info)
         self.during.append(self.server.greedy())
 
-    def pause_generation(self, mode: str = "keep") -> None:
-        # The commit begins by holding generation.
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        # The commit: the server holds generation for this one request.
+        assert self.inner.server_holds_commit, "vllm serve should hold the commit"
         self._long.start()
         assert self._first_token.wait(60), "the long stream never started"
-        self.inner.pause_generation(mode)
+        self.inner.finish_weight_update(weight_version)
 
     def join(self) -> None:
         self._long.join(120)
