@@ -33,7 +33,11 @@ import pytest
 import requests
 import torch
 
-from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
+from vllm.distributed.weight_transfer.base import (
+    ModuleSource,
+    ParamMeta,
+    WeightSource,
+)
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 from vllm.distributed.weight_transfer.ipc_engine import (
@@ -82,7 +86,7 @@ def post(server: ServerProcess, route: str, body: dict | None = None):
 
 # Short enough for the deadline test to wait it out, far above any gap
 # between two calls of one sync.
-UPDATE_TIMEOUT_S = 15
+UPDATE_TIMEOUT_S = 8
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +152,96 @@ def test_finish_stamps_the_weight_version(server, trainer):
     assert requests.get(f"{server.base_url}/weight_info").json() == {
         "weight_version": "step-3b"
     }
+
+
+def test_sync_metrics_appear_on_metrics_without_flags(server, trainer, trainer_model):
+    """A plain ``vllm serve`` (dev mode on for the RL routes) counts a real
+    ``ipc`` sync as committed with the bytes its publication announced, and an
+    update whose header the worker rejects as a failure of the update phase;
+    upstream's weight-operation metrics stay, and the server keeps serving."""
+
+    def scrape() -> str:
+        return requests.get(f"{server.base_url}/metrics", timeout=30).text
+
+    counters = (
+        "vllm:weight_transfer_syncs_total",
+        "vllm:weight_transfer_bytes_total",
+        "vllm:weight_transfer_sync_seconds_count",
+    )
+    text = scrape()
+    before = {name: metric_value(text, name, backend="ipc") for name in counters}
+    failed_before = failures(server)["update"]
+
+    trainer.send_weights()
+    header = PublicationHeader.create(
+        backend="ipc",
+        model_version=1,
+        manifest=Manifest.from_params([ParamMeta("w", torch.float32, (4,))]),
+        trainer_devices=["cpu:test:0"],
+    )
+    assert post(server, "start_weight_update").ok
+    rejected = post(
+        server,
+        "update_weights",
+        {"update_info": attach_publication({"names": []}, header)},
+    )
+    assert not rejected.ok  # the worker closes the update on any failure
+
+    text = scrape()
+    grew = {
+        name: metric_value(text, name, backend="ipc") - before[name]
+        for name in counters
+    }
+    nbytes = sum(p.numel() * p.element_size() for p in trainer_model.parameters())
+    assert grew == {
+        "vllm:weight_transfer_syncs_total": 1,
+        "vllm:weight_transfer_bytes_total": nbytes,
+        "vllm:weight_transfer_sync_seconds_count": 1,
+    }
+    assert failures(server)["update"] == failed_before + 1
+    for operation in ("start", "update", "finish"):
+        count = metric_value(
+            text,
+            "vllm:rl_weight_update_operation_duration_seconds_count",
+            operation=operation,
+        )
+        assert count >= 1
+    assert "vllm:rl_weight_update_operations_in_flight" in text
+    assert served_greedy(server).tokens
+
+
+def test_a_verified_sync_commits_then_a_mismatched_one_leaves_the_version(
+    server, trainer_model
+):
+    """Checksummed small chunks commit and stamp the version; a manifest that
+    disagrees with the served model (one tensor a column wider) is refused
+    before loading: the version stays, the failure is counted, and the
+    committed weights keep serving."""
+    from test_ipc_verified_llm import ResizedSource
+
+    client = HTTPVLLMWeightSyncClient(server.base_url, timeout=120)
+
+    def trainer(source: WeightSource) -> IPCTrainerWeightTransferEngine:
+        return WeightTransferTrainerFactory.trainer_init(  # type: ignore[return-value]
+            IPCTrainerInitInfo(
+                rank=0, packed_buffer_size_bytes=256 * 1024, verify_checksums=True
+            ),
+            client=client,
+            source=source,
+        )
+
+    randomize_weights_(trainer_model, seed=9)
+    failed_before = failures(server)["update"]
+    trainer(ModuleSource(trainer_model)).send_weights(weight_version="11")
+    assert weight_info(server) == {"weight_version": "11"}
+    assert_serves(server, trainer_model)
+
+    bad = ResizedSource(ModuleSource(trainer_model), "model.norm.weight")
+    with pytest.raises(requests.HTTPError, match="disagrees with the served model"):
+        trainer(bad).send_weights(weight_version="12")
+    assert weight_info(server) == {"weight_version": "11"}  # refused before loading
+    assert failures(server)["update"] == failed_before + 1
+    assert_serves(server, trainer_model)
 
 
 def test_server_runs_without_insecure_serialization(server):

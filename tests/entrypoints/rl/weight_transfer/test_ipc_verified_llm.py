@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 import torch
 
 from vllm.distributed.weight_transfer import (
@@ -41,7 +40,6 @@ from vllm.distributed.weight_transfer import (
     WeightTransferTrainerFactory,
 )
 from vllm.distributed.weight_transfer.clients import (
-    HTTPVLLMWeightSyncClient,
     OfflineLLMWeightSyncClient,
 )
 from vllm.distributed.weight_transfer.ipc_engine import (
@@ -51,8 +49,11 @@ from vllm.distributed.weight_transfer.ipc_engine import (
 from vllm.distributed.weight_transfer.testing import (
     FreshLoadOracle,
     assert_bit_identical,
+    assert_same_greedy,
     assert_serves_weights,
+    hf_greedy,
     load_hf_model,
+    logprob_atol,
     offline_worker_call,
     randomize_weights_,
     vllm_greedy,
@@ -63,7 +64,6 @@ from vllm.distributed.weight_transfer.testing.ipc_faults import (
     fail_load_once,
     worker_fence_status,
 )
-from vllm.distributed.weight_transfer.testing.server import metric_value, serve
 from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 from vllm.distributed.weight_transfer.verification import (
     Manifest,
@@ -172,6 +172,15 @@ class VersionAtCommit:
         self.inner.finish_weight_update(weight_version)
 
 
+def test_an_llm_configured_for_weight_transfer_serves_the_checkpoint(
+    rig, tiny_model_dir
+):
+    """``LLM(weight_transfer_config=ipc)`` starts and, before any update,
+    serves what a Hugging Face forward of the checkpoint gives (fp32)."""
+    expected = hf_greedy(load_hf_model(tiny_model_dir, "float32"))
+    assert_same_greedy(vllm_greedy(rig.llm), expected, atol=logprob_atol("float32"))
+
+
 def test_version_becomes_visible_only_after_receipts_verify(rig):
     rig.push(seed=1, version="step-1")
     randomize_weights_(rig.model, seed=2)
@@ -269,52 +278,6 @@ def test_worker_failing_mid_update_fences_until_a_full_resync(rig):
 
 # ---------------------------------------------------------------------------
 # HTTP
-
-
-def test_http_sync_commits_then_a_rejected_one_leaves_the_version(tiny_model_dir):
-    model = load_hf_model(tiny_model_dir, "float32")
-    randomize_weights_(model, seed=9)
-    with serve(tiny_model_dir, weight_transfer_backend="ipc") as server:
-        client = HTTPVLLMWeightSyncClient(server.base_url, timeout=120)
-
-        def trainer(source: WeightSource) -> IPCTrainerWeightTransferEngine:
-            return WeightTransferTrainerFactory.trainer_init(  # type: ignore[return-value]
-                IPCTrainerInitInfo(
-                    rank=0, packed_buffer_size_bytes=CHUNK_CAP, verify_checksums=True
-                ),
-                client=client,
-                source=source,
-            )
-
-        def weight_version() -> str:
-            info = requests.get(f"{server.base_url}/weight_info", timeout=30)
-            return info.json()["weight_version"]
-
-        engine = trainer(ModuleSource(model))
-        engine.send_weights(weight_version="11")
-        assert weight_version() == "11"
-        assert_serves_weights(server.fresh_load_oracle(), model, dtype="float32")
-
-        bad = ResizedSource(ModuleSource(model), "model.norm.weight")
-        with pytest.raises(requests.HTTPError, match="disagrees with the served model"):
-            trainer(bad).send_weights(weight_version="12")
-        assert weight_version() == "11"  # refused before loading: still version 11
-
-        text = requests.get(f"{server.base_url}/metrics", timeout=30).text
-        assert (
-            metric_value(text, "vllm:weight_transfer_syncs_total", backend="ipc") == 1
-        )
-        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        assert (
-            metric_value(text, "vllm:weight_transfer_bytes_total", backend="ipc")
-            == nbytes
-        )
-        failures = metric_value(
-            text, "vllm:weight_transfer_failures_total", backend="ipc", phase="update"
-        )
-        assert failures == 1
-        # still serving the committed weights
-        assert_serves_weights(server.fresh_load_oracle(), model, dtype="float32")
 
 
 # ---------------------------------------------------------------------------
