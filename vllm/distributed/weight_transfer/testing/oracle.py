@@ -63,9 +63,16 @@ def vllm_greedy(
     prompts: tuple[tuple[int, ...], ...] | list[list[int]] = DEFAULT_PROMPTS,
     max_tokens: int = DEFAULT_MAX_TOKENS,
 ) -> GreedyResult:
-    """Greedy generation through an offline `vllm.LLM`."""
+    """Greedy generation through an offline `vllm.LLM`, after dropping the
+    prefix cache: every call prefills its prompts in full, so its output does
+    not depend on what ran before (a cache hit changes the shapes of the
+    matrix products, which moves the last bit of results on kernels that are
+    not batch-invariant), and a fresh model swapped in for the oracle never
+    reads KV blocks another model computed."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
+    llm.reset_prefix_cache()
 
     params = SamplingParams(
         temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0
