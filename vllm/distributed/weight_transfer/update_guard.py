@@ -210,12 +210,7 @@ class WeightUpdateGuard:
         for just this call, and the KV the old weights computed is dropped
         before it resumes."""
         try:
-            async with self._lock:
-                if self._hold is None:
-                    owns = not await engine.is_paused()
-                    if owns:
-                        await engine.pause_generation(mode="keep")
-                    self._hold = _Hold(owns_pause=owns)
+            await self._take_hold(engine, None)
         except Exception as e:
             logger.exception("Could not hold generation for a commit")
             await _json_response(
@@ -305,7 +300,7 @@ class WeightUpdateGuard:
                     await engine.pause_generation(mode="keep")
                 self._hold = _Hold(owns_pause=owns)
                 logger.info(
-                    "Holding generation while an in-place weight update lands%s",
+                    "Holding generation for a weight update%s",
                     "" if owns else " (already paused by a client)",
                 )
             publication = _publication_id(update_info)

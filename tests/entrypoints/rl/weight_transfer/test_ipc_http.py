@@ -467,6 +467,19 @@ def test_moe_tensor_parallel_update():
             assert_serves(moe_server, model)
 
 
+def sync_from_a_fresh_trainer(
+    server: ServerProcess, model: torch.nn.Module, version: str
+) -> None:
+    """A new trainer process's first sync: a trainer engine of its own."""
+    fresh = WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed=True),
+        client=HTTPVLLMWeightSyncClient(server.base_url, timeout=120),
+        source=ModuleSource(model),
+    )
+    assert isinstance(fresh, IPCTrainerWeightTransferEngine)
+    fresh.send_weights(weight_version=version)
+
+
 def test_a_trainer_killed_between_chunks_does_not_block_the_next_sync(
     server, trainer_model, tiny_model_dir
 ):
@@ -492,13 +505,7 @@ def test_a_trainer_killed_between_chunks_does_not_block_the_next_sync(
     assert server.is_alive()
 
     randomize_weights_(trainer_model, seed=42)
-    fresh = WeightTransferTrainerFactory.trainer_init(
-        IPCTrainerInitInfo(rank=0, packed=True),
-        client=HTTPVLLMWeightSyncClient(server.base_url, timeout=120),
-        source=ModuleSource(trainer_model),
-    )
-    assert isinstance(fresh, IPCTrainerWeightTransferEngine)
-    fresh.send_weights(weight_version="after-the-dead-trainer")
+    sync_from_a_fresh_trainer(server, trainer_model, "after-the-dead-trainer")
     assert requests.get(f"{server.base_url}/weight_info").json() == {
         "weight_version": "after-the-dead-trainer"
     }
@@ -620,12 +627,6 @@ def test_a_trainer_dying_mid_sync_is_fenced_at_the_deadline(
     assert server.is_alive()
 
     randomize_weights_(trainer_model, seed=45)
-    fresh = WeightTransferTrainerFactory.trainer_init(
-        IPCTrainerInitInfo(rank=0, packed=True),
-        client=HTTPVLLMWeightSyncClient(server.base_url, timeout=120),
-        source=ModuleSource(trainer_model),
-    )
-    assert isinstance(fresh, IPCTrainerWeightTransferEngine)
-    fresh.send_weights(weight_version="after-the-deadline")
+    sync_from_a_fresh_trainer(server, trainer_model, "after-the-deadline")
     assert weight_info(server) == {"weight_version": "after-the-deadline"}
     assert_serves(server, trainer_model)
