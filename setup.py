@@ -234,6 +234,7 @@ def entry_points(text: str) -> dict[str, list[str]]:
 FORK_GENERAL_PLUGINS = [
     "weight_transfer_rpc_replies = "
     "vllm.distributed.weight_transfer.rpc_replies:install",
+    "weight_transfer_cpu_linear = vllm.distributed.weight_transfer.cpu_linear:install",
 ]
 
 

@@ -42,7 +42,43 @@ class WeightTransferConfig:
     fit in free memory is refused before it is copied.
     """
 
+    cpu_linear: Literal["packed", "plain"] = "packed"
+    """How vLLM CPU runs unquantized linear layers. ``"packed"`` (vLLM's
+    default) repacks each weight into a oneDNN (or sgl-kernel, zentorch)
+    handle at load and drops the plain tensor, so every weight update rebuilds
+    the handles. ``"plain"`` keeps each weight tensor and runs torch's linear
+    on it: the layers' post-load processing leaves the loaded bytes as they
+    are, a sync rebuilds nothing, and new weights can be written into the
+    served tensors in place, at a cost in generation speed
+    (``benchmarks/weight_transfer/bench_cpu_linear.py``). Other platforms
+    ignore it.
+    """
+
+    landing: Literal["reload", "planned"] = "reload"
+    """How an in-place ``ipc`` update reaches the served tensors.
+    ``"reload"`` (the default) lands every tensor through vLLM's layerwise
+    reload: each layer it touches is rebuilt, loaded, processed and copied
+    back. ``"planned"`` plans once (the sharded_rdt planner records where the
+    model's own loaders put each byte, and each layer is proven to keep its
+    bytes through vLLM's post-load processing) and then copies the tensors of
+    such layers straight into the served tensors, once per byte; the other
+    layers (MoE experts on vLLM CPU, packed or quantized layers) take the
+    layerwise reload within the same update. On vLLM CPU, linear layers
+    qualify only with ``cpu_linear="plain"``. Staged updates
+    (``staging`` other than ``"off"``) always reload.
+    """
+
     def __post_init__(self) -> None:
+        if self.landing not in ("reload", "planned"):
+            raise ValueError(
+                "weight_transfer_config.landing must be 'reload' or 'planned', "
+                f"got {self.landing!r}"
+            )
+        if self.cpu_linear not in ("packed", "plain"):
+            raise ValueError(
+                "weight_transfer_config.cpu_linear must be 'packed' or 'plain', "
+                f"got {self.cpu_linear!r}"
+            )
         if self.staging not in ("off", "device", "host"):
             raise ValueError(
                 "weight_transfer_config.staging must be 'off', 'device' or "

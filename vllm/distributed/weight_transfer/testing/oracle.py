@@ -62,13 +62,21 @@ def vllm_greedy(
     llm: Any,
     prompts: tuple[tuple[int, ...], ...] | list[list[int]] = DEFAULT_PROMPTS,
     max_tokens: int = DEFAULT_MAX_TOKENS,
+    one_at_a_time: bool = False,
 ) -> GreedyResult:
     """Greedy generation through an offline `vllm.LLM`, after dropping the
     prefix cache: every call prefills its prompts in full, so its output does
     not depend on what ran before (a cache hit changes the shapes of the
     matrix products, which moves the last bit of results on kernels that are
     not batch-invariant), and a fresh model swapped in for the oracle never
-    reads KV blocks another model computed."""
+    reads KV blocks another model computed.
+
+    ``one_at_a_time`` generates each prompt in a call of its own. An engine
+    in its own process may start stepping before the last prompt of a call
+    has arrived, so which requests share a step depends on timing; alone, a
+    request's steps have the same shapes every time. Engines whose kernels are
+    not batch-invariant need this for a bit-exact comparison (MKL's float32
+    GEMM under ``WeightTransferConfig.cpu_linear="plain"``)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -77,11 +85,11 @@ def vllm_greedy(
     params = SamplingParams(
         temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0
     )
-    outs = llm.generate(
-        [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-        params,
-        use_tqdm=False,
-    )
+    requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+    if one_at_a_time:
+        outs = [llm.generate([r], params, use_tqdm=False)[0] for r in requests]
+    else:
+        outs = llm.generate(requests, params, use_tqdm=False)
     tokens, logprobs = [], []
     for out in outs:
         comp = out.outputs[0]
