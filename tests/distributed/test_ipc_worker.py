@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -59,14 +60,17 @@ def reload_ready(seed: int) -> TinyNet:
 
 
 def make_engine(
-    model: torch.nn.Module, checkpoint: str | None = None
+    model: torch.nn.Module,
+    checkpoint: str | None = None,
+    landing: str = "reload",
+    **config: Any,
 ) -> IPCWeightTransferEngine:
     vllm_config = SimpleNamespace(
         parallel_config=SimpleNamespace(),
         model_config=SimpleNamespace(dtype=None, model=checkpoint),
     )
     return IPCWeightTransferEngine(
-        SimpleNamespace(backend="ipc"),  # type: ignore[arg-type]
+        SimpleNamespace(backend="ipc", landing=landing, **config),  # type: ignore[arg-type]
         vllm_config,  # type: ignore[arg-type]
         torch.device("cpu"),
         model,
@@ -405,3 +409,184 @@ def test_a_malformed_abort_after_a_weight_landed_still_closes_the_update():
     assert engine._session is None
     push(engine, TinyNet(1))  # a full resync recovers
     assert engine.fence_status["state"] == "committed"
+
+
+class LoaderNet(TinyNet):
+    """``TinyNet`` whose loading goes through weight loaders, as a vLLM
+    model's does, so the planner can record it."""
+
+    def load_weights(self, weights):
+        from vllm.model_executor.model_loader.weight_utils import (
+            default_weight_loader,
+        )
+
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            param = params[name]
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+        return set(params)
+
+
+def planned_ready(seed: int) -> LoaderNet:
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+
+    net = LoaderNet(seed)
+    record_metadata_for_reloading(net)
+    return net
+
+
+class NoReload:
+    """Makes any use of the layerwise reload fail the test."""
+
+    def __enter__(self):
+        self.original = LayerwiseReloadSession.begin_landing
+
+        def begin_landing(session):
+            raise AssertionError("the layerwise reload was used")
+
+        LayerwiseReloadSession.begin_landing = begin_landing  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc):
+        LayerwiseReloadSession.begin_landing = self.original  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_planned_landing_copies_every_weight_without_the_reload(packed):
+    target = planned_ready(0)
+    engine = make_engine(target, landing="planned")
+    with NoReload():
+        for seed in (1, 2):
+            trainer = TinyNet(seed)
+            push(engine, trainer, packed=packed)
+            for name, want in state(trainer).items():
+                assert torch.equal(dict(target.named_parameters())[name], want), name
+            if seed == 1:
+                plan = engine.landing_plan
+    assert engine.landing_plan is plan, "the plan is baked once per trainer layout"
+    assert plan is not None and plan.direct_names == {
+        "a.weight",
+        "a.bias",
+        "b.weight",
+        "b.bias",
+    }
+    assert engine.fence_status["state"] == "committed"
+
+
+class RewritingNet(LoaderNet):
+    """Its weight loaders write the parameter again after the copy (as a
+    loader that post-processes in place would): no plan can replay that."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+
+        def rewriting_loader(param, loaded):
+            param.data.copy_(loaded)
+            param.data.add_(0.0)
+
+        for param in self.parameters():
+            param.weight_loader = rewriting_loader  # type: ignore[attr-defined]
+
+
+def test_planned_landing_reloads_when_the_loaders_cannot_be_planned():
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+
+    target, trainer = RewritingNet(0), TinyNet(1)
+    record_metadata_for_reloading(target)
+    engine = make_engine(target, landing="planned")
+    for _ in range(2):
+        push(engine, trainer)
+        for name, want in state(trainer).items():
+            assert torch.equal(dict(target.named_parameters())[name], want), name
+    assert engine.landing_plan is None
+    assert "not a slice of a checkpoint tensor" in (engine.landing_refused or "")
+
+
+def test_a_failure_after_a_planned_landing_fences_until_a_full_resync():
+    from vllm.distributed.weight_transfer.planned_landing import LandingPlan
+
+    target, trainer = planned_ready(0), TinyNet(1)
+    engine = make_engine(target, landing="planned")
+    original, calls = LandingPlan.land, []
+
+    def land(plan, name, tensor):
+        calls.append(name)
+        if len(calls) == 3:
+            raise RuntimeError("injected landing failure")
+        original(plan, name, tensor)
+
+    LandingPlan.land = land  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            push(engine, trainer)
+    finally:
+        LandingPlan.land = original  # type: ignore[method-assign]
+    status = engine.fence_status
+    assert status["state"] == "fenced" and "injected" in status["reason"]
+    push(engine, trainer)  # the resync
+    assert engine.fence_status["state"] == "committed"
+    for name, want in state(trainer).items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name
+
+
+def test_a_forward_pass_during_a_planned_landing_fences():
+    """Bytes copied straight into served tensors cannot be put back: a
+    forward pass while the update is open fences the engine, naming why."""
+    target, trainer = planned_ready(0), TinyNet(1)
+    engine = make_engine(target, landing="planned")
+
+    class ForwardMidway(WeightSource):
+        def metadata(self):
+            return ModuleSource(trainer).metadata()
+
+        def __iter__(self):
+            for i, item in enumerate(ModuleSource(trainer)):
+                if i == 3:  # after the first chunks landed
+                    with pytest.raises(NotImplementedError):
+                        target(torch.zeros(4))  # TinyNet has no forward
+                yield item
+
+    client = EngineClient(engine)
+    with pytest.raises(Exception, match="forward pass"):
+        IPCTrainerWeightTransferEngine.trainer_init(
+            IPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=64),
+            client=client,
+            source=ForwardMidway(),
+        ).send_weights()
+    status = engine.fence_status
+    assert status["state"] == "fenced" and "forward pass" in status["reason"]
+    push(engine, trainer)
+    assert engine.fence_status["state"] == "committed"
+
+
+def test_a_planned_update_idle_past_its_deadline_fences_naming_it():
+    """Bytes copied straight into served tensors, then a trainer that stalls:
+    the next call is past ``update_timeout_s``, the update is aborted and the
+    engine fenced with the deadline as the reason; a full sync recovers."""
+    import time
+
+    target, trainer = planned_ready(0), TinyNet(1)
+    engine = make_engine(target, landing="planned", update_timeout_s=0.2)
+
+    class Stalling(WeightSource):
+        def metadata(self):
+            return ModuleSource(trainer).metadata()
+
+        def __iter__(self):
+            for i, item in enumerate(ModuleSource(trainer)):
+                if i == 3:  # after the first chunks landed
+                    time.sleep(0.5)
+                yield item
+
+    with pytest.raises(Exception, match="update_timeout_s=0.2"):
+        IPCTrainerWeightTransferEngine.trainer_init(
+            IPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=64),
+            client=EngineClient(engine),
+            source=Stalling(),
+        ).send_weights()
+    status = engine.fence_status
+    assert status["state"] == "fenced" and "update_timeout_s" in status["reason"]
+    push(engine, trainer)
+    assert engine.fence_status["state"] == "committed"
+    for name, want in state(trainer).items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm.config.weight_transfer import WeightTransferConfig
+from vllm.distributed.weight_transfer.base import ParamMeta
 from vllm.distributed.weight_transfer.checkpoint_structure import (
     DTYPE_KIND_RULE,
     Shapes,
@@ -40,9 +41,15 @@ from vllm.distributed.weight_transfer.ipc_wire import (
     IPCWeightTransferInitInfo,
     IPCWeightTransferUpdateInfo,
 )
+from vllm.distributed.weight_transfer.layerwise_session import (
+    LayerwiseReloadSession,
+)
+from vllm.distributed.weight_transfer.planned_landing import LandingPlan
+from vllm.distributed.weight_transfer.sharded_rdt_ops import dtype_from_name
 from vllm.distributed.weight_transfer.staged_update import StagedUpdate
 from vllm.distributed.weight_transfer.verification import (
     WorkerPublication,
+    describe_error,
     device_identity,
 )
 from vllm.distributed.weight_transfer.worker_lifecycle import LayerwiseWorkerEngine
@@ -80,6 +87,13 @@ class IPCWeightTransferEngine(
         self.last_update_keys: set[str] = set()
         # Dtype kinds by tensor name, read on first use (``_kinds``).
         self._dtype_kinds: dict[str, str] | None = None
+        # ``landing="planned"``: the plan, the trainer layout it was baked
+        # for, and the plan the open update uses (None: everything reloads).
+        self.landing_plan: LandingPlan | None = None
+        self._landing_layout: tuple[Any, ...] | None = None
+        self._planned: LandingPlan | None = None
+        # Why the layout in ``_landing_layout`` could not be planned, if so.
+        self.landing_refused: str | None = None
 
     def _make_publication(self) -> WorkerPublication:
         # Built on first use: naming the device queries it (a GPU's UUID), and
@@ -107,6 +121,7 @@ class IPCWeightTransferEngine(
 
     def _on_start(self) -> None:
         self.last_update_keys = set()
+        self._planned = None
 
     def _on_new_publication(self) -> None:
         """Reject a manifest the served checkpoint contradicts, before loading."""
@@ -121,10 +136,23 @@ class IPCWeightTransferEngine(
         if isinstance(session, StagedUpdate):
             # ipc workers receive (and so stage) every tensor whole.
             session.expect(manifest.total_bytes, f"publication {header.publication_id}")
+        elif getattr(self.config, "landing", "reload") == "planned":
+            self._planned = self._landing_plan_for(manifest)
 
     def _on_update_closed(self) -> None:
         # Workers release their mappings when an update ends, so the trainer
-        # can free or reuse its buffers.
+        # can free or reuse its buffers; a segment holding the trainer's own
+        # parameters (persistent) that this update read stays mapped for the
+        # next one.
+        if self._importer is not None:
+            self._importer.close(keep_persistent=True)
+
+    def _on_update_failed(self, reason: str) -> None:
+        if self._importer is not None:
+            self._importer.close()
+
+    def shutdown(self) -> None:
+        super().shutdown()
         if self._importer is not None:
             self._importer.close()
 
@@ -177,15 +205,69 @@ class IPCWeightTransferEngine(
         record = self.pub.record
         if record is not None:
             with record.phase("load"):
-                session.load(weights, foreign_storages=importer.storage_ptrs())
+                self._land(session, weights, importer.storage_ptrs())
         else:
-            session.load(weights, foreign_storages=importer.storage_ptrs())
+            self._land(session, weights, importer.storage_ptrs())
         del weights, buffers
         sync_device(self.device)
         for view in views:
             self.pub.landed(view.name, view.nbytes)
         if not update_info.packed:
             importer.close()  # one-shot buffers: nothing refers to them any more
+
+    def _land(
+        self,
+        session: Any,
+        weights: list[tuple[str, torch.Tensor]],
+        foreign_storages: set[int],
+    ) -> None:
+        """Planned names straight into the served tensors, the rest through
+        the session (the layerwise reload, or staging)."""
+        planned = self._planned
+        if planned is not None and isinstance(session, LayerwiseReloadSession):
+            direct = planned.direct_names
+            mine = [w for w in weights if w[0] in direct]
+            if mine:
+                session.land_planned(planned, mine)
+                weights = [w for w in weights if w[0] not in direct]
+        if weights:
+            session.load(weights, foreign_storages=foreign_storages)
+
+    def _landing_plan_for(self, manifest: Any) -> LandingPlan | None:
+        """The planned landing for the trainer layout ``manifest`` lists,
+        baked on first use and again when the layout or a served tensor
+        changed; None (every layer reloads) when the model's loaders cannot
+        be planned for it, which is logged once per layout."""
+        layout = tuple((e.name, e.dtype, e.shape) for e in manifest.entries)
+        if layout == self._landing_layout and self.landing_refused is not None:
+            return None
+        plan = self.landing_plan
+        if plan is not None and layout == self._landing_layout and plan.still_bound():
+            return plan
+        metas = [
+            ParamMeta(name, dtype_from_name(dtype), shape)
+            for name, dtype, shape in layout
+        ]
+        self.landing_plan, self._landing_layout = None, layout
+        try:
+            plan = LandingPlan.bake(
+                self.model,
+                metas,
+                worker=f"ipc worker {_worker_rank(self.vllm_config)}",
+                vllm_config=self.vllm_config,
+            )
+        except Exception as e:
+            # The bake puts the model back as it was; the reload needs no plan.
+            self.landing_refused = describe_error(e)
+            logger.warning(
+                "landing='planned' cannot plan this model's loaders (%s); every "
+                "layer of updates with this trainer layout goes through the "
+                "layerwise reload",
+                self.landing_refused,
+            )
+            return None
+        self.landing_plan, self.landing_refused = plan, None
+        return plan
 
     # -- internals -------------------------------------------------------------
 

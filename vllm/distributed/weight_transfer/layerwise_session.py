@@ -56,7 +56,7 @@ result is copied into the kernel tensors.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -66,6 +66,9 @@ from vllm.distributed.weight_transfer.update_completeness import (
     IncompleteUpdateError,
 )
 from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.distributed.weight_transfer.planned_landing import LandingPlan
 
 logger = init_logger(__name__)
 
@@ -109,6 +112,8 @@ class LayerwiseReloadSession:
         self._open = False
         self._landing = False
         self._forward_guard: Any = None
+        # The planned landing that wrote served tensors in this update.
+        self._planned: LandingPlan | None = None
 
     @property
     def is_open(self) -> bool:
@@ -136,7 +141,7 @@ class LayerwiseReloadSession:
         reason = self._calls.overdue(self._open)
         if reason is None:
             return
-        landed = self._landing
+        landed = self._landing or self._planned is not None
         self.abort(reason)
         if self.on_abort is not None:
             self.on_abort(reason, landed)
@@ -155,9 +160,20 @@ class LayerwiseReloadSession:
         initialize_layerwise_reload(self.model)
         self._landing = True
         self._hook_experts_resetup()
-        self._forward_guard = self.model.register_forward_pre_hook(
-            self._forward_while_landing
-        )
+        self._guard_forward()
+
+    def land_planned(
+        self, landing: LandingPlan, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> None:
+        """Copy ``weights`` (direct names of ``landing``) straight into the
+        served tensors (``planned_landing``), under the same deadline,
+        duplicate-name and forward-pass checks as ``load``."""
+        weights, fresh = self._admit(weights, "land_planned()")
+        self._guard_forward()
+        self._planned = landing
+        self._calls.received |= fresh
+        for name, tensor in weights:
+            landing.land(name, tensor)
 
     def load(
         self,
@@ -168,11 +184,7 @@ class LayerwiseReloadSession:
             disable_mtp_completeness_check,
         )
 
-        if not self._open:
-            raise RuntimeError(self.closed_message("load()"))
-        self.check_deadline("load()")
-        weights = list(weights)
-        fresh = self._calls.new_names(name for name, _ in weights)
+        weights, fresh = self._admit(weights, "load()")
         self.begin_landing()
         self._calls.received |= fresh
         with torch.no_grad(), disable_mtp_completeness_check():
@@ -180,13 +192,25 @@ class LayerwiseReloadSession:
         if foreign_storages:
             self._copy_pending(foreign_storages)
 
+    def _admit(
+        self, weights: Iterable[tuple[str, torch.Tensor]], what: str
+    ) -> tuple[list[tuple[str, torch.Tensor]], set[str]]:
+        """``weights`` as a list, and their names, once the session is open,
+        within its deadline, and none of the names received before; else the
+        call ``what`` raises before anything lands."""
+        if not self._open:
+            raise RuntimeError(self.closed_message(what))
+        self.check_deadline(what)
+        weights = list(weights)
+        return weights, self._calls.new_names(name for name, _ in weights)
+
     def finish(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         if not self._open:
             raise RuntimeError(self.closed_message("finish()"))
         self.check_deadline("finish()")
-        if not self._landing:
+        if not self._landing and self._planned is None:
             self._close()  # nothing arrived: the model was never touched
             return
         try:
@@ -194,8 +218,11 @@ class LayerwiseReloadSession:
                 self.model, getattr(self.model_config, "hf_config", None)
             )
             groups.check(self._calls.received)
-            self._check_layers_whole()
-            finalize_layerwise_reload(self.model, self.model_config)
+            if self._planned is not None:
+                self._planned.check_whole(self._calls.received)
+            if self._landing:
+                self._check_layers_whole()
+                finalize_layerwise_reload(self.model, self.model_config)
         except BaseException as e:
             self.abort(f"{type(e).__name__}: {e}")
             raise
@@ -242,7 +269,15 @@ class LayerwiseReloadSession:
             self._forward_guard = None
         self._open = False
         self._landing = False
+        self._planned = None
         self._calls.received = set()
+
+    def _guard_forward(self) -> None:
+        """Until the session closes, a forward pass aborts it (idempotent)."""
+        if self._forward_guard is None:
+            self._forward_guard = self.model.register_forward_pre_hook(
+                self._forward_while_landing
+            )
 
     def closed_message(self, what: str) -> str:
         """Why ``what`` cannot run on this closed session, and what to do."""

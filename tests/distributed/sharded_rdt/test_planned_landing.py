@@ -1,0 +1,149 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""``planned_landing.LandingPlan`` on small hand-written models: which names
+land straight in served tensors and which modules reload (and why), landing
+equals the model's own ``load_weights``, partial updates are refused, and a
+replaced tensor is noticed. The engine path (plain CPU linear layers, MoE
+experts reloading, TP=1 and 2, the fresh-load oracle) is in
+``tests/entrypoints/rl/weight_transfer/test_ipc_llm.py``."""
+
+import pytest
+import torch
+from test_bake_toy import CHECKPOINT, Toy, _metas, _param
+from torch import nn
+
+from vllm.distributed.weight_transfer.planned_landing import LandingPlan
+from vllm.distributed.weight_transfer.update_completeness import (
+    IncompleteUpdateError,
+)
+from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+
+
+class Doubling:
+    """A quantization method whose processing rewrites the bytes."""
+
+    def process_weights_after_loading(self, layer):
+        layer.weight.data.mul_(2)
+
+
+class HandleBuilding:
+    """Keeps the weight's bytes but builds a kernel copy of them, as vLLM
+    CPU's packed LM head does."""
+
+    def process_weights_after_loading(self, layer):
+        layer.handle = layer.weight.detach().clone()
+
+
+class Leaving:
+    """Processing that leaves the layer as it is."""
+
+    def process_weights_after_loading(self, layer):
+        pass
+
+
+def _layer(method):
+    layer = nn.Module()
+    layer.weight = _param(4)
+    layer.quant_method = method
+    return layer
+
+
+class Mixed(nn.Module):
+    """``Toy`` plus layers that must reload, and one name (``shared.w``) that
+    writes both a layer that could land directly and one that must reload."""
+
+    def __init__(self):
+        super().__init__()
+        self.toy = Toy(rank=1)
+        self.kept = _layer(Leaving())
+        self.doubled = _layer(Doubling())
+        self.handled = _layer(HandleBuilding())
+        self.beside = _layer(Leaving())
+        record_metadata_for_reloading(self)
+
+    def load_weights(self, weights):
+        from vllm.model_executor.model_loader.weight_utils import (
+            default_weight_loader,
+        )
+
+        def load(module, tensor):
+            param = module.weight
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+
+        for name, tensor in weights:
+            if name.startswith("toy."):
+                self.toy.load_weights([(name[len("toy.") :], tensor)])
+            elif name == "shared.w":
+                load(self.beside, tensor)
+                load(self.doubled, tensor)
+            else:
+                load(getattr(self, name.split(".")[0]), tensor)
+
+
+MIXED = {
+    **{f"toy.{n}": t for n, t in CHECKPOINT.items()},
+    "kept.weight": torch.tensor([1.0, 2.0, 3.0, 4.0]),
+    "handled.weight": torch.tensor([5.0, 6.0, 7.0, 8.0]),
+    "shared.w": torch.tensor([9.0, 10.0, 11.0, 12.0]),
+}
+
+
+def _bake(model, checkpoint):
+    return LandingPlan.bake(model, _metas(checkpoint), worker="test", vllm_config=None)
+
+
+def test_only_layers_proven_to_keep_their_bytes_land_directly():
+    plan = _bake(Mixed(), MIXED)
+    assert plan.direct_names == {
+        "toy.pair.a",
+        "toy.pair.b",
+        "toy.norm.weight",
+        "kept.weight",
+    }
+    assert set(plan.reloaded) == {"doubled", "handled", "beside"}
+    assert "changes the bytes" in plan.reloaded["doubled"]
+    assert "changes the bytes" in plan.reloaded["handled"]
+    assert plan.reloaded["beside"] == "shared.w also writes a reloaded module"
+    # Rank 1 keeps half of pair.b's columns: 8 + 8 + 4 floats, plus kept's 4.
+    assert plan.direct_bytes == 4 * (8 + 8 + 4 + 4)
+
+
+def test_landing_equals_the_models_own_loaders():
+    reference = Mixed()
+    reference.load_weights(MIXED.items())
+    model = Mixed()
+    plan = _bake(model, MIXED)
+    for name in plan.direct_names:
+        plan.land(name, MIXED[name])
+    got, want = dict(model.named_parameters()), dict(reference.named_parameters())
+    for name in ("toy.fused.weight", "toy.norm.weight", "kept.weight"):
+        assert torch.equal(got[name], want[name]), name
+    # Nothing outside the direct modules was written.
+    assert not model.doubled.weight.any() and not model.beside.weight.any()
+
+
+def test_an_update_with_part_of_a_direct_layer_is_refused():
+    plan = _bake(Mixed(), MIXED)
+    plan.check_whole(set())
+    plan.check_whole({"toy.pair.a", "toy.pair.b", "kept.weight"})
+    with pytest.raises(IncompleteUpdateError, match=r"toy\.fused \(lacks toy\.pair\.b"):
+        plan.check_whole({"toy.pair.a", "kept.weight"})
+
+
+def test_a_replaced_served_tensor_unbinds_the_plan():
+    model = Mixed()
+    plan = _bake(model, MIXED)
+    assert plan.still_bound()
+    model.kept.weight = _param(4)
+    assert not plan.still_bound()
+
+
+def test_the_bake_leaves_the_model_as_it_was():
+    model = Mixed()
+    model.load_weights(MIXED.items())
+    before = {n: (t, t.detach().clone()) for n, t in model.named_parameters()}
+    _bake(model, MIXED)
+    for name, tensor in model.named_parameters():
+        assert tensor is before[name][0], name
+        assert torch.equal(tensor, before[name][1]), name
+    assert not hasattr(model.handled, "handle")
