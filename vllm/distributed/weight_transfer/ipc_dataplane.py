@@ -130,6 +130,8 @@ class BufferImporter:
         self.local_rank = local_rank
         self.writable = writable
         self._open: dict[tuple, Any] = {}
+        # Keys opened since the last ``close``.
+        self._used: set[tuple] = set()
         self._gpu_uuid: str | None = None
 
     def select(
@@ -176,7 +178,7 @@ class BufferImporter:
     def open(self, handle: BufferHandle) -> torch.Tensor:
         """The buffer as a flat uint8 tensor, mapped once until ``close()``."""
         if isinstance(handle, ShmHandle):
-            key: tuple = ("shm", handle.name, handle.nbytes)
+            key: tuple = ("shm", handle.name, handle.nbytes, handle.persistent)
         else:
             key = (
                 "cuda",
@@ -191,6 +193,7 @@ class BufferImporter:
             self._open[key] = entry
         elif not isinstance(entry, torch.Tensor):
             entry.check()
+        self._used.add(key)
         tensor = entry if isinstance(entry, torch.Tensor) else entry.tensor
         assert tensor is not None
         return tensor
@@ -216,9 +219,23 @@ class BufferImporter:
                 ptrs.add(tensor.untyped_storage().data_ptr())
         return ptrs
 
-    def close(self) -> None:
-        entries, self._open = self._open, {}
-        for entry in entries.values():
-            if not isinstance(entry, torch.Tensor):
+    def close(self, keep_persistent: bool = False) -> None:
+        """Release the mappings. ``keep_persistent`` keeps those of segments
+        marked persistent (a trainer's own parameters) for the next update,
+        unless buffers were opened since the last ``close`` and they were not
+        among them (a trainer that moved on, or died); a kept mapping is
+        checked again before each reuse."""
+        entries, used = self._open, self._used
+        self._open, self._used = {}, set()
+        for key, entry in entries.items():
+            handle = getattr(entry, "handle", None)
+            if (
+                keep_persistent
+                and (key in used or not used)
+                and isinstance(handle, ShmHandle)
+                and handle.persistent
+            ):
+                self._open[key] = entry
+            elif not isinstance(entry, torch.Tensor):
                 entry.close()
         del entries

@@ -72,6 +72,7 @@ from vllm.distributed.weight_transfer.ipc_packing import (
     DEFAULT_ALIGNMENT,
     DEFAULT_BUFFER_CAP_BYTES,
     Chunk,
+    TensorSlot,
     TransferPlan,
     plan_transfer,
 )
@@ -83,6 +84,7 @@ from vllm.distributed.weight_transfer.ipc_wire import (
     handle_from_dict,
     upstream_args,
 )
+from vllm.distributed.weight_transfer.shared_params import SharedPlace, shared_place
 from vllm.distributed.weight_transfer.stale_updates import start_update
 from vllm.distributed.weight_transfer.trainer_group import (
     TrainerGroup,
@@ -596,7 +598,12 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
     ) -> None:
         """Fill this chunk's part of the buffer, share the handles, and hand
         the update call to ``in_flight`` once the call before it (which may
-        still read the other half, never this chunk's bytes) has returned."""
+        still read the other half, never this chunk's bytes) has returned.
+
+        A chunk whose tensors all lie in one ``SharedParameters`` segment, in
+        the source's order, is not packed: its message names that segment and
+        each tensor's offset in it, so the worker reads the trainer's own
+        bytes (single-rank trainers on CPU)."""
         error: str | None = None
         device: torch.device | None = None
         checksum: str | None = None
@@ -605,41 +612,80 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         # any other tensor is copied at once and dropped before the next one is
         # materialized.
         batched: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        # Tensors found in a shared segment, while every one so far was.
+        in_segment: list[tuple[TensorSlot, torch.Tensor, int]] = []
+        segment: SharedPlace | None = None
+        may_share = self.group.world_size == 1 and not self.upstream_wire
+
+        def pack(slot: TensorSlot, tensor: torch.Tensor) -> None:
+            nonlocal buffer, device
+            if buffer is None:
+                buffer = self._packed_buffer(plan.buffer_nbytes, tensor.device, owned)
+            assert buffer.tensor is not None
+            device = buffer.tensor.device
+            if slot.nbytes:
+                dst = buffer.tensor[slot.offset : slot.offset + slot.nbytes]
+                dst = dst.view(tensor.dtype).view(tensor.shape)
+                if _is_resident(tensor):
+                    dsts, srcs = batched.setdefault(tensor.dtype, ([], []))
+                    dsts.append(dst)
+                    srcs.append(tensor)
+                else:
+                    dst.copy_(tensor)
+
         try:
             for slot in chunk.slots:
                 tensor = cursor.next()
                 self._check_wire_device(tensor)
-                if buffer is None:
-                    buffer = self._packed_buffer(
-                        plan.buffer_nbytes, tensor.device, owned
+                if may_share:
+                    place = shared_place(tensor) if slot.nbytes else segment
+                    # The wire lists a buffer's tensors in increasing,
+                    # non-overlapping order.
+                    after = (
+                        in_segment[-1][2] + in_segment[-1][0].nbytes
+                        if in_segment
+                        else 0
                     )
-                assert buffer.tensor is not None
-                device = buffer.tensor.device
-                if slot.nbytes:
-                    dst = buffer.tensor[slot.offset : slot.offset + slot.nbytes]
-                    dst = dst.view(tensor.dtype).view(tensor.shape)
-                    if _is_resident(tensor):
-                        dsts, srcs = batched.setdefault(tensor.dtype, ([], []))
-                        dsts.append(dst)
-                        srcs.append(tensor)
-                    else:
-                        dst.copy_(tensor)
+                    if (
+                        place is not None
+                        and (segment is None or place.owner is segment.owner)
+                        and (not slot.nbytes or place.offset >= after)
+                    ):
+                        segment = place
+                        offset = place.offset if slot.nbytes else after
+                        in_segment.append((slot, tensor, offset))
+                        continue
+                    # Not all in one segment: pack the chunk as usual.
+                    may_share, segment = False, None
+                    for kept_slot, kept, _ in in_segment:
+                        pack(kept_slot, kept)
+                    in_segment.clear()
+                pack(slot, tensor)
                 del tensor  # the next tensor is materialized with this one gone
             for dsts, srcs in batched.values():
                 torch._foreach_copy_(dsts, srcs)
             batched.clear()
             sync_device(device)
-            if buffer is not None and buffer.tensor is not None:
+            if segment is not None:
+                checksum = self._checksum(_segment_span(segment, in_segment))
+            elif buffer is not None and buffer.tensor is not None:
                 start, end = chunk.span
                 checksum = self._checksum(buffer.tensor[start:end])
         except Exception as e:
             error = describe_error(e)
             if self.group.world_size == 1:
                 raise
+        fields = self._chunk_fields[chunk.index]
+        handle: dict[str, Any] | None = None
+        if segment is not None:
+            device = torch.device("cpu")
+            fields = {**fields, "offsets": [offset for _, _, offset in in_segment]}
+            handle = segment.owner.handle.to_dict()
+        elif buffer is not None:
+            handle = buffer.handle.to_dict()
+        in_segment.clear()
         key = device_key(device, self.rank) if device is not None else None
-        payload = (
-            (key, buffer.handle.to_dict(), checksum) if buffer is not None else None
-        )
+        payload = (key, handle, checksum) if handle is not None else None
         handles = self.group.exchange(payload, error, f"chunk {chunk.index}")
         self._settle(in_flight)
         what = f"update_weights of chunk {chunk.index}"
@@ -647,7 +693,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
             given = [p for p in handles.values() if p is not None]
             merged = {k: self._wire_handle(h, k) for k, h, _ in given}
             message = self._attach(
-                {**self._chunk_fields[chunk.index], "ipc_handles": merged},
+                {**fields, "ipc_handles": merged},
                 f"chunk {chunk.index}",
                 [[c] for _, _, c in given],
             )
@@ -814,6 +860,17 @@ def _is_resident(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, torch.nn.Parameter) or isinstance(
         tensor._base, torch.nn.Parameter
     )
+
+
+def _segment_span(
+    place: SharedPlace, found: list[tuple[TensorSlot, torch.Tensor, int]]
+) -> torch.Tensor:
+    """The bytes of a shared segment from the first tensor of a chunk to the
+    end of the last: what the worker checksums."""
+    start = min(offset for _, _, offset in found)
+    end = max(offset + slot.nbytes for slot, _, offset in found)
+    segment = place.owner.segment_bytes()
+    return segment[start:end]
 
 
 def _packed_chunk_fields(chunk: Chunk, offsets: bool = True) -> dict[str, Any]:

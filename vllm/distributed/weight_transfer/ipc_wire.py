@@ -63,7 +63,7 @@ import math
 import pickle
 import re
 import socket
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar
 
 import torch
@@ -154,11 +154,16 @@ def _unb64(value: object, where: str) -> bytes:
 
 @dataclass(frozen=True)
 class ShmHandle:
-    """A shared-memory segment ``/dev/shm/<name>`` of ``nbytes`` bytes."""
+    """A shared-memory segment ``/dev/shm/<name>`` of ``nbytes`` bytes.
+
+    ``persistent``: the segment outlives the sync (the trainer's own
+    parameters, placed there by ``shared_params``), so a worker may keep it
+    mapped for the next update instead of mapping it again."""
 
     kind: ClassVar[str] = "shm"
     name: str
     nbytes: int
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _SHM_NAME_RE.fullmatch(self.name):
@@ -167,9 +172,17 @@ class ShmHandle:
                 f"(expected {SHM_NAME_PREFIX}<letters, digits, _ . ->)"
             )
         check_int(self.nbytes, "shm handle nbytes")
+        if not isinstance(self.persistent, bool):
+            raise ValueError(
+                f"shm handle persistent must be true or false, got {self.persistent!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "name": self.name, "nbytes": self.nbytes}
+        out: dict[str, Any] = {"kind": self.kind, "name": self.name}
+        out["nbytes"] = self.nbytes
+        if self.persistent:
+            out["persistent"] = True
+        return out
 
 
 @dataclass(frozen=True)
@@ -246,7 +259,8 @@ def handle_from_dict(d: object, where: str) -> BufferHandle:
         )
     body = {k: v for k, v in d.items() if k != "kind"}
     names = {f.name for f in fields(cls)}
-    check_fields(body, names, names, where)
+    required = {f.name for f in fields(cls) if f.default is MISSING}
+    check_fields(body, names, required, where)
     try:
         return cls(**body)
     except ValueError as e:

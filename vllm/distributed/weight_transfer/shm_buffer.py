@@ -34,6 +34,7 @@ import secrets
 import stat
 import warnings
 import weakref
+from typing import Any
 
 import torch
 
@@ -54,6 +55,11 @@ def _uint8_view(mapping: mmap.mmap, nbytes: int) -> torch.Tensor:
         # it cannot prove is.
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def _release(mapping: mmap.mmap, path: str) -> None:
@@ -82,7 +88,10 @@ class SharedMemoryBuffer:
             raise
         finally:
             os.close(fd)
-        self._finalizer = weakref.finalize(self, _release, mapping, _path(self.name))
+        # Any: outlive_views swaps in a finalizer of another signature.
+        self._finalizer: Any = weakref.finalize(
+            self, _release, mapping, _path(self.name)
+        )
         self.tensor: torch.Tensor | None = _uint8_view(mapping, nbytes)
 
     @property
@@ -90,9 +99,18 @@ class SharedMemoryBuffer:
         return ShmHandle(name=self.name, nbytes=self.nbytes)
 
     def close(self) -> None:
-        """Unmap and unlink. Idempotent. Views of ``tensor`` must be gone."""
+        """Unmap and unlink (only unlink after ``outlive_views``). Idempotent.
+        Views of ``tensor`` must be gone."""
         self.tensor = None
         self._finalizer()
+
+    def outlive_views(self) -> None:
+        """Hand the mapping to the views of ``tensor``: it is unmapped when the
+        last of them goes, and ``close()`` (or garbage collection of this
+        object) only unlinks the name. For memory that tensors keep using,
+        such as parameters placed in the segment."""
+        if self._finalizer.detach() is not None:
+            self._finalizer = weakref.finalize(self, _unlink, _path(self.name))
 
     def __enter__(self) -> SharedMemoryBuffer:
         return self

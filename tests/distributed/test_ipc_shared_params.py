@@ -1,0 +1,176 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""A CPU trainer whose parameters live in shared memory
+(``shared_params.SharedParameters``): ``ipc`` sends them without packing, the
+worker reads the trainer's own bytes and keeps the segment mapped across
+updates, and a parameter the trainer re-allocated is packed as before, never
+read stale. On the ipc worker engine with a small torch model (no vLLM
+engine); the planned landing makes it one copy per byte."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from test_ipc_worker import (
+    EngineClient,
+    TinyNet,
+    make_engine,
+    planned_ready,
+    reload_ready,
+    state,
+)
+
+from vllm.distributed.weight_transfer import ModuleSource
+from vllm.distributed.weight_transfer.ipc_engine import (
+    IPCTrainerInitInfo,
+    IPCTrainerWeightTransferEngine,
+)
+from vllm.distributed.weight_transfer.shared_params import (
+    SharedParameters,
+    shared_place,
+)
+
+
+def trainer_for(engine, model, **kwargs):
+    kwargs.setdefault("packed_buffer_size_bytes", 64)
+    return IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, **kwargs),
+        client=EngineClient(engine),
+        source=ModuleSource(model),
+    )
+
+
+def kept_segments(engine) -> list:
+    importer = engine._importer
+    return [] if importer is None else list(importer._open.values())
+
+
+@pytest.mark.parametrize("checksums", [False, True], ids=["plain", "checksums"])
+@pytest.mark.parametrize("landing", ["reload", "planned"])
+def test_parameters_in_shared_memory_are_sent_without_packing(landing, checksums):
+    target = planned_ready(0) if landing == "planned" else reload_ready(0)
+    engine = make_engine(target, landing=landing)
+    model = TinyNet(1)
+    shared = SharedParameters.place(model)
+    trainer = trainer_for(engine, model, verify_checksums=checksums)
+    trainer.send_weights()
+    for name, want in state(model).items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name
+    assert trainer._kept_buffer is None, "nothing was packed"
+    kept = kept_segments(engine)
+    assert [s.handle.name for s in kept] == [shared.handle.name]
+    # An optimizer step writes in place, into the segment; the next sync reads
+    # it through the mapping kept from the first.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-2).add_(0.5)
+    trainer.send_weights()
+    for name, want in state(model).items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name
+    assert kept_segments(engine) == kept, "the mapping is reused"
+    assert engine.fence_status["state"] == "committed"
+    shared.close()
+
+
+def test_a_reallocated_parameter_is_packed_never_read_stale():
+    target = planned_ready(0)
+    engine = make_engine(target, landing="planned")
+    model = TinyNet(1)
+    shared = SharedParameters.place(model)
+    trainer = trainer_for(engine, model)
+    trainer.send_weights()
+    # The trainer replaces a parameter's memory; the segment still holds the
+    # old values at the old place.
+    model.a.weight.data = model.a.weight.data.clone() + 3
+    assert shared.moved() == ["a.weight"]
+    assert shared_place(model.a.weight) is None
+    trainer.send_weights()
+    for name, want in state(model).items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name
+    assert trainer._kept_buffer is not None, "the moved parameter's chunk was packed"
+    shared.close()
+
+
+def test_a_closed_segment_is_unlinked_and_its_parameters_still_train():
+    model = TinyNet(1)
+    before = state(model)
+    shared = SharedParameters.place(model)
+    path = os.path.join("/dev/shm", shared.handle.name)
+    assert os.path.exists(path)
+    for name, want in before.items():
+        assert torch.equal(dict(model.named_parameters())[name], want), name
+    shared.close()
+    assert not os.path.exists(path)
+    assert shared_place(model.a.weight) is None
+    with torch.no_grad():
+        model.a.weight.add_(1)  # still valid memory
+    assert torch.equal(model.a.weight, before["a.weight"] + 1)
+
+
+def test_a_worker_drops_a_kept_segment_once_an_update_reads_others():
+    target = reload_ready(0)
+    engine = make_engine(target)
+    model = TinyNet(1)
+    shared = SharedParameters.place(model)
+    trainer_for(engine, model).send_weights()
+    assert len(kept_segments(engine)) == 1
+    other = TinyNet(2)  # not shared: packed into a fresh buffer
+    trainer_for(engine, other).send_weights()
+    assert kept_segments(engine) == []
+    for name, want in state(other).items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name
+    shared.close()
+
+
+class Reversed(ModuleSource):
+    """The module's tensors in the reverse of their order in the segment."""
+
+    def metadata(self):
+        return list(reversed(super().metadata()))
+
+    def __iter__(self):
+        return iter(reversed(list(super().__iter__())))
+
+
+def test_tensors_out_of_segment_order_are_packed():
+    target = planned_ready(0)
+    engine = make_engine(target, landing="planned")
+    model = TinyNet(1)
+    shared = SharedParameters.place(model)
+    IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=1 << 16),
+        client=EngineClient(engine),
+        source=Reversed(model),
+    ).send_weights()
+    for name, want in state(model).items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name
+    shared.close()
+
+
+def _with_empty(net):
+    """``net`` with an empty parameter between its layers' tensors."""
+    net.a.register_parameter(
+        "empty", torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    )
+    return net
+
+
+def test_an_empty_tensor_between_shared_ones_keeps_the_chunk_unpacked():
+    from test_ipc_worker import LoaderNet
+
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+
+    target = _with_empty(LoaderNet(0))
+    record_metadata_for_reloading(target)
+    engine = make_engine(target)
+    model = _with_empty(TinyNet(1))
+    assert [n for n, _ in model.named_parameters()][2] == "a.empty"
+    shared = SharedParameters.place(model)
+    trainer = trainer_for(engine, model, packed_buffer_size_bytes=1 << 16)
+    trainer.send_weights()
+    for name, want in state(model).items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name
+    assert trainer._kept_buffer is None, "nothing was packed"
+    shared.close()
