@@ -15,8 +15,17 @@ With ``--quantization fp8_per_channel`` the engine serves float8 weights
 (bfloat16 activations) that it quantizes itself from the trainer's float32
 weights at every sync (dense models; see docs/training/weight_transfer/
 quantized.md); the check is then the bit-exact fresh load alone.
+With ``--cpu-linear plain`` the engine keeps its linear layers' weights as
+tensors (``WeightTransferConfig.cpu_linear``; no oneDNN handle to rebuild at
+each sync, at some generation speed), and with ``--landing planned`` it copies
+the tensors of such layers straight into the served tensors
+(``WeightTransferConfig.landing``). With ``--shared-params`` the trainer's
+parameters live in shared memory (``SharedParameters``), so nothing is packed
+and, planned, each byte is copied once. See docs/training/weight_transfer/
+one_copy.md. The checks are the same.
 Run: ``python examples/rl/rlhf_ipc_offline_cpu.py [--arch qwen3_moe] [--tp 2]
-[--steps 3] [--model-dir DIR] [--quantization fp8_per_channel]``.
+[--steps 3] [--model-dir DIR] [--quantization fp8_per_channel]
+[--cpu-linear plain] [--landing planned] [--shared-params]``.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from vllm.config import WeightTransferConfig
 from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource
 from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -56,6 +66,23 @@ def parse_args() -> argparse.Namespace:
         "--quantization",
         choices=["fp8_per_channel"],
         help="an online scheme the engine applies to the weights it receives",
+    )
+    p.add_argument(
+        "--cpu-linear",
+        choices=["packed", "plain"],
+        default="packed",
+        help="how vLLM CPU runs linear layers (WeightTransferConfig.cpu_linear)",
+    )
+    p.add_argument(
+        "--landing",
+        choices=["reload", "planned"],
+        default="reload",
+        help="how updates reach the served tensors (WeightTransferConfig.landing)",
+    )
+    p.add_argument(
+        "--shared-params",
+        action="store_true",
+        help="place the trainer's parameters in shared memory (SharedParameters)",
     )
     return p.parse_args()
 
@@ -97,10 +124,18 @@ def main() -> int:
         model_dir,
         dtype=dtype,
         tensor_parallel_size=args.tp,
-        backend="ipc",
         quantization=args.quantization,
+        weight_transfer_config=WeightTransferConfig(
+            backend="ipc", cpu_linear=args.cpu_linear, landing=args.landing
+        ),
     )
-    fresh_load = FreshLoadOracle(offline_worker_call(llm), lambda: vllm_greedy(llm))
+
+    def greedy():
+        # Plain float32 linear layers run MKL's GEMM, whose last bit depends
+        # on how many rows share a step: generate each prompt alone.
+        return vllm_greedy(llm, one_at_a_time=args.cpu_linear == "plain")
+
+    fresh_load = FreshLoadOracle(offline_worker_call(llm), greedy)
     print(f"LLM up in {time.perf_counter() - t0:.1f} s (backend ipc, TP={args.tp})")
 
     checks = "fresh load (bit-exact)" + ("" if args.quantization else " and HF")
@@ -109,6 +144,15 @@ def main() -> int:
         assert_serves_weights(fresh_load, model, dtype=dtype)
         print(f"before any update: vLLM == {checks}: True")
 
+        if args.shared_params:
+            from vllm.distributed.weight_transfer.shared_params import (
+                SharedParameters,
+            )
+
+            # Kept for as long as the trainer trains; the optimizer's
+            # in-place updates write into the segment the workers read.
+            shared = SharedParameters.place(model)
+            print(f"trainer parameters in shared memory: {shared.handle.name}")
         trainer = WeightTransferTrainerFactory.trainer_init(
             IPCTrainerInitInfo(rank=0, packed=True),
             client=OfflineLLMWeightSyncClient(llm),
@@ -125,7 +169,7 @@ def main() -> int:
             except AssertionError as e:
                 ok = False
                 failures += 1
-                got = vllm_greedy(llm)
+                got = greedy()
                 print(f"  {e}")
             print(
                 f"step {step}: send_weights {sync_s * 1e3:.0f} ms; "

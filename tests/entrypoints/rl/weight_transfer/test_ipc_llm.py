@@ -6,8 +6,12 @@ vLLM load of those weights serves (``testing.fresh_load``); in float32 its
 greedy tokens and logprobs also equal a Hugging Face forward pass.
 
 One engine per (model, dtype, TP) combination, shared by every scenario in this
-file: dense bf16 and MoE fp32 at TP=1, dense fp32 and MoE bf16 at TP=2. Each
-test first pushes the trainer state it checks, so tests do not depend on order.
+file: dense bf16 and MoE fp32 at TP=1, dense fp32 and MoE bf16 at TP=2. The
+two float32 engines run their linear layers plain (``cpu_linear="plain"``:
+they keep their weight tensors, and their post-load processing keeps the
+bytes) and land planned (``landing="planned"``: those layers' tensors are
+copied straight into the served tensors, the MoE experts reload). Each test
+first pushes the trainer state it checks, so tests do not depend on order.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
 
+from vllm.config import WeightTransferConfig
 from vllm.distributed.weight_transfer import (
     ModuleSource,
     ParamMeta,
@@ -48,6 +53,11 @@ from vllm.distributed.weight_transfer.testing.multirank import (
     start_trainer_ranks,
     worker_ipc_update_keys,
 )
+from vllm.distributed.weight_transfer.testing.served_layers import (
+    kept_shared_segments,
+    linear_layer_states,
+    planned_landing_state,
+)
 from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 
 pytestmark = pytest.mark.slow
@@ -61,16 +71,23 @@ class Combo:
     arch: str
     dtype: str
     tp: int
+    # WeightTransferConfig.cpu_linear and .landing of the engine.
+    cpu_linear: Literal["packed", "plain"] = "packed"
+    landing: Literal["reload", "planned"] = "reload"
 
     @property
     def id(self) -> str:
-        return f"{self.arch}-{self.dtype}-tp{self.tp}"
+        plain = "-plain" if self.cpu_linear == "plain" else ""
+        planned = "-planned" if self.landing == "planned" else ""
+        return f"{self.arch}-{self.dtype}-tp{self.tp}{plain}{planned}"
 
 
 COMBOS = [
     Combo("qwen3", "bfloat16", 1),
-    Combo("qwen3_moe", "float32", 1),
-    Combo("qwen3", "float32", 2),
+    # Plain CPU linear layers (the fresh-load oracle uses the same setting);
+    # the experts stay vLLM's.
+    Combo("qwen3_moe", "float32", 1, cpu_linear="plain", landing="planned"),
+    Combo("qwen3", "float32", 2, cpu_linear="plain", landing="planned"),
     Combo("qwen3_moe", "bfloat16", 2),
 ]
 
@@ -101,7 +118,10 @@ class Rig:
         return engine
 
     def greedy(self) -> GreedyResult:
-        return vllm_greedy(self.llm)
+        # MKL's float32 GEMM (plain linear layers) is not batch-invariant:
+        # each prompt alone gives every step the same shapes every time.
+        plain = self.combo.cpu_linear == "plain"
+        return vllm_greedy(self.llm, one_at_a_time=plain)
 
     def assert_serves(self, model: torch.nn.Module | None = None) -> GreedyResult:
         """vLLM serves exactly what a fresh load of ``model`` (default: the
@@ -126,7 +146,14 @@ def rig(request):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-    llm = tiny_llm(model_dir, dtype=combo.dtype, tensor_parallel_size=combo.tp)
+    llm = tiny_llm(
+        model_dir,
+        dtype=combo.dtype,
+        tensor_parallel_size=combo.tp,
+        weight_transfer_config=WeightTransferConfig(
+            backend="ipc", cpu_linear=combo.cpu_linear, landing=combo.landing
+        ),
+    )
     try:
         yield Rig(combo, llm, model_dir, load_hf_model(model_dir, combo.dtype))
     finally:
@@ -365,3 +392,87 @@ def test_the_fresh_load_reference_equals_a_separately_started_engine(rig, tmp_pa
     finally:
         fresh.llm_engine.engine_core.shutdown()
         del fresh
+
+
+def test_linear_layers_keep_their_tensors_only_when_plain(rig):
+    """``cpu_linear="plain"``: every linear layer keeps its weight tensor, runs
+    torch's linear, and its post-load processing keeps the loaded bytes (on a
+    copy, with marker values), on every TP rank, after the syncs above too.
+    Packed layers hand their bytes to a kernel handle, where nothing can land
+    in place (when vLLM CPU has oneDNN)."""
+    from vllm import _custom_ops
+
+    plain = rig.combo.cpu_linear == "plain"
+    rig.push()
+    for states in rig.llm.collective_rpc(linear_layer_states):
+        assert states, "no linear layer found"
+        for name, state in states.items():
+            if plain:
+                assert state == {
+                    "weight_numel": state["weight_numel"],
+                    "plain": True,
+                    "keeps_bytes": True,
+                }, name
+                assert state["weight_numel"] > 0, name
+            elif _custom_ops._supports_onednn:
+                assert not state["plain"] and not state["keeps_bytes"], (name, state)
+    rig.assert_serves()
+
+
+def test_planned_landing_copies_straight_into_the_served_tensors(rig):
+    """``landing="planned"``: after a sync every linear layer, norm and
+    embedding took its bytes straight from the trainer's tensors on every TP
+    rank; only the MoE experts (which vLLM CPU repacks) went through the
+    layerwise reload, each for the reason it names. Reload engines keep no
+    plan."""
+    randomize_weights_(rig.trainer_model, seed=21)
+    rig.push()
+    states = rig.llm.collective_rpc(planned_landing_state)
+    if rig.combo.landing != "planned":
+        assert states == [{}] * rig.combo.tp
+        return
+    for state in states:
+        assert state["still_bound"]
+        direct = state["direct_names"]
+        assert any(n.endswith("q_proj.weight") for n in direct), direct
+        assert any(n.endswith("input_layernorm.weight") for n in direct), direct
+        for module, reason in state["reloaded"].items():
+            assert rig.combo.arch == "qwen3_moe" and ".experts" in module, (
+                module,
+                reason,
+            )
+        if rig.combo.arch == "qwen3_moe":
+            assert state["reloaded"], "the MoE experts must reload"
+            assert not any(".experts." in n for n in direct)
+    rig.assert_serves()
+
+
+def test_trainer_parameters_in_shared_memory_are_read_in_place(rig):
+    """A trainer whose parameters live in shared memory
+    (``SharedParameters``) sends them unpacked: with the planned landing each
+    byte is copied once, from the trainer's tensor into the served one. The
+    workers keep the segment mapped for the next sync, which follows an
+    in-place change, as an optimizer step makes. (The MoE source renames
+    expert tensors; whatever it yields outside the segment is packed.)"""
+    import copy
+
+    from vllm.distributed.weight_transfer.shared_params import SharedParameters
+
+    dense = rig.combo.arch == "qwen3"
+    model = copy.deepcopy(rig.trainer_model)
+    shared = SharedParameters.place(model)
+    try:
+        randomize_weights_(model, seed=31)
+        source = ModuleSource(model) if dense else CheckpointNamesSource(model)
+        engine = rig.push(source)
+        rig.assert_serves(model)
+        kept = rig.llm.collective_rpc(kept_shared_segments)
+        if dense:
+            assert engine._kept_buffer is None, "nothing was packed"
+            assert kept == [[shared.handle.name]] * rig.combo.tp
+        randomize_weights_(model, seed=32)
+        engine.send_weights()
+        rig.assert_serves(model)
+        assert rig.llm.collective_rpc(kept_shared_segments) == kept
+    finally:
+        shared.close()
