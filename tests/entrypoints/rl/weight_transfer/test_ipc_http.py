@@ -5,7 +5,9 @@ through the ``ipc`` backend, and after every update the server serves bit for
 bit what a fresh vLLM load of the trainer's weights serves, and the same greedy
 output as a Hugging Face forward pass of them (fp32).
 
-One server per module (start-up costs ~30 s on CPU). The tests run in file
+One server per module (start-up costs ~30 s on CPU). It runs plain CPU linear
+layers with the planned landing (``cpu_linear="plain"``, ``landing="planned"``),
+so every layer's bytes land straight in the served tensors. The tests run in file
 order and each one first puts the trainer model into the state it checks, so
 the server's weights always follow the trainer's.
 
@@ -56,6 +58,7 @@ from vllm.distributed.weight_transfer.testing import (
     load_hf_model,
     randomize_weights_,
 )
+from vllm.distributed.weight_transfer.testing.fresh_load import http_worker_call
 from vllm.distributed.weight_transfer.testing.server import (
     ServerProcess,
     metric_value,
@@ -94,7 +97,13 @@ def server(tiny_model_dir: Path):
     with serve(
         tiny_model_dir,
         weight_transfer_backend="ipc",
-        weight_transfer_options={"update_timeout_s": UPDATE_TIMEOUT_S},
+        weight_transfer_options={
+            "update_timeout_s": UPDATE_TIMEOUT_S,
+            # Plain linear layers whose bytes land straight in the served
+            # tensors (the fresh-load oracle loads through the same setting).
+            "cpu_linear": "plain",
+            "landing": "planned",
+        },
     ) as s:
         yield s
 
@@ -127,6 +136,14 @@ def test_send_weights_serves_the_trainers_new_weights(server, trainer, trainer_m
     trainer.send_weights()
 
     assert_serves(server, trainer_model)
+    # Every layer of the dense model took its bytes straight from the
+    # trainer's chunks; none went through the layerwise reload.
+    reply = http_worker_call(server.base_url)("planned_landing_state", [])
+    (state,) = reply["results"]
+    assert state["still_bound"] and not state["reloaded"], state
+    names = {name for name, _ in trainer_model.named_parameters()}
+    assert set(state["direct_names"]) <= names
+    assert any(n.endswith("mlp.down_proj.weight") for n in state["direct_names"])
 
 
 def test_second_update_after_in_place_optimizer_like_step(

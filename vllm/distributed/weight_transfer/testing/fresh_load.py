@@ -55,7 +55,8 @@ WorkerCall = Callable[[str, Sequence[Any]], Any]
 
 
 class FreshLoadWorkerExtension:
-    """Worker methods that swap a freshly loaded model in and back out.
+    """Worker methods that swap a freshly loaded model in and back out (and
+    one that reports the planned landing, for tests over HTTP).
 
     Mixed into vLLM's worker class (``self`` is the worker). The served model
     and its registered layers are kept aside untouched while the fresh model
@@ -97,6 +98,15 @@ class FreshLoadWorkerExtension:
         worker._fresh_load_saved = (runner.model, served_layers)
         runner.model = fresh
         return checkpoint_dir
+
+    def planned_landing_state(self) -> dict[str, Any]:
+        """The worker's planned landing (``served_layers.planned_landing_state``),
+        callable by name, e.g. through a dev-mode server's ``/collective_rpc``."""
+        from vllm.distributed.weight_transfer.testing.served_layers import (
+            planned_landing_state,
+        )
+
+        return planned_landing_state(self)
 
     def fresh_load_restore(self) -> bool:
         worker: Any = self
