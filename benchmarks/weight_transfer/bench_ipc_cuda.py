@@ -20,6 +20,13 @@ into the worker's. Measured, per model:
                     fork more memory;
 * ``fork_unpacked`` the same with one exported tensor per parameter (no packing
                     copy; every parameter's memory is shared in place);
+* ``fork_packed_foreach`` ``fork_packed`` with the worker landing each message
+                    in one ``torch._foreach_copy_`` instead of a copy per tensor;
+* ``fork_shared_params`` / ``fork_shared_params_foreach``: the trainer's
+                    tensors placed in one CUDA allocation (``SharedParameters``),
+                    which every chunk names (no packing copy) and the worker
+                    maps once for all syncs (``first_sync_seconds`` includes
+                    that mapping; ``place_seconds`` is the one-time placement);
 * ``upstream_packed`` upstream 0.32's ``packed_ipc_producer`` ->
                     ``packed_ipc_consumer`` (taken from the pinned release's
                     ``packed_tensor.py``, carried to the run, not part of the fork)
@@ -165,22 +172,34 @@ def _worker(conn, params) -> None:
         elif kind == "checksum":
             conn.send(checksum(dest))
         elif kind == "fork_update":
-            info = IPCWeightTransferUpdateInfo.from_dict(json.loads(payload))
+            message, land = payload
+            info = IPCWeightTransferUpdateInfo.from_dict(json.loads(message))
             bufs = []
             for hmap in info.buffers():
                 _, handle = importer.select(hmap, "ipc_handles")
                 bufs.append(importer.open(handle))
+            srcs, dsts = [], []
             for v in info.views():
                 raw = bufs[v.buffer][v.offset : v.offset + v.nbytes]
-                dest[v.name].copy_(raw.view(v.dtype).view(v.shape))
+                srcs.append(raw.view(v.dtype).view(v.shape))
+                dsts.append(dest[v.name])
+            if land == "foreach":  # one batched copy for the whole message
+                torch._foreach_copy_(dsts, srcs)
+            else:  # one copy_ per tensor
+                for d, src in zip(dsts, srcs, strict=True):
+                    d.copy_(src)
             torch.cuda.synchronize()
-            del bufs
+            del bufs, srcs, dsts
             if not info.packed:
                 importer.close()
             conn.send("ok")
         elif kind == "fork_finish":
-            importer.close()
+            # As the worker engine does: a trainer's SharedParameters buffer
+            # stays mapped for the next sync, everything else is released.
+            importer.close(keep_persistent=True)
             conn.send("ok")
+        elif kind == "mappings":
+            conn.send(importer.mappings_opened)
         elif kind == "upstream_chunk":
             from packed_tensor_upstream import (
                 PackedBufferImporter,
@@ -208,10 +227,13 @@ def _worker(conn, params) -> None:
 
 
 class PipeClient:
-    """A VLLMWeightSyncClient whose update_weights lands in the worker process."""
+    """A VLLMWeightSyncClient whose update_weights lands in the worker process
+    (``land``: "loop", one copy_ per tensor, or "foreach", one batched copy
+    per message)."""
 
-    def __init__(self, conn) -> None:
+    def __init__(self, conn, land: str = "loop") -> None:
         self.conn = conn
+        self.land = land
 
     def init_weight_transfer_engine(self, init_info) -> None:
         pass
@@ -220,7 +242,7 @@ class PipeClient:
         pass
 
     def update_weights(self, update_info) -> None:
-        self.conn.send(("fork_update", json.dumps(update_info)))
+        self.conn.send(("fork_update", (json.dumps(update_info), self.land)))
         if _reply(self.conn) != "ok":
             raise RuntimeError("worker failed")
 
@@ -280,7 +302,13 @@ def bench_d2d(tensors: dict[str, torch.Tensor], nbytes: int, reps: int) -> dict:
 
 
 def bench_fork(
-    tensors, conn, reps: int, packed: bool, buffer_bytes: int, **options
+    tensors,
+    conn,
+    reps: int,
+    packed: bool,
+    buffer_bytes: int,
+    land: str = "loop",
+    **options,
 ) -> dict:
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
     from vllm.distributed.weight_transfer.ipc_engine import (
@@ -304,9 +332,10 @@ def bench_fork(
             verify_publication=False,
             **options,
         ),
-        client=PipeClient(conn),
+        client=PipeClient(conn, land),
         source=Source(),
     )
+    mapped_before = _call(conn, "mappings")
     times, peaks = [], []
     for _ in range(reps):
         _call(conn, "zero")
@@ -323,12 +352,51 @@ def bench_fork(
     return {
         "seconds": min(times),
         "all_seconds": times,
+        "worker_mappings_opened": _call(conn, "mappings") - mapped_before,
         "chunks": len(engine.last_plan.chunks),
         "overlapped": engine.last_plan.overlapped,
         "buffer_cap_bytes": buffer_bytes,
         "trainer_extra_peak_bytes": max(peaks),
         "checksum": _call(conn, "checksum"),
     }
+
+
+# SharedParameters placed by the shared-params modes (closed after the model).
+_PLACED: list = []
+
+
+def bench_shared_params(
+    tensors, conn, reps: int, buffer_bytes: int, land: str = "loop"
+) -> dict:
+    """The trainer's tensors placed in one CUDA allocation
+    (``SharedParameters``): each chunk names it, nothing is packed, and the
+    worker maps it once for every sync. The first such mode places them and
+    leaves ``tensors`` holding the placed tensors (same values; the originals
+    are freed); later ones reuse the placement."""
+    from vllm.distributed.weight_transfer.shared_params import (
+        SharedParameters,
+        shared_place,
+    )
+
+    result: dict = {}
+    if shared_place(next(iter(tensors.values()))) is None:
+        holder = torch.nn.Module()
+        names = list(tensors)
+        for i, name in enumerate(names):
+            param = torch.nn.Parameter(tensors[name], requires_grad=False)
+            holder.register_parameter(f"p{i}", param)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        _PLACED.append(SharedParameters.place(holder))
+        torch.cuda.synchronize()
+        result["place_seconds"] = time.perf_counter() - t
+        for i, name in enumerate(names):
+            tensors[name] = getattr(holder, f"p{i}").data
+        del holder
+        torch.cuda.empty_cache()
+    result.update(bench_fork(tensors, conn, reps, True, buffer_bytes, land=land))
+    result["first_sync_seconds"] = result["all_seconds"][0]
+    return result
 
 
 def bench_upstream(tensors, conn, reps: int, buffer_bytes: int) -> dict:
@@ -415,6 +483,20 @@ def run_model(shape: ModelShape, layers: int | None, reps: int, buffer_bytes: in
             (tensors, parent, reps, False, buffer_bytes),
             {},
         ),
+        # the worker lands each message with one batched copy
+        "fork_packed_foreach": (bench_fork, same, {"land": "foreach"}),
+        # the trainer's tensors in one shared CUDA allocation, mapped once;
+        # last: it moves ``tensors`` into that allocation
+        "fork_shared_params": (
+            bench_shared_params,
+            (tensors, parent, reps, buffer_bytes),
+            {},
+        ),
+        "fork_shared_params_foreach": (
+            bench_shared_params,
+            (tensors, parent, reps, buffer_bytes),
+            {"land": "foreach"},
+        ),
     }
     for mode, (fn, fn_args, options) in modes.items():
         try:
@@ -438,6 +520,8 @@ def run_model(shape: ModelShape, layers: int | None, reps: int, buffer_bytes: in
         ]
     parent.send(("stop", None))
     proc.join(60)
+    while _PLACED:
+        _PLACED.pop().close()
     del tensors, modes, same
     gc.collect()  # the per-mode Source classes are freed by the cyclic GC
     torch.cuda.empty_cache()

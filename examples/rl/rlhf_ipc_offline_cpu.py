@@ -152,7 +152,7 @@ def main() -> int:
             # Kept for as long as the trainer trains; the optimizer's
             # in-place updates write into the segment the workers read.
             shared = SharedParameters.place(model)
-            print(f"trainer parameters in shared memory: {shared.handle.name}")
+            print(f"trainer parameters in shared memory: {shared.shm_name}")
         trainer = WeightTransferTrainerFactory.trainer_init(
             IPCTrainerInitInfo(rank=0, packed=True),
             client=OfflineLLMWeightSyncClient(llm),

@@ -52,8 +52,16 @@ def _reader(conn) -> None:
             pub.start()
             conn.send(("ok", None))
             continue
-        if msg == "finish":  # as the worker engine does at finish_weight_update
+        if msg == "drop":
             importer.close()
+            pub.fail(RuntimeError("aborted"), weights_intact=True)
+            conn.send(("ok", None))
+            continue
+        if msg == "stats":
+            conn.send(("ok", (importer.mappings_opened, len(importer.kept()))))
+            continue
+        if msg == "finish":  # as the worker engine does at finish_weight_update
+            importer.close(keep_persistent=True)
             try:
                 receipt = pub.finish()
             except Exception as e:  # a failed update: report, keep serving
@@ -111,6 +119,8 @@ class PipeWorker:
         self.calls: list[str] = []
         self.versions: list[str] = []
         self.checksums_verified: int | None = None
+        # Raise on the next update_weights call (a failing transport).
+        self.fail_next = False
 
     def init_weight_transfer_engine(self, init_info):
         self.calls.append("init")
@@ -123,7 +133,13 @@ class PipeWorker:
     def update_weights(self, update_info):
         self.calls.append("update" if "abort" not in update_info else "abort")
         if "abort" in update_info:
+            # As the worker engine does on a failed update: drop every mapping.
+            self.conn.send("drop")
+            assert _answer(self.conn, "drop") == ("ok", None)
             return
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("injected failure")
         self.conn.send(json.dumps(update_info))  # the wire is plain JSON
         status, payload = _answer(self.conn, "update_weights")
         if status != "ok":
@@ -222,3 +238,136 @@ def test_second_send_reuses_nothing_stale(reader):
     engine.send_weights()
     for name, t in tensors.items():
         assert torch.equal(client.received[name], t.cpu()), name
+
+
+class Net(torch.nn.Module):
+    """Parameters of two dtypes, a bias-less layer, and one 4 MiB matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Linear(32 + i, 64, bias=i % 2 == 0) for i in range(4)
+        )
+        self.norm = torch.nn.Parameter(torch.randn(7))
+        self.big = torch.nn.Parameter(torch.randn(1024, 1024))
+        self.layers[1].to(torch.bfloat16)
+
+
+class ParamSource(WeightSource):
+    """The module's parameters as they are at each sync."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def metadata(self):
+        return [
+            ParamMeta(n, p.dtype, tuple(p.shape))
+            for n, p in self.module.named_parameters()
+        ]
+
+    def __iter__(self):
+        for name, p in self.module.named_parameters():
+            yield name, p.detach()
+
+
+def _stats(reader) -> tuple[int, int]:
+    """(mappings the reader opened so far, mappings it keeps now)."""
+    reader.send("stats")
+    status, stats = _answer(reader, "stats")
+    assert status == "ok"
+    return tuple(stats)
+
+
+def test_shared_parameters_are_mapped_once_and_read_in_place(reader):
+    """``SharedParameters`` on CUDA: the trainer's parameters live in one
+    device allocation, every chunk names it (nothing is packed), and the
+    reader maps it once for all syncs. An optimizer-like in-place step is
+    read through the kept mapping; a re-allocated parameter is packed, never
+    read from the old place; after a failed sync (the reader drops every
+    mapping) the buffer is exported anew and mapped again; and the memory
+    goes back once both sides let go."""
+    import gc
+
+    from vllm.distributed.weight_transfer.shared_params import SharedParameters
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.manual_seed(0)
+    model = Net().cuda()
+    shared = SharedParameters.place(model)
+    assert shared.device == torch.device("cuda", 0)
+    client = PipeWorker(reader)
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(
+            rank=0,
+            packed=True,
+            packed_buffer_size_bytes=1 << 20,
+            verify_checksums=True,
+        ),
+        client=client,
+        source=ParamSource(model),
+    )
+
+    def assert_received(module: torch.nn.Module) -> None:
+        for name, p in module.named_parameters():
+            assert torch.equal(client.received[name], p.detach().cpu()), name
+
+    opened_before, _ = _stats(reader)
+    engine.send_weights()
+    assert engine.last_plan is not None and len(engine.last_plan.chunks) > 1
+    assert_received(model)
+    assert client.checksums_verified == len(engine.last_plan.chunks)
+    assert engine._kept_buffer is None, "nothing was packed"
+    assert _stats(reader) == (opened_before + 1, 1), "one mapping, kept"
+    export = shared.handle
+
+    with torch.no_grad():  # an optimizer step writes in place
+        for p in model.parameters():
+            p.mul_(-2).add_(0.5)
+    del p
+    engine.send_weights()
+    assert_received(model)
+    assert _stats(reader) == (opened_before + 1, 1), "the kept mapping is reused"
+    assert shared.handle is export, "exported once"
+
+    # A re-allocated parameter no longer lies in the buffer: its chunk is
+    # packed, the others still read in place.
+    layer = model.layers[2]
+    assert isinstance(layer, torch.nn.Linear)
+    layer.weight.data = layer.weight.data * 3
+    assert shared.moved() == ["layers.2.weight"]
+    engine.send_weights()
+    assert_received(model)
+    opened, kept = _stats(reader)
+    assert opened > opened_before + 1 and kept == 1
+    assert shared.handle is export
+
+    # A failed sync: the trainer aborts, the reader drops every mapping (as
+    # the worker engine does); the next sync exports the buffer anew.
+    client.fail_next = True
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.send_weights()
+    assert _stats(reader)[1] == 0
+    opened, _ = _stats(reader)
+    engine.send_weights()
+    assert_received(model)
+    assert shared.handle is not export, "exported anew"
+    assert _stats(reader)[0] > opened
+
+    # Let go on both sides: the trainer's parameters and buffer, then the
+    # reader's mapping (a sync that does not name the buffer drops it).
+    shared.close()
+    del model, layer, export, engine, shared
+    other = torch.arange(16, dtype=torch.float32, device="cuda")
+    other_engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed=True),
+        client=client,
+        source=CudaSource({"x": other}),
+    )
+    other_engine.send_weights()
+    assert _stats(reader)[1] == 0, "the reader dropped the buffer"
+    del other_engine, other
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.ipc_collect()
+    assert torch.cuda.memory_allocated() - base < (1 << 20), "memory went back"

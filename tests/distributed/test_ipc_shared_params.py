@@ -5,7 +5,8 @@
 worker reads the trainer's own bytes and keeps the segment mapped across
 updates, and a parameter the trainer re-allocated is packed as before, never
 read stale. On the ipc worker engine with a small torch model (no vLLM
-engine); the planned landing makes it one copy per byte."""
+engine); the planned landing makes it one copy per byte. At the end, the
+CUDA bookkeeping (a kept mapping, fresh exports) with torch's import faked."""
 
 from __future__ import annotations
 
@@ -44,7 +45,12 @@ def trainer_for(engine, model, **kwargs):
 
 def kept_segments(engine) -> list:
     importer = engine._importer
-    return [] if importer is None else list(importer._open.values())
+    return [] if importer is None else importer.kept()
+
+
+def segment_name(shared: SharedParameters) -> str:
+    assert shared.shm_name is not None
+    return shared.shm_name
 
 
 @pytest.mark.parametrize("checksums", [False, True], ids=["plain", "checksums"])
@@ -60,7 +66,7 @@ def test_parameters_in_shared_memory_are_sent_without_packing(landing, checksums
         assert torch.equal(dict(target.named_parameters())[name], want), name
     assert trainer._kept_buffer is None, "nothing was packed"
     kept = kept_segments(engine)
-    assert [s.handle.name for s in kept] == [shared.handle.name]
+    assert [h.name for h in kept] == [segment_name(shared)]
     # An optimizer step writes in place, into the segment; the next sync reads
     # it through the mapping kept from the first.
     with torch.no_grad():
@@ -69,7 +75,9 @@ def test_parameters_in_shared_memory_are_sent_without_packing(landing, checksums
     trainer.send_weights()
     for name, want in state(model).items():
         assert torch.equal(dict(target.named_parameters())[name], want), name
-    assert kept_segments(engine) == kept, "the mapping is reused"
+    assert kept_segments(engine) == kept
+    assert engine._importer is not None
+    assert engine._importer.mappings_opened == 1, "the mapping is reused"
     assert engine.fence_status["state"] == "committed"
     shared.close()
 
@@ -97,7 +105,7 @@ def test_a_closed_segment_is_unlinked_and_its_parameters_still_train():
     model = TinyNet(1)
     before = state(model)
     shared = SharedParameters.place(model)
-    path = os.path.join("/dev/shm", shared.handle.name)
+    path = os.path.join("/dev/shm", segment_name(shared))
     assert os.path.exists(path)
     for name, want in before.items():
         assert torch.equal(dict(model.named_parameters())[name], want), name
@@ -174,3 +182,89 @@ def test_an_empty_tensor_between_shared_ones_keeps_the_chunk_unpacked():
         assert torch.equal(dict(target.named_parameters())[name], want), name
     assert trainer._kept_buffer is None, "nothing was packed"
     shared.close()
+
+
+# The CUDA bookkeeping, without a GPU: torch's import is replaced by a fake
+# that records each call. (test_ipc_cuda.py runs the real thing on a GPU.)
+
+
+def _cuda_handle(counter_offset: int, persistent: bool = True):
+    import base64
+
+    from vllm.distributed.weight_transfer.ipc_wire import CudaIpcHandle
+
+    b64 = base64.b64encode(b"x" * 64).decode("ascii")
+    return CudaIpcHandle(
+        nbytes=256,
+        device=0,
+        storage_handle=b64,
+        storage_size_bytes=1024,
+        storage_offset_bytes=0,
+        tensor_offset=0,
+        ref_counter_handle=b64,
+        ref_counter_offset=counter_offset,
+        event_handle=None,
+        event_sync_required=False,
+        persistent=persistent,
+    )
+
+
+def test_a_kept_cuda_mapping_hands_each_new_counter_to_torch(monkeypatch):
+    """A persistent CUDA buffer is mapped once and kept across ``close``; a
+    later message about it with a new reference counter goes through torch's
+    import again (which finds its cached mapping and releases that counter);
+    the same counter again does not. Non-persistent buffers are released."""
+    from vllm.distributed.weight_transfer import cuda_ipc_buffer
+    from vllm.distributed.weight_transfer.ipc_dataplane import BufferImporter
+    from vllm.distributed.weight_transfer.ipc_wire import handle_from_dict
+
+    imports: list[int] = []
+
+    def fake_import(handle, device_index):
+        imports.append(handle.ref_counter_offset)
+        return torch.zeros(handle.nbytes, dtype=torch.uint8)
+
+    monkeypatch.setattr(cuda_ipc_buffer, "import_cuda_bytes", fake_import)
+    importer = BufferImporter(torch.device("cuda", 0), local_rank=0)
+    first = _cuda_handle(counter_offset=1)
+    assert handle_from_dict(first.to_dict(), "h") == first  # the field travels
+    assert "persistent" not in _cuda_handle(1, persistent=False).to_dict()
+
+    importer.open(first)
+    importer.open(first)  # another chunk of the same message
+    importer.open(_cuda_handle(counter_offset=7, persistent=False))
+    assert imports == [1, 7] and importer.mappings_opened == 2
+    importer.close(keep_persistent=True)
+    assert importer.kept() == [first]
+
+    importer.open(_cuda_handle(counter_offset=2))  # the next sync's export
+    assert imports == [1, 7, 2] and importer.mappings_opened == 2
+    importer.close(keep_persistent=True)
+    importer.open(_cuda_handle(counter_offset=2))  # the same export again
+    assert imports == [1, 7, 2]
+    importer.close()
+    assert importer.kept() == []
+
+
+def test_the_trainer_exports_anew_only_what_workers_did_not_keep():
+    """``_SharedInSync``: a buffer named by the last successful sync keeps
+    its export; any other is exported anew once, at its first use."""
+    from vllm.distributed.weight_transfer.ipc_trainer import _SharedInSync
+
+    class Owner:
+        def __init__(self) -> None:
+            self.exports = 0
+
+        def export_anew(self) -> None:
+            self.exports += 1
+
+    kept_one, new_one = Owner(), Owner()
+    import weakref
+
+    kept: weakref.WeakSet = weakref.WeakSet([kept_one])
+    sync = _SharedInSync(kept)
+    for _ in range(3):  # three chunks name each buffer
+        sync.use(kept_one)  # type: ignore[arg-type]
+        sync.use(new_one)  # type: ignore[arg-type]
+    assert (kept_one.exports, new_one.exports) == (0, 1)
+    assert set(sync.used) == {kept_one, new_one}

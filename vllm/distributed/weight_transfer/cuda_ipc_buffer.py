@@ -10,7 +10,12 @@ rebuilds the flat uint8 tensor on its own device index with
 
 Lifetime follows torch's CUDA IPC reference counting: the exporter keeps its
 tensor alive until every importer has dropped its rebuilt tensor, then calls
-``torch.cuda.ipc_collect()`` so the memory can be reused.
+``torch.cuda.ipc_collect()`` so the memory can be reused. Every export takes a
+reference counter of its own; an importer that still holds the allocation
+from an earlier export gets torch's cached mapping back from
+``import_cuda_bytes``, and torch releases the new counter at once. So an
+allocation a worker keeps mapped across syncs (a persistent handle) stays
+allocated for as long as the worker holds it, whatever the trainer frees.
 
 Devices are identified by physical GPU UUID, which is the same in every
 process whatever ``CUDA_VISIBLE_DEVICES`` says.
@@ -29,8 +34,12 @@ def physical_gpu_uuid(device_index: int) -> str:
     return str(torch.cuda.get_device_properties(device_index).uuid)
 
 
-def export_cuda_bytes(tensor: torch.Tensor) -> CudaIpcHandle:
-    """Export a contiguous CUDA tensor's bytes. Keep ``tensor`` alive meanwhile."""
+def export_cuda_bytes(
+    tensor: torch.Tensor, *, persistent: bool = False
+) -> CudaIpcHandle:
+    """Export a contiguous CUDA tensor's bytes. Keep ``tensor`` alive meanwhile.
+    ``persistent`` marks an allocation that outlives the sync (see
+    ``CudaIpcHandle``)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     if not tensor.is_cuda or not tensor.is_contiguous():
@@ -72,6 +81,7 @@ def export_cuda_bytes(tensor: torch.Tensor) -> CudaIpcHandle:
             else None
         ),
         event_sync_required=bool(event_sync_required),
+        persistent=persistent,
     )
 
 

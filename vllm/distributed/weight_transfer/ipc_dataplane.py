@@ -11,15 +11,18 @@ device of the source tensors: CUDA tensors go through CUDA IPC
 
 Worker side, ``BufferImporter`` picks this worker's handle out of a
 ``{device_key: handle}`` map (see ``ipc_wire`` for the keys), maps each buffer
-once per update and releases every mapping in ``close()``. A shared-memory
-mapping kept from an earlier message is re-checked (``MappedSegment.check``)
-each time it is handed out again.
+once per update and releases every mapping in ``close()``, except, when
+asked, those of persistent buffers (a trainer's ``SharedParameters``), kept
+for the next update. A kept shared-memory mapping is re-checked
+(``MappedSegment.check``) each time it is handed out again; a kept CUDA
+mapping hands each new export's reference counter back to torch
+(``CudaMapping.check``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +34,9 @@ from vllm.distributed.weight_transfer.ipc_wire import (
     cpu_device_key,
     select_cpu_key,
 )
+
+if TYPE_CHECKING:
+    from vllm.distributed.weight_transfer.shm_buffer import MappedSegment
 
 
 def device_key(device: torch.device, trainer_rank: int) -> str:
@@ -129,9 +135,11 @@ class BufferImporter:
         self.device = device
         self.local_rank = local_rank
         self.writable = writable
-        self._open: dict[tuple, Any] = {}
+        self._open: dict[tuple, MappedSegment | CudaMapping] = {}
         # Keys opened since the last ``close``.
         self._used: set[tuple] = set()
+        # Buffers mapped in this importer's lifetime (a kept one counts once).
+        self.mappings_opened = 0
         self._gpu_uuid: str | None = None
 
     def select(
@@ -186,41 +194,44 @@ class BufferImporter:
                 handle.storage_offset_bytes,
                 handle.tensor_offset,
                 handle.nbytes,
+                handle.persistent,
             )
         entry = self._open.get(key)
         if entry is None:
             entry = self._map(handle)
             self._open[key] = entry
-        elif not isinstance(entry, torch.Tensor):
-            entry.check()
+            self.mappings_opened += 1
+        else:
+            entry.check(handle)
         self._used.add(key)
-        tensor = entry if isinstance(entry, torch.Tensor) else entry.tensor
+        tensor = entry.tensor
         assert tensor is not None
         return tensor
 
-    def _map(self, handle: BufferHandle) -> Any:
+    def _map(self, handle: BufferHandle) -> MappedSegment | CudaMapping:
         if isinstance(handle, ShmHandle):
             from vllm.distributed.weight_transfer.shm_buffer import MappedSegment
 
             return MappedSegment(handle, writable=self.writable)
-        from vllm.distributed.weight_transfer.cuda_ipc_buffer import (
-            import_cuda_bytes,
-        )
-
         index = self.device.index if self.device.index is not None else 0
-        return import_cuda_bytes(handle, index)
+        return CudaMapping(handle, index)
 
     def storage_ptrs(self) -> set[int]:
         """Data pointers of every mapped buffer (to find views into them)."""
         ptrs = set()
         for entry in self._open.values():
-            tensor = entry if isinstance(entry, torch.Tensor) else entry.tensor
+            tensor = entry.tensor
             if tensor is not None and tensor.numel():
                 ptrs.add(tensor.untyped_storage().data_ptr())
         return ptrs
 
+    def kept(self) -> list[BufferHandle]:
+        """Handles of the buffers mapped now (kept from earlier updates, or
+        opened since the last ``close``)."""
+        return [entry.handle for entry in self._open.values()]
+
     def close(self, keep_persistent: bool = False) -> None:
-        """Release the mappings. ``keep_persistent`` keeps those of segments
+        """Release the mappings. ``keep_persistent`` keeps those of buffers
         marked persistent (a trainer's own parameters) for the next update,
         unless buffers were opened since the last ``close`` and they were not
         among them (a trainer that moved on, or died); a kept mapping is
@@ -228,14 +239,50 @@ class BufferImporter:
         entries, used = self._open, self._used
         self._open, self._used = {}, set()
         for key, entry in entries.items():
-            handle = getattr(entry, "handle", None)
             if (
                 keep_persistent
                 and (key in used or not used)
-                and isinstance(handle, ShmHandle)
-                and handle.persistent
+                and entry.handle.persistent
             ):
                 self._open[key] = entry
-            elif not isinstance(entry, torch.Tensor):
+            else:
                 entry.close()
         del entries
+
+
+class CudaMapping:
+    """A trainer's CUDA allocation mapped into this process (``tensor``: its
+    bytes as flat uint8), until ``close()``.
+
+    A persistent allocation stays mapped across updates; each later message
+    about it carries a new reference counter from the trainer's export, which
+    ``check`` hands to torch (which finds the mapping cached, so opens nothing
+    and releases that counter at once)."""
+
+    def __init__(self, handle: CudaIpcHandle, device_index: int) -> None:
+        from vllm.distributed.weight_transfer.cuda_ipc_buffer import (
+            import_cuda_bytes,
+        )
+
+        self.handle = handle
+        self.device_index = device_index
+        self.tensor: torch.Tensor | None = import_cuda_bytes(handle, device_index)
+
+    def check(self, handle: BufferHandle) -> None:
+        assert isinstance(handle, CudaIpcHandle)
+        if self.tensor is None:
+            raise ValueError("this CUDA mapping was closed")
+        counter = (handle.ref_counter_handle, handle.ref_counter_offset)
+        if counter == (self.handle.ref_counter_handle, self.handle.ref_counter_offset):
+            return
+        from vllm.distributed.weight_transfer.cuda_ipc_buffer import (
+            import_cuda_bytes,
+        )
+
+        # Same allocation, same bytes: torch answers from its cache while
+        # self.tensor holds the storage, and releases the new counter.
+        self.tensor = import_cuda_bytes(handle, self.device_index)
+        self.handle = handle
+
+    def close(self) -> None:
+        self.tensor = None

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -84,7 +85,11 @@ from vllm.distributed.weight_transfer.ipc_wire import (
     handle_from_dict,
     upstream_args,
 )
-from vllm.distributed.weight_transfer.shared_params import SharedPlace, shared_place
+from vllm.distributed.weight_transfer.shared_params import (
+    SharedParameters,
+    SharedPlace,
+    shared_place,
+)
 from vllm.distributed.weight_transfer.stale_updates import start_update
 from vllm.distributed.weight_transfer.trainer_group import (
     TrainerGroup,
@@ -310,6 +315,10 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         self._pub: TrainerPublication | None = None
         # The packed buffer kept between syncs (see ``keep_packed_buffer``).
         self._kept_buffer: ExportedBuffer | None = None
+        # SharedParameters buffers the last successful sync named (workers
+        # keep those mapped), and those the sync under way names.
+        self._shared_kept: weakref.WeakSet[SharedParameters] = weakref.WeakSet()
+        self._shared_now = _SharedInSync(self._shared_kept)
 
     @property
     def packed(self) -> bool:
@@ -405,6 +414,10 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         commit with ``weight_version``; on any failure abort the update on
         the server."""
         buffers: list[ExportedBuffer] = []
+        # Shared buffers the workers may still hold mapped from the last sync
+        # keep their export; any other is exported anew at its first use.
+        self._shared_now = _SharedInSync(self._shared_kept)
+        self._shared_kept = weakref.WeakSet()
         try:
             self._send_chunks(plan, metas, buffers)
             if self.verify_publication:
@@ -413,6 +426,8 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                 "finish_weight_update",
                 lambda: commit_update(self.client, weight_version),
             )
+            # Workers keep exactly the persistent buffers this sync used.
+            self._shared_kept = self._shared_now.used
         except BaseException as e:
             # Also after a failed finish: vLLM's Worker keeps the update open
             # until an engine call raises or a finish returns.
@@ -603,7 +618,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         A chunk whose tensors all lie in one ``SharedParameters`` segment, in
         the source's order, is not packed: its message names that segment and
         each tensor's offset in it, so the worker reads the trainer's own
-        bytes (single-rank trainers on CPU)."""
+        bytes (single-rank trainers, CPU or CUDA)."""
         error: str | None = None
         device: torch.device | None = None
         checksum: str | None = None
@@ -652,6 +667,9 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                         and (not slot.nbytes or place.offset >= after)
                     ):
                         segment = place
+                        # Synced below before the handle goes out: the
+                        # trainer's last writes may still be queued.
+                        device = place.owner.device
                         offset = place.offset if slot.nbytes else after
                         in_segment.append((slot, tensor, offset))
                         continue
@@ -678,8 +696,9 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         fields = self._chunk_fields[chunk.index]
         handle: dict[str, Any] | None = None
         if segment is not None:
-            device = torch.device("cpu")
+            device = segment.owner.device
             fields = {**fields, "offsets": [offset for _, _, offset in in_segment]}
+            self._shared_now.use(segment.owner)
             handle = segment.owner.handle.to_dict()
         elif buffer is not None:
             handle = buffer.handle.to_dict()
@@ -782,6 +801,25 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         finally:
             for buf in exported:
                 buf.close()
+
+
+class _SharedInSync:
+    """The ``SharedParameters`` buffers one sync's messages name. A buffer
+    the workers did not keep mapped from the previous sync (``kept``: the
+    buffers that sync named, empty after a failed one) is exported anew
+    before its first message, so the worker that maps it again gets a CUDA
+    reference counter of its own (``SharedParameters.export_anew``)."""
+
+    def __init__(self, kept: weakref.WeakSet[SharedParameters]) -> None:
+        self._kept = kept
+        self.used: weakref.WeakSet[SharedParameters] = weakref.WeakSet()
+
+    def use(self, owner: SharedParameters) -> None:
+        if owner in self.used:
+            return
+        if owner not in self._kept:
+            owner.export_anew()
+        self.used.add(owner)
 
 
 class _UpdateInFlight:

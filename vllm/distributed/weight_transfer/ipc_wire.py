@@ -192,6 +192,12 @@ class CudaIpcHandle:
     The fields are ``reduce_tensor``'s rebuild arguments for a flat uint8 tensor
     of ``nbytes`` bytes, with the binary ones base64-encoded. ``device`` is the
     exporter's device index; the importer substitutes its own.
+
+    ``persistent``: the allocation outlives the sync (a trainer's own
+    parameters, placed in one allocation by ``shared_params``), so a worker
+    may keep it mapped for the next update instead of mapping it again. Each
+    message still carries a fresh ``ref_counter`` of its own, which a worker
+    that kept the mapping releases at once.
     """
 
     kind: ClassVar[str] = "cuda"
@@ -205,6 +211,7 @@ class CudaIpcHandle:
     ref_counter_offset: int
     event_handle: str | None
     event_sync_required: bool
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -222,6 +229,10 @@ class CudaIpcHandle:
             _unb64(self.event_handle, "cuda handle event_handle")
         if not isinstance(self.event_sync_required, bool):
             raise ValueError("cuda handle event_sync_required must be a bool")
+        if not isinstance(self.persistent, bool):
+            raise ValueError(
+                f"cuda handle persistent must be true or false, got {self.persistent!r}"
+            )
         if self.tensor_offset + self.nbytes > self.storage_size_bytes:
             raise ValueError(
                 f"cuda handle covers bytes [{self.tensor_offset}, "
@@ -232,6 +243,8 @@ class CudaIpcHandle:
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind}
         out.update({f.name: getattr(self, f.name) for f in fields(self)})
+        if not self.persistent:
+            del out["persistent"]  # written only when set, as for shm handles
         return out
 
 

@@ -1,32 +1,37 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""A CPU trainer's parameters in shared memory, so that an ``ipc`` sync moves
-each byte once: from the trainer's own tensor into the served one.
+"""A trainer's parameters in one shared allocation, so that an ``ipc`` sync
+moves each byte once: from the trainer's own tensor into the served one.
 
-``SharedParameters.place(model)`` allocates one POSIX shared-memory segment
-(``shm_buffer``), copies every parameter into it (each at a 64-byte aligned
-offset) and points the parameter at its place there (``param.data``). The
-module keeps training as before: the optimizer's in-place updates now write
-into the segment.
+``SharedParameters.place(model)`` allocates one buffer on the parameters'
+device (CPU: a POSIX shared-memory segment from ``shm_buffer``; CUDA: one
+device allocation, exported by CUDA IPC), copies every parameter into it
+(each at a 64-byte aligned offset) and points the parameter at its place
+there (``param.data``). The module keeps training as before: the optimizer's
+in-place updates now write into the buffer.
 
 ``ipc``'s trainer engine then sends a chunk whose tensors all lie in one such
-segment without packing it: the message names the segment (a handle marked
+buffer without packing it: the message names the buffer (a handle marked
 ``persistent``) and each tensor's offset in it, and the worker reads the
-trainer's bytes where they are. A worker keeps a persistent segment mapped
-from one update to the next, so the mapping (and its page faults) is paid
-once.
+trainer's bytes where they are. A worker keeps a persistent buffer mapped
+from one update to the next, so the mapping (page faults on CPU,
+``cudaIpcOpenMemHandle`` on CUDA) is paid once, and one allocation is one
+mapping however many tensors it holds.
 
-Nothing stale can be read: the trainer locates every tensor in the segment at
+Nothing stale can be read: the trainer locates every tensor in the buffer at
 every sync, from the tensor's own data pointer. A parameter the trainer has
 re-allocated since (``param.data = ...``, a dtype change) is no longer inside
-the segment, so its chunk is packed as before; the sync stays correct and
-only that chunk costs the extra copy. ``SharedParameters.moved()`` lists such
+the buffer, so its chunk is packed as before; the sync stays correct and only
+that chunk costs the extra copy. ``SharedParameters.moved()`` lists such
 parameters; ``place`` again to bring them back.
 
-The segment lives as long as the ``SharedParameters`` object (keep it, e.g. on
-the trainer), and is unlinked by ``close()``; workers' mappings stay valid
-until they drop them, so nothing is freed under a reader. CPU only: on CUDA a
-colocated trainer's tensors are exported by CUDA IPC without a copy already.
+The buffer lives as long as the ``SharedParameters`` object or any parameter
+viewing it (keep the object, e.g. on the trainer). ``close()`` stops sharing
+it (on CPU the segment's name is unlinked); workers' mappings stay valid until
+they drop them, so nothing is freed under a reader: a shared-memory mapping
+holds its pages, and torch's CUDA IPC reference counting keeps a device
+allocation alive while any importer maps it. Only single-rank trainers send
+from the buffer (``world_size == 1``); others pack.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.distributed.weight_transfer.ipc_wire import ShmHandle
+from vllm.distributed.weight_transfer.ipc_wire import BufferHandle, ShmHandle
 from vllm.distributed.weight_transfer.shm_buffer import SharedMemoryBuffer
 
 ALIGN = 64
@@ -48,79 +53,129 @@ _live_lock = threading.Lock()
 
 @dataclass(frozen=True)
 class SharedPlace:
-    """Where a tensor's bytes lie in a shared segment."""
+    """Where a tensor's bytes lie in a shared buffer."""
 
     owner: SharedParameters
     offset: int
 
 
 class SharedParameters:
-    """One shared-memory segment holding a module's parameters; see the module
+    """One shared buffer holding a module's parameters; see the module
     docstring."""
 
-    def __init__(self, buffer: SharedMemoryBuffer, names: dict[str, int]) -> None:
-        self._buffer: SharedMemoryBuffer | None = buffer
+    def __init__(
+        self, buffer: SharedMemoryBuffer | torch.Tensor, names: dict[str, int]
+    ) -> None:
+        # A shared-memory segment (CPU) or one device allocation (CUDA).
+        self._buffer: SharedMemoryBuffer | torch.Tensor | None = buffer
         # parameter name -> its offset in the segment
         self.offsets = names
         self._params: dict[str, torch.nn.Parameter] = {}
+        # The CUDA export every message names, until ``export_anew``.
+        self._export: BufferHandle | None = None
         with _live_lock:
             _live.add(self)
 
     @classmethod
-    def place(cls, module: torch.nn.Module) -> SharedParameters:
-        """Move every CPU parameter of ``module`` into a new segment."""
+    def place(
+        cls, module: torch.nn.Module, device: torch.device | str | None = None
+    ) -> SharedParameters:
+        """Move every parameter of ``module`` on ``device`` (default: the
+        device of its first parameter) into a new shared buffer there."""
+        first = next(module.parameters(), None)
+        where = torch.device(device) if device is not None else None
+        if where is None:
+            where = first.device if first is not None else torch.device("cpu")
+        if where.type == "cuda" and where.index is None:
+            where = torch.device("cuda", torch.cuda.current_device())
+        if where.type not in ("cpu", "cuda"):
+            raise ValueError(f"parameters on {where} cannot be shared")
         params = {
             name: p
             for name, p in module.named_parameters()
-            if p.device.type == "cpu" and p.numel()
+            if p.device == where and p.numel()
         }
         offsets: dict[str, int] = {}
         end = 0
         for name, p in params.items():
             offsets[name] = end
             end += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
-        buffer = SharedMemoryBuffer(end)
-        # The parameters will view the mapping for as long as they exist.
-        buffer.outlive_views()
-        assert buffer.tensor is not None
-        shared = cls(buffer, offsets)
+        shared = cls(_allocate(end, where), offsets)
+        flat = shared.segment_bytes()
         with torch.no_grad():
             for name, p in params.items():
                 nbytes = p.numel() * p.element_size()
                 start = offsets[name]
-                place = buffer.tensor[start : start + nbytes].view(p.dtype)
-                place = place.view(p.shape)
+                place = flat[start : start + nbytes].view(p.dtype).view(p.shape)
                 place.copy_(p.detach())
                 p.data = place
                 shared._params[name] = p
         return shared
 
     @property
-    def handle(self) -> ShmHandle:
-        if self._buffer is None:
-            raise ValueError("this SharedParameters segment was closed")
-        base = self._buffer.handle
+    def device(self) -> torch.device:
+        return self.segment_bytes().device
+
+    @property
+    def handle(self) -> BufferHandle:
+        """The buffer's handle for a worker. On CUDA the buffer is exported
+        once and the export reused (see ``export_anew``)."""
+        buffer = self._buffer
+        if buffer is None:
+            raise ValueError("this SharedParameters buffer was closed")
+        if isinstance(buffer, torch.Tensor):
+            if self._export is None:
+                from vllm.distributed.weight_transfer.cuda_ipc_buffer import (
+                    export_cuda_bytes,
+                )
+
+                self._export = export_cuda_bytes(buffer, persistent=True)
+            return self._export
+        base = buffer.handle
         return ShmHandle(name=base.name, nbytes=base.nbytes, persistent=True)
 
-    def segment_bytes(self) -> torch.Tensor:
-        """The whole segment as flat bytes (what a worker maps)."""
+    @property
+    def shm_name(self) -> str | None:
+        """The shared-memory segment's name (CPU); None on CUDA."""
         buffer = self._buffer
+        if isinstance(buffer, SharedMemoryBuffer):
+            return buffer.handle.name
+        return None
+
+    def export_anew(self) -> None:
+        """On CUDA, let the next ``handle`` export the buffer again.
+
+        torch counts one reader per export: the worker that maps an export
+        releases its counter when it drops the mapping, and the buffer's
+        memory is held for readers until then. A worker that dropped its
+        mapping (an update failed, or one did not use this buffer) maps it
+        again on the next message, so that message needs a fresh export. The
+        ``ipc`` trainer calls this before the first chunk of a sync that
+        follows such an update. Not every sync: each export wraps the
+        storage's memory in one more reference-counting layer for as long as
+        the storage lives."""
+        self._export = None
+
+    def segment_bytes(self) -> torch.Tensor:
+        """The whole buffer as flat bytes (what a worker maps)."""
+        buffer = self._buffer
+        if isinstance(buffer, torch.Tensor):
+            return buffer
         if buffer is None or buffer.tensor is None:
-            raise ValueError("this SharedParameters segment was closed")
+            raise ValueError("this SharedParameters buffer was closed")
         return buffer.tensor
 
     def locate(self, tensor: torch.Tensor) -> int | None:
-        """``tensor``'s byte offset in the segment, or None when its bytes are
+        """``tensor``'s byte offset in the buffer, or None when its bytes are
         not all there, contiguous."""
-        buffer = self._buffer
-        if buffer is None or buffer.tensor is None or tensor.device.type != "cpu":
+        if self._buffer is None or not tensor.is_contiguous():
             return None
-        if not tensor.is_contiguous():
+        flat = self.segment_bytes()
+        if tensor.device != flat.device:
             return None
-        base = buffer.tensor.data_ptr()
-        start = tensor.data_ptr() - base
+        start = tensor.data_ptr() - flat.data_ptr()
         nbytes = tensor.numel() * tensor.element_size()
-        if start < 0 or start + nbytes > buffer.nbytes:
+        if start < 0 or start + nbytes > flat.numel():
             return None
         return start
 
@@ -129,21 +184,30 @@ class SharedParameters:
         return [n for n, p in self._params.items() if self.locate(p) is None]
 
     def close(self) -> None:
-        """Unlink the segment. The parameters keep working (their memory
-        stays mapped in this process while they exist) but are no longer
-        shared; later syncs pack them."""
+        """Stop sharing the buffer. The parameters keep working (their memory
+        stays with them while they exist) but later syncs pack them. On CPU
+        the segment's name is unlinked."""
         buffer, self._buffer = self._buffer, None
+        self._export = None
         with _live_lock:
             _live.discard(self)
-        if buffer is not None:
+        if isinstance(buffer, SharedMemoryBuffer):
             # Only the name goes: the parameters keep their memory.
             buffer.close()
 
 
+def _allocate(nbytes: int, device: torch.device) -> SharedMemoryBuffer | torch.Tensor:
+    """A buffer of ``nbytes`` on ``device`` that outlives the views into it."""
+    if device.type == "cuda":
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+    buffer = SharedMemoryBuffer(nbytes)
+    # The parameters will view the mapping for as long as they exist.
+    buffer.outlive_views()
+    return buffer
+
+
 def shared_place(tensor: torch.Tensor) -> SharedPlace | None:
-    """Where ``tensor`` lies in a live ``SharedParameters`` segment, if it does."""
-    if tensor.device.type != "cpu":
-        return None
+    """Where ``tensor`` lies in a live ``SharedParameters`` buffer, if it does."""
     with _live_lock:
         segments = list(_live)
     for segment in segments:

@@ -182,10 +182,11 @@ class MappedSegment:
                 "replaced it while it was in use"
             )
 
-    def check(self) -> None:
+    def check(self, handle: object = None) -> None:
         """Raise ``ValueError`` unless the mapped file still has every byte the
         handle claims and its name still refers to it; call before reading a
-        mapping kept from an earlier message."""
+        mapping kept from an earlier message (``handle``, that message's
+        handle, names the same segment and is not needed here)."""
         name = self.handle.name
         if self._fd is None or self._mapping is None:
             raise ValueError(f"shared-memory segment {name!r} is closed")

@@ -469,7 +469,7 @@ def test_trainer_parameters_in_shared_memory_are_read_in_place(rig):
         kept = rig.llm.collective_rpc(kept_shared_segments)
         if dense:
             assert engine._kept_buffer is None, "nothing was packed"
-            assert kept == [[shared.handle.name]] * rig.combo.tp
+            assert kept == [[shared.shm_name]] * rig.combo.tp
         randomize_weights_(model, seed=32)
         engine.send_weights()
         rig.assert_serves(model)

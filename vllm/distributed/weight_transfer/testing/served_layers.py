@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm.distributed.weight_transfer.ipc_wire import ShmHandle
+
 
 def linear_layer_states(worker: Any) -> dict[str, dict[str, Any]]:
     """For ``collective_rpc``: per linear layer of the served model, whether
@@ -59,7 +61,7 @@ def kept_shared_segments(worker: Any) -> list[str]:
     if importer is None:
         return []
     return sorted(
-        entry.handle.name
-        for entry in importer._open.values()
-        if getattr(getattr(entry, "handle", None), "persistent", False)
+        handle.name
+        for handle in importer.kept()
+        if isinstance(handle, ShmHandle) and handle.persistent
     )
