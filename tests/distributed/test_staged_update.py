@@ -16,7 +16,9 @@ import pytest
 import torch
 from test_ipc_worker import (
     EngineClient,
+    NoReload,
     TinyNet,
+    planned_ready,
     reload_ready,
     state,
 )
@@ -39,7 +41,10 @@ from vllm.distributed.weight_transfer.verification import (
 
 
 def staged_engine(
-    model: torch.nn.Module, where: str = "host", timeout_s: float = 600.0
+    model: torch.nn.Module,
+    where: str = "host",
+    timeout_s: float = 600.0,
+    landing: str = "reload",
 ) -> IPCWeightTransferEngine:
     vllm_config = SimpleNamespace(
         parallel_config=SimpleNamespace(),
@@ -47,7 +52,7 @@ def staged_engine(
     )
     return IPCWeightTransferEngine(
         SimpleNamespace(  # type: ignore[arg-type]
-            backend="ipc", staging=where, update_timeout_s=timeout_s
+            backend="ipc", staging=where, update_timeout_s=timeout_s, landing=landing
         ),
         vllm_config,  # type: ignore[arg-type]
         torch.device("cpu"),
@@ -122,6 +127,34 @@ def test_the_old_weights_serve_until_the_commit(verified):
     assert engine.fence_status["state"] == "committed"
 
 
+def test_a_planned_landing_commits_straight_into_the_served_tensors():
+    """Staging with ``landing="planned"``: the old weights serve until the
+    commit, which copies each planned tensor from staging into the served
+    one (no layerwise reload), twice in a row; a failure before the commit
+    still leaves the old weights, unfenced."""
+    target = planned_ready(0)
+    engine = staged_engine(target, landing="planned")
+    for seed in (1, 2):
+        before, trainer = state(target), TinyNet(seed)
+        client = ServingClient(engine)
+        with NoReload():
+            trainer_for(client, trainer).send_weights()
+        assert len(client.seen) >= 2
+        for seen in client.seen:
+            for name, value in before.items():
+                assert torch.equal(seen[name], value), name
+        assert_state(target, state(trainer))
+        assert engine.fence_status["state"] == "committed"
+    plan = engine.landing_plan
+    assert plan is not None and plan.direct_names == set(state(target))
+
+    before, trainer = state(target), TinyNet(3)
+    with pytest.raises(RuntimeError, match="injected failure while staging"):
+        trainer_for(FailsAtMessage(engine, 2), trainer).send_weights()
+    assert_state(target, before)
+    assert engine.fence_status["state"] != "fenced"
+
+
 def test_the_receipt_is_written_at_prepare_before_anything_commits():
     target, trainer = reload_ready(0), TinyNet(1)
     before = state(target)
@@ -159,16 +192,17 @@ class FailsAtMessage(EngineClient):
     def update_weights(self, update_info):
         self.calls += 1
         if self.calls == self.n:
-            original = StagedUpdate.load
+            originals = (StagedUpdate.load, StagedUpdate.load_planned)
 
             def failing(session, *args, **kwargs):
                 raise RuntimeError("injected failure while staging")
 
             StagedUpdate.load = failing  # type: ignore[method-assign,assignment]
+            StagedUpdate.load_planned = failing  # type: ignore[method-assign,assignment]
             try:
                 return super().update_weights(update_info)
             finally:
-                StagedUpdate.load = original  # type: ignore[method-assign]
+                StagedUpdate.load, StagedUpdate.load_planned = originals  # type: ignore[method-assign]
         return super().update_weights(update_info)
 
 

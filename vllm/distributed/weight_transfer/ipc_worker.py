@@ -136,7 +136,9 @@ class IPCWeightTransferEngine(
         if isinstance(session, StagedUpdate):
             # ipc workers receive (and so stage) every tensor whole.
             session.expect(manifest.total_bytes, f"publication {header.publication_id}")
-        elif getattr(self.config, "landing", "reload") == "planned":
+        if getattr(self.config, "landing", "reload") == "planned":
+            # Staged or not: a staged update lands the planned names at the
+            # commit, with the same plan.
             self._planned = self._landing_plan_for(manifest)
 
     def _on_update_closed(self) -> None:
@@ -221,15 +223,19 @@ class IPCWeightTransferEngine(
         weights: list[tuple[str, torch.Tensor]],
         foreign_storages: set[int],
     ) -> None:
-        """Planned names straight into the served tensors, the rest through
-        the session (the layerwise reload, or staging)."""
+        """Planned names straight into the served tensors (staged: at the
+        commit), the rest through the session (the layerwise reload, or
+        staging)."""
         planned = self._planned
-        if planned is not None and isinstance(session, LayerwiseReloadSession):
+        if planned is not None:
             direct = planned.direct_names
             mine = [w for w in weights if w[0] in direct]
-            if mine:
+            if mine and isinstance(session, StagedUpdate):
+                session.load_planned(planned, mine)
+            elif mine:
+                assert isinstance(session, LayerwiseReloadSession)
                 session.land_planned(planned, mine)
-                weights = [w for w in weights if w[0] not in direct]
+            weights = [w for w in weights if w[0] not in direct]
         if weights:
             session.load(weights, foreign_storages=foreign_storages)
 

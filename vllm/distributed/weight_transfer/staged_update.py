@@ -10,7 +10,8 @@ worker engine drives it through the same calls as the in-place session:
 1. ``start()`` (from ``start_weight_update``): opens the update. The model is
    not touched until the commit, so generation keeps running on the served
    weights for the whole transfer; nothing hooks the forward pass.
-2. ``load(weights)`` (ipc) or ``stage(data)`` + ``defer(land)``
+2. ``load(weights)`` (ipc; ``load_planned`` for tensors a planned landing
+   copies straight into served tensors) or ``stage(data)`` + ``defer(land)``
    (``sharded_rdt``, from a background pull started with ``in_background``,
    so that the engine keeps stepping while the bytes arrive), any number of
    times: each tensor is copied into staging
@@ -23,7 +24,8 @@ worker engine drives it through the same calls as the in-place session:
    then checks, by name only, that the update covers every fused group it
    touches. A refusal here leaves the model untouched.
 4. ``finish()`` (from ``finish_weight_update``): the commit. A layerwise reload
-   session lands every staged tensor in order and processes each layer, all
+   session lands every staged tensor in order (planned ones by one copy into
+   the served tensor) and processes each reloaded layer, all
    inside this one call, so no engine step runs between the first and the
    last layer. Staging is released afterwards, whatever happened.
    ``abort(reason)`` before the commit stops the background work and drops
@@ -45,7 +47,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -55,6 +57,9 @@ from vllm.distributed.weight_transfer.layerwise_session import (
 from vllm.distributed.weight_transfer.update_calls import UpdateCalls
 from vllm.distributed.weight_transfer.update_completeness import FusedGroups
 from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.distributed.weight_transfer.planned_landing import LandingPlan
 
 logger = init_logger(__name__)
 
@@ -220,12 +225,26 @@ class StagedUpdate:
         """Stage checkpoint-format tensors by name (the ``ipc`` path). The
         copies are owned, so ``foreign_storages`` never needs copying later."""
         del foreign_storages  # every staged tensor is a copy already
-        self._check_open("load()")
-        self.check_deadline("load()")
+        staged = self._stage_all(weights, "load()")
+        self.defer(lambda session: session.load(staged))
+
+    def load_planned(
+        self, landing: LandingPlan, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> None:
+        """Stage tensors that ``landing`` copies straight into the served
+        tensors (direct names of a ``planned_landing.LandingPlan``); the
+        commit lands them with it, one copy each, not through the reload."""
+        staged = self._stage_all(weights, "load_planned()")
+        self.defer(lambda session: session.land_planned(landing, staged))
+
+    def _stage_all(
+        self, weights: Iterable[tuple[str, torch.Tensor]], what: str
+    ) -> list[tuple[str, torch.Tensor]]:
+        self._check_open(what)
+        self.check_deadline(what)
         weights = list(weights)
         self.receive_names(name for name, _ in weights)
-        staged = [(name, self.stage(tensor, name)) for name, tensor in weights]
-        self.defer(lambda session: session.load(staged))
+        return [(name, self.stage(tensor, name)) for name, tensor in weights]
 
     def in_background(self, work: Callable[[threading.Event], None], name: str) -> None:
         """Run ``work(stop)`` on a thread while the engine keeps serving.
