@@ -48,6 +48,7 @@ from vllm.distributed.weight_transfer.ipc_engine import (
 )
 from vllm.distributed.weight_transfer.testing import (
     FreshLoadOracle,
+    GreedyResult,
     assert_bit_identical,
     assert_same_greedy,
     assert_serves_weights,
@@ -82,6 +83,12 @@ RESYNC = "full resync is required"
 class Rig:
     llm: Any
     model: torch.nn.Module  # the trainer's model
+    # Feed the oracle prompts one at a time (engines with plain CPU linear
+    # layers: MKL's float32 GEMM is not batch-invariant).
+    one_at_a_time: bool = False
+
+    def greedy(self) -> GreedyResult:
+        return vllm_greedy(self.llm, one_at_a_time=self.one_at_a_time)
 
     def client(self) -> OfflineLLMWeightSyncClient:
         return OfflineLLMWeightSyncClient(self.llm)
@@ -104,9 +111,7 @@ class Rig:
         self.assert_serves_trainer()
 
     def assert_serves_trainer(self) -> None:
-        oracle = FreshLoadOracle(
-            offline_worker_call(self.llm), lambda: vllm_greedy(self.llm)
-        )
+        oracle = FreshLoadOracle(offline_worker_call(self.llm), self.greedy)
         assert_serves_weights(oracle, self.model, dtype="float32")
 
     def fence(self) -> dict[str, Any]:
