@@ -32,7 +32,15 @@ staged mode, as medians over the rounds:
 and ``commit_over_sync`` (how much of a staged sync generation is held) and
 the workers' resident memory after the syncs in each mode.
 
-Run: ``python benchmarks/weight_transfer/bench_staged_cpu.py [--rounds 3]``
+With ``--settings one-copy`` both modes run with ``cpu_linear="plain"`` and
+``landing="planned"``: the staged commit copies each staged byte once into the
+served tensors instead of running vLLM's layerwise reload. The ratios are then
+over the stop-the-world sync with the same settings; a third server, with the
+defaults, gives ``max_generation_gap_over_default_sync`` (results in
+``benchmarks/results/staged_one_copy_cpu.json``).
+
+Run: ``python benchmarks/weight_transfer/bench_staged_cpu.py [--rounds 3]
+[--settings one-copy]``
 """
 
 from __future__ import annotations
@@ -91,8 +99,10 @@ class Load(StreamingClients):
 
 
 class HeldClock:
-    """A sync client that adds up the time between ``pause_generation`` and
-    ``resume_generation``."""
+    """A sync client that adds up the time generation is held: between
+    ``pause_generation`` and ``resume_generation``, and for a
+    ``finish_weight_update`` outside such a pause (the fork's server holds
+    generation around the commit itself, within that one request)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -106,6 +116,14 @@ class HeldClock:
         self._since = time.perf_counter()
         self.inner.pause_generation(mode)
 
+    def finish_weight_update(self, *args: Any) -> None:
+        start = time.perf_counter()
+        try:
+            self.inner.finish_weight_update(*args)
+        finally:
+            if self._since is None:
+                self.held_s += time.perf_counter() - start
+
     def resume_generation(self) -> None:
         self.inner.resume_generation()
         assert self._since is not None
@@ -113,7 +131,18 @@ class HeldClock:
         self._since = None
 
 
-def run_mode(staging: str, model_dir: Any, model: Any, args: Any) -> dict:
+# ``--settings one-copy``: plain CPU linear layers and the planned landing, so
+# a commit copies each staged byte once into the served tensors.
+ONE_COPY = {"cpu_linear": "plain", "landing": "planned"}
+
+
+def run_mode(
+    staging: str,
+    model_dir: Any,
+    model: Any,
+    args: Any,
+    options: dict[str, str] | None = None,
+) -> dict:
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.ipc_engine import (
@@ -130,7 +159,7 @@ def run_mode(staging: str, model_dir: Any, model: Any, args: Any) -> dict:
     with serve(
         model_dir,
         weight_transfer_backend="ipc",
-        weight_transfer_options={"staging": staging},
+        weight_transfer_options={"staging": staging, **(options or {})},
         startup_timeout_s=600,
     ) as server:
         client = HeldClock(HTTPVLLMWeightSyncClient(server.base_url, timeout=600))
@@ -166,7 +195,9 @@ def run_mode(staging: str, model_dir: Any, model: Any, args: Any) -> dict:
                     "tokens_per_s_idle": round(idle, 2),
                 }
                 label = " (warm-up)" if round_ == 0 else ""
-                print(f"[staging={staging}] round {round_}{label}: {row}")
+                print(
+                    f"[staging={staging} {options or ''}] round {round_}{label}: {row}"
+                )
                 if round_:
                     rounds.append(row)
             errors = list(load.errors)
@@ -181,6 +212,7 @@ def run_mode(staging: str, model_dir: Any, model: Any, args: Any) -> dict:
 
     return {
         "staging": staging,
+        "options": options or {},
         "rounds": rounds,
         "sync_median_s": median("sync_s"),
         "held_median_s": median("held_s"),
@@ -197,8 +229,20 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--streams", type=int, default=2)
     p.add_argument("--num-layers", type=int, default=BENCH_SPEC["num_layers"])
-    p.add_argument("--out", default=str(RESULTS / "staged_cpu.json"))
+    p.add_argument(
+        "--settings",
+        choices=["defaults", "one-copy"],
+        default="defaults",
+        help="one-copy: both modes with cpu_linear='plain' and landing='planned' "
+        "(the staged commit copies each byte once into the served tensors), "
+        "plus a stop-the-world sync with the defaults for reference",
+    )
+    p.add_argument("--out", default=None)
     args = p.parse_args()
+    one_copy = args.settings == "one-copy"
+    if args.out is None:
+        name = "staged_one_copy_cpu.json" if one_copy else "staged_cpu.json"
+        args.out = str(RESULTS / name)
     commit = git_commit()
     from vllm.distributed.weight_transfer.testing import (
         TinyModelSpec,
@@ -212,8 +256,10 @@ def main() -> int:
     nbytes = sum(t.numel() * t.element_size() for t in model.parameters())
     print(f"model {model_dir.name}: {nbytes / 1e9:.2f} GB float32")
 
-    staged = run_mode("host", model_dir, model, args)
-    stopped = run_mode("off", model_dir, model, args)
+    options = ONE_COPY if one_copy else None
+    staged = run_mode("host", model_dir, model, args, options)
+    stopped = run_mode("off", model_dir, model, args, options)
+    defaults = run_mode("off", model_dir, model, args) if one_copy else None
     gap_over_sync = staged["max_gap_median_s"] / stopped["sync_median_s"]
     during_over_idle = (
         staged["tokens_per_s_during_sync_median"] / staged["tokens_per_s_idle_median"]
@@ -240,8 +286,19 @@ def main() -> int:
             "streams": args.streams,
             "stream_tokens": STREAM_TOKENS,
             "chunk_bytes": CHUNK_BYTES,
+            "settings": args.settings,
             "staged": staged,
             "stop_the_world": stopped,
+            **(
+                {
+                    "stop_the_world_defaults": defaults,
+                    "max_generation_gap_over_default_sync": round(
+                        staged["max_gap_median_s"] / defaults["sync_median_s"], 4
+                    ),
+                }
+                if defaults is not None
+                else {}
+            ),
             "max_generation_gap_over_sync": round(gap_over_sync, 4),
             "throughput_during_sync_over_idle": round(during_over_idle, 4),
             "commit_over_sync": round(commit_over_sync, 4),
