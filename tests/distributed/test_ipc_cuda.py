@@ -34,6 +34,7 @@ def _reader(conn) -> None:
     from vllm.distributed.weight_transfer.verification import (
         WorkerPublication,
         device_identity,
+        is_prepare_request,
     )
 
     torch.cuda.set_device(0)
@@ -42,6 +43,7 @@ def _reader(conn) -> None:
     pub = WorkerPublication(
         backend="ipc", worker_rank=0, worker_device=device_identity(device)
     )
+    prepared = None  # the receipt written at the prepare message
     while True:
         msg = conn.recv()
         if msg is None:
@@ -50,6 +52,7 @@ def _reader(conn) -> None:
             return
         if msg == "start":
             pub.start()
+            prepared = None
             conn.send(("ok", None))
             continue
         if msg == "drop":
@@ -63,16 +66,21 @@ def _reader(conn) -> None:
         if msg == "finish":  # as the worker engine does at finish_weight_update
             importer.close(keep_persistent=True)
             try:
-                receipt = pub.finish()
+                # The receipt went out at the trainer's prepare message.
+                receipt = pub.finish() or prepared
             except Exception as e:  # a failed update: report, keep serving
                 conn.send(("error", f"{type(e).__name__}: {e}"))
                 continue
             conn.send(("ok", receipt.checksums_verified if receipt else None))
             continue
         try:
-            info = IPCWeightTransferUpdateInfo.from_dict(
-                pub.begin_message(json.loads(msg))
-            )
+            update_info = json.loads(msg)
+            if is_prepare_request(update_info):
+                # The trainer's prepare message: the receipt is written now.
+                prepared = pub.prepare()
+                conn.send(("ok", ([], {})))
+                continue
+            info = IPCWeightTransferUpdateInfo.from_dict(pub.begin_message(update_info))
             keys, bufs = [], []
             for hmap in info.buffers():
                 key, handle = importer.select(hmap, "ipc_handles")
@@ -149,6 +157,9 @@ class PipeWorker:
         self.received.update(tensors)
 
     def finish_weight_update(self, weight_version=None):
+        # The trainer hands the new version to the commit itself.
+        if weight_version is not None:
+            self.versions.append(weight_version)
         self.calls.append("finish")
         self.conn.send("finish")
         status, answer = _answer(self.conn, "finish")

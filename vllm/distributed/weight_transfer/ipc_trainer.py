@@ -653,7 +653,15 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                 tensor = cursor.next()
                 self._check_wire_device(tensor)
                 if may_share:
-                    place = shared_place(tensor) if slot.nbytes else segment
+                    place = segment
+                    if slot.nbytes:
+                        # Most tensors lie in the segment of the one before.
+                        found = segment.owner.locate(tensor) if segment else None
+                        place = (
+                            SharedPlace(segment.owner, found)
+                            if segment is not None and found is not None
+                            else shared_place(tensor)
+                        )
                     # The wire lists a buffer's tensors in increasing,
                     # non-overlapping order.
                     after = (

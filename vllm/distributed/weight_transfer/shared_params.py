@@ -73,6 +73,13 @@ class SharedParameters:
         self._params: dict[str, torch.nn.Parameter] = {}
         # The CUDA export every message names, until ``export_anew``.
         self._export: BufferHandle | None = None
+        flat = buffer if isinstance(buffer, torch.Tensor) else buffer.tensor
+        assert flat is not None
+        self._base, self._nbytes, self._device = (
+            flat.data_ptr(),
+            flat.numel(),
+            flat.device,
+        )
         with _live_lock:
             _live.add(self)
 
@@ -167,17 +174,14 @@ class SharedParameters:
 
     def locate(self, tensor: torch.Tensor) -> int | None:
         """``tensor``'s byte offset in the buffer, or None when its bytes are
-        not all there, contiguous."""
-        if self._buffer is None or not tensor.is_contiguous():
+        not all there, contiguous. (Called for every tensor of every sync:
+        the buffer's address, size and device are read once, at placing.)"""
+        if self._buffer is None or tensor.device != self._device:
             return None
-        flat = self.segment_bytes()
-        if tensor.device != flat.device:
+        start = tensor.data_ptr() - self._base
+        if start < 0 or start + tensor.nbytes > self._nbytes:
             return None
-        start = tensor.data_ptr() - flat.data_ptr()
-        nbytes = tensor.numel() * tensor.element_size()
-        if start < 0 or start + nbytes > flat.numel():
-            return None
-        return start
+        return start if tensor.is_contiguous() else None
 
     def moved(self) -> list[str]:
         """Parameters placed here that no longer live in the segment."""
