@@ -529,30 +529,39 @@ def test_a_failure_after_a_planned_landing_fences_until_a_full_resync():
         assert torch.equal(dict(target.named_parameters())[name], want), name
 
 
+def _send_acting_midway(engine, trainer, act) -> None:
+    """Sync ``trainer`` into ``engine`` in small chunks, running ``act()``
+    once the first chunks have landed (before the fourth tensor is read)."""
+
+    class ActsMidway(WeightSource):
+        def metadata(self):
+            return ModuleSource(trainer).metadata()
+
+        def __iter__(self):
+            for i, item in enumerate(ModuleSource(trainer)):
+                if i == 3:
+                    act()
+                yield item
+
+    IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=64),
+        client=EngineClient(engine),
+        source=ActsMidway(),
+    ).send_weights()
+
+
 def test_a_forward_pass_during_a_planned_landing_fences():
     """Bytes copied straight into served tensors cannot be put back: a
     forward pass while the update is open fences the engine, naming why."""
     target, trainer = planned_ready(0), TinyNet(1)
     engine = make_engine(target, landing="planned")
 
-    class ForwardMidway(WeightSource):
-        def metadata(self):
-            return ModuleSource(trainer).metadata()
+    def forward() -> None:
+        with pytest.raises(NotImplementedError):
+            target(torch.zeros(4))  # TinyNet has no forward
 
-        def __iter__(self):
-            for i, item in enumerate(ModuleSource(trainer)):
-                if i == 3:  # after the first chunks landed
-                    with pytest.raises(NotImplementedError):
-                        target(torch.zeros(4))  # TinyNet has no forward
-                yield item
-
-    client = EngineClient(engine)
     with pytest.raises(Exception, match="forward pass"):
-        IPCTrainerWeightTransferEngine.trainer_init(
-            IPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=64),
-            client=client,
-            source=ForwardMidway(),
-        ).send_weights()
+        _send_acting_midway(engine, trainer, forward)
     status = engine.fence_status
     assert status["state"] == "fenced" and "forward pass" in status["reason"]
     push(engine, trainer)
@@ -568,22 +577,8 @@ def test_a_planned_update_idle_past_its_deadline_fences_naming_it():
     target, trainer = planned_ready(0), TinyNet(1)
     engine = make_engine(target, landing="planned", update_timeout_s=0.2)
 
-    class Stalling(WeightSource):
-        def metadata(self):
-            return ModuleSource(trainer).metadata()
-
-        def __iter__(self):
-            for i, item in enumerate(ModuleSource(trainer)):
-                if i == 3:  # after the first chunks landed
-                    time.sleep(0.5)
-                yield item
-
     with pytest.raises(Exception, match="update_timeout_s=0.2"):
-        IPCTrainerWeightTransferEngine.trainer_init(
-            IPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=64),
-            client=EngineClient(engine),
-            source=Stalling(),
-        ).send_weights()
+        _send_acting_midway(engine, trainer, lambda: time.sleep(0.5))
     status = engine.fence_status
     assert status["state"] == "fenced" and "update_timeout_s" in status["reason"]
     push(engine, trainer)

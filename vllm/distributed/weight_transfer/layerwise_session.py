@@ -64,6 +64,7 @@ from vllm.distributed.weight_transfer.update_calls import UpdateCalls
 from vllm.distributed.weight_transfer.update_completeness import (
     FusedGroups,
     IncompleteUpdateError,
+    first_few,
 )
 from vllm.logger import init_logger
 
@@ -319,11 +320,9 @@ class LayerwiseReloadSession:
             layers += bool(missing)
             lacking += missing
         if lacking:
-            shown = ", ".join(lacking[:6])
-            more = f" and {len(lacking) - 6} more" if len(lacking) > 6 else ""
             raise IncompleteUpdateError(
                 f"the update touches {layers} layer(s) without all of their "
-                f"parameters; it lacks {shown}{more}. vLLM rebuilds a layer "
+                f"parameters; it lacks {first_few(lacking, 6)}. vLLM rebuilds a layer "
                 "from the tensors an update carries, so an update must carry "
                 "every tensor of each layer it touches (send them at their "
                 "current values where they did not change)"

@@ -55,6 +55,7 @@ from vllm.distributed.weight_transfer.sharded_rdt_plan import WorkerPlan
 from vllm.distributed.weight_transfer.sharded_rdt_reload import region_view
 from vllm.distributed.weight_transfer.update_completeness import (
     IncompleteUpdateError,
+    first_few,
 )
 from vllm.logger import init_logger
 
@@ -190,11 +191,10 @@ class LandingPlan:
             if names & got and not names <= got
         )
         if lacking:
-            shown = "; ".join(lacking[:4])
-            more = f" and {len(lacking) - 4} more" if len(lacking) > 4 else ""
             raise IncompleteUpdateError(
                 f"the update writes {len(lacking)} layer(s) without all of their "
-                f"tensors: {shown}{more}. An update must carry every tensor of "
+                f"tensors: {first_few(lacking, 4, '; ')}. An update must carry "
+                "every tensor of "
                 "each layer it touches (send them at their current values where "
                 "they did not change)"
             )

@@ -146,12 +146,16 @@ class FusedGroups:
             raise IncompleteUpdateError(describe_missing(missing, what))
 
 
+def first_few(items: Sequence[str], n: int, sep: str = ", ") -> str:
+    """The first ``n`` of ``items`` joined by ``sep``, and how many more."""
+    more = f" and {len(items) - n} more" if len(items) > n else ""
+    return sep.join(items[:n]) + more
+
+
 def describe_missing(missing: Mapping[str, Sequence[str]], what: str) -> str:
     parts = []
     for first, lacking in sorted(missing.items()):
-        shown = ", ".join(lacking[:4])
-        more = f" and {len(lacking) - 4} more" if len(lacking) > 4 else ""
-        parts.append(f"the group of {first!r} lacks {shown}{more}")
+        parts.append(f"the group of {first!r} lacks {first_few(lacking, 4)}")
     return (
         f"{what} carries only part of {len(missing)} fused tensor group(s): "
         + "; ".join(parts)
