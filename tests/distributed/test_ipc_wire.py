@@ -14,6 +14,7 @@ from vllm.distributed.weight_transfer.ipc_wire import (
     CudaIpcHandle,
     IPCWeightTransferInitInfo,
     IPCWeightTransferUpdateInfo,
+    LayoutMemo,
     ShmHandle,
     cpu_device_key,
     select_cpu_key,
@@ -70,6 +71,36 @@ def test_packed_message_round_trips_through_json():
 def test_packed_offsets_default_to_back_to_back():
     info = IPCWeightTransferUpdateInfo.from_dict(packed(offsets=None))
     assert [v.offset for v in info.views()] == [0, 24]
+
+
+def test_a_chunk_with_an_earlier_layout_reuses_its_views_and_checks_its_handles():
+    """``LayoutMemo``: a packed chunk that lists the same tensors at the same
+    offsets as at an earlier sync (another buffer name, say) reuses that
+    message's checked views; any change of layout parses afresh, and the new
+    handles are checked either way."""
+    memo = LayoutMemo()
+    first = memo.parse(json.loads(json.dumps(packed())))
+    other_chunk = memo.parse(packed(names=["c.weight", "d.weight"], offsets=[0, 32]))
+    renamed = {**SHM, "name": "vllm-wt-1-next"}
+    again = memo.parse(json.loads(json.dumps(packed(ipc_handles={KEY: renamed}))))
+    assert memo.reused == 1 and again._views is first._views
+    handle, earlier = again.buffers()[0][KEY], first.buffers()[0][KEY]
+    assert isinstance(handle, ShmHandle) and isinstance(earlier, ShmHandle)
+    assert handle.name == "vllm-wt-1-next"
+    assert earlier.name == SHM["name"]  # the earlier message is unchanged
+    assert [v.name for v in other_chunk.views()] == ["c.weight", "d.weight"]
+    # One offset moved: parsed afresh.
+    moved = memo.parse(packed(ipc_handles={KEY: renamed}, offsets=[0, 128]))
+    assert moved._views is not first._views and memo.reused == 1
+    assert [v.offset for v in moved.views()] == [0, 128]
+    # A handle too small for the tensors is refused on the reuse path too.
+    small = {**SHM, "nbytes": 100}
+    with pytest.raises(ValueError, match="covers 100 bytes but the tensors need 136"):
+        memo.parse(packed(ipc_handles={KEY: small}, offsets=[0, 128]))
+    # An unpacked message is never reused.
+    memo.parse(unpacked())
+    memo.parse(unpacked())
+    assert memo.reused == 1
 
 
 def test_unpacked_message_round_trips_through_json():

@@ -43,7 +43,7 @@ no tensor data (chains are replayed on meta tensors).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
 from typing import Any
@@ -472,21 +472,32 @@ def _merged_columns(
 def compile_copy_table(
     plan: WorkerPlan,
     source_metas: Mapping[str, tuple[Sequence[int], torch.dtype | str]],
+    *,
+    only_sources: Collection[str] | None = None,
 ) -> CopyTable:
     """Compile ``plan`` into a `CopyTable`.
 
     ``source_metas`` maps each checkpoint name the plan reads to its (shape,
     dtype), e.g. from the trainer's ``ParamMeta`` list. Sources appear in the
     table in first-use order, destinations in first-write order.
+    ``only_sources`` keeps just the copies that read those names (one chunk of
+    an update, say); fallback indices still count positions in
+    ``plan.copies``.
     """
     copies = plan.copies
+    if only_sources is not None:
+        wanted = set(only_sources)
+        kept = [i for i, c in enumerate(copies) if c.slice.source in wanted]
+    else:
+        kept = list(range(len(copies)))
     dests = _Destinations({}, [], [], {})
     geometry_cache: dict[Any, tuple[int, tuple[int, ...], tuple[int, ...]] | str] = {}
     source_specs: dict[str, TensorSpec] = {}
     fallback: dict[int, FallbackCopy] = {}
     planned: list[_Planned] = []
 
-    for ci, copy in enumerate(copies):
+    for ci in kept:
+        copy = copies[ci]
         spec, region = copy.slice, copy.region
         di = dests.add(ci, region)
         if spec.dtype != region.dtype:
@@ -509,7 +520,8 @@ def compile_copy_table(
     if overlapped:
         # A batched copy has no order, so every copy into such a tensor lands
         # the ordinary way, in plan order.
-        for ci, copy in enumerate(copies):
+        for ci in kept:
+            copy = copies[ci]
             if dests.index[copy.region.qualname] in overlapped and ci not in fallback:
                 fallback[ci] = FallbackCopy(
                     ci,

@@ -185,17 +185,7 @@ class BufferImporter:
 
     def open(self, handle: BufferHandle) -> torch.Tensor:
         """The buffer as a flat uint8 tensor, mapped once until ``close()``."""
-        if isinstance(handle, ShmHandle):
-            key: tuple = ("shm", handle.name, handle.nbytes, handle.persistent)
-        else:
-            key = (
-                "cuda",
-                handle.storage_handle,
-                handle.storage_offset_bytes,
-                handle.tensor_offset,
-                handle.nbytes,
-                handle.persistent,
-            )
+        key = mapping_key(handle)
         entry = self._open.get(key)
         if entry is None:
             entry = self._map(handle)
@@ -236,18 +226,48 @@ class BufferImporter:
         unless buffers were opened since the last ``close`` and they were not
         among them (a trainer that moved on, or died); a kept mapping is
         checked again before each reuse."""
-        entries, used = self._open, self._used
-        self._open, self._used = {}, set()
+        entries = self._open
+        self._open = {}
         for key, entry in entries.items():
-            if (
-                keep_persistent
-                and (key in used or not used)
-                and entry.handle.persistent
-            ):
+            if self._keeps(key, entry, keep_persistent):
                 self._open[key] = entry
             else:
                 entry.close()
+        self._used = set()
         del entries
+
+    def releasing(self, keep_persistent: bool = False) -> set[int]:
+        """Addresses of the mappings ``close(keep_persistent)`` would release
+        now (so what was bound to them can be dropped first)."""
+        return {
+            entry.tensor.data_ptr()
+            for key, entry in self._open.items()
+            if entry.tensor is not None and not self._keeps(key, entry, keep_persistent)
+        }
+
+    def _keeps(
+        self, key: tuple, entry: MappedSegment | CudaMapping, keep_persistent: bool
+    ) -> bool:
+        return (
+            keep_persistent
+            and (key in self._used or not self._used)
+            and entry.handle.persistent
+        )
+
+
+def mapping_key(handle: BufferHandle) -> tuple:
+    """What identifies the buffer a handle names (two handles with one key
+    share a mapping)."""
+    if isinstance(handle, ShmHandle):
+        return ("shm", handle.name, handle.nbytes, handle.persistent)
+    return (
+        "cuda",
+        handle.storage_handle,
+        handle.storage_offset_bytes,
+        handle.tensor_offset,
+        handle.nbytes,
+        handle.persistent,
+    )
 
 
 class CudaMapping:

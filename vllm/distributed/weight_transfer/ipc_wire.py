@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import copy
 import math
 import pickle
 import re
@@ -529,6 +530,44 @@ class TensorView:
 _UPDATE_REQUIRED = {"names", "dtype_names", "shapes"}
 
 
+class LayoutMemo:
+    """Parses update messages, reusing the checked views of an earlier
+    message with the same layout (``IPCWeightTransferUpdateInfo.from_dict``'s
+    ``like``): with the trainer's parameters in a buffer the worker keeps
+    mapped, every chunk lists the same tensors at the same offsets at every
+    sync, and checking thousands of names, shapes and offsets again is most
+    of a worker's per-tensor cost. One earlier message is kept per chunk
+    (first name, last name, count), at most ``max_entries``."""
+
+    def __init__(self, max_entries: int = 256) -> None:
+        self.max_entries = max_entries
+        self._by_chunk: dict[tuple, IPCWeightTransferUpdateInfo] = {}
+        self.reused = 0  # messages parsed from an earlier one's views
+
+    def parse(self, d: object) -> IPCWeightTransferUpdateInfo:
+        key = _chunk_key(d)
+        like = self._by_chunk.get(key) if key is not None else None
+        info = IPCWeightTransferUpdateInfo.from_dict(d, like=like)
+        if like is not None and info._views is like._views:
+            self.reused += 1
+        if key is not None and info.packed and not info.upstream_wire:
+            self._by_chunk.pop(key, None)
+            if len(self._by_chunk) >= self.max_entries:
+                self._by_chunk.pop(next(iter(self._by_chunk)))
+            self._by_chunk[key] = info
+        return info
+
+
+def _chunk_key(d: object) -> tuple | None:
+    names = d.get("names") if isinstance(d, dict) else None
+    if not isinstance(names, list) or not names:
+        return None
+    first, last = names[0], names[-1]
+    if not isinstance(first, str) or not isinstance(last, str):
+        return None
+    return (first, last, len(names))
+
+
 @dataclass
 class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     """One chunk of an update. See the module docstring for the JSON form.
@@ -546,12 +585,47 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     offsets: list[int] | None = None
 
     @classmethod
-    def from_dict(cls, d: object) -> IPCWeightTransferUpdateInfo:
+    def from_dict(
+        cls, d: object, like: IPCWeightTransferUpdateInfo | None = None
+    ) -> IPCWeightTransferUpdateInfo:
+        """Parse and check ``d``. ``like``, an earlier message: when ``d``
+        lists the same tensors at the same offsets of one packed buffer (a
+        trainer's ``SharedParameters``, or a kept packed buffer, sync after
+        sync), its checked views are reused and only the handles are parsed
+        and checked."""
         if not isinstance(d, dict):
             raise ValueError(f"update_info must be an object, got {type(d).__name__}")
         allowed = {f.name for f in fields(cls) if f.init}
         check_fields(d, allowed, _UPDATE_REQUIRED, "update_info")
+        if like is not None and like._same_layout(d):
+            return like._with_handles(d["ipc_handles"])
         return cls(**d)
+
+    def _same_layout(self, d: dict[str, Any]) -> bool:
+        """Whether ``d`` is a fork-wire packed message with exactly this
+        message's names, dtypes, shapes, sizes and offsets."""
+        handles = d.get("ipc_handles")
+        return (
+            self.packed
+            and not self.upstream_wire
+            and isinstance(handles, dict)
+            and d.get("ipc_handles_pickled") is None
+            and not _is_upstream_form(handles)
+            and d["names"] == self.names
+            and d["dtype_names"] == self.dtype_names
+            and d["shapes"] == self.shapes
+            and d.get("tensor_sizes") == self.tensor_sizes
+            and d.get("offsets") == self.offsets
+        )
+
+    def _with_handles(self, handles: dict[str, Any]) -> IPCWeightTransferUpdateInfo:
+        """This message with other buffer handles, checked as ``__init__``
+        checks them (each must cover the tensors' bytes)."""
+        other = copy.copy(self)
+        other.ipc_handles = _handle_map(handles, "update_info.ipc_handles")
+        other._buffers = None
+        other.buffers()
+        return other
 
     def __post_init__(self) -> None:
         if self.ipc_handles_pickled is not None:

@@ -36,10 +36,16 @@ from vllm.distributed.weight_transfer.checkpoint_structure import (
     module_dtype_kinds,
     wrong_dtype_kinds,
 )
-from vllm.distributed.weight_transfer.ipc_dataplane import BufferImporter, sync_device
+from vllm.distributed.weight_transfer.chunk_programs import BoundChunk, ChunkPrograms
+from vllm.distributed.weight_transfer.ipc_dataplane import (
+    BufferImporter,
+    mapping_key,
+    sync_device,
+)
 from vllm.distributed.weight_transfer.ipc_wire import (
     IPCWeightTransferInitInfo,
     IPCWeightTransferUpdateInfo,
+    LayoutMemo,
 )
 from vllm.distributed.weight_transfer.layerwise_session import (
     LayerwiseReloadSession,
@@ -94,6 +100,12 @@ class IPCWeightTransferEngine(
         self._planned: LandingPlan | None = None
         # Why the layout in ``_landing_layout`` could not be planned, if so.
         self.landing_refused: str | None = None
+        # Planned landings of chunks the worker keeps mapped, bound once
+        # (``chunk_programs``); for ``landing_plan``.
+        self.chunk_programs: ChunkPrograms | None = None
+        # Earlier messages whose checked views a message with the same
+        # layout reuses (``parse_update_info``).
+        self.layouts = LayoutMemo()
 
     def _make_publication(self) -> WorkerPublication:
         # Built on first use: naming the device queries it (a GPU's UUID), and
@@ -112,7 +124,9 @@ class IPCWeightTransferEngine(
     def parse_update_info(
         self, update_dict: dict[str, Any]
     ) -> IPCWeightTransferUpdateInfo:
-        return IPCWeightTransferUpdateInfo.from_dict(update_dict)
+        # A chunk with the layout it had at an earlier sync (the same tensors
+        # at the same offsets of one buffer) reuses that message's views.
+        return self.layouts.parse(update_dict)
 
     # -- lifecycle hooks -------------------------------------------------------
 
@@ -146,17 +160,24 @@ class IPCWeightTransferEngine(
         # can free or reuse its buffers; a segment holding the trainer's own
         # parameters (persistent) that this update read stays mapped for the
         # next one.
-        if self._importer is not None:
-            self._importer.close(keep_persistent=True)
+        self._close_mappings(keep_persistent=True)
 
     def _on_update_failed(self, reason: str) -> None:
-        if self._importer is not None:
-            self._importer.close()
+        self._close_mappings()
 
     def shutdown(self) -> None:
         super().shutdown()
-        if self._importer is not None:
-            self._importer.close()
+        self._close_mappings()
+
+    def _close_mappings(self, keep_persistent: bool = False) -> None:
+        """Release the mappings (``BufferImporter.close``), dropping first the
+        bound programs that read them."""
+        importer = self._importer
+        if importer is None:
+            return
+        if self.chunk_programs is not None:
+            self.chunk_programs.forget(importer.releasing(keep_persistent))
+        importer.close(keep_persistent=keep_persistent)
 
     # -- receiving ---------------------------------------------------------------
 
@@ -196,8 +217,12 @@ class IPCWeightTransferEngine(
         buffers = [importer.open(h) for h in handles]
         for i, (start, end) in enumerate(_spans(views, len(buffers))):
             self.pub.check_buffer(i, buffers[i][start:end])
+        bound = self._bound_chunk(session, update_info, handles, buffers)
+        covered = bound.names if bound is not None else frozenset()
         weights = []
         for view in views:
+            if view.name in covered:
+                continue
             raw = buffers[view.buffer][view.offset : view.offset + view.nbytes]
             if view.offset % view.dtype.itemsize:
                 # Upstream packs without padding; a dtype view needs alignment.
@@ -207,26 +232,32 @@ class IPCWeightTransferEngine(
         record = self.pub.record
         if record is not None:
             with record.phase("load"):
-                self._land(session, weights, importer.storage_ptrs())
+                self._land(session, weights, importer.storage_ptrs(), bound)
         else:
-            self._land(session, weights, importer.storage_ptrs())
+            self._land(session, weights, importer.storage_ptrs(), bound)
         del weights, buffers
         sync_device(self.device)
         for view in views:
             self.pub.landed(view.name, view.nbytes)
         if not update_info.packed:
-            importer.close()  # one-shot buffers: nothing refers to them any more
+            # One-shot buffers: nothing refers to them any more.
+            self._close_mappings()
 
     def _land(
         self,
         session: Any,
         weights: list[tuple[str, torch.Tensor]],
         foreign_storages: set[int],
+        bound: BoundChunk | None = None,
     ) -> None:
-        """Planned names straight into the served tensors (staged: at the
-        commit), the rest through the session (the layerwise reload, or
-        staging)."""
+        """The chunk's bound program (``bound``: the planned names it covers,
+        which ``weights`` leaves out), then the other planned names straight
+        into the served tensors (staged: at the commit), the rest through the
+        session (the layerwise reload, or staging)."""
         planned = self._planned
+        if bound is not None:
+            assert planned is not None and isinstance(session, LayerwiseReloadSession)
+            session.land_bound(planned, bound.names, bound)
         if planned is not None:
             direct = planned.direct_names
             mine = [w for w in weights if w[0] in direct]
@@ -238,6 +269,56 @@ class IPCWeightTransferEngine(
             weights = [w for w in weights if w[0] not in direct]
         if weights:
             session.load(weights, foreign_storages=foreign_storages)
+
+    def _bound_chunk(
+        self,
+        session: Any,
+        update_info: IPCWeightTransferUpdateInfo,
+        handles: list[Any],
+        buffers: list[torch.Tensor],
+    ) -> BoundChunk | None:
+        """The chunk's planned landing as a program bound once, when it can
+        be: planned landing on, an update landing live (not staged), and one
+        packed buffer that stays mapped across syncs (a trainer's
+        ``SharedParameters``). The program is reused while the mapping and
+        the chunk's layout in it are the ones it was bound to."""
+        planned = self._planned
+        if (
+            planned is None
+            or not isinstance(session, LayerwiseReloadSession)
+            or not update_info.packed
+            or update_info.upstream_wire
+            or len(handles) != 1
+            or not handles[0].persistent
+        ):
+            return None
+        programs = self.chunk_programs
+        if programs is None or programs.plan is not planned.plan:
+            programs = self.chunk_programs = ChunkPrograms(
+                planned.plan, planned.served, planned.direct_names
+            )
+        buffer = buffers[0]
+        views = update_info.views()
+        key = (
+            mapping_key(handles[0]),
+            buffer.data_ptr(),
+            tuple(update_info.names),
+            tuple(update_info.dtype_names),
+            tuple(map(tuple, update_info.shapes)),
+            tuple(v.offset for v in views),
+        )
+
+        def sources(names: Any) -> dict[str, torch.Tensor]:
+            wanted = set(names)
+            return {
+                v.name: buffer[v.offset : v.offset + v.nbytes]
+                .view(v.dtype)
+                .view(v.shape)
+                for v in views
+                if v.name in wanted and v.offset % v.dtype.itemsize == 0
+            }
+
+        return programs.bound(key, buffer.data_ptr(), update_info.names, sources)
 
     def _landing_plan_for(self, manifest: Any) -> LandingPlan | None:
         """The planned landing for the trainer layout ``manifest`` lists,

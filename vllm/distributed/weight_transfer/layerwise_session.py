@@ -176,6 +176,19 @@ class LayerwiseReloadSession:
         for name, tensor in weights:
             landing.land(name, tensor)
 
+    def land_bound(
+        self, landing: LandingPlan, names: Iterable[str], run: Callable[[], None]
+    ) -> None:
+        """Run ``run``, a bound program that lands exactly the planned bytes
+        of ``names`` (direct names of ``landing``; ``chunk_programs``), under
+        the same checks as ``land_planned``."""
+        fresh = self._admit_names(list(names), "land_bound()")
+        self._guard_forward()
+        self._planned = landing
+        self._calls.received |= fresh
+        with torch.no_grad():
+            run()
+
     def load(
         self,
         weights: Iterable[tuple[str, torch.Tensor]],
@@ -199,11 +212,17 @@ class LayerwiseReloadSession:
         """``weights`` as a list, and their names, once the session is open,
         within its deadline, and none of the names received before; else the
         call ``what`` raises before anything lands."""
+        weights = list(weights)
+        return weights, self._admit_names([name for name, _ in weights], what)
+
+    def _admit_names(self, names: list[str], what: str) -> set[str]:
+        """The fresh ones among ``names``, once the session is open, within its
+        deadline, and none of them received before; else ``what`` raises
+        before anything lands."""
         if not self._open:
             raise RuntimeError(self.closed_message(what))
         self.check_deadline(what)
-        weights = list(weights)
-        return weights, self._calls.new_names(name for name, _ in weights)
+        return self._calls.new_names(names)
 
     def finish(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

@@ -84,6 +84,9 @@ class LandingPlan:
     reloaded: dict[str, str]
     # (module, parameter name, tensor) of every bound view.
     _targets: list[tuple[torch.nn.Module, str, torch.Tensor]]
+    # The served tensors the direct copies write, by region qualname (what a
+    # bound copy program writes: ``chunk_programs``).
+    served: dict[str, torch.Tensor]
 
     @property
     def direct_names(self) -> frozenset[str]:
@@ -138,23 +141,25 @@ class LandingPlan:
         direct_modules = writers.keys() - reloaded.keys()
         copies: dict[str, list[_Bound]] = {}
         targets: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
-        seen: set[str] = set()
+        served: dict[str, torch.Tensor] = {}
         for copy in plan.copies:
             region = copy.region
             if region.module not in direct_modules:
                 continue
             view = region_view(model, region)
             copies.setdefault(copy.slice.source, []).append(_Bound(copy.slice, view))
-            if region.qualname not in seen:
-                seen.add(region.qualname)
+            if region.qualname not in served:
                 owner = model.get_submodule(region.module)
-                targets.append((owner, region.param, getattr(owner, region.param)))
+                tensor = getattr(owner, region.param)
+                served[region.qualname] = tensor
+                targets.append((owner, region.param, tensor))
         landing = cls(
             plan=plan,
             copies=copies,
             writers={m: frozenset(writers[m]) for m in direct_modules},
             reloaded=reloaded,
             _targets=targets,
+            served=served,
         )
         logger.info(
             "planned landing for %s: %d of %d checkpoint tensors (%d bytes) land "

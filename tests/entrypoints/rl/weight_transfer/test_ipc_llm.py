@@ -54,6 +54,7 @@ from vllm.distributed.weight_transfer.testing.multirank import (
     worker_ipc_update_keys,
 )
 from vllm.distributed.weight_transfer.testing.served_layers import (
+    chunk_program_state,
     kept_shared_segments,
     linear_layer_states,
     planned_landing_state,
@@ -470,9 +471,20 @@ def test_trainer_parameters_in_shared_memory_are_read_in_place(rig):
         if dense:
             assert engine._kept_buffer is None, "nothing was packed"
             assert kept == [[shared.shm_name]] * rig.combo.tp
+        programs = rig.llm.collective_rpc(chunk_program_state)
         randomize_weights_(model, seed=32)
         engine.send_weights()
         rig.assert_serves(model)
         assert rig.llm.collective_rpc(kept_shared_segments) == kept
+        # With the planned landing, each chunk read from the segment landed
+        # through a copy program bound at the first sync and run again at
+        # the second (not bound again).
+        again = rig.llm.collective_rpc(chunk_program_state)
+        if rig.combo.landing != "planned":
+            assert programs == again == [{}] * rig.combo.tp
+        elif dense:
+            for state in programs:
+                assert state["binds"] >= 1 and state["names"] > 0, state
+            assert again == programs
     finally:
         shared.close()

@@ -54,6 +54,21 @@ def planned_landing_state(worker: Any) -> dict[str, Any]:
     }
 
 
+def chunk_program_state(worker: Any) -> dict[str, int]:
+    """For ``collective_rpc``: the bound copy programs an ``ipc`` worker keeps
+    for chunks it reads from a kept mapping (``chunk_programs``): how many it
+    holds, how many it bound since its landing plan was baked, and how many
+    checkpoint names they land; ``{}`` without any."""
+    programs = getattr(worker.weight_transfer_engine, "chunk_programs", None)
+    if programs is None:
+        return {}
+    return {
+        "programs": len(programs),
+        "binds": programs.binds,
+        "names": programs.names_bound(),
+    }
+
+
 def kept_shared_segments(worker: Any) -> list[str]:
     """For ``collective_rpc``: names of the shared-memory segments an ``ipc``
     worker keeps mapped between updates (a trainer's ``SharedParameters``)."""

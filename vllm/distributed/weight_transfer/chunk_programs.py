@@ -1,0 +1,155 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The planned landing of a chunk that stays mapped across syncs, bound once
+as a `CopyProgram` and run every sync.
+
+With ``landing="planned"`` a worker lands each direct checkpoint tensor by
+replaying the slices its plan recorded: a few Python calls and one device copy
+per slice, tens of microseconds per tensor, which dominates a sync of
+thousands of small tensors (MoE experts). When the trainer's parameters live
+in one buffer the worker keeps mapped (``SharedParameters``), a chunk's bytes
+sit at the same addresses at every sync, and so do the served tensors they
+land in. Then the chunk's whole planned landing is one copy table
+(``copy_table``), compiled from the plan for the chunk's names and bound to
+the mapped bytes and the served tensors once (``copy_table_exec``).
+
+`ChunkPrograms` keeps those bound programs. ``land`` is given a key that
+names everything a program was bound to: the mapping (which buffer, at which
+address) and the chunk's layout in it (names, dtypes, shapes and offsets).
+The same key runs the program bound before; another key binds a new one. The
+owner drops the programs bound to a mapping before it unmaps it
+(``forget``), and drops them all when a served tensor was replaced (the
+landing plan is baked again then, and its programs go with it).
+
+Copies the table cannot take as a pure byte move (a cast, a view that had to
+copy) are left out, together with every other copy of the same checkpoint
+name: those names land the ordinary way (``LandingPlan.land``), so a name is
+landed by one path only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vllm.distributed.weight_transfer.copy_table import compile_copy_table
+from vllm.distributed.weight_transfer.copy_table_exec import CopyProgram
+from vllm.distributed.weight_transfer.sharded_rdt_ops import dtype_name
+from vllm.distributed.weight_transfer.sharded_rdt_plan import WorkerPlan
+
+# Programs kept per landing plan; a trainer's layout has one per chunk.
+DEFAULT_MAX_PROGRAMS = 256
+
+
+@dataclass(frozen=True)
+class BoundChunk:
+    """One chunk's planned landing, bound to its mapping."""
+
+    program: CopyProgram | None  # None when no copy of the chunk is a byte move
+    names: frozenset[str]  # checkpoint names the program lands in full
+    mapping: int  # address of the mapping the sources lie in
+
+    def __call__(self) -> None:
+        if self.program is not None:
+            self.program()
+
+
+class ChunkPrograms:
+    """Bound programs for the chunks of one landing plan; see the module
+    docstring.
+
+    ``plan`` is the worker's baked plan, ``served`` the tensors it writes by
+    region qualname (the live parameters), ``direct`` the checkpoint names
+    whose copies may land straight in them. ``method`` is the executor's
+    (``copy_table_exec.METHODS``, or "auto").
+    """
+
+    def __init__(
+        self,
+        plan: WorkerPlan,
+        served: Mapping[str, torch.Tensor],
+        direct: frozenset[str],
+        *,
+        method: str = "auto",
+        max_programs: int = DEFAULT_MAX_PROGRAMS,
+    ) -> None:
+        self.plan = plan
+        self.served = served
+        self.direct = direct
+        self.method = method
+        self.max_programs = max_programs
+        self._bound: dict[Hashable, BoundChunk] = {}
+        # Programs bound in this object's lifetime (a reused one counts once).
+        self.binds = 0
+
+    def __len__(self) -> int:
+        return len(self._bound)
+
+    def bound(
+        self,
+        key: Hashable,
+        mapping: int,
+        names: Sequence[str],
+        sources: Callable[[Sequence[str]], Mapping[str, torch.Tensor]],
+    ) -> BoundChunk:
+        """The program for the chunk ``key`` names, bound now if it was not.
+
+        ``mapping`` is the address of the buffer the chunk lies in,
+        ``names`` the chunk's names, and ``sources(names)`` the tensors of
+        those it is given in the mapping (called only when binding; a name it
+        leaves out lands the ordinary way)."""
+        found = self._bound.get(key)
+        if found is not None:
+            return found
+        chunk = self._bind(mapping, names, sources)
+        if len(self._bound) >= self.max_programs:
+            # A trainer whose layout keeps changing: drop the oldest.
+            self._bound.pop(next(iter(self._bound)))
+        self._bound[key] = chunk
+        self.binds += 1
+        return chunk
+
+    def _bind(
+        self,
+        mapping: int,
+        names: Sequence[str],
+        sources: Callable[[Sequence[str]], Mapping[str, torch.Tensor]],
+    ) -> BoundChunk:
+        tensors = sources([n for n in names if n in self.direct])
+        wanted = [n for n in names if n in tensors]
+        metas = {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in tensors.items()}
+        table = compile_copy_table(self.plan, metas, only_sources=wanted)
+        if table.fallback:
+            # A name with any copy the table cannot move lands the ordinary
+            # way, all of it.
+            slow = {f.source for f in table.fallback}
+            wanted = [n for n in wanted if n not in slow]
+            table = compile_copy_table(self.plan, metas, only_sources=wanted)
+            assert not table.fallback, table.fallback
+        if table.entries == 0:
+            return BoundChunk(None, frozenset(wanted), mapping)
+        program = CopyProgram(
+            table,
+            [tensors[spec.name] for spec in table.sources],
+            [self.served[spec.name] for spec in table.dests],
+            method=self.method,
+        )
+        return BoundChunk(program, frozenset(wanted), mapping)
+
+    def names_bound(self) -> int:
+        """Checkpoint names the kept programs land."""
+        return sum(len(chunk.names) for chunk in self._bound.values())
+
+    def forget(self, mappings: set[int]) -> None:
+        """Drop the programs bound to any of the ``mappings`` (addresses):
+        call before those are unmapped."""
+        if not mappings:
+            return
+        self._bound = {
+            k: c for k, c in self._bound.items() if c.mapping not in mappings
+        }
+
+    def clear(self) -> None:
+        self._bound.clear()
