@@ -82,6 +82,53 @@ def test_parameters_in_shared_memory_are_sent_without_packing(landing, checksums
     shared.close()
 
 
+class RecordingClient(EngineClient):
+    """Also records the names each update message carries."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.messages: list[list[str]] = []
+
+    def update_weights(self, update_info):
+        if "names" in update_info:
+            self.messages.append(list(update_info["names"]))
+        super().update_weights(update_info)
+
+
+def test_chunks_in_one_segment_travel_as_one_message_landed_by_one_program():
+    """The chunk cap (64 bytes here: one tensor per chunk) bounds a packed
+    buffer; nothing is packed from a segment, so its chunks go to the
+    workers as one message. The worker parses that message's layout once
+    and binds its planned landing once (``chunk_programs``); the second sync
+    reuses both."""
+    target = planned_ready(0)
+    engine = make_engine(target, landing="planned")
+    model = TinyNet(1)
+    shared = SharedParameters.place(model)
+    client = RecordingClient(engine)
+    trainer = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=64),
+        client=client,
+        source=ModuleSource(model),
+    )
+    trainer.send_weights()
+    names = list(state(model))
+    assert trainer.last_plan is not None and len(trainer.last_plan.chunks) > 1
+    assert client.messages == [names]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3).sub_(1)
+    trainer.send_weights()
+    assert client.messages == [names, names]
+    for name, want in state(model).items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name
+    programs = engine.chunk_programs
+    assert programs is not None and programs.binds == 1 and len(programs) == 1
+    assert programs.names_bound() == len(names)
+    assert engine.layouts.reused == 1
+    shared.close()
+
+
 def test_a_reallocated_parameter_is_packed_never_read_stale():
     target = planned_ready(0)
     engine = make_engine(target, landing="planned")
@@ -98,6 +145,15 @@ def test_a_reallocated_parameter_is_packed_never_read_stale():
     for name, want in state(model).items():
         assert torch.equal(dict(target.named_parameters())[name], want), name
     assert trainer._kept_buffer is not None, "the moved parameter's chunk was packed"
+    # The chunks in the segment before and after the moved parameter's travel
+    # as one message each, around the packed one, in the source's order.
+    client = RecordingClient(engine)
+    trainer.client = client
+    trainer.send_weights()
+    assert client.messages == [
+        ["a.weight"],
+        ["a.bias", "b.weight", "b.bias"],
+    ], client.messages
     shared.close()
 
 

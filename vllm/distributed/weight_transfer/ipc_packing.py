@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 
 from vllm.distributed.weight_transfer.base import ParamMeta
 from vllm.distributed.weight_transfer.ipc_wire import dtype_name, tensor_nbytes
@@ -65,9 +65,10 @@ class Chunk:
         """Bytes of the packed buffer this chunk uses."""
         return max((s.offset + s.nbytes for s in self.slots), default=0)
 
-    @property
+    @cached_property
     def span(self) -> tuple[int, int]:
-        """``(start, end)``: the bytes of the packed buffer this chunk uses."""
+        """``(start, end)``: the bytes of the packed buffer this chunk uses
+        (computed once: every sync of a plan asks)."""
         if not self.slots:
             return (0, 0)
         return (

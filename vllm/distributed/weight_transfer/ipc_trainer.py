@@ -230,7 +230,8 @@ def _check_yielded(meta: ParamMeta, name: str, tensor: Any) -> torch.Tensor:
             f"WeightSource yielded {name!r} as {dtype_name(tensor.dtype)} but "
             f"metadata() says {dtype_name(meta.dtype)}"
         )
-    if tuple(tensor.shape) != tuple(meta.shape):
+    shape = meta.shape
+    if tensor.shape != (shape if isinstance(shape, tuple) else tuple(shape)):
         raise ValueError(
             f"WeightSource yielded {name!r} with shape {list(tensor.shape)} but "
             f"metadata() says {list(meta.shape)}"
@@ -319,6 +320,8 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         # keep those mapped), and those the sync under way names.
         self._shared_kept: weakref.WeakSet[SharedParameters] = weakref.WeakSet()
         self._shared_now = _SharedInSync(self._shared_kept)
+        # Chunks in one shared segment waiting to go as one message.
+        self._held: _HeldChunks | None = None
 
     @property
     def packed(self) -> bool:
@@ -580,6 +583,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
             cursor.finish()
             return
         in_flight = _UpdateInFlight(asynchronous=plan.overlapped)
+        self._held = None
         try:
             previous: Chunk | None = None
             for chunk in plan.chunks:
@@ -588,8 +592,10 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                     self._settle(in_flight)
                 self._send_packed_chunk(plan, chunk, cursor, buffers, in_flight)
                 previous = chunk
+            self._send_held(in_flight)
             self._settle(in_flight)
         finally:
+            self._held = None
             in_flight.close()
         cursor.finish()
 
@@ -635,6 +641,13 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         def pack(slot: TensorSlot, tensor: torch.Tensor) -> None:
             nonlocal buffer, device
             if buffer is None:
+                # Chunks held before this one go first, and must have
+                # arrived before a CUDA buffer is exported for this one: an
+                # export no worker opens (the sync fails first) is never
+                # released, as torch counts on the reader to let go.
+                if self._held is not None:
+                    self._send_held(in_flight)
+                    self._settle(in_flight)
                 buffer = self._packed_buffer(plan.buffer_nbytes, tensor.device, owned)
             assert buffer.tensor is not None
             device = buffer.tensor.device
@@ -648,38 +661,32 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                 else:
                     dst.copy_(tensor)
 
+        # The end of the last tensor found in ``segment``: the wire lists a
+        # buffer's tensors in increasing, non-overlapping order.
+        after = 0
         try:
             for slot in chunk.slots:
                 tensor = cursor.next()
-                self._check_wire_device(tensor)
+                if self.upstream_wire:
+                    self._check_wire_device(tensor)
                 if may_share:
-                    place = segment
-                    if slot.nbytes:
+                    # (Runs for every tensor of every sync: kept lean.)
+                    offset: int | None = None
+                    if not slot.nbytes:
+                        offset = after if segment is not None else None
+                    elif segment is not None:
                         # Most tensors lie in the segment of the one before.
-                        found = segment.owner.locate(tensor) if segment else None
-                        place = (
-                            SharedPlace(segment.owner, found)
-                            if segment is not None and found is not None
-                            else shared_place(tensor)
-                        )
-                    # The wire lists a buffer's tensors in increasing,
-                    # non-overlapping order.
-                    after = (
-                        in_segment[-1][2] + in_segment[-1][0].nbytes
-                        if in_segment
-                        else 0
-                    )
-                    if (
-                        place is not None
-                        and (segment is None or place.owner is segment.owner)
-                        and (not slot.nbytes or place.offset >= after)
-                    ):
-                        segment = place
-                        # Synced below before the handle goes out: the
-                        # trainer's last writes may still be queued.
-                        device = place.owner.device
-                        offset = place.offset if slot.nbytes else after
+                        offset = segment.owner.locate(tensor)
+                    else:
+                        segment = shared_place(tensor)
+                        if segment is not None:
+                            offset = segment.offset
+                            # Synced below before the handle goes out: the
+                            # trainer's last writes may still be queued.
+                            device = segment.owner.device
+                    if offset is not None and offset >= after:
                         in_segment.append((slot, tensor, offset))
+                        after = offset + slot.nbytes
                         continue
                     # Not all in one segment: pack the chunk as usual.
                     may_share, segment = False, None
@@ -692,6 +699,11 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                 torch._foreach_copy_(dsts, srcs)
             batched.clear()
             sync_device(device)
+            if segment is not None and self._hold(chunk, segment, in_segment):
+                # Sent together with the next chunks in the same segment.
+                return
+            # A chunk not held goes after the chunks held before it.
+            self._send_held(in_flight)
             if segment is not None:
                 checksum = self._checksum(_segment_span(segment, in_segment))
             elif buffer is not None and buffer.tensor is not None:
@@ -727,6 +739,50 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
             in_flight.start(what, lambda: self.client.update_weights(message))
         else:
             in_flight.start(what, None)
+        if not in_flight.asynchronous:
+            self._settle(in_flight)
+
+    def _hold(
+        self,
+        chunk: Chunk,
+        place: SharedPlace,
+        found: list[tuple[TensorSlot, torch.Tensor, int]],
+    ) -> bool:
+        """Hold a chunk whose tensors all lie in one ``SharedParameters``
+        segment, to send with the chunks after it that lie in the same
+        segment further on, as one message: nothing is packed, so the chunk
+        cap (a packed buffer's size) does not apply, and each message costs
+        the workers a round trip. Single-rank trainers only (the ones that
+        read from segments); False when the chunk must go on its own."""
+        if self.group.world_size != 1:
+            return False
+        held = self._held
+        if held is not None and not held.takes(place, found):
+            return False
+        if held is None:
+            held = self._held = _HeldChunks(place.owner, chunk.index)
+        held.add(chunk.index, self._chunk_fields[chunk.index], found)
+        return True
+
+    def _send_held(self, in_flight: _UpdateInFlight) -> None:
+        """Send the chunks held (``_hold``) as one message, if any."""
+        held, self._held = self._held, None
+        if held is None:
+            return
+        place = SharedPlace(held.owner, held.found[0][2])
+        checksum = self._checksum(_segment_span(place, held.found))
+        self._shared_now.use(held.owner)
+        key = device_key(held.owner.device, self.rank)
+        what = f"chunks {held.first}-{held.last}"
+        message = self._attach(
+            {**held.fields, "ipc_handles": {key: held.owner.handle.to_dict()}},
+            what,
+            [[checksum]],
+        )
+        self._settle(in_flight)
+        in_flight.start(
+            f"update_weights of {what}", lambda: self.client.update_weights(message)
+        )
         if not in_flight.asynchronous:
             self._settle(in_flight)
 
@@ -828,6 +884,42 @@ class _SharedInSync:
         if owner not in self._kept:
             owner.export_anew()
         self.used.add(owner)
+
+
+class _HeldChunks:
+    """Chunks held to travel as one message: all their tensors lie in
+    ``owner``'s segment, at increasing offsets
+    (``IPCTrainerWeightTransferEngine._hold``)."""
+
+    def __init__(self, owner: SharedParameters, first: int) -> None:
+        self.owner = owner
+        self.first = self.last = first
+        self.fields: dict[str, list[Any]] = {}
+        self.found: list[tuple[TensorSlot, torch.Tensor, int]] = []
+
+    def takes(
+        self, place: SharedPlace, found: list[tuple[TensorSlot, torch.Tensor, int]]
+    ) -> bool:
+        """Whether a chunk in ``place`` can join: the same segment, and its
+        tensors after the last one held (the wire lists a buffer's tensors
+        in increasing, non-overlapping order)."""
+        if place.owner is not self.owner or not self.found:
+            return place.owner is self.owner
+        slot, _, offset = self.found[-1]
+        return found[0][2] >= offset + slot.nbytes if found else True
+
+    def add(
+        self,
+        index: int,
+        fields: dict[str, Any],
+        found: list[tuple[TensorSlot, torch.Tensor, int]],
+    ) -> None:
+        self.last = index
+        for name, values in fields.items():
+            if name != "offsets":
+                self.fields.setdefault(name, []).extend(values)
+        self.fields.setdefault("offsets", []).extend(o for _, _, o in found)
+        self.found.extend(found)
 
 
 class _UpdateInFlight:

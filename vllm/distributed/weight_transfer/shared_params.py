@@ -80,6 +80,9 @@ class SharedParameters:
             flat.numel(),
             flat.device,
         )
+        # What ``Tensor.get_device()`` answers for a tensor on that device
+        # (-1 on CPU): cheaper to compare than device objects.
+        self._device_index = flat.get_device()
         with _live_lock:
             _live.add(self)
 
@@ -176,7 +179,7 @@ class SharedParameters:
         """``tensor``'s byte offset in the buffer, or None when its bytes are
         not all there, contiguous. (Called for every tensor of every sync:
         the buffer's address, size and device are read once, at placing.)"""
-        if self._buffer is None or tensor.device != self._device:
+        if self._buffer is None or tensor.get_device() != self._device_index:
             return None
         start = tensor.data_ptr() - self._base
         if start < 0 or start + tensor.nbytes > self._nbytes:
