@@ -27,13 +27,28 @@ into the worker's. Measured, per model:
                     which every chunk names (no packing copy) and the worker
                     maps once for all syncs (``first_sync_seconds`` includes
                     that mapping; ``place_seconds`` is the one-time placement);
+* ``fork_shared_params_planned`` (with ``--plans-dir``): the same trainer, and
+                    a worker that holds vLLM's kernel-format tensors (fused QKV,
+                    gate-up, stacked experts) and lands each chunk with the
+                    planned landing bound once over the kept mapping
+                    (``chunk_programs``: the plan ``bench_plan_scale.py
+                    --plans-dir`` baked for the model at TP 1, compiled into a
+                    copy table): one copy per byte from the trainer's
+                    parameters into the served layout, which the worker engine
+                    does with ``landing="planned"``;
+* ``fork_shared_params_planned_one_chunk``: the same with a packed-buffer cap
+                    above the model's size, so one message carries every
+                    tensor (nothing is packed, so the cap allocates nothing):
+                    the cost of the per-chunk round trips;
 * ``upstream_packed`` upstream 0.32's ``packed_ipc_producer`` ->
                     ``packed_ipc_consumer`` (taken from the pinned release's
                     ``packed_tensor.py``, carried to the run, not part of the fork)
                     -> copy into the destinations.
 
 Every mode is verified: a checksum of the worker's destinations equals the
-trainer's. Prints one JSON document (also written to ``--out``).
+trainer's; the planned modes compare every planned copy bit for bit instead
+(the served layout differs from the trainer's). Prints one JSON document (also
+written to ``--out``).
 
 Runs where vLLM is not installed (the lent GPU machine) through the stand-ins in
 ``tools/fork/device``; run ``tools/fork/device/prepare.sh`` first, then::
@@ -52,6 +67,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from _bench_common import emit_json
@@ -152,13 +168,73 @@ def gbps(nbytes: int, seconds: float) -> float:
 # worker process: destinations + the landing of each mode
 
 
+def _planned_worker(plan_path: str, sent: list[tuple[str, tuple]]):
+    """The served tensors a baked plan writes for the names the trainer sends
+    (by region qualname), and the chunk programs that land into them."""
+    import gzip
+
+    from vllm.distributed.weight_transfer.chunk_programs import ChunkPrograms
+    from vllm.distributed.weight_transfer.copy_table import compile_copy_table
+    from vllm.distributed.weight_transfer.copy_table_exec import empty_dests
+    from vllm.distributed.weight_transfer.sharded_rdt_plan import WorkerPlan
+
+    opener = gzip.open if plan_path.endswith(".gz") else open
+    with opener(plan_path, "rt") as f:
+        plan = WorkerPlan.from_json(json.load(f))
+    metas = {n: (shape, "bfloat16") for n, shape in sent}
+    table = compile_copy_table(plan, metas, only_sources=metas)
+    served = {
+        spec.name: t
+        for spec, t in zip(table.dests, empty_dests(table, "cuda"), strict=True)
+    }
+    programs = ChunkPrograms(plan, served, frozenset(metas))
+    summary = table.summary()
+    summary["unplanned_names"] = len(set(metas) - {s.name for s in table.sources})
+    return programs, summary
+
+
+def _verify_planned(programs, sources: dict[str, torch.Tensor]) -> dict:
+    """Every planned copy of the names the trainer sent, compared bit for bit:
+    the region of the served tensor against the slice the model's loader
+    would take of the trainer's tensor (read through the kept mapping)."""
+    from vllm.distributed.weight_transfer.sharded_rdt_ops import replay_slice
+
+    bad, checked = [], 0
+    for copy in programs.plan.copies:
+        source = sources.get(copy.slice.source)
+        if source is None:
+            continue
+        region = copy.region
+        served = programs.served[region.qualname]
+        view = served.as_strided(
+            region.shape, region.stride, served.storage_offset() + region.offset
+        )
+        got = view.contiguous().view(torch.int16)
+        want = replay_slice(source, copy.slice).contiguous().view(torch.int16)
+        checked += 1
+        if not torch.equal(got, want):
+            bad.append(f"{copy.slice.source} -> {region.qualname}")
+    return {"copies_checked": checked, "bit_exact": not bad, "first_bad": bad[:5]}
+
+
 def _worker(conn, params) -> None:
     torch.cuda.set_device(0)
     dest = {n: torch.empty(s, dtype=DTYPE, device="cuda") for n, s in params}
-    from vllm.distributed.weight_transfer.ipc_dataplane import BufferImporter
-    from vllm.distributed.weight_transfer.ipc_wire import IPCWeightTransferUpdateInfo
+    from vllm.distributed.weight_transfer.ipc_dataplane import (
+        BufferImporter,
+        mapping_key,
+    )
+    from vllm.distributed.weight_transfer.ipc_wire import (
+        IPCWeightTransferUpdateInfo,
+        LayoutMemo,
+    )
 
     importer = BufferImporter(torch.device("cuda", 0), local_rank=0)
+    layouts = LayoutMemo()
+    programs = None
+    names_left = 0
+    # The mapped source of every name a program was bound for (to verify).
+    planned_sources: dict[str, torch.Tensor] = {}
     conn.send("ready")
     while True:
         kind, payload = conn.recv()
@@ -171,13 +247,60 @@ def _worker(conn, params) -> None:
             conn.send("ok")
         elif kind == "checksum":
             conn.send(checksum(dest))
+        elif kind == "planned_setup":
+            # The planned mode runs last: its served tensors replace the
+            # checkpoint-shaped ones (zero and checksum then act on them).
+            dest.clear()
+            torch.cuda.empty_cache()
+            programs, summary = _planned_worker(*payload)
+            dest.update(programs.served)
+            conn.send(summary)
         elif kind == "fork_update":
             message, land = payload
-            info = IPCWeightTransferUpdateInfo.from_dict(json.loads(message))
-            bufs = []
+            if land == "planned":
+                # As the worker engine parses: a chunk with an earlier
+                # layout reuses that message's checked views.
+                info = layouts.parse(json.loads(message))
+            else:
+                info = IPCWeightTransferUpdateInfo.from_dict(json.loads(message))
+            bufs, handles = [], []
             for hmap in info.buffers():
                 _, handle = importer.select(hmap, "ipc_handles")
+                handles.append(handle)
                 bufs.append(importer.open(handle))
+            if land == "planned":
+                # As the worker engine does for a chunk in a kept mapping:
+                # the chunk's bound program, reused while its layout holds.
+                assert programs is not None and len(bufs) == 1
+                buf, views = bufs[0], info.views()
+                key = (
+                    mapping_key(handles[0]),
+                    buf.data_ptr(),
+                    tuple(info.names),
+                    tuple(info.dtype_names),
+                    tuple(map(tuple, info.shapes)),
+                    tuple(v.offset for v in views),
+                )
+
+                def sources(names, buf=buf, views=views):
+                    wanted = set(names)
+                    found = {
+                        v.name: buf[v.offset : v.offset + v.nbytes]
+                        .view(v.dtype)
+                        .view(v.shape)
+                        for v in views
+                        if v.name in wanted
+                    }
+                    planned_sources.update(found)
+                    return found
+
+                bound = programs.bound(key, buf.data_ptr(), info.names, sources)
+                bound()
+                names_left += sum(1 for v in views if v.name not in bound.names)
+                torch.cuda.synchronize()
+                del bufs, buf, views
+                conn.send("ok")
+                continue
             srcs, dsts = [], []
             for v in info.views():
                 raw = bufs[v.buffer][v.offset : v.offset + v.nbytes]
@@ -200,6 +323,16 @@ def _worker(conn, params) -> None:
             conn.send("ok")
         elif kind == "mappings":
             conn.send(importer.mappings_opened)
+        elif kind == "planned_verify":
+            assert programs is not None
+            conn.send(_verify_planned(programs, planned_sources))
+        elif kind == "programs":
+            conn.send(
+                {
+                    "programs_bound": 0 if programs is None else programs.binds,
+                    "names_not_in_programs": names_left,
+                }
+            )
         elif kind == "upstream_chunk":
             from packed_tensor_upstream import (
                 PackedBufferImporter,
@@ -234,6 +367,7 @@ class PipeClient:
     def __init__(self, conn, land: str = "loop") -> None:
         self.conn = conn
         self.land = land
+        self.messages = 0  # update messages carrying tensors
 
     def init_weight_transfer_engine(self, init_info) -> None:
         pass
@@ -242,6 +376,7 @@ class PipeClient:
         pass
 
     def update_weights(self, update_info) -> None:
+        self.messages += 1
         self.conn.send(("fork_update", (json.dumps(update_info), self.land)))
         if _reply(self.conn) != "ok":
             raise RuntimeError("worker failed")
@@ -332,7 +467,7 @@ def bench_fork(
             verify_publication=False,
             **options,
         ),
-        client=PipeClient(conn, land),
+        client=(client := PipeClient(conn, land)),
         source=Source(),
     )
     mapped_before = _call(conn, "mappings")
@@ -354,6 +489,8 @@ def bench_fork(
         "all_seconds": times,
         "worker_mappings_opened": _call(conn, "mappings") - mapped_before,
         "chunks": len(engine.last_plan.chunks),
+        # SharedParameters: chunks in the one allocation travel as one message
+        "messages_per_sync": client.messages / reps,
         "overlapped": engine.last_plan.overlapped,
         "buffer_cap_bytes": buffer_bytes,
         "trainer_extra_peak_bytes": max(peaks),
@@ -366,13 +503,21 @@ _PLACED: list = []
 
 
 def bench_shared_params(
-    tensors, conn, reps: int, buffer_bytes: int, land: str = "loop"
+    tensors,
+    conn,
+    reps: int,
+    buffer_bytes: int,
+    land: str = "loop",
+    plan_path: str | None = None,
+    sent: list | None = None,
 ) -> dict:
     """The trainer's tensors placed in one CUDA allocation
     (``SharedParameters``): each chunk names it, nothing is packed, and the
     worker maps it once for every sync. The first such mode places them and
     leaves ``tensors`` holding the placed tensors (same values; the originals
-    are freed); later ones reuse the placement."""
+    are freed); later ones reuse the placement. With ``plan_path`` the worker
+    first swaps its destinations for the plan's served tensors and lands
+    through chunk programs (``land="planned"``)."""
     from vllm.distributed.weight_transfer.shared_params import (
         SharedParameters,
         shared_place,
@@ -394,8 +539,13 @@ def bench_shared_params(
             tensors[name] = getattr(holder, f"p{i}").data
         del holder
         torch.cuda.empty_cache()
+    if plan_path is not None:
+        result["copy_table"] = _call(conn, "planned_setup", (plan_path, sent))
     result.update(bench_fork(tensors, conn, reps, True, buffer_bytes, land=land))
     result["first_sync_seconds"] = result["all_seconds"][0]
+    if plan_path is not None:
+        result.update(_call(conn, "programs"))
+        result.update(_call(conn, "planned_verify"))
     return result
 
 
@@ -443,7 +593,14 @@ def bench_upstream(tensors, conn, reps: int, buffer_bytes: int) -> dict:
     }
 
 
-def run_model(shape: ModelShape, layers: int | None, reps: int, buffer_bytes: int):
+def run_model(
+    shape: ModelShape,
+    layers: int | None,
+    reps: int,
+    buffer_bytes: int,
+    plan_path: str | None = None,
+    only: set[str] | None = None,
+):
     params = param_list(shape, layers)
     nbytes = nbytes_of(params)
     ctx = mp.get_context("spawn")
@@ -498,23 +655,46 @@ def run_model(shape: ModelShape, layers: int | None, reps: int, buffer_bytes: in
             {"land": "foreach"},
         ),
     }
+    if plan_path is not None:
+        # last of all: the worker's destinations become the served layout
+        modes["fork_shared_params_planned"] = (
+            bench_shared_params,
+            (tensors, parent, reps, buffer_bytes),
+            {"land": "planned", "plan_path": plan_path, "sent": params},
+        )
+        # the same with a cap above the model's size: one message per sync
+        # (nothing is packed, so the cap costs no memory here); what the
+        # per-chunk round trips cost
+        modes["fork_shared_params_planned_one_chunk"] = (
+            bench_shared_params,
+            (tensors, parent, reps, 2 * nbytes),
+            {"land": "planned", "plan_path": plan_path, "sent": params},
+        )
+    if only is not None:
+        modes = {k: v for k, v in modes.items() if k in only}
     for mode, (fn, fn_args, options) in modes.items():
         try:
             r = fn(*fn_args, **options)
             r["GBps"] = gbps(nbytes, r["seconds"])
-            r["verified"] = abs(r.pop("checksum") - expected) <= 1e-6 * abs(expected)
+            if "bit_exact" in r:  # the planned mode: served layout, checked per copy
+                r.pop("checksum")
+                r["verified"] = r["bit_exact"] and r["copies_checked"] == len(params)
+            else:
+                r["verified"] = abs(r.pop("checksum") - expected) <= 1e-6 * abs(
+                    expected
+                )
         except Exception as e:  # record and go on to the next mode
             r = {"error": f"{type(e).__name__}: {e}"}
         result[mode] = r
         print(mode, json.dumps(r), flush=True)
     d2d = result["d2d_copy"]["flat_GBps"]
-    upstream = result["upstream_packed"].get("GBps")
+    upstream = result.get("upstream_packed", {}).get("GBps")
     for mode in modes:
         if "GBps" in result[mode]:
             result[mode]["fraction_of_d2d"] = result[mode]["GBps"] / d2d
             if upstream and mode.startswith("fork"):
                 result[mode]["vs_upstream_packed"] = result[mode]["GBps"] / upstream
-    if "vs_upstream_packed" in result["fork_packed"]:
+    if "vs_upstream_packed" in result.get("fork_packed", {}):
         result["fork_packed_vs_upstream_packed"] = result["fork_packed"][
             "vs_upstream_packed"
         ]
@@ -526,6 +706,16 @@ def run_model(shape: ModelShape, layers: int | None, reps: int, buffer_bytes: in
     gc.collect()  # the per-mode Source classes are freed by the cyclic GC
     torch.cuda.empty_cache()
     return result
+
+
+def _plan_path(plans_dir: str | None, model: str) -> str | None:
+    if plans_dir is None:
+        return None
+    for suffix in (".json.gz", ".json"):
+        path = Path(plans_dir) / f"{model}_tp1_rank0{suffix}"
+        if path.exists():
+            return str(path)
+    raise FileNotFoundError(f"no plan {model}_tp1_rank0.json[.gz] in {plans_dir}")
 
 
 def main() -> None:
@@ -547,19 +737,38 @@ def main() -> None:
         "trainer and worker copies of it need about 122 GB)",
     )
     parser.add_argument("--models", default="8b,30b")
+    parser.add_argument(
+        "--plans-dir",
+        default=None,
+        help="folder of plans baked by bench_plan_scale.py --plans-dir "
+        "(qwen3-8b_tp1_rank0.json[.gz], qwen3-30b-a3b_tp1_rank0.json[.gz]): "
+        "adds the fork_shared_params_planned mode",
+    )
+    parser.add_argument(
+        "--modes", default=None, help="comma-separated modes to run (default: all)"
+    )
     args = parser.parse_args()
     buffer_bytes = int(args.buffer_gib * 2**30)
+    only = set(args.modes.split(",")) if args.modes else None
     runs = []
     if "8b" in args.models:
-        runs.append((QWEN3_8B, None))
+        runs.append((QWEN3_8B, None, "qwen3-8b"))
     if "30b" in args.models:
-        runs.append((QWEN3_30B_A3B, args.moe_layers))
+        runs.append((QWEN3_30B_A3B, args.moe_layers, "qwen3-30b-a3b"))
     doc = {
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "results": [
-            run_model(s, layers, args.reps, buffer_bytes) for s, layers in runs
+            run_model(
+                s,
+                layers,
+                args.reps,
+                buffer_bytes,
+                _plan_path(args.plans_dir, plan),
+                only,
+            )
+            for s, layers, plan in runs
         ],
     }
     emit_json(doc, args.out)
