@@ -147,3 +147,26 @@ def test_the_bake_leaves_the_model_as_it_was():
         assert tensor is before[name][0], name
         assert torch.equal(tensor, before[name][1]), name
     assert not hasattr(model.handled, "handle")
+
+
+def test_a_staged_update_stages_only_the_slices_this_rank_keeps():
+    """``StagedUpdate.load_planned`` stages the planned slices of each direct
+    name (rank 1 keeps half of ``pair.b``'s columns), not whole tensors, and
+    the commit lands them as the model's own loaders would."""
+    from vllm.distributed.weight_transfer.staged_update import StagedUpdate
+
+    reference = Mixed()
+    reference.load_weights(MIXED.items())
+    model = Mixed()
+    plan = _bake(model, MIXED)
+    staged = StagedUpdate(model, None, where="device", model_device=torch.device("cpu"))
+    staged.start()
+    staged.load_planned(plan, [(n, MIXED[n]) for n in sorted(plan.direct_names)])
+    whole = sum(MIXED[n].numel() * 4 for n in plan.direct_names)
+    assert staged.staged_bytes == plan.direct_bytes == whole - 8 * 4
+    assert not model.kept.weight.any(), "nothing lands before the commit"
+    staged.finish()
+    got, want = dict(model.named_parameters()), dict(reference.named_parameters())
+    for name in ("toy.fused.weight", "toy.norm.weight", "kept.weight"):
+        assert torch.equal(got[name], want[name]), name
+    assert staged.staged_bytes == 0

@@ -146,14 +146,22 @@ class IPCWeightTransferEngine(
         if shapes is not None:
             check_manifest_shapes(manifest, shapes, header.publication_id)
         check_manifest_dtypes(manifest, self._kinds(), header.publication_id)
-        session = self._session
-        if isinstance(session, StagedUpdate):
-            # ipc workers receive (and so stage) every tensor whole.
-            session.expect(manifest.total_bytes, f"publication {header.publication_id}")
         if getattr(self.config, "landing", "reload") == "planned":
             # Staged or not: a staged update lands the planned names at the
             # commit, with the same plan.
             self._planned = self._landing_plan_for(manifest)
+        session = self._session
+        if isinstance(session, StagedUpdate):
+            # Staged: the worker's slices of the planned names, every other
+            # tensor whole (the reload slices it at the commit).
+            planned = self._planned
+            nbytes = manifest.total_bytes
+            if planned is not None:
+                direct = planned.direct_names
+                nbytes = planned.direct_bytes + sum(
+                    e.nbytes for e in manifest.entries if e.name not in direct
+                )
+            session.expect(nbytes, f"publication {header.publication_id}")
 
     def _on_update_closed(self) -> None:
         # Workers release their mappings when an update ends, so the trainer

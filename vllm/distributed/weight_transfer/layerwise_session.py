@@ -169,20 +169,26 @@ class LayerwiseReloadSession:
         """Copy ``weights`` (direct names of ``landing``) straight into the
         served tensors (``planned_landing``), under the same deadline,
         duplicate-name and forward-pass checks as ``load``."""
-        weights, fresh = self._admit(weights, "land_planned()")
-        self._guard_forward()
-        self._planned = landing
-        self._calls.received |= fresh
-        for name, tensor in weights:
-            landing.land(name, tensor)
+        weights = list(weights)
+
+        def land() -> None:
+            for name, tensor in weights:
+                landing.land(name, tensor)
+
+        self.land_bound(landing, [name for name, _ in weights], land, "land_planned()")
 
     def land_bound(
-        self, landing: LandingPlan, names: Iterable[str], run: Callable[[], None]
+        self,
+        landing: LandingPlan,
+        names: Iterable[str],
+        run: Callable[[], None],
+        what: str = "land_bound()",
     ) -> None:
-        """Run ``run``, a bound program that lands exactly the planned bytes
-        of ``names`` (direct names of ``landing``; ``chunk_programs``), under
-        the same checks as ``land_planned``."""
-        fresh = self._admit_names(list(names), "land_bound()")
+        """Run ``run``, which lands exactly the planned bytes of ``names``
+        (direct names of ``landing``: a bound program of ``chunk_programs``,
+        or staged slices at a commit), under the same deadline,
+        duplicate-name and forward-pass checks as ``load``."""
+        fresh = self._admit_names(list(names), what)
         self._guard_forward()
         self._planned = landing
         self._calls.received |= fresh

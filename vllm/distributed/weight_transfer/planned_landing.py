@@ -186,6 +186,19 @@ class LandingPlan:
         for bound in self.copies[name]:
             bound.view.copy_(replay_slice(tensor, bound.spec))
 
+    def slices(self, name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """The planned slices of ``tensor``, in the order ``land_slices``
+        takes them: all of it this worker keeps (its TP shard), as views
+        where the loader's ops are views."""
+        return [replay_slice(tensor, bound.spec) for bound in self.copies[name]]
+
+    @torch.no_grad()
+    def land_slices(self, name: str, slices: Sequence[torch.Tensor]) -> None:
+        """Copy slices taken by ``slices`` (or copies of them) into the
+        served tensors."""
+        for bound, piece in zip(self.copies[name], slices, strict=True):
+            bound.view.copy_(piece)
+
     def check_whole(self, received: Iterable[str]) -> None:
         """``IncompleteUpdateError`` when ``received`` writes part of a direct
         module: the module would serve old and new bytes together."""

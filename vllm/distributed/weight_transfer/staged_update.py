@@ -37,10 +37,12 @@ Deadline: ``timeout_s`` bounds the gap between two calls, as for the in-place
 session; past it the update is aborted (staging dropped) and the call raises
 ``TimeoutError``.
 
-What staging costs: every byte this worker receives, in the dtype it arrives
-in, once (``staged_bytes``). For ``sharded_rdt`` that is exactly the bytes of
-this worker's pull plan; for ``ipc`` it is every tensor the trainer sends,
-since every worker receives whole tensors and slices them when it loads.
+What staging costs: every byte this worker keeps of what it receives, in the
+dtype it arrives in, once (``staged_bytes``). For ``sharded_rdt`` that is
+exactly the bytes of this worker's pull plan. For ``ipc``, whose workers
+receive whole tensors, it is the planned slices of the names a planned
+landing copies directly (the worker's TP shard of them), and every other
+tensor whole, since the layerwise reload slices those when it loads them.
 """
 
 from __future__ import annotations
@@ -232,10 +234,28 @@ class StagedUpdate:
         self, landing: LandingPlan, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> None:
         """Stage tensors that ``landing`` copies straight into the served
-        tensors (direct names of a ``planned_landing.LandingPlan``); the
-        commit lands them with it, one copy each, not through the reload."""
-        staged = self._stage_all(weights, "load_planned()")
-        self.defer(lambda session: session.land_planned(landing, staged))
+        tensors (direct names of a ``planned_landing.LandingPlan``): only the
+        slices this worker keeps (its TP shard) are staged, and the commit
+        copies each into its place, not through the reload."""
+        self._check_open("load_planned()")
+        self.check_deadline("load_planned()")
+        weights = list(weights)
+        self.receive_names(name for name, _ in weights)
+        staged = [
+            (name, [self.stage(piece, name) for piece in landing.slices(name, tensor)])
+            for name, tensor in weights
+        ]
+        names = [name for name, _ in staged]
+
+        def land_all() -> None:
+            for name, pieces in staged:
+                landing.land_slices(name, pieces)
+
+        self.defer(
+            lambda session: session.land_bound(
+                landing, names, land_all, "the commit's planned landing"
+            )
+        )
 
     def _stage_all(
         self, weights: Iterable[tuple[str, torch.Tensor]], what: str

@@ -341,13 +341,23 @@ def test_moe_tp2_serves_the_old_weights_until_the_commit_and_survives_a_failure(
     # Generation between every message serves the old weights; the commit
     # switches both workers to the trainer's.
     during: list[GreedyResult] = []
-    client = AfterEachMessage(rig.client(), lambda: during.append(rig.greedy()))
+    staged: list[int] = []
+
+    def between_messages() -> None:
+        during.append(rig.greedy())
+        staged.extend(s["staged_bytes"] for s in rig.llm.collective_rpc(worker_staging))
+
+    client = AfterEachMessage(rig.client(), between_messages)
     moe_trainer(rig, client=client).send_weights(weight_version="m2")
     assert client.messages >= 3
     for result in during:
         assert_bit_identical(result, before, what="generation during the transfer")
     assert rig.llm.get_weight_version() == "m2"
     rig.assert_serves_trainer()
+    # Each worker staged its own shard of the planned tensors (and the
+    # experts whole), never the whole model.
+    whole = sum(p.numel() * p.element_size() for p in rig.model.parameters())
+    assert 0 < max(staged) < whole, (max(staged), whole)
 
     # Each worker's commit copied the attention, norms and embeddings from
     # staging straight into its served tensors; only the experts reloaded.
