@@ -220,6 +220,7 @@ def _verify_planned(programs, sources: dict[str, torch.Tensor]) -> dict:
 def _worker(conn, params) -> None:
     torch.cuda.set_device(0)
     dest = {n: torch.empty(s, dtype=DTYPE, device="cuda") for n, s in params}
+    from vllm.distributed.weight_transfer.chunk_programs import chunk_in_mapping
     from vllm.distributed.weight_transfer.ipc_dataplane import (
         BufferImporter,
         mapping_key,
@@ -273,24 +274,10 @@ def _worker(conn, params) -> None:
                 # the chunk's bound program, reused while its layout holds.
                 assert programs is not None and len(bufs) == 1
                 buf, views = bufs[0], info.views()
-                key = (
-                    mapping_key(handles[0]),
-                    buf.data_ptr(),
-                    tuple(info.names),
-                    tuple(info.dtype_names),
-                    tuple(map(tuple, info.shapes)),
-                    tuple(v.offset for v in views),
-                )
+                key, mapped = chunk_in_mapping(mapping_key(handles[0]), buf, info)
 
-                def sources(names, buf=buf, views=views):
-                    wanted = set(names)
-                    found = {
-                        v.name: buf[v.offset : v.offset + v.nbytes]
-                        .view(v.dtype)
-                        .view(v.shape)
-                        for v in views
-                        if v.name in wanted
-                    }
+                def sources(names, mapped=mapped):
+                    found = mapped(names)
                     planned_sources.update(found)
                     return found
 

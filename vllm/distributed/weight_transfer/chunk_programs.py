@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -54,6 +55,35 @@ class BoundChunk:
     def __call__(self) -> None:
         if self.program is not None:
             self.program()
+
+
+def chunk_in_mapping(
+    handle_key: Hashable, buffer: torch.Tensor, info: Any
+) -> tuple[Hashable, Callable[[Sequence[str]], dict[str, torch.Tensor]]]:
+    """For a packed ``ipc`` message ``info`` (``IPCWeightTransferUpdateInfo``)
+    read from ``buffer`` (its mapping; ``handle_key`` names the buffer): the
+    key ``ChunkPrograms.bound`` takes (the mapping and the message's layout
+    in it), and the ``sources`` callback that views the named tensors in the
+    mapping (tensors at offsets their dtype cannot start at are left out)."""
+    views = info.views()
+    key = (
+        handle_key,
+        buffer.data_ptr(),
+        tuple(info.names),
+        tuple(info.dtype_names),
+        tuple(map(tuple, info.shapes)),
+        tuple(v.offset for v in views),
+    )
+
+    def sources(names: Sequence[str]) -> dict[str, torch.Tensor]:
+        wanted = set(names)
+        return {
+            v.name: buffer[v.offset : v.offset + v.nbytes].view(v.dtype).view(v.shape)
+            for v in views
+            if v.name in wanted and v.offset % v.dtype.itemsize == 0
+        }
+
+    return key, sources
 
 
 class ChunkPrograms:

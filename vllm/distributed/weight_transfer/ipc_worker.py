@@ -36,7 +36,11 @@ from vllm.distributed.weight_transfer.checkpoint_structure import (
     module_dtype_kinds,
     wrong_dtype_kinds,
 )
-from vllm.distributed.weight_transfer.chunk_programs import BoundChunk, ChunkPrograms
+from vllm.distributed.weight_transfer.chunk_programs import (
+    BoundChunk,
+    ChunkPrograms,
+    chunk_in_mapping,
+)
 from vllm.distributed.weight_transfer.ipc_dataplane import (
     BufferImporter,
     mapping_key,
@@ -306,26 +310,7 @@ class IPCWeightTransferEngine(
                 planned.plan, planned.served, planned.direct_names
             )
         buffer = buffers[0]
-        views = update_info.views()
-        key = (
-            mapping_key(handles[0]),
-            buffer.data_ptr(),
-            tuple(update_info.names),
-            tuple(update_info.dtype_names),
-            tuple(map(tuple, update_info.shapes)),
-            tuple(v.offset for v in views),
-        )
-
-        def sources(names: Any) -> dict[str, torch.Tensor]:
-            wanted = set(names)
-            return {
-                v.name: buffer[v.offset : v.offset + v.nbytes]
-                .view(v.dtype)
-                .view(v.shape)
-                for v in views
-                if v.name in wanted and v.offset % v.dtype.itemsize == 0
-            }
-
+        key, sources = chunk_in_mapping(mapping_key(handles[0]), buffer, update_info)
         return programs.bound(key, buffer.data_ptr(), update_info.names, sources)
 
     def _landing_plan_for(self, manifest: Any) -> LandingPlan | None:
