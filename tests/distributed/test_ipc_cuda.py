@@ -388,3 +388,82 @@ def test_shared_parameters_are_mapped_once_and_read_in_place(reader):
     torch.cuda.synchronize()
     torch.cuda.ipc_collect()
     assert torch.cuda.memory_allocated() - base < (1 << 20), "memory went back"
+
+
+def test_a_kept_packed_buffer_is_mapped_once_and_exported_anew_after_a_failure(
+    reader,
+):
+    """``keep_packed_buffer=True`` on CUDA: the trainer packs into the same
+    allocation at every sync and exports it once (a persistent handle); the
+    reader keeps it mapped, so the second sync opens nothing and reads the
+    new bytes. A failed sync drops the buffer on both sides; the next one
+    packs into a new, freshly exported buffer. The memory goes back once
+    both sides let go."""
+    import gc
+
+    payload_checksum(torch.zeros(1 << 16, dtype=torch.uint8, device="cuda"))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    tensors = _tensors()
+    client = PipeWorker(reader)
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(
+            rank=0,
+            packed=True,
+            packed_buffer_size_bytes=20_000,
+            keep_packed_buffer=True,
+            verify_checksums=True,
+        ),
+        client=client,
+        source=CudaSource(tensors),
+    )
+
+    def assert_received() -> None:
+        for name, t in tensors.items():
+            assert torch.equal(client.received[name], t.cpu()), name
+
+    opened_before, _ = _stats(reader)
+    engine.send_weights()
+    assert_received()
+    assert engine.last_plan is not None and len(engine.last_plan.chunks) > 1
+    kept = engine._kept_buffer
+    assert kept is not None and kept.handle.persistent
+    export = kept.handle
+    assert _stats(reader) == (opened_before + 1, 1), "one mapping, kept"
+
+    for t in tensors.values():
+        t.mul_(-1)
+    engine.send_weights()
+    assert_received()
+    assert _stats(reader) == (opened_before + 1, 1), "the kept mapping is reused"
+    assert engine._kept_buffer is kept and kept.handle is export, "exported once"
+
+    client.fail_next = True
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.send_weights()
+    assert _stats(reader)[1] == 0 and engine._kept_buffer is None
+    for t in tensors.values():
+        t.add_(1)
+    engine.send_weights()
+    assert_received()
+    assert engine._kept_buffer is not None and engine._kept_buffer is not kept
+    assert _stats(reader) == (opened_before + 2, 1)
+
+    # Let go on both sides: the trainer frees its buffer, and a sync that
+    # does not name it makes the reader drop its mapping.
+    engine.shutdown()
+    del engine, kept, export
+    other = torch.arange(16, dtype=torch.float32, device="cuda")
+    other_engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed=True, keep_packed_buffer=False),
+        client=client,
+        source=CudaSource({"x": other}),
+    )
+    other_engine.send_weights()
+    assert _stats(reader)[1] == 0, "the reader dropped the buffer"
+    del other_engine, other
+    tensors.clear()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.ipc_collect()
+    assert torch.cuda.memory_allocated() - base < (1 << 20), "memory went back"

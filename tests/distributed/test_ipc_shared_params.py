@@ -180,9 +180,14 @@ def test_a_worker_drops_a_kept_segment_once_an_update_reads_others():
     shared = SharedParameters.place(model)
     trainer_for(engine, model).send_weights()
     assert len(kept_segments(engine)) == 1
-    other = TinyNet(2)  # not shared: packed into a fresh buffer
-    trainer_for(engine, other).send_weights()
-    assert kept_segments(engine) == []
+    other = TinyNet(2)  # not shared: packed into a buffer that trainer keeps
+    packing = trainer_for(engine, other)
+    packing.send_weights()
+    assert packing._kept_buffer is not None
+    assert kept_segments(engine) == [packing._kept_buffer.handle], (
+        "the segment is released; the packed buffer kept for the next sync stays"
+    )
+    packing.shutdown()
     for name, want in state(other).items():
         assert torch.equal(dict(target.named_parameters())[name], want), name
     shared.close()

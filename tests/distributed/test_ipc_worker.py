@@ -107,19 +107,39 @@ def state(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("packed", [True, False])
-def test_update_lands_every_weight_and_releases_every_mapping(packed):
+@pytest.mark.parametrize(
+    ("packed", "keep"),
+    [(True, None), (True, False), (False, None)],
+    ids=["packed-kept", "packed-freed", "unpacked"],
+)
+def test_update_lands_every_weight_and_releases_every_mapping(packed, keep):
+    """Every mapping is released at the finish, except that of a packed
+    buffer the trainer keeps for the next sync (the CPU default), which is
+    the same memory then and stays mapped."""
     target, trainer = reload_ready(0), TinyNet(1)
     engine = make_engine(target)
-    IPCTrainerWeightTransferEngine.trainer_init(
-        IPCTrainerInitInfo(rank=0, packed=packed, packed_buffer_size_bytes=64),
+    sender = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(
+            rank=0,
+            packed=packed,
+            packed_buffer_size_bytes=64,
+            keep_packed_buffer=keep,
+        ),
         client=EngineClient(engine),
         source=ModuleSource(trainer),
-    ).send_weights()
+    )
+    sender.send_weights()
     for name, want in state(trainer).items():
         assert torch.equal(dict(target.named_parameters())[name], want), name
-    assert engine._importer is None or engine._importer._open == {}
+    kept = sender._kept_buffer
+    mapped = [] if engine._importer is None else engine._importer.kept()
+    if packed and keep is None:
+        assert kept is not None and kept.handle.persistent
+        assert mapped == [kept.handle]
+    else:
+        assert kept is None and mapped == []
     assert engine.last_update_keys == {cpu_device_key(0)}
+    sender.shutdown()
 
 
 def test_draft_target_receives_the_update_and_the_default_model_does_not():
@@ -502,28 +522,38 @@ def test_planned_landing_reloads_when_the_loaders_cannot_be_planned():
     assert "not a slice of a checkpoint tensor" in (engine.landing_refused or "")
 
 
-def test_a_failure_after_a_planned_landing_fences_until_a_full_resync():
+@pytest.mark.parametrize(
+    "keep", [False, None], ids=["per-tensor-landing", "bound-over-kept-buffer"]
+)
+def test_a_failure_after_a_planned_landing_fences_until_a_full_resync(keep):
+    """A planned landing that fails part-way fences: tensor by tensor
+    (a packed buffer freed after each sync), and as the chunks' programs
+    bound over the packed buffer the trainer keeps (the CPU default)."""
+    from vllm.distributed.weight_transfer.chunk_programs import BoundChunk
     from vllm.distributed.weight_transfer.planned_landing import LandingPlan
 
     target, trainer = planned_ready(0), TinyNet(1)
     engine = make_engine(target, landing="planned")
-    original, calls = LandingPlan.land, []
+    owner, attr = (LandingPlan, "land") if keep is False else (BoundChunk, "__call__")
+    original, calls = getattr(owner, attr), []
+    fail_at = 3 if keep is False else 2
 
-    def land(plan, name, tensor):
-        calls.append(name)
-        if len(calls) == 3:
+    def failing(*args):
+        calls.append(args)
+        if len(calls) == fail_at:
             raise RuntimeError("injected landing failure")
-        original(plan, name, tensor)
+        original(*args)
 
-    LandingPlan.land = land  # type: ignore[method-assign]
+    setattr(owner, attr, failing)
     try:
         with pytest.raises(RuntimeError, match="injected"):
-            push(engine, trainer)
+            push(engine, trainer, keep_packed_buffer=keep)
     finally:
-        LandingPlan.land = original  # type: ignore[method-assign]
+        setattr(owner, attr, original)
+    assert len(calls) == fail_at
     status = engine.fence_status
     assert status["state"] == "fenced" and "injected" in status["reason"]
-    push(engine, trainer)  # the resync
+    push(engine, trainer, keep_packed_buffer=keep)  # the resync
     assert engine.fence_status["state"] == "committed"
     for name, want in state(trainer).items():
         assert torch.equal(dict(target.named_parameters())[name], want), name

@@ -111,8 +111,10 @@ class ChunkPrograms:
         self.method = method
         self.max_programs = max_programs
         self._bound: dict[Hashable, BoundChunk] = {}
-        # Programs bound in this object's lifetime (a reused one counts once).
+        # Programs bound in this object's lifetime (a reused one counts once),
+        # and the times a bound one was handed out again.
         self.binds = 0
+        self.reused = 0
 
     def __len__(self) -> int:
         return len(self._bound)
@@ -132,6 +134,7 @@ class ChunkPrograms:
         leaves out lands the ordinary way)."""
         found = self._bound.get(key)
         if found is not None:
+            self.reused += 1
             return found
         chunk = self._bind(mapping, names, sources)
         if len(self._bound) >= self.max_programs:

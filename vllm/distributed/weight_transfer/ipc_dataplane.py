@@ -12,15 +12,16 @@ device of the source tensors: CUDA tensors go through CUDA IPC
 Worker side, ``BufferImporter`` picks this worker's handle out of a
 ``{device_key: handle}`` map (see ``ipc_wire`` for the keys), maps each buffer
 once per update and releases every mapping in ``close()``, except, when
-asked, those of persistent buffers (a trainer's ``SharedParameters``), kept
-for the next update. A kept shared-memory mapping is re-checked
-(``MappedSegment.check``) each time it is handed out again; a kept CUDA
-mapping hands each new export's reference counter back to torch
-(``CudaMapping.check``).
+asked, those of persistent buffers (a trainer's ``SharedParameters``, or the
+packed buffer it keeps between syncs), kept for the next update. A kept
+shared-memory mapping is re-checked (``MappedSegment.check``) each time it
+is handed out again; a kept CUDA mapping hands each new export's reference
+counter back to torch (``CudaMapping.check``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +71,19 @@ class ExportedBuffer:
     handle: BufferHandle
     _owner: Any = None  # SharedMemoryBuffer, or the exported CUDA tensor
 
+    def export_anew(self) -> None:
+        """Give a CUDA buffer a fresh export (``handle``), with a reference
+        counter of its own for the next worker that maps it; see
+        ``SharedParameters.export_anew``. Shared memory needs none."""
+        if isinstance(self.handle, CudaIpcHandle) and self.tensor is not None:
+            from vllm.distributed.weight_transfer.cuda_ipc_buffer import (
+                export_cuda_bytes,
+            )
+
+            self.handle = export_cuda_bytes(
+                self.tensor, persistent=self.handle.persistent
+            )
+
     def close(self) -> None:
         self.tensor = None
         owner, self._owner = self._owner, None
@@ -78,22 +92,30 @@ class ExportedBuffer:
             close()
 
 
-def allocate_buffer(nbytes: int, device: torch.device) -> ExportedBuffer:
-    """A new exported byte buffer of ``nbytes`` on ``device``."""
+def allocate_buffer(
+    nbytes: int, device: torch.device, *, persistent: bool = False
+) -> ExportedBuffer:
+    """A new exported byte buffer of ``nbytes`` on ``device``. ``persistent``
+    marks its handle for a buffer the trainer reuses from sync to sync, which
+    workers then keep mapped (see ``BufferImporter.close``)."""
     if device.type == "cuda":
         from vllm.distributed.weight_transfer.cuda_ipc_buffer import (
             export_cuda_bytes,
         )
 
         tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
-        return ExportedBuffer(tensor, export_cuda_bytes(tensor), tensor)
+        handle = export_cuda_bytes(tensor, persistent=persistent)
+        return ExportedBuffer(tensor, handle, tensor)
     if device.type == "cpu":
         from vllm.distributed.weight_transfer.shm_buffer import SharedMemoryBuffer
         from vllm.distributed.weight_transfer.stale_updates import reap_segments
 
         reap_segments()  # segments of trainers that died without closing them
         shm = SharedMemoryBuffer(nbytes)
-        return ExportedBuffer(shm.tensor, shm.handle, shm)
+        shm_handle = shm.handle
+        if persistent:
+            shm_handle = dataclasses.replace(shm_handle, persistent=True)
+        return ExportedBuffer(shm.tensor, shm_handle, shm)
     raise ValueError(f"the ipc backend cannot export memory on {device}")
 
 
@@ -222,7 +244,8 @@ class BufferImporter:
 
     def close(self, keep_persistent: bool = False) -> None:
         """Release the mappings. ``keep_persistent`` keeps those of buffers
-        marked persistent (a trainer's own parameters) for the next update,
+        marked persistent (a trainer's own parameters, or its kept packed
+        buffer) for the next update,
         unless buffers were opened since the last ``close`` and they were not
         among them (a trainer that moved on, or died); a kept mapping is
         checked again before each reuse."""

@@ -145,7 +145,11 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     to the next instead of freeing it after each sync; ``shutdown()`` frees
     it. The default (``None``) keeps shared-memory buffers, whose pages cost
     more to create than to fill, and frees GPU buffers, so a colocated engine
-    gets that memory back between syncs.
+    gets that memory back between syncs. A kept buffer is the same memory at
+    every sync, so workers keep it mapped, and with the planned landing they
+    bind each chunk's copies to it once: every later sync is one copy into
+    the buffer and one copy out of it (the path of trainers whose tensors
+    are new at every sync, e.g. FSDP's ``full_tensor()``, or several ranks).
 
     ``overlap_chunks`` (default on) lets chunks alternate between the packed
     buffer's two halves when the model spans several chunks: the trainer
@@ -314,8 +318,11 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         self._versions = ModelVersions(init_info.model_version)
         # The publication being sent (sender only), and the last one verified.
         self._pub: TrainerPublication | None = None
-        # The packed buffer kept between syncs (see ``keep_packed_buffer``).
+        # The packed buffer kept between syncs (see ``keep_packed_buffer``);
+        # whether the workers ended the last sync holding it mapped, and
+        # whether the sync under way has written into it.
         self._kept_buffer: ExportedBuffer | None = None
+        self._kept_mapped = self._kept_used = False
         # SharedParameters buffers the last successful sync named (workers
         # keep those mapped), and those the sync under way names.
         self._shared_kept: weakref.WeakSet[SharedParameters] = weakref.WeakSet()
@@ -421,6 +428,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         # keep their export; any other is exported anew at its first use.
         self._shared_now = _SharedInSync(self._shared_kept)
         self._shared_kept = weakref.WeakSet()
+        self._kept_used = False
         try:
             self._send_chunks(plan, metas, buffers)
             if self.verify_publication:
@@ -431,6 +439,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
             )
             # Workers keep exactly the persistent buffers this sync used.
             self._shared_kept = self._shared_now.used
+            self._kept_mapped = self._kept_used
         except BaseException as e:
             # Also after a failed finish: vLLM's Worker keeps the update open
             # until an engine call raises or a finish returns.
@@ -801,16 +810,29 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         if kept is not None:
             assert kept.tensor is not None
             if kept.tensor.device == device and kept.tensor.numel() >= nbytes:
+                if not self._kept_used:
+                    # Workers that let go of it map it again: on CUDA that
+                    # takes a fresh export (see ``SharedParameters``).
+                    if not self._kept_mapped:
+                        kept.export_anew()
+                    self._kept_used = True
                 return kept
             self._drop_kept_buffer()
-        buffer = allocate_buffer(nbytes, device)
+        # A kept buffer is the same memory, written anew, at every sync:
+        # workers keep it mapped (persistent) and bind their planned landing
+        # to it once. Upstream's wire has no such mark.
+        buffer = allocate_buffer(
+            nbytes, device, persistent=keep and not self.upstream_wire
+        )
         if keep:
             self._kept_buffer = buffer
+            self._kept_used = True
         else:
             owned.append(buffer)
         return buffer
 
     def _drop_kept_buffer(self) -> None:
+        self._kept_mapped = self._kept_used = False
         buffer, self._kept_buffer = self._kept_buffer, None
         if buffer is not None:
             buffer.close()

@@ -292,8 +292,9 @@ class IPCWeightTransferEngine(
         """The chunk's planned landing as a program bound once, when it can
         be: planned landing on, an update landing live (not staged), and one
         packed buffer that stays mapped across syncs (a trainer's
-        ``SharedParameters``). The program is reused while the mapping and
-        the chunk's layout in it are the ones it was bound to."""
+        ``SharedParameters``, or the packed buffer it keeps). The program is
+        reused while the mapping and the chunk's layout in it are the ones it
+        was bound to."""
         planned = self._planned
         if (
             planned is None

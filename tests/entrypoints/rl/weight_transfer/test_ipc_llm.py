@@ -51,6 +51,7 @@ from vllm.distributed.weight_transfer.testing.multirank import (
     join_trainer_ranks,
     serve_relayed_calls,
     start_trainer_ranks,
+    trainer_weights,
     worker_ipc_update_keys,
 )
 from vllm.distributed.weight_transfer.testing.served_layers import (
@@ -234,11 +235,28 @@ def test_unpacked_update_serves_the_new_weights(rig):
 
 
 def test_second_update_after_in_place_change_uses_the_same_trainer_engine(rig):
+    """The trainer keeps its packed buffer (the CPU default) and the workers
+    keep it mapped: with the planned landing, each chunk's copies are bound
+    to it at the first sync and run again at the second, not bound again."""
     randomize_weights_(rig.trainer_model, seed=13)
     engine = rig.push(packed_buffer_size_bytes=CHUNK_CAP)
+    kept = rig.llm.collective_rpc(kept_shared_segments)
+    assert engine._kept_buffer is not None
+    assert kept == [[engine._kept_buffer.handle.name]] * rig.combo.tp
+    first = rig.llm.collective_rpc(chunk_program_state)
     randomize_weights_(rig.trainer_model, seed=14)  # in place, like an optimizer
     engine.send_weights()
     rig.assert_serves()
+    assert rig.llm.collective_rpc(kept_shared_segments) == kept
+    again = rig.llm.collective_rpc(chunk_program_state)
+    if rig.combo.landing != "planned":
+        assert first == again == [{}] * rig.combo.tp
+        return
+    chunks = len(engine.last_plan.chunks)
+    for before, after in zip(first, again, strict=True):
+        assert after["binds"] == before["binds"], (before, after)
+        assert after["reused"] - before["reused"] == chunks, (before, after)
+        assert after["names"] > 0
 
 
 def test_update_carrying_only_some_names(rig):
@@ -298,31 +316,48 @@ def test_a_failed_update_leaves_the_engine_serving(rig):
 def test_two_rank_trainer_feeds_each_worker_from_its_own_rank(rig):
     if (rig.combo.arch, rig.combo.dtype, rig.combo.tp) != ("qwen3", "float32", 2):
         pytest.skip("runs on the dense fp32 TP=2 engine only")
+    """Two gloo ranks each send the whole model from a packed buffer they
+    keep, twice (the weights change in place between the syncs); each worker
+    maps its own rank's buffer once and, with the planned landing, binds
+    each chunk's copies to it at the first sync and runs them again at the
+    second: the path of trainers whose tensors are new at every sync."""
     seed = 21
     spec = TinyModelSpec(arch="qwen3")
+    before = rig.llm.collective_rpc(chunk_program_state)
     parent, child = multiprocessing.get_context("spawn").Pipe()
     procs = start_trainer_ranks(
-        spec, seed, world_size=2, conn=child, packed_buffer_size_bytes=CHUNK_CAP
+        spec,
+        seed,
+        world_size=2,
+        conn=child,
+        syncs=2,
+        packed_buffer_size_bytes=CHUNK_CAP,
     )
     try:
         payloads = serve_relayed_calls(parent, OfflineLLMWeightSyncClient(rig.llm))
     finally:
         join_trainer_ranks(procs)
     chunks = [p for p in payloads if "ipc_handles" in p]  # not the prepare
-    assert len(chunks) > 1
+    assert len(chunks) > 2 and len(chunks) % 2 == 0
     for payload in chunks:
         keys = sorted(payload["ipc_handles"])
         assert [k.rsplit(":", 1)[1] for k in keys] == ["0", "1"]
+        assert all(h.get("persistent") for h in payload["ipc_handles"].values())
     # worker with local rank r read trainer rank r's buffers
     per_worker = rig.llm.collective_rpc(worker_ipc_update_keys)
     assert [[k.rsplit(":", 1)[1] for k in keys] for keys in per_worker] == [
         ["0"],
         ["1"],
     ]
-    from vllm.distributed.weight_transfer.testing import build_hf_model
-
-    trainer_model = build_hf_model(spec)
-    randomize_weights_(trainer_model, seed)
+    kept = rig.llm.collective_rpc(kept_shared_segments)
+    assert len(kept[0]) == len(kept[1]) == 1 and kept[0] != kept[1]
+    per_sync = len(chunks) // 2
+    if rig.combo.landing == "planned":
+        after = rig.llm.collective_rpc(chunk_program_state)
+        for old, new in zip(before, after, strict=True):
+            assert new["binds"] - old.get("binds", 0) == per_sync, (old, new)
+            assert new["reused"] - old.get("reused", 0) == per_sync, (old, new)
+    trainer_model = trainer_weights(spec, seed, syncs=2)
     rig.assert_serves(trainer_model)
     # keep the shared rig's trainer model in step with the engine
     rig.trainer_model.load_state_dict(trainer_model.state_dict())
@@ -483,8 +518,9 @@ def test_trainer_parameters_in_shared_memory_are_read_in_place(rig):
         if rig.combo.landing != "planned":
             assert programs == again == [{}] * rig.combo.tp
         elif dense:
-            for state in programs:
+            for state, later in zip(programs, again, strict=True):
                 assert state["binds"] >= 1 and state["names"] > 0, state
-            assert again == programs
+                assert later["binds"] == state["binds"], (state, later)
+                assert later["reused"] > state["reused"], (state, later)
     finally:
         shared.close()

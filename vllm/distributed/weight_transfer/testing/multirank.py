@@ -77,6 +77,7 @@ def _trainer_rank(
     seed: int,
     conn: Any,
     init_kwargs: dict[str, Any],
+    syncs: int,
 ) -> None:
     import torch.distributed as dist
 
@@ -106,6 +107,11 @@ def _trainer_rank(
             source=ModuleSource(model),
         )
         engine.send_weights()
+        for i in range(1, syncs):
+            # In place, as an optimizer step changes the weights.
+            randomize_weights_(model, seed + i)
+            engine.send_weights()
+        engine.shutdown()
     except BaseException:
         if rank == 0:
             conn.send((_DONE, traceback.format_exc()))
@@ -122,21 +128,39 @@ def start_trainer_ranks(
     seed: int,
     world_size: int,
     conn: Any,
+    syncs: int = 1,
     **init_kwargs: Any,
 ) -> list[Any]:
-    """Spawn the trainer ranks; rank 0 relays its client calls over ``conn``."""
+    """Spawn the trainer ranks; rank 0 relays its client calls over ``conn``.
+    Each rank builds ``spec``'s model with weights from ``seed`` and sends it
+    ``syncs`` times, drawing the weights anew in place (seed + i) before each
+    later sync; ``trainer_weights`` gives the last sync's model."""
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
     procs = []
     for rank in range(world_size):
         proc = ctx.Process(
             target=_trainer_rank,
-            args=(rank, world_size, port, spec, seed, conn, init_kwargs),
+            args=(rank, world_size, port, spec, seed, conn, init_kwargs, syncs),
             daemon=True,
         )
         proc.start()
         procs.append(proc)
     return procs
+
+
+def trainer_weights(spec: TinyModelSpec, seed: int, syncs: int = 1) -> Any:
+    """The model the ranks of ``start_trainer_ranks(spec, seed, syncs=...)``
+    sent last."""
+    from vllm.distributed.weight_transfer.testing.tiny_models import (
+        build_hf_model,
+        randomize_weights_,
+    )
+
+    model = build_hf_model(spec)
+    for i in range(syncs):
+        randomize_weights_(model, seed + i)
+    return model
 
 
 def serve_relayed_calls(conn: Any, client: Any, timeout_s: float = 300.0) -> list:

@@ -57,21 +57,24 @@ def planned_landing_state(worker: Any) -> dict[str, Any]:
 def chunk_program_state(worker: Any) -> dict[str, int]:
     """For ``collective_rpc``: the bound copy programs an ``ipc`` worker keeps
     for chunks it reads from a kept mapping (``chunk_programs``): how many it
-    holds, how many it bound since its landing plan was baked, and how many
-    checkpoint names they land; ``{}`` without any."""
+    holds, how many it bound since its landing plan was baked, how many times
+    it ran one again without binding, and how many checkpoint names they
+    land; ``{}`` without any."""
     programs = getattr(worker.weight_transfer_engine, "chunk_programs", None)
     if programs is None:
         return {}
     return {
         "programs": len(programs),
         "binds": programs.binds,
+        "reused": programs.reused,
         "names": programs.names_bound(),
     }
 
 
 def kept_shared_segments(worker: Any) -> list[str]:
     """For ``collective_rpc``: names of the shared-memory segments an ``ipc``
-    worker keeps mapped between updates (a trainer's ``SharedParameters``)."""
+    worker keeps mapped between updates (a trainer's ``SharedParameters``, or
+    the packed buffer it keeps)."""
     importer = getattr(worker.weight_transfer_engine, "_importer", None)
     if importer is None:
         return []
