@@ -142,6 +142,34 @@ def test_update_lands_every_weight_and_releases_every_mapping(packed, keep):
     sender.shutdown()
 
 
+def test_the_kept_buffer_views_are_made_once_and_dropped_with_the_buffer():
+    """The trainer makes the typed views of each chunk's slots in the buffer
+    it keeps at the first sync and packs through the same views after an
+    in-place change; they go with the buffer."""
+    target, trainer = reload_ready(0), TinyNet(1)
+    engine = make_engine(target)
+    sender = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=64),
+        client=EngineClient(engine),
+        source=ModuleSource(trainer),
+    )
+    sender.send_weights()
+    made = {i: dict(views) for i, views in sender._views.items()}
+    assert sender.last_plan is not None
+    assert len(made) == len(sender.last_plan.chunks) and all(made.values())
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.mul_(-1).add_(0.25)
+    sender.send_weights()
+    for name, want in state(trainer).items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name
+    for index, views in made.items():
+        for offset, view in views.items():
+            assert sender._views[index][offset] is view
+    sender.shutdown()
+    assert sender._views == {} and sender._kept_buffer is None
+
+
 def test_draft_target_receives_the_update_and_the_default_model_does_not():
     default, draft, trainer = reload_ready(0), reload_ready(2), TinyNet(1)
     before = state(default)

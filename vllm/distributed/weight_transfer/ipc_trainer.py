@@ -323,6 +323,10 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         # whether the sync under way has written into it.
         self._kept_buffer: ExportedBuffer | None = None
         self._kept_mapped = self._kept_used = False
+        # Views of chunks' slots in the kept buffer, for the plan they were
+        # made for (``_kept_views``).
+        self._views_for: TransferPlan | None = None
+        self._views: dict[int, dict[int, torch.Tensor]] = {}
         # SharedParameters buffers the last successful sync named (workers
         # keep those mapped), and those the sync under way names.
         self._shared_kept: weakref.WeakSet[SharedParameters] = weakref.WeakSet()
@@ -647,8 +651,12 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         segment: SharedPlace | None = None
         may_share = self.group.world_size == 1 and not self.upstream_wire
 
+        # The kept buffer's views of this chunk's slots, by offset, made at
+        # the first sync that packed the chunk into it (None: not kept).
+        views: dict[int, torch.Tensor] | None = None
+
         def pack(slot: TensorSlot, tensor: torch.Tensor) -> None:
-            nonlocal buffer, device
+            nonlocal buffer, device, views
             if buffer is None:
                 # Chunks held before this one go first, and must have
                 # arrived before a CUDA buffer is exported for this one: an
@@ -658,11 +666,17 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                     self._send_held(in_flight)
                     self._settle(in_flight)
                 buffer = self._packed_buffer(plan.buffer_nbytes, tensor.device, owned)
+                views = self._kept_views(buffer, plan, chunk.index)
             assert buffer.tensor is not None
             device = buffer.tensor.device
             if slot.nbytes:
-                dst = buffer.tensor[slot.offset : slot.offset + slot.nbytes]
-                dst = dst.view(tensor.dtype).view(tensor.shape)
+                dst = views.get(slot.offset) if views is not None else None
+                if dst is None:
+                    # (The source matches its slot: ``_check_yielded``.)
+                    dst = buffer.tensor[slot.offset : slot.offset + slot.nbytes]
+                    dst = dst.view(tensor.dtype).view(tensor.shape)
+                    if views is not None:
+                        views[slot.offset] = dst
                 if _is_resident(tensor):
                     dsts, srcs = batched.setdefault(tensor.dtype, ([], []))
                     dsts.append(dst)
@@ -831,7 +845,21 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
             owned.append(buffer)
         return buffer
 
+    def _kept_views(
+        self, buffer: ExportedBuffer, plan: TransferPlan, index: int
+    ) -> dict[int, torch.Tensor] | None:
+        """The views of chunk ``index``'s slots in the kept ``buffer`` made so
+        far (slot offset -> typed view), while ``plan`` (the same tensors at
+        the same offsets) is the one they were made for; None for a buffer
+        freed after the sync. Saves building a view per tensor per sync."""
+        if buffer is not self._kept_buffer:
+            return None
+        if self._views_for is not plan:
+            self._views_for, self._views = plan, {}
+        return self._views.setdefault(index, {})
+
     def _drop_kept_buffer(self) -> None:
+        self._views_for, self._views = None, {}
         self._kept_mapped = self._kept_used = False
         buffer, self._kept_buffer = self._kept_buffer, None
         if buffer is not None:

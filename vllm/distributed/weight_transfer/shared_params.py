@@ -215,6 +215,8 @@ def _allocate(nbytes: int, device: torch.device) -> SharedMemoryBuffer | torch.T
 
 def shared_place(tensor: torch.Tensor) -> SharedPlace | None:
     """Where ``tensor`` lies in a live ``SharedParameters`` buffer, if it does."""
+    if not _live:  # the common case, asked for every packed tensor
+        return None
     with _live_lock:
         segments = list(_live)
     for segment in segments:
