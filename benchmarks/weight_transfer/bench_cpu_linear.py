@@ -61,7 +61,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-layers", type=int, default=BENCH_SPEC["num_layers"])
     p.add_argument("--batch", type=int, default=8, help="prompts per generate")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument(
+        "--settings",
+        nargs="+",
+        choices=list(SETTINGS),
+        default=list(SETTINGS),
+        help="engines to measure (ratios need both of their engines)",
+    )
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    p.add_argument("--out-name", default="cpu_linear_cpu.json")
     return p.parse_args()
 
 
@@ -187,34 +195,22 @@ def main() -> int:
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     print(f"model {model_dir.name}: {nbytes / 1e9:.2f} GB float32")
 
-    settings = {s: measure(s, model_dir, model, args) for s in SETTINGS}
+    settings = {s: measure(s, model_dir, model, args) for s in args.settings}
     memcpy_s = median_memcpy_s(nbytes)
     for result in settings.values():
         result["sync_over_memcpy"] = round(result["sync_s_median"] / memcpy_s, 2)
-    packed, plain = settings["packed"], settings["plain"]
-    planned = settings["plain_planned"]
-    shared = settings["plain_planned_shared"]
-    ratios = {
-        "plain_over_packed_decode": round(
-            plain["decode_tokens_per_s_median"] / packed["decode_tokens_per_s_median"],
-            3,
-        ),
-        "plain_over_packed_sync": round(
-            plain["sync_s_median"] / packed["sync_s_median"], 3
-        ),
-        "planned_over_packed_sync": round(
-            planned["sync_s_median"] / packed["sync_s_median"], 3
-        ),
-        "planned_over_plain_sync": round(
-            planned["sync_s_median"] / plain["sync_s_median"], 3
-        ),
-        "shared_over_packed_sync": round(
-            shared["sync_s_median"] / packed["sync_s_median"], 3
-        ),
-        "shared_over_planned_sync": round(
-            shared["sync_s_median"] / planned["sync_s_median"], 3
-        ),
-    }
+
+    def ratio(name: str, num: str, den: str, key: str = "sync_s_median") -> None:
+        if num in settings and den in settings:
+            ratios[name] = round(settings[num][key] / settings[den][key], 3)
+
+    ratios: dict[str, float] = {}
+    ratio("plain_over_packed_decode", "plain", "packed", "decode_tokens_per_s_median")
+    ratio("plain_over_packed_sync", "plain", "packed")
+    ratio("planned_over_packed_sync", "plain_planned", "packed")
+    ratio("planned_over_plain_sync", "plain_planned", "plain")
+    ratio("shared_over_packed_sync", "plain_planned_shared", "packed")
+    ratio("shared_over_planned_sync", "plain_planned_shared", "plain_planned")
     print(f"memcpy {memcpy_s:.3f} s; {ratios}")
     doc = {
         "benchmark": "cpu_linear_packed_vs_plain",
@@ -224,13 +220,10 @@ def main() -> int:
         "model": {"dir": model_dir.name, "bytes": nbytes, "dtype": "float32"},
         "generation": {"batch": args.batch, "max_tokens": args.max_tokens},
         "memcpy_s": round(memcpy_s, 4),
-        "packed": packed,
-        "plain": plain,
-        "plain_planned": planned,
-        "plain_planned_shared": shared,
+        **settings,
         **ratios,
     }
-    emit_json(doc, str(args.out / "cpu_linear_cpu.json"))
+    emit_json(doc, str(args.out / args.out_name))
     return 0 if all(r["oracle_match"] for r in settings.values()) else 1
 
 

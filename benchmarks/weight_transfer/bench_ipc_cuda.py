@@ -40,6 +40,15 @@ into the worker's. Measured, per model:
                     above the model's size, so one message carries every
                     tensor (nothing is packed, so the cap allocates nothing):
                     the cost of the per-chunk round trips;
+* ``fork_packed_planned_kept`` (with ``--plans-dir``; last): the trainer's
+                    tensors outside any shared allocation (as a trainer whose
+                    tensors are new at every sync, FSDP's ``full_tensor()``,
+                    holds them), packed into a buffer it keeps
+                    (``keep_packed_buffer=True``), which the worker maps once
+                    and binds each chunk's planned landing to: one copy into
+                    the buffer and one out of it per byte. Verified on one
+                    more sync after the timed ones, chunk by chunk as each
+                    lands (the buffer's halves are rewritten by later chunks);
 * ``upstream_packed`` upstream 0.32's ``packed_ipc_producer`` ->
                     ``packed_ipc_consumer`` (taken from the pinned release's
                     ``packed_tensor.py``, carried to the run, not part of the fork)
@@ -236,6 +245,10 @@ def _worker(conn, params) -> None:
     names_left = 0
     # The mapped source of every name a program was bound for (to verify).
     planned_sources: dict[str, torch.Tensor] = {}
+    # Set: verify each chunk's copies as soon as it lands (a packed buffer's
+    # bytes are rewritten by later chunks), summing into ``verified``.
+    verify_each = False
+    verified = {"copies_checked": 0, "bit_exact": True, "first_bad": []}
     conn.send("ready")
     while True:
         kind, payload = conn.recv()
@@ -249,13 +262,23 @@ def _worker(conn, params) -> None:
         elif kind == "checksum":
             conn.send(checksum(dest))
         elif kind == "planned_setup":
-            # The planned mode runs last: its served tensors replace the
+            # The planned modes run last: their served tensors replace the
             # checkpoint-shaped ones (zero and checksum then act on them).
-            dest.clear()
-            torch.cuda.empty_cache()
-            programs, summary = _planned_worker(*payload)
-            dest.update(programs.served)
+            if programs is None:
+                dest.clear()
+                torch.cuda.empty_cache()
+                programs, summary = _planned_worker(*payload)
+                dest.update(programs.served)
+            else:  # a later planned mode: same plan, programs bound anew
+                planned_sources.clear()
+                programs.clear()
             conn.send(summary)
+        elif kind == "verify_each":
+            verify_each = payload
+            verified = {"copies_checked": 0, "bit_exact": True, "first_bad": []}
+            conn.send("ok")
+        elif kind == "verified_each":
+            conn.send(verified)
         elif kind == "fork_update":
             message, land = payload
             if land == "planned":
@@ -283,6 +306,12 @@ def _worker(conn, params) -> None:
 
                 bound = programs.bound(key, buf.data_ptr(), info.names, sources)
                 bound()
+                if verify_each:
+                    torch.cuda.synchronize()
+                    now = _verify_planned(programs, mapped(sorted(bound.names)))
+                    verified["copies_checked"] += now["copies_checked"]
+                    verified["bit_exact"] &= now["bit_exact"]
+                    verified["first_bad"] += now["first_bad"]
                 names_left += sum(1 for v in views if v.name not in bound.names)
                 torch.cuda.synchronize()
                 del bufs, buf, views
@@ -392,18 +421,34 @@ def _call(conn, kind, payload=None):
 # trainer side
 
 
-def bench_d2d(tensors: dict[str, torch.Tensor], nbytes: int, reps: int) -> dict:
-    flat_src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+def bench_d2d(
+    tensors: dict[str, torch.Tensor], nbytes: int, reps: int, cap: int | None = None
+) -> dict:
+    """One flat device copy of ``nbytes`` and one copy per tensor. With
+    ``cap`` below ``nbytes`` (a model whose two copies do not fit next to
+    the worker's) the flat copy moves the same bytes as back-to-back copies
+    of a ``cap``-byte buffer, and the per-tensor copy is skipped."""
+    step = nbytes if cap is None else min(cap, nbytes)
+    flat_src = torch.empty(step, dtype=torch.uint8, device="cuda")
     flat_dst = torch.empty_like(flat_src)
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        flat_dst.copy_(flat_src)
+        for start in range(0, nbytes, step):
+            size = min(step, nbytes - start)
+            flat_dst[:size].copy_(flat_src[:size])
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     best_flat = min(times)
     del flat_src, flat_dst
+    if step < nbytes:
+        torch.cuda.empty_cache()
+        return {
+            "flat_seconds": best_flat,
+            "flat_GBps": gbps(nbytes, best_flat),
+            "flat_copy_bytes": step,
+        }
     dst = {n: torch.empty_like(t) for n, t in tensors.items()}
     times = []
     for _ in range(reps):
@@ -430,6 +475,7 @@ def bench_fork(
     packed: bool,
     buffer_bytes: int,
     land: str = "loop",
+    verify_each: bool = False,
     **options,
 ) -> dict:
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
@@ -470,14 +516,21 @@ def bench_fork(
         times.append(time.perf_counter() - t)
         peaks.append(torch.cuda.max_memory_allocated() - base)
     assert engine.last_plan is not None
+    checked: dict = {}
+    if verify_each:  # one more sync, each chunk checked as it lands
+        _call(conn, "verify_each", True)
+        engine.send_weights()
+        checked = _call(conn, "verified_each")
+        _call(conn, "verify_each", False)
     engine.shutdown()
     return {
+        **checked,
         "seconds": min(times),
         "all_seconds": times,
         "worker_mappings_opened": _call(conn, "mappings") - mapped_before,
         "chunks": len(engine.last_plan.chunks),
         # SharedParameters: chunks in the one allocation travel as one message
-        "messages_per_sync": client.messages / reps,
+        "messages_per_sync": client.messages / (reps + verify_each),
         "overlapped": engine.last_plan.overlapped,
         "buffer_cap_bytes": buffer_bytes,
         "trainer_extra_peak_bytes": max(peaks),
@@ -536,6 +589,33 @@ def bench_shared_params(
     return result
 
 
+def bench_packed_planned_kept(
+    tensors, conn, reps: int, buffer_bytes: int, plan_path: str, sent: list
+) -> dict:
+    """The planned landing bound over a packed buffer the trainer keeps: the
+    placements of the shared modes are closed first, so the trainer finds
+    no tensor in a shared allocation and packs every one (one copy), into
+    the same buffer at every sync, which the worker keeps mapped."""
+    for placed in _PLACED:
+        placed.close()
+    result: dict = {"copy_table": _call(conn, "planned_setup", (plan_path, sent))}
+    result.update(
+        bench_fork(
+            tensors,
+            conn,
+            reps,
+            True,
+            buffer_bytes,
+            land="planned",
+            verify_each=True,
+            keep_packed_buffer=True,
+        )
+    )
+    result["first_sync_seconds"] = result["all_seconds"][0]
+    result.update(_call(conn, "programs"))
+    return result
+
+
 def bench_upstream(tensors, conn, reps: int, buffer_bytes: int) -> dict:
     from packed_tensor_upstream import packed_ipc_producer
 
@@ -587,6 +667,7 @@ def run_model(
     buffer_bytes: int,
     plan_path: str | None = None,
     only: set[str] | None = None,
+    d2d_cap: int | None = None,
 ):
     params = param_list(shape, layers)
     nbytes = nbytes_of(params)
@@ -607,7 +688,7 @@ def run_model(
         "buffer_bytes": buffer_bytes,
         "reps": reps,
     }
-    result["d2d_copy"] = bench_d2d(tensors, nbytes, reps)
+    result["d2d_copy"] = bench_d2d(tensors, nbytes, reps, d2d_cap)
     same = (tensors, parent, reps, True, buffer_bytes)
     modes: dict[str, tuple[Callable[..., dict], tuple, dict]] = {
         # the defaults: chunks alternate between the buffer's halves (a tensor
@@ -656,6 +737,12 @@ def run_model(
             bench_shared_params,
             (tensors, parent, reps, 2 * nbytes),
             {"land": "planned", "plan_path": plan_path, "sent": params},
+        )
+        # last: it closes the shared placement, so the trainer packs
+        modes["fork_packed_planned_kept"] = (
+            bench_packed_planned_kept,
+            (tensors, parent, reps, buffer_bytes),
+            {"plan_path": plan_path, "sent": params},
         )
     if only is not None:
         modes = {k: v for k, v in modes.items() if k in only}
@@ -734,6 +821,14 @@ def main() -> None:
     parser.add_argument(
         "--modes", default=None, help="comma-separated modes to run (default: all)"
     )
+    parser.add_argument(
+        "--d2d-cap-gib",
+        type=float,
+        default=None,
+        help="measure the flat device copy as back-to-back copies of a buffer "
+        "this large (for models whose two extra copies do not fit: "
+        "Qwen3-30B-A3B's 48 layers); skips the per-tensor copy",
+    )
     args = parser.parse_args()
     buffer_bytes = int(args.buffer_gib * 2**30)
     only = set(args.modes.split(",")) if args.modes else None
@@ -754,6 +849,7 @@ def main() -> None:
                 buffer_bytes,
                 _plan_path(args.plans_dir, plan),
                 only,
+                None if args.d2d_cap_gib is None else int(args.d2d_cap_gib * 2**30),
             )
             for s, layers, plan in runs
         ],

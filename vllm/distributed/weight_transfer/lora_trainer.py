@@ -1,0 +1,197 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Trainer side of LoRA adapter pushes over the ``ipc`` data plane.
+
+``LoRAAdapter`` is an adapter to push: its name and integer id (what a
+``LoRARequest`` names), its ``AdapterConfig`` (rank, alpha, target modules)
+and its tensors under PEFT's names (``base_model.model.<module>.lora_A.weight``,
+``...lora_B.weight``), taken from a PEFT model (``from_peft_model``) or given.
+``push_lora_adapter(client, adapter)`` packs the tensors into one buffer the
+workers map (shared memory for CPU tensors, CUDA IPC for GPU tensors), sends it
+as one ``update_weights`` message with an ``adapter`` header inside a
+start/finish pair of the weight-transfer lifecycle, and returns once every
+worker has checked the whole adapter and the finish made it the version that
+serves. The base weights are not touched and nothing is written to disk. On
+any failure the update is aborted and the version before keeps serving; the
+error names the cause.
+
+    adapter = LoRAAdapter.from_peft_model(peft_model, name="policy", lora_id=1)
+    push_lora_adapter(OfflineLLMWeightSyncClient(llm), adapter, version="step-7")
+    llm.generate(prompts, lora_request=LoRARequest("policy", 1, "memory://policy"))
+
+A ``LoRARequest`` needs a path; for an adapter pushed from memory any
+non-empty string serves (``memory_path(name)`` gives a readable one), since the
+worker builds it from memory and never reads the path.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm.distributed.weight_transfer.full_resync import abort_update, commit_update
+from vllm.distributed.weight_transfer.ipc_dataplane import (
+    ExportedBuffer,
+    allocate_buffer,
+    device_key,
+    sync_device,
+)
+from vllm.distributed.weight_transfer.lora_adapters import (
+    ADAPTER_KEY,
+    PEFT_PREFIX,
+    AdapterConfig,
+    AdapterHeader,
+    module_of,
+)
+from vllm.distributed.weight_transfer.stale_updates import start_update
+from vllm.distributed.weight_transfer.verification import describe_error
+
+ALIGN = 64
+
+
+def memory_path(name: str) -> str:
+    """A ``LoRARequest.lora_path`` for an adapter pushed from memory."""
+    return f"memory://{name}"
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    """An adapter to push; see the module docstring."""
+
+    name: str
+    lora_id: int
+    config: AdapterConfig
+    tensors: Mapping[str, torch.Tensor]
+
+    def __post_init__(self) -> None:
+        AdapterHeader(self.name, self.lora_id, self.config)  # checks name and id
+        for name, tensor in self.tensors.items():
+            module_of(name)  # a PEFT LoRA name, or ValueError
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(
+                    f"adapter tensor {name!r} is a {type(tensor).__name__}"
+                )
+
+    @classmethod
+    def from_peft_model(
+        cls, model: Any, name: str, lora_id: int, adapter_name: str = "default"
+    ) -> LoRAAdapter:
+        """The adapter ``adapter_name`` of a PEFT model as it is now (its
+        tensors are the model's own, not copies: push before the next
+        optimizer step, or copy)."""
+        from peft import get_peft_model_state_dict
+
+        peft_config = model.peft_config[adapter_name]
+        if (
+            getattr(peft_config, "peft_type", None) not in ("LORA", None)
+            and str(peft_config.peft_type).rsplit(".", 1)[-1] != "LORA"
+        ):
+            raise ValueError(f"{adapter_name!r} is a {peft_config.peft_type} adapter")
+        targets = peft_config.target_modules
+        if isinstance(targets, str):
+            raise ValueError(
+                f"adapter {adapter_name!r} names its target modules by a pattern "
+                f"({targets!r}); give them as a list of module names"
+            )
+        state = get_peft_model_state_dict(model, adapter_name=adapter_name)
+        tensors = {
+            _peft_name(key): t.detach() for key, t in state.items() if ".lora_" in key
+        }
+        return cls(
+            name=name,
+            lora_id=lora_id,
+            config=AdapterConfig(
+                rank=int(peft_config.r),
+                alpha=float(peft_config.lora_alpha),
+                target_modules=tuple(sorted(targets)),
+                use_rslora=bool(getattr(peft_config, "use_rslora", False)),
+            ),
+            tensors=tensors,
+        )
+
+    def merged_into(self, base: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Base weights (checkpoint names) with this adapter folded in:
+        ``W + scaling * B @ A`` for every module it adapts, computed in fp32
+        and cast back; the other weights as they are (the same tensors)."""
+        halves: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in self.tensors.items():
+            module, half = module_of(name)
+            halves.setdefault(module, {})[half] = tensor
+        out = dict(base)
+        for module, ab in halves.items():
+            key = f"{module}.weight"
+            if key not in base:
+                raise ValueError(f"{module} is not a module of the base weights")
+            weight = base[key]
+            delta = ab["B"].float() @ ab["A"].float()
+            out[key] = (weight.float() + self.config.scaling * delta).to(weight.dtype)
+        return out
+
+
+def _peft_name(key: str) -> str:
+    """PEFT's state-dict key of a LoRA tensor under the ``base_model.model.``
+    prefix adapters are saved with (the adapter name already dropped)."""
+    key = re.sub(r"\.lora_([AB])\.[^.]+\.weight$", r".lora_\1.weight", key)
+    return key if key.startswith(PEFT_PREFIX) else PEFT_PREFIX + key
+
+
+def push_lora_adapter(
+    client: Any,
+    adapter: LoRAAdapter,
+    *,
+    version: str | None = None,
+    rank: int = 0,
+) -> None:
+    """Push ``adapter`` to the engine ``client`` drives; see the module
+    docstring. ``rank`` is this trainer rank (it keys the buffer handle)."""
+    header = AdapterHeader(
+        adapter.name, adapter.lora_id, adapter.config, version=version, last=True
+    )
+    items = [(n, t.detach()) for n, t in adapter.tensors.items()]
+    if not items:
+        raise ValueError(f"adapter {adapter.name!r} has no tensors")
+    devices = {t.device for _, t in items}
+    if len(devices) != 1:
+        raise ValueError(
+            f"adapter {adapter.name!r} has tensors on {sorted(map(str, devices))}; "
+            "push them from one device"
+        )
+    device = devices.pop()
+    offsets, end = [], 0
+    for _, tensor in items:
+        offsets.append(end)
+        end += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+    buffer: ExportedBuffer = allocate_buffer(end, device)
+    try:
+        flat = buffer.tensor
+        assert flat is not None
+        with torch.no_grad():
+            for (_, tensor), offset in zip(items, offsets, strict=True):
+                nbytes = tensor.numel() * tensor.element_size()
+                place = flat[offset : offset + nbytes].view(tensor.dtype)
+                place.view(tensor.shape).copy_(tensor)
+        sync_device(device)
+        message = {
+            "names": [n for n, _ in items],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in items],
+            "shapes": [list(t.shape) for _, t in items],
+            "tensor_sizes": [t.numel() * t.element_size() for _, t in items],
+            "offsets": offsets,
+            "ipc_handles": {device_key(device, rank): buffer.handle.to_dict()},
+            ADAPTER_KEY: header.to_dict(),
+        }
+        start_update(client, f"LoRA adapter push {adapter.name!r}")
+        try:
+            client.update_weights(message)
+            commit_update(client, None)
+        except BaseException as e:
+            abort_update(
+                client, f"LoRA adapter push {adapter.name!r}: {describe_error(e)}"
+            )
+            raise
+    finally:
+        buffer.close()
