@@ -54,6 +54,7 @@ from vllm.distributed.weight_transfer.ipc_wire import (
 from vllm.distributed.weight_transfer.layerwise_session import (
     LayerwiseReloadSession,
 )
+from vllm.distributed.weight_transfer.lora_adapters import ADAPTER_KEY, AdapterHeader
 from vllm.distributed.weight_transfer.planned_landing import LandingPlan
 from vllm.distributed.weight_transfer.sharded_rdt_ops import dtype_from_name
 from vllm.distributed.weight_transfer.staged_update import StagedUpdate
@@ -361,6 +362,37 @@ class IPCWeightTransferEngine(
                 kinds if kinds is not None else module_dtype_kinds(self.model)
             )
         return self._dtype_kinds
+
+    def receive_adapter(
+        self, header: AdapterHeader, update_info: dict[str, Any]
+    ) -> None:
+        """A LoRA adapter's message: its tensors are read from the trainer's
+        buffer through a mapping of their own (released at once, so the
+        mappings kept for base-weight syncs stay as they are) and copied into
+        the adapter staging."""
+        info = IPCWeightTransferUpdateInfo.from_dict(
+            {k: v for k, v in update_info.items() if k != ADAPTER_KEY}
+        )
+        if info.upstream_wire:
+            raise ValueError(
+                f"adapter {header.name!r}: adapters travel on the fork's wire only"
+            )
+        importer = BufferImporter(self.device, _local_rank(), writable=False)
+        try:
+            buffers = [
+                importer.open(importer.select(hmap, f"adapter ipc_handles{suffix}")[1])
+                for suffix, hmap in _indexed(info)
+            ]
+            tensors = []
+            for view in info.views():
+                raw = buffers[view.buffer][view.offset : view.offset + view.nbytes]
+                if view.offset % view.dtype.itemsize:
+                    raw = raw.clone()
+                tensors.append((view.name, raw.view(view.dtype).view(view.shape)))
+            self.adapters.receive(header, tensors)
+            del tensors, buffers
+        finally:
+            importer.close()
 
     def _get_importer(self) -> BufferImporter:
         if self._importer is None:

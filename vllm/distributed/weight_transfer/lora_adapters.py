@@ -41,6 +41,15 @@ logger = init_logger(__name__)
 # The PEFT prefix of adapter tensor names (``base_model.model.<module>...``).
 PEFT_PREFIX = "base_model.model."
 ADAPTER_KEY = "adapter"
+# ``LoRARequest.lora_path`` of an adapter pushed from memory, by name.
+MEMORY_SCHEME = "memory://"
+
+
+def memory_path(name: str) -> str:
+    """The ``LoRARequest.lora_path`` that names a pushed adapter: a request
+    with it gets the adapter pushed under ``name`` whatever its int id (a
+    server that numbers adapters itself, e.g. ``/v1/load_lora_adapter``)."""
+    return f"{MEMORY_SCHEME}{name}"
 
 
 @dataclass(frozen=True)
@@ -256,9 +265,10 @@ class AdapterVersion:
     def lora_id(self) -> int:
         return self.header.lora_id
 
-    def build(self, manager: Any) -> Any:
+    def build(self, manager: Any, lora_id: int | None = None) -> Any:
         """The ``LoRAModel`` of this version for vLLM's worker LoRA manager
-        ``manager`` (its dtype, vocabulary and name mapping)."""
+        ``manager`` (its dtype, vocabulary and name mapping), under
+        ``lora_id`` (default: the id it was pushed under)."""
         from vllm.lora.peft_helper import PEFTHelper
 
         peft = PEFTHelper.from_dict(
@@ -272,9 +282,12 @@ class AdapterVersion:
         mapper = getattr(model, "hf_to_vllm_mapper", None)
         if mapper is not None:
             mapper = mapper.get_rename_mapper()
+        # Copies: the LoRA manager folds the scaling into lora_B in place when
+        # it loads an adapter, and it loads this one again after every
+        # base-weight update or eviction.
         return manager._lora_model_cls.from_lora_tensors(
-            lora_model_id=self.lora_id,
-            tensors=self.tensors,
+            lora_model_id=self.lora_id if lora_id is None else lora_id,
+            tensors={name: t.clone() for name, t in self.tensors.items()},
             peft_helper=peft,
             device="cpu",
             dtype=manager.lora_config.lora_dtype,
@@ -329,10 +342,27 @@ class MemoryAdapters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._live: dict[int, AdapterVersion] = {}
+        # Other ids the LoRA manager built a pushed adapter under (requests
+        # that named it by ``memory_path``), by adapter name.
+        self._aliases: dict[str, set[int]] = {}
 
     def get(self, lora_id: int) -> AdapterVersion | None:
         with self._lock:
             return self._live.get(lora_id)
+
+    def by_name(self, name: str) -> AdapterVersion | None:
+        with self._lock:
+            return next((v for v in self._live.values() if v.name == name), None)
+
+    def note_built(self, name: str, lora_id: int) -> None:
+        """The LoRA manager holds ``name`` under ``lora_id`` too."""
+        with self._lock:
+            self._aliases.setdefault(name, set()).add(lora_id)
+
+    def ids_of(self, name: str, lora_id: int) -> set[int]:
+        """Every id the LoRA manager may hold adapter ``name`` under."""
+        with self._lock:
+            return {lora_id, *self._aliases.get(name, ())}
 
     def names(self) -> dict[str, int]:
         with self._lock:
@@ -396,16 +426,27 @@ def install_memory_loader() -> None:
         from_path = WorkerLoRAManager._load_adapter
 
         def load_adapter(self: Any, lora_request: Any) -> Any:
-            held = _registry.get(lora_request.lora_int_id)
+            name, lora_id = lora_request.lora_name, lora_request.lora_int_id
+            path = getattr(lora_request, "lora_path", "") or ""
+            held = _registry.get(lora_id)
+            if held is None and path.startswith(MEMORY_SCHEME):
+                held = _registry.by_name(path.removeprefix(MEMORY_SCHEME))
+                if held is None:
+                    raise ValueError(
+                        f"no LoRA adapter was pushed to this engine under the "
+                        f"name {path.removeprefix(MEMORY_SCHEME)!r} (path "
+                        f"{path!r}); push it with push_lora_adapter first"
+                    )
             if held is None:
                 return from_path(self, lora_request)
-            if held.name != lora_request.lora_name:
+            if held.name != name and path != memory_path(held.name):
                 raise ValueError(
-                    f"LoRA id {lora_request.lora_int_id} serves the adapter "
-                    f"{held.name!r} pushed by a trainer, not "
-                    f"{lora_request.lora_name!r}"
+                    f"LoRA id {lora_id} serves the adapter {held.name!r} pushed "
+                    f"by a trainer, not {name!r}"
                 )
-            return held.build(self)
+            if lora_id != held.lora_id:
+                _registry.note_built(held.name, lora_id)
+            return held.build(self, lora_id)
 
         WorkerLoRAManager._load_adapter = load_adapter  # type: ignore[method-assign]
         _installed = True
@@ -483,7 +524,8 @@ class AdapterPushes:
         self.registry.commit(version)
         manager = lora_model_manager(self.model)
         if manager is not None:
-            manager.remove_adapter(header.lora_id)
+            for lora_id in self.registry.ids_of(header.name, header.lora_id):
+                manager.remove_adapter(lora_id)
         self.committed += 1
         logger.info(
             "LoRA adapter %r (id %d) version %s now serves (%d tensors)",

@@ -19,9 +19,10 @@ error names the cause.
     push_lora_adapter(OfflineLLMWeightSyncClient(llm), adapter, version="step-7")
     llm.generate(prompts, lora_request=LoRARequest("policy", 1, "memory://policy"))
 
-A ``LoRARequest`` needs a path; for an adapter pushed from memory any
-non-empty string serves (``memory_path(name)`` gives a readable one), since the
-worker builds it from memory and never reads the path.
+A ``LoRARequest`` needs a path. A pushed id is built from memory whatever its
+path says; ``memory_path(name)`` (``memory://<name>``) also reaches the adapter
+pushed under ``name`` from a request with any other id (a server that numbers
+adapters itself, e.g. ``/v1/load_lora_adapter``). The worker never reads it.
 """
 
 from __future__ import annotations
@@ -45,17 +46,15 @@ from vllm.distributed.weight_transfer.lora_adapters import (
     PEFT_PREFIX,
     AdapterConfig,
     AdapterHeader,
+    memory_path,
     module_of,
 )
 from vllm.distributed.weight_transfer.stale_updates import start_update
 from vllm.distributed.weight_transfer.verification import describe_error
 
+__all__ = ["LoRAAdapter", "memory_path", "push_lora_adapter"]
+
 ALIGN = 64
-
-
-def memory_path(name: str) -> str:
-    """A ``LoRARequest.lora_path`` for an adapter pushed from memory."""
-    return f"memory://{name}"
 
 
 @dataclass(frozen=True)

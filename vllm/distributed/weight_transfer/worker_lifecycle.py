@@ -60,8 +60,14 @@ from vllm.distributed.weight_transfer.base import (
     TUpdateInfo,
     WeightTransferEngine,
 )
+from vllm.distributed.weight_transfer.checkpoint_structure import checkpoint_shapes
 from vllm.distributed.weight_transfer.layerwise_session import (
     LayerwiseReloadSession,
+)
+from vllm.distributed.weight_transfer.lora_adapters import (
+    AdapterHeader,
+    AdapterPushes,
+    adapter_header,
 )
 from vllm.distributed.weight_transfer.staged_update import StagedUpdate
 from vllm.distributed.weight_transfer.verification import (
@@ -97,6 +103,8 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         self._aborted = False
         # Set once the update's receipt went out (the prepare message).
         self._prepared = False
+        # LoRA adapter pushes (``lora_adapters``), made on first use.
+        self._adapters: AdapterPushes | None = None
 
     # -- backend hooks -------------------------------------------------------
 
@@ -116,6 +124,16 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
     def _on_update_closed(self) -> None:
         """The update is over (finished, failed, aborted or shut down)."""
 
+    def receive_adapter(
+        self, header: AdapterHeader, update_info: dict[str, Any]
+    ) -> None:
+        """Read one adapter message's tensors and hand them to
+        ``self.adapters.receive`` (backends that carry adapters override)."""
+        raise ValueError(
+            f"the {self.backend_name} backend does not carry LoRA adapters "
+            f"(adapter {header.name!r}); push them with the ipc backend"
+        )
+
     # -- what backends use -----------------------------------------------------
 
     @property
@@ -124,6 +142,22 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         if self._pub is None:
             self._pub = self._make_publication()
         return self._pub
+
+    @property
+    def adapters(self) -> AdapterPushes:
+        """This worker's LoRA adapter pushes (staging, commit)."""
+        if self._adapters is None:
+            lora_config = getattr(self.vllm_config, "lora_config", None)
+            self._adapters = AdapterPushes(
+                model=self.model,
+                base_shapes=checkpoint_shapes(self.model_config),
+                max_rank=getattr(lora_config, "max_lora_rank", None),
+            )
+        return self._adapters
+
+    def _discard_adapter(self) -> None:
+        if self._adapters is not None:
+            self._adapters.discard()
 
     @property
     def fence_status(self) -> dict[str, Any]:
@@ -167,6 +201,7 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         self._landed = False
         self._aborted = False
         self._prepared = False
+        self._discard_adapter()
         self._on_start()
         timeout_s = getattr(self.config, "update_timeout_s", None)
         session: UpdateSession
@@ -212,6 +247,13 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
             # No update open, or fenced: refused before anything changes (the
             # failure path below then only tells the backend).
             self.pub.fence.check_open(f"{self.backend_name} update_weights")
+            header = adapter_header(update_info)
+            if header is not None:
+                # A LoRA adapter: staged apart from the model, committed at
+                # the finish.
+                self._session_for(f"adapter {header.name!r}")
+                self.receive_adapter(header, update_info)
+                return
             checker = self.pub.checker
             message = self.pub.begin_message(update_info)
             if self.pub.checker is not checker and self.pub.header is not None:
@@ -252,6 +294,9 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
                 # An earlier failure closed the update with the weights intact.
                 return
             try:
+                if self._adapters is not None:
+                    # An adapter push cut short is refused before anything.
+                    self._adapters.check_complete()
                 if isinstance(session, StagedUpdate) and session.is_open:
                     self._commit_staged(session)
                 elif session is not None and session.is_open:
@@ -265,7 +310,10 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
                     ) from e
                 raise
             self.pub.finish()
+            if self._adapters is not None:
+                self._adapters.commit()
         finally:
+            self._discard_adapter()
             self._on_update_closed()
 
     def shutdown(self) -> None:
@@ -310,6 +358,7 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         self.pub.fail(reason, weights_intact=not (landed and self._landed))
 
     def _close_session(self, reason: str) -> None:
+        self._discard_adapter()
         session, self._session = self._session, None
         if session is not None:
             session.abort(reason)

@@ -63,6 +63,7 @@ def vllm_greedy(
     prompts: tuple[tuple[int, ...], ...] | list[list[int]] = DEFAULT_PROMPTS,
     max_tokens: int = DEFAULT_MAX_TOKENS,
     one_at_a_time: bool = False,
+    lora_request: Any = None,
 ) -> GreedyResult:
     """Greedy generation through an offline `vllm.LLM`, after dropping the
     prefix cache: every call prefills its prompts in full, so its output does
@@ -86,10 +87,12 @@ def vllm_greedy(
         temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0
     )
     requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+    # ``lora_request``: every prompt through that LoRA adapter.
+    lora = {"lora_request": lora_request} if lora_request is not None else {}
     if one_at_a_time:
-        outs = [llm.generate([r], params, use_tqdm=False)[0] for r in requests]
+        outs = [llm.generate([r], params, use_tqdm=False, **lora)[0] for r in requests]
     else:
-        outs = llm.generate(requests, params, use_tqdm=False)
+        outs = llm.generate(requests, params, use_tqdm=False, **lora)
     tokens, logprobs = [], []
     for out in outs:
         comp = out.outputs[0]

@@ -1,0 +1,291 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""LoRA adapters pushed from a trainer's memory (``lora_trainer``) into a real
+vLLM engine on CPU through the ``ipc`` backend: an offline ``LLM`` (dense
+Qwen3, fp32, ``enable_lora=True``) at TP 1 and one at TP 2, each shared by
+every scenario.
+
+Oracles, for every adapter version served:
+
+* the same engine loading the same adapter from a directory (PEFT's
+  ``save_pretrained``) under another id serves bit for bit the same tokens
+  and logprobs as the adapter pushed from memory;
+* Hugging Face + PEFT's forward of base + adapter (fp32) gives the same
+  greedy tokens, logprobs within the fp32 tolerance.
+
+Scenarios: a first push; a second after an in-place optimizer step; two
+adapters updated independently; bad adapters (rank above max_lora_rank, an
+unknown module, a wrong shape, an id serving another name) refused with the
+cause before anything changes; a push that fails at the finish leaves the
+version before serving and the base weights unfenced; a base-weight sync
+keeps pushed adapters serving on the new base; base weights with an adapter
+folded in (``LoRAAdapter.merged_into``) serve what base + adapter serves.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
+from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+from vllm.distributed.weight_transfer.lora_adapters import AdapterConfig
+from vllm.distributed.weight_transfer.lora_trainer import (
+    LoRAAdapter,
+    memory_path,
+    push_lora_adapter,
+)
+from vllm.distributed.weight_transfer.testing import (
+    GreedyResult,
+    TinyModelSpec,
+    assert_bit_identical,
+    assert_same_greedy,
+    build_tiny_model,
+    hf_greedy,
+    load_hf_model,
+    logprob_atol,
+    randomize_weights_,
+    vllm_greedy,
+)
+from vllm.distributed.weight_transfer.testing.ipc_faults import worker_fence_status
+from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
+
+peft = pytest.importorskip("peft")
+
+pytestmark = pytest.mark.slow
+
+MAX_RANK = 8
+TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+
+
+class Rig:
+    def __init__(self, llm: Any, model_dir: Any, tmp: Any) -> None:
+        self.llm = llm
+        self.model_dir = model_dir
+        self.tmp = tmp
+        self.client = OfflineLLMWeightSyncClient(llm)
+        # What the engine's base weights are now (HF, fp32).
+        self.base = load_hf_model(model_dir, "float32")
+        self.saved = 0
+
+    def lora(self, name: str, lora_id: int, path: str | None = None) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(name, lora_id, path or memory_path(name))
+
+    def greedy(self, lora_request: Any = None) -> GreedyResult:
+        return vllm_greedy(self.llm, lora_request=lora_request)
+
+    def peft_model(self, seed: int, rank: int = MAX_RANK) -> Any:
+        """A PEFT LoRA over a copy of the current base, random A and B."""
+        config = peft.LoraConfig(
+            r=rank, lora_alpha=2 * rank, target_modules=TARGETS, lora_dropout=0.0
+        )
+        model = peft.get_peft_model(copy.deepcopy(self.base), config)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+        return model.eval()
+
+    def from_disk(self, model: Any, name: str, lora_id: int) -> GreedyResult:
+        """The same engine serving ``model``'s adapter loaded from a
+        directory (PEFT's own files), under ``name`` and ``lora_id``."""
+        self.saved += 1
+        path = self.tmp / f"adapter-{self.saved}"
+        model.save_pretrained(str(path))
+        return self.greedy(self.lora(name, lora_id, str(path)))
+
+    def assert_serves(self, model: Any, name: str, lora_id: int) -> GreedyResult:
+        pushed = self.greedy(self.lora(name, lora_id))
+        # A fresh id each time: the engine loads the directory anew.
+        disk_id = 100 + self.saved
+        assert_bit_identical(
+            pushed,
+            self.from_disk(model, f"{name}-disk-{self.saved}", disk_id),
+            what="adapter pushed from memory vs the same adapter from disk",
+        )
+        assert_same_greedy(
+            pushed, hf_greedy(model), atol=logprob_atol("float32"), what="vLLM+LoRA"
+        )
+        return pushed
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def rig(request, tmp_path_factory):
+    """TP 1 and TP 2: at TP 2 each worker maps the trainer's buffer itself and
+    vLLM's LoRA layers take each worker's slice of the whole adapter."""
+    tp = request.param
+    model_dir = build_tiny_model(TinyModelSpec(arch="qwen3"))
+    with pytest.MonkeyPatch.context() as env:
+        # collective_rpc(fn) pickles fn (the fence status read by a test).
+        env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        if tp > 1:
+            # One core per TP worker (vLLM CPU binds per NUMA node otherwise).
+            env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        llm = tiny_llm(
+            model_dir,
+            tensor_parallel_size=tp,
+            enable_lora=True,
+            max_lora_rank=MAX_RANK,
+            max_loras=2,
+            max_cpu_loras=8,
+        )
+        try:
+            yield Rig(llm, model_dir, tmp_path_factory.mktemp("adapters"))
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+
+
+def test_an_adapter_pushed_from_memory_serves_as_from_disk_and_a_second_push(rig):
+    model = rig.peft_model(seed=1)
+    adapter = LoRAAdapter.from_peft_model(model, name="policy", lora_id=1)
+    assert adapter.config == AdapterConfig(
+        rank=MAX_RANK, alpha=2.0 * MAX_RANK, target_modules=tuple(sorted(TARGETS))
+    )
+    push_lora_adapter(rig.client, adapter, version="v1")
+    first = rig.assert_serves(model, "policy", 1)
+    assert first != rig.greedy(), "the adapter changes the output"
+    # A request with another id that names the adapter by its memory path
+    # (as a server numbering adapters itself sends) gets the pushed one.
+    alias = rig.lora("policy-alias", 50, memory_path("policy"))
+    assert_bit_identical(rig.greedy(alias), first, what="by memory path")
+    # An optimizer step changes the adapter in place; the next push serves it.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-1.5)
+    push_lora_adapter(
+        rig.client,
+        LoRAAdapter.from_peft_model(model, name="policy", lora_id=1),
+        version="v2",
+    )
+    second = rig.assert_serves(model, "policy", 1)
+    assert second != first
+    assert_bit_identical(rig.greedy(alias), second, what="by memory path, v2")
+
+
+def test_two_adapters_are_updated_independently(rig):
+    a, b = rig.peft_model(seed=2), rig.peft_model(seed=3)
+    push_lora_adapter(rig.client, LoRAAdapter.from_peft_model(a, "a", 2))
+    push_lora_adapter(rig.client, LoRAAdapter.from_peft_model(b, "b", 3))
+    a_before = rig.assert_serves(a, "a", 2)
+    rig.assert_serves(b, "b", 3)
+    b = rig.peft_model(seed=4)
+    push_lora_adapter(rig.client, LoRAAdapter.from_peft_model(b, "b", 3))
+    rig.assert_serves(b, "b", 3)
+    assert_bit_identical(rig.greedy(rig.lora("a", 2)), a_before, what="adapter a")
+
+
+def _bad(adapter: LoRAAdapter, **changes: Any) -> LoRAAdapter:
+    fields = {
+        "name": adapter.name,
+        "lora_id": adapter.lora_id,
+        "config": adapter.config,
+        "tensors": dict(adapter.tensors),
+        **changes,
+    }
+    return LoRAAdapter(**fields)
+
+
+def test_bad_adapters_are_refused_before_anything_changes(rig):
+    model = rig.peft_model(seed=5)
+    good = LoRAAdapter.from_peft_model(model, "guarded", 4)
+    push_lora_adapter(rig.client, good)
+    before = rig.greedy(rig.lora("guarded", 4))
+    base_before = rig.greedy()
+
+    first = next(n for n in good.tensors if "q_proj.lora_A" in n)
+    unknown = first.replace("q_proj", "nope_proj")
+    wide = rig.peft_model(seed=6, rank=2 * MAX_RANK)
+    cases = {
+        "above the engine's max_lora_rank": LoRAAdapter.from_peft_model(
+            wide, "guarded", 4
+        ),
+        "not among target_modules": _bad(
+            good, tensors={**good.tensors, unknown: good.tensors[first]}
+        ),
+        "do not have rank": _bad(
+            good,
+            tensors={**good.tensors, first: torch.zeros(MAX_RANK - 1, 128)},
+        ),
+        "already serves adapter 'guarded'": _bad(good, name="other"),
+    }
+    for cause, adapter in cases.items():
+        with pytest.raises(Exception, match=cause):
+            push_lora_adapter(rig.client, adapter)
+        assert_bit_identical(
+            rig.greedy(rig.lora("guarded", 4)), before, what=f"after '{cause}'"
+        )
+    assert_bit_identical(rig.greedy(), base_before, what="base weights")
+    status = rig.llm.collective_rpc(worker_fence_status)
+    assert all(s["state"] != "fenced" for s in status), status
+
+
+class FailingFinish(OfflineLLMWeightSyncClient):
+    """Raises on the first finish, before the engine sees it."""
+
+    def __init__(self, llm: Any) -> None:
+        super().__init__(llm)
+        self.failed = False
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("injected finish failure")
+        super().finish_weight_update(weight_version)
+
+
+def test_a_push_that_fails_leaves_the_previous_version_serving(rig):
+    model = rig.peft_model(seed=7)
+    push_lora_adapter(rig.client, LoRAAdapter.from_peft_model(model, "steady", 5))
+    before = rig.assert_serves(model, "steady", 5)
+    changed = rig.peft_model(seed=8)
+    with pytest.raises(RuntimeError, match="injected finish failure"):
+        push_lora_adapter(
+            FailingFinish(rig.llm), LoRAAdapter.from_peft_model(changed, "steady", 5)
+        )
+    assert_bit_identical(rig.greedy(rig.lora("steady", 5)), before, what="steady")
+    # The next push goes through.
+    push_lora_adapter(rig.client, LoRAAdapter.from_peft_model(changed, "steady", 5))
+    rig.assert_serves(changed, "steady", 5)
+
+
+def test_a_base_weight_sync_keeps_pushed_adapters_serving_on_the_new_base(rig):
+    adapter_model = rig.peft_model(seed=9)
+    adapter = LoRAAdapter.from_peft_model(adapter_model, "kept", 6)
+    push_lora_adapter(rig.client, adapter)
+    # New base weights from the trainer (vLLM drops every adapter after a
+    # base-weight update; the pushed one comes back from memory).
+    randomize_weights_(rig.base, seed=10)
+    WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(rank=0),
+        client=rig.client,
+        source=ModuleSource(rig.base),
+    ).send_weights()
+    on_new_base = rig.peft_model(seed=9)  # the same adapter over the new base
+    rig.assert_serves(on_new_base, "kept", 6)
+
+
+def test_base_weights_with_an_adapter_folded_in_serve_base_plus_adapter(rig):
+    adapter_model = rig.peft_model(seed=11)
+    adapter = LoRAAdapter.from_peft_model(adapter_model, "folded", 7)
+    merged = copy.deepcopy(rig.base)
+    merged.load_state_dict(adapter.merged_into(rig.base.state_dict()))
+    WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(rank=0),
+        client=rig.client,
+        source=ModuleSource(merged),
+    ).send_weights()
+    rig.base = merged
+    assert_same_greedy(
+        rig.greedy(),
+        hf_greedy(adapter_model),
+        atol=logprob_atol("float32"),
+        what="folded base",
+    )
