@@ -178,6 +178,18 @@ class HTTPVLLMWeightSyncClient:
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._post("init_weight_transfer_engine", {"init_info": init_info})
 
+    def register_lora_adapter(self, name: str, path: str) -> None:
+        """Make the OpenAI server serve the adapter ``name`` (``model=name``)
+        from ``path`` through upstream's ``/v1/load_lora_adapter`` (the server
+        needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``). A name it serves
+        already is left as it is."""
+        body = {"lora_name": name, "lora_path": path}
+        try:
+            self._send("v1/load_lora_adapter", body)
+        except requests.HTTPError as e:
+            if "already been loaded" not in str(e):
+                raise
+
     def start_weight_update(self) -> None:
         response = self._send("start_weight_update")
         self.server_holds_commit = (

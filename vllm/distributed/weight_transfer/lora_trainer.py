@@ -19,6 +19,11 @@ error names the cause.
     push_lora_adapter(OfflineLLMWeightSyncClient(llm), adapter, version="step-7")
     llm.generate(prompts, lora_request=LoRARequest("policy", 1, "memory://policy"))
 
+Over HTTP (``HTTPVLLMWeightSyncClient``) the push also registers the adapter's
+name with the OpenAI server, so ``model="policy"`` requests reach it; the server
+needs ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (upstream's
+``/v1/load_lora_adapter``, which the server answers with ids of its own).
+
 A ``LoRARequest`` needs a path. A pushed id is built from memory whatever its
 path says; ``memory_path(name)`` (``memory://<name>``) also reaches the adapter
 pushed under ``name`` from a request with any other id (a server that numbers
@@ -194,3 +199,8 @@ def push_lora_adapter(
             raise
     finally:
         buffer.close()
+    register = getattr(client, "register_lora_adapter", None)
+    if callable(register):
+        # A server that names adapters for OpenAI requests (``model=name``)
+        # learns this one; its requests then reach it by its memory path.
+        register(adapter.name, memory_path(adapter.name))

@@ -78,7 +78,11 @@ class Rig:
         return LoRARequest(name, lora_id, path or memory_path(name))
 
     def greedy(self, lora_request: Any = None) -> GreedyResult:
-        return vllm_greedy(self.llm, lora_request=lora_request)
+        # Each prompt alone: whether prompts share a step depends on timing,
+        # and vLLM CPU's LoRA kernels are not batch-invariant to the last bit
+        # (one bench run under load saw a last-bit difference between two
+        # batched generations of the same adapter).
+        return vllm_greedy(self.llm, lora_request=lora_request, one_at_a_time=True)
 
     def peft_model(self, seed: int, rank: int = MAX_RANK) -> Any:
         """A PEFT LoRA over a copy of the current base, random A and B."""

@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""LoRA adapters pushed from memory into ``vllm serve --enable-lora`` over the
+RL HTTP routes (``HTTPVLLMWeightSyncClient``), served to OpenAI completions
+that name the adapter as ``model``.
+
+The push registers the adapter's name with the server
+(``/v1/load_lora_adapter`` with its memory path; the server numbers it
+itself). Every version served is compared bit for bit with the same server
+serving the same adapter loaded from PEFT's directory under another name,
+and with Hugging Face + PEFT's forward (fp32 tolerance); a second push after
+an in-place step reaches the same ``model`` name; a bad adapter is refused
+over HTTP with its cause and the version before keeps serving.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import torch
+
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+from vllm.distributed.weight_transfer.lora_trainer import LoRAAdapter, push_lora_adapter
+from vllm.distributed.weight_transfer.testing import (
+    GreedyResult,
+    assert_bit_identical,
+    assert_same_greedy,
+    hf_greedy,
+    load_hf_model,
+    logprob_atol,
+)
+from vllm.distributed.weight_transfer.testing.oracle import completions_greedy
+from vllm.distributed.weight_transfer.testing.server import ServerProcess, serve
+
+peft = pytest.importorskip("peft")
+
+pytestmark = pytest.mark.slow
+
+MAX_RANK = 8
+# Ids the server does not hand out itself (it numbers from 1).
+PUSHED_ID = 1000
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path):
+    with serve(
+        tiny_model_dir,
+        extra_args=[
+            "--enable-lora",
+            "--max-lora-rank",
+            str(MAX_RANK),
+            "--max-loras",
+            "2",
+        ],
+        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"},
+    ) as s:
+        yield s
+
+
+def policy(model_dir: Path, seed: int, rank: int = MAX_RANK) -> Any:
+    base = load_hf_model(model_dir, "float32")
+    model = peft.get_peft_model(
+        copy.deepcopy(base),
+        peft.LoraConfig(
+            r=rank,
+            lora_alpha=2 * rank,
+            target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
+            lora_dropout=0.0,
+        ),
+    )
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model.eval()
+
+
+def from_disk(server: ServerProcess, model: Any, path: Path, name: str) -> GreedyResult:
+    model.save_pretrained(str(path))
+    HTTPVLLMWeightSyncClient(server.base_url).register_lora_adapter(name, str(path))
+    return completions_greedy(server.base_url, name)
+
+
+def test_a_pushed_adapter_serves_openai_requests_by_name(
+    server, tiny_model_dir, tmp_path
+):
+    client = HTTPVLLMWeightSyncClient(server.base_url, timeout=120)
+    model = policy(tiny_model_dir, seed=1)
+    push_lora_adapter(client, LoRAAdapter.from_peft_model(model, "policy", PUSHED_ID))
+    served = completions_greedy(server.base_url, "policy")
+    assert_bit_identical(
+        served, from_disk(server, model, tmp_path / "v1", "policy-disk-1"), what="v1"
+    )
+    assert_same_greedy(served, hf_greedy(model), atol=logprob_atol("float32"))
+    assert served != completions_greedy(server.base_url, server.model)
+
+    # An optimizer step in place, pushed again: the same model name serves it.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-1.5)
+    push_lora_adapter(client, LoRAAdapter.from_peft_model(model, "policy", PUSHED_ID))
+    second = completions_greedy(server.base_url, "policy")
+    assert_bit_identical(
+        second, from_disk(server, model, tmp_path / "v2", "policy-disk-2"), what="v2"
+    )
+    assert second != served
+
+    # A bad adapter (rank above the server's max_lora_rank) is refused with
+    # its cause; the version before keeps serving.
+    wide = policy(tiny_model_dir, seed=2, rank=2 * MAX_RANK)
+    with pytest.raises(requests.HTTPError, match="max_lora_rank"):
+        push_lora_adapter(
+            client, LoRAAdapter.from_peft_model(wide, "policy", PUSHED_ID)
+        )
+    assert_bit_identical(
+        completions_greedy(server.base_url, "policy"), second, what="after refusal"
+    )
