@@ -11,9 +11,10 @@ float32 Qwen3 of ``bench_cpu_linear.py`` (nothing downloaded). For each rank
 trainer's copy of the model is synced ``--rounds`` times each way, after an
 in-place change of its tensors:
 
-* ``push_s``: ``push_lora_adapter`` (pack, one message, every worker checks,
-  the commit) plus ``LLM.llm_engine.add_lora`` of the pushed id, which makes
-  the worker build the adapter as a request would;
+* ``push_s``: ``LoRAPusher.push`` (pack into the buffer it keeps, one
+  message, every worker checks, the commit) plus ``LLM.llm_engine.add_lora``
+  of the pushed id, which makes the worker build the adapter as a request
+  would;
 * ``disk_s``: ``save_pretrained`` into a fresh directory plus ``add_lora`` of
   a ``LoRARequest`` on it with ``load_inplace=True`` (what a framework does to
   replace an adapter that serves);
@@ -57,8 +58,8 @@ def main() -> int:
     from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
     from vllm.distributed.weight_transfer.lora_trainer import (
         LoRAAdapter,
+        LoRAPusher,
         memory_path,
-        push_lora_adapter,
     )
     from vllm.distributed.weight_transfer.testing import (
         TinyModelSpec,
@@ -76,7 +77,8 @@ def main() -> int:
     llm = tiny_llm(
         model_dir, enable_lora=True, max_lora_rank=max(args.ranks), max_cpu_loras=4
     )
-    client = OfflineLLMWeightSyncClient(llm)
+    # A trainer pushing every step keeps its pusher (and its buffer).
+    pusher = LoRAPusher(OfflineLLMWeightSyncClient(llm))
     results: dict[str, dict] = {}
     next_id = 1
     try:
@@ -101,7 +103,7 @@ def main() -> int:
                         model, f"push-{rank}", push_id
                     )
                     t0 = time.perf_counter()
-                    push_lora_adapter(client, adapter)
+                    pusher.push(adapter)
                     llm.llm_engine.add_lora(
                         LoRARequest(
                             f"push-{rank}", push_id, memory_path(f"push-{rank}")
@@ -151,6 +153,7 @@ def main() -> int:
                 print(f"rank {rank}: {result}", flush=True)
                 results[f"rank_{rank}"] = result
     finally:
+        pusher.close()
         llm.llm_engine.engine_core.shutdown()
     doc = {
         "benchmark": "lora_push_vs_save_and_load",

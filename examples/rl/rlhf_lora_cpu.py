@@ -5,7 +5,7 @@ after every step, over ``ipc`` (docs/training/weight_transfer/lora.md).
 
 The trainer holds a PEFT LoRA over a tiny generated Qwen3 (no download). At
 each step it changes the adapter in place (standing in for an optimizer step),
-pushes it with ``push_lora_adapter`` (no file is written; the base weights are
+pushes it with a ``LoRAPusher`` (no file is written; the base weights are
 not touched) and generates through ``LoRARequest("policy", 1, ...)``. The
 output is then compared, bit for bit, with the same engine serving the same
 adapter loaded from a PEFT directory under another id, and with Hugging Face +
@@ -28,8 +28,8 @@ import torch
 from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
 from vllm.distributed.weight_transfer.lora_trainer import (
     LoRAAdapter,
+    LoRAPusher,
     memory_path,
-    push_lora_adapter,
 )
 from vllm.distributed.weight_transfer.testing import (
     TinyModelSpec,
@@ -80,7 +80,8 @@ def main() -> int:
     ).eval()
 
     llm = tiny_llm(model_dir, enable_lora=True, max_lora_rank=args.rank)
-    client = OfflineLLMWeightSyncClient(llm)
+    # Kept across steps: it reuses the buffer the adapter travels in.
+    pusher = LoRAPusher(OfflineLLMWeightSyncClient(llm))
     pushed = LoRARequest("policy", 1, memory_path("policy"))
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,7 +89,7 @@ def main() -> int:
             fake_training_step(policy, step)
             adapter = LoRAAdapter.from_peft_model(policy, name="policy", lora_id=1)
             t0 = time.perf_counter()
-            push_lora_adapter(client, adapter, version=f"step-{step}")
+            pusher.push(adapter, version=f"step-{step}")
             push_s = time.perf_counter() - t0
             nbytes = sum(t.numel() * t.element_size() for t in adapter.tensors.values())
             served = vllm_greedy(llm, lora_request=pushed)
@@ -110,6 +111,7 @@ def main() -> int:
                 f"step {step}: pushed {len(adapter.tensors)} tensors "
                 f"({nbytes / 1e6:.2f} MB) in {push_s:.3f} s; {verdict}"
             )
+    pusher.close()
     llm.llm_engine.engine_core.shutdown()
     return 0 if ok else 1
 

@@ -241,3 +241,28 @@ def test_a_push_into_an_engine_without_lora_is_refused_and_changes_nothing():
     push(engine, trainer)
     for name, want in state(trainer).items():
         assert torch.equal(dict(target.named_parameters())[name], want), name
+
+
+def test_a_byte_flipped_in_transit_is_caught_by_the_checksum():
+    """With ``verify_checksums``, every worker checks the bytes it read
+    against the trainer's checksum before keeping any (here before the
+    engine would refuse the push for running without LoRA)."""
+    from vllm.distributed.weight_transfer.testing.ipc_faults import ByteFlippingClient
+
+    engine = make_engine(reload_ready(0))
+    adapter = LoRAAdapter(
+        name="policy",
+        lora_id=1,
+        config=CONFIG,
+        tensors={
+            "base_model.model.a.lora_A.weight": torch.randn(2, 8),
+            "base_model.model.a.lora_B.weight": torch.randn(8, 2),
+        },
+    )
+    flipping = ByteFlippingClient(EngineClient(engine))
+    with pytest.raises(Exception, match="checksum mismatch"):
+        push_lora_adapter(flipping, adapter, verify_checksums=True)
+    assert flipping.flipped is not None
+    with pytest.raises(Exception, match="runs without LoRA"):
+        push_lora_adapter(EngineClient(engine), adapter, verify_checksums=True)
+    assert engine.fence_status["state"] != "fenced"

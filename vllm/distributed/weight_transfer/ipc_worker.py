@@ -383,8 +383,23 @@ class IPCWeightTransferEngine(
                 importer.open(importer.select(hmap, f"adapter ipc_handles{suffix}")[1])
                 for suffix, hmap in _indexed(info)
             ]
+            views = info.views()
+            if header.checksum is not None:
+                # The trainer's bytes as they arrived, before anything is kept.
+                from vllm.distributed.weight_transfer.verification.checksum import (
+                    payload_checksum,
+                )
+
+                end = max((v.offset + v.nbytes for v in views), default=0)
+                got = payload_checksum(buffers[0][:end])
+                if got != header.checksum:
+                    raise ValueError(
+                        f"adapter {header.name!r}: checksum mismatch (the "
+                        f"trainer sent {header.checksum}, this worker read "
+                        f"{got}); nothing changed"
+                    )
             tensors = []
-            for view in info.views():
+            for view in views:
                 raw = buffers[view.buffer][view.offset : view.offset + view.nbytes]
                 if view.offset % view.dtype.itemsize:
                     raw = raw.clone()

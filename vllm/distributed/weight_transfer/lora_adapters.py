@@ -132,6 +132,9 @@ class AdapterHeader:
     config: AdapterConfig
     version: str | None = None
     last: bool = False
+    # The ``ws1`` checksum (``verification.checksum``) of the bytes of the
+    # message's buffer its tensors span, when the trainer verifies pushes.
+    checksum: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -144,6 +147,10 @@ class AdapterHeader:
             raise ValueError(f"adapter lora_id must be >= 1, got {self.lora_id}")
         if self.version is not None and not isinstance(self.version, str):
             raise ValueError(f"adapter version must be a string, got {self.version!r}")
+        if self.checksum is not None and not isinstance(self.checksum, str):
+            raise ValueError(
+                f"adapter checksum must be a string, got {self.checksum!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -154,13 +161,15 @@ class AdapterHeader:
         }
         if self.version is not None:
             out["version"] = self.version
+        if self.checksum is not None:
+            out["checksum"] = self.checksum
         return out
 
     @classmethod
     def from_dict(cls, d: Any) -> AdapterHeader:
         if not isinstance(d, Mapping):
             raise ValueError(f"update_info.adapter must be an object, got {d!r}")
-        unknown = set(d) - {"name", "lora_id", "config", "version", "last"}
+        unknown = set(d) - {"name", "lora_id", "config", "version", "last", "checksum"}
         if unknown:
             raise ValueError(
                 f"update_info.adapter has unknown fields {sorted(unknown)}"
@@ -171,6 +180,7 @@ class AdapterHeader:
             config=AdapterConfig.from_dict(d.get("config")),  # type: ignore[arg-type]
             version=d.get("version"),
             last=bool(d.get("last", False)),
+            checksum=d.get("checksum"),
         )
 
 

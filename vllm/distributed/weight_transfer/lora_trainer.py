@@ -17,6 +17,8 @@ error names the cause.
 
     adapter = LoRAAdapter.from_peft_model(peft_model, name="policy", lora_id=1)
     push_lora_adapter(OfflineLLMWeightSyncClient(llm), adapter, version="step-7")
+    # or, every step, with the buffer kept: pusher = LoRAPusher(client);
+    # pusher.push(adapter, version=...)
     llm.generate(prompts, lora_request=LoRARequest("policy", 1, "memory://policy"))
 
 Over HTTP (``HTTPVLLMWeightSyncClient``) the push also registers the adapter's
@@ -57,7 +59,7 @@ from vllm.distributed.weight_transfer.lora_adapters import (
 from vllm.distributed.weight_transfer.stale_updates import start_update
 from vllm.distributed.weight_transfer.verification import describe_error
 
-__all__ = ["LoRAAdapter", "memory_path", "push_lora_adapter"]
+__all__ = ["LoRAAdapter", "LoRAPusher", "memory_path", "push_lora_adapter"]
 
 ALIGN = 64
 
@@ -149,58 +151,115 @@ def push_lora_adapter(
     *,
     version: str | None = None,
     rank: int = 0,
+    verify_checksums: bool = False,
 ) -> None:
-    """Push ``adapter`` to the engine ``client`` drives; see the module
-    docstring. ``rank`` is this trainer rank (it keys the buffer handle)."""
-    header = AdapterHeader(
-        adapter.name, adapter.lora_id, adapter.config, version=version, last=True
-    )
-    items = [(n, t.detach()) for n, t in adapter.tensors.items()]
-    if not items:
-        raise ValueError(f"adapter {adapter.name!r} has no tensors")
-    devices = {t.device for _, t in items}
-    if len(devices) != 1:
-        raise ValueError(
-            f"adapter {adapter.name!r} has tensors on {sorted(map(str, devices))}; "
-            "push them from one device"
-        )
-    device = devices.pop()
-    offsets, end = [], 0
-    for _, tensor in items:
-        offsets.append(end)
-        end += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
-    buffer: ExportedBuffer = allocate_buffer(end, device)
+    """Push ``adapter`` to the engine ``client`` drives, once; see the module
+    docstring. A trainer that pushes every step keeps a ``LoRAPusher``,
+    which reuses its buffer."""
+    pusher = LoRAPusher(client, rank=rank, verify_checksums=verify_checksums)
     try:
-        flat = buffer.tensor
-        assert flat is not None
-        with torch.no_grad():
-            for (_, tensor), offset in zip(items, offsets, strict=True):
-                nbytes = tensor.numel() * tensor.element_size()
-                place = flat[offset : offset + nbytes].view(tensor.dtype)
-                place.view(tensor.shape).copy_(tensor)
-        sync_device(device)
-        message = {
-            "names": [n for n, _ in items],
-            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in items],
-            "shapes": [list(t.shape) for _, t in items],
-            "tensor_sizes": [t.numel() * t.element_size() for _, t in items],
-            "offsets": offsets,
-            "ipc_handles": {device_key(device, rank): buffer.handle.to_dict()},
-            ADAPTER_KEY: header.to_dict(),
-        }
-        start_update(client, f"LoRA adapter push {adapter.name!r}")
-        try:
-            client.update_weights(message)
-            commit_update(client, None)
-        except BaseException as e:
-            abort_update(
-                client, f"LoRA adapter push {adapter.name!r}: {describe_error(e)}"
-            )
-            raise
+        pusher.push(adapter, version=version)
     finally:
-        buffer.close()
-    register = getattr(client, "register_lora_adapter", None)
-    if callable(register):
-        # A server that names adapters for OpenAI requests (``model=name``)
-        # learns this one; its requests then reach it by its memory path.
-        register(adapter.name, memory_path(adapter.name))
+        pusher.close()
+
+
+class LoRAPusher:
+    """Pushes adapters to the engine ``client`` drives, keeping the buffer
+    they travel in from one push to the next (a new buffer's pages cost more
+    than the copy into it). ``rank`` is this trainer rank (it keys the
+    buffer's handle). ``close()`` frees the buffer; a failed push frees it
+    too, since a worker that timed out may still be reading it."""
+
+    def __init__(
+        self, client: Any, *, rank: int = 0, verify_checksums: bool = False
+    ) -> None:
+        self.client = client
+        self.rank = rank
+        # Each worker checks the bytes it read against the trainer's checksum.
+        self.verify_checksums = verify_checksums
+        self._buffer: ExportedBuffer | None = None
+        # Names the client's server was told about (``register_lora_adapter``).
+        self._registered: set[str] = set()
+
+    def push(self, adapter: LoRAAdapter, *, version: str | None = None) -> None:
+        """Push ``adapter``; returns once it serves (see the module docstring)."""
+        items = [(n, t.detach()) for n, t in adapter.tensors.items()]
+        if not items:
+            raise ValueError(f"adapter {adapter.name!r} has no tensors")
+        devices = {t.device for _, t in items}
+        if len(devices) != 1:
+            raise ValueError(
+                f"adapter {adapter.name!r} has tensors on "
+                f"{sorted(map(str, devices))}; push them from one device"
+            )
+        device = devices.pop()
+        offsets, end = [], 0
+        for _, tensor in items:
+            offsets.append(end)
+            end += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+        buffer = self._buffer_for(end, device)
+        what = f"LoRA adapter push {adapter.name!r}"
+        try:
+            flat = buffer.tensor
+            assert flat is not None
+            with torch.no_grad():
+                for (_, tensor), offset in zip(items, offsets, strict=True):
+                    nbytes = tensor.numel() * tensor.element_size()
+                    place = flat[offset : offset + nbytes].view(tensor.dtype)
+                    place.view(tensor.shape).copy_(tensor)
+            sync_device(device)
+            checksum = None
+            if self.verify_checksums:
+                from vllm.distributed.weight_transfer.verification.checksum import (
+                    payload_checksum,
+                )
+
+                last = offsets[-1] + items[-1][1].numel() * items[-1][1].element_size()
+                checksum = payload_checksum(flat[:last])
+            header = AdapterHeader(
+                adapter.name,
+                adapter.lora_id,
+                adapter.config,
+                version=version,
+                last=True,
+                checksum=checksum,
+            )
+            message = {
+                "names": [n for n, _ in items],
+                "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in items],
+                "shapes": [list(t.shape) for _, t in items],
+                "tensor_sizes": [t.numel() * t.element_size() for _, t in items],
+                "offsets": offsets,
+                "ipc_handles": {device_key(device, self.rank): buffer.handle.to_dict()},
+                ADAPTER_KEY: header.to_dict(),
+            }
+            start_update(self.client, what)
+            try:
+                self.client.update_weights(message)
+                commit_update(self.client, None)
+            except BaseException as e:
+                abort_update(self.client, f"{what}: {describe_error(e)}")
+                raise
+        except BaseException:
+            self.close()
+            raise
+        register = getattr(self.client, "register_lora_adapter", None)
+        if callable(register) and adapter.name not in self._registered:
+            # A server that names adapters for OpenAI requests (``model=name``)
+            # learns this one; its requests then reach it by its memory path.
+            register(adapter.name, memory_path(adapter.name))
+            self._registered.add(adapter.name)
+
+    def _buffer_for(self, nbytes: int, device: torch.device) -> ExportedBuffer:
+        buffer = self._buffer
+        if buffer is not None and buffer.tensor is not None:
+            if buffer.tensor.device == device and buffer.tensor.numel() >= nbytes:
+                return buffer
+            self.close()
+        self._buffer = allocate_buffer(nbytes, device)
+        return self._buffer
+
+    def close(self) -> None:
+        buffer, self._buffer = self._buffer, None
+        if buffer is not None:
+            buffer.close()

@@ -36,6 +36,7 @@ from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 from vllm.distributed.weight_transfer.lora_adapters import AdapterConfig
 from vllm.distributed.weight_transfer.lora_trainer import (
     LoRAAdapter,
+    LoRAPusher,
     memory_path,
     push_lora_adapter,
 )
@@ -51,7 +52,10 @@ from vllm.distributed.weight_transfer.testing import (
     randomize_weights_,
     vllm_greedy,
 )
-from vllm.distributed.weight_transfer.testing.ipc_faults import worker_fence_status
+from vllm.distributed.weight_transfer.testing.ipc_faults import (
+    ByteFlippingClient,
+    worker_fence_status,
+)
 from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 
 peft = pytest.importorskip("peft")
@@ -164,14 +168,26 @@ def test_an_adapter_pushed_from_memory_serves_as_from_disk_and_a_second_push(rig
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.mul_(-1.5)
-    push_lora_adapter(
-        rig.client,
-        LoRAAdapter.from_peft_model(model, name="policy", lora_id=1),
-        version="v2",
-    )
-    second = rig.assert_serves(model, "policy", 1)
+    # Pushed by a LoRAPusher, which keeps its buffer for the next push.
+    pusher = LoRAPusher(rig.client)
+    try:
+        pusher.push(
+            LoRAAdapter.from_peft_model(model, name="policy", lora_id=1), version="v2"
+        )
+        second = rig.assert_serves(model, "policy", 1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_A" in name:
+                    p.add_(0.01)
+        pusher.push(
+            LoRAAdapter.from_peft_model(model, name="policy", lora_id=1), version="v3"
+        )
+        third = rig.assert_serves(model, "policy", 1)
+        assert third != second
+    finally:
+        pusher.close()
     assert second != first
-    assert_bit_identical(rig.greedy(alias), second, what="by memory path, v2")
+    assert_bit_identical(rig.greedy(alias), third, what="by memory path, v3")
 
 
 def test_two_adapters_are_updated_independently(rig):
@@ -220,6 +236,12 @@ def test_bad_adapters_are_refused_before_anything_changes(rig):
         ),
         "already serves adapter 'guarded'": _bad(good, name="other"),
     }
+    # A byte flipped in transit, caught by the checksum every worker checks.
+    flipped = LoRAAdapter.from_peft_model(rig.peft_model(seed=12), "guarded", 4)
+    with pytest.raises(Exception, match="checksum mismatch"):
+        push_lora_adapter(
+            ByteFlippingClient(rig.client), flipped, verify_checksums=True
+        )
     for cause, adapter in cases.items():
         with pytest.raises(Exception, match=cause):
             push_lora_adapter(rig.client, adapter)

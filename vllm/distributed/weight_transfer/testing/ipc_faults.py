@@ -57,6 +57,8 @@ class ByteFlippingClient:
         from vllm.distributed.weight_transfer.verification import pop_publication
 
         _, _, rest = pop_publication(update_info)
+        # (A LoRA adapter push's header is not part of the ipc wire.)
+        rest = {k: v for k, v in rest.items() if k != "adapter"}
         info = IPCWeightTransferUpdateInfo.from_dict(rest)
         view = next(v for v in info.views() if v.nbytes)
         importer = BufferImporter(torch.device("cpu"), local_rank=0, writable=True)
