@@ -43,6 +43,13 @@ untouched; when a weight had landed, the engine is fenced and finish raises
 then finish, then a full update); after the trainer's abort message finish
 closes quietly either way.
 
+LoRA adapters (``lora_adapters``): a message with an ``adapter`` header
+goes to the backend's ``receive_adapter`` instead of ``receive_weights``. Its
+tensors are staged apart from the model and checked on the push's last
+message; ``finish_weight_update`` makes the adapter the version that serves.
+Any failure or abort before that drops the staging; the model is never
+touched, so nothing is fenced.
+
 Backends implement ``_make_publication`` and ``receive_weights`` (which
 lands through ``_session_for`` and calls ``_mark_landed`` before the first
 weight reaches the model; with staging, ``_session_for`` returns the
