@@ -218,11 +218,9 @@ def test_the_memory_loader_builds_from_copies_and_checks_the_name():
         memory_adapters().remove(77)
 
 
-def test_a_push_into_an_engine_without_lora_is_refused_and_changes_nothing():
-    target = reload_ready(0)
-    before = state(target)
-    engine = make_engine(target)
-    adapter = LoRAAdapter(
+def tiny_net_adapter() -> LoRAAdapter:
+    """A rank-2 adapter of ``TinyNet``'s layer ``a`` (8 -> 8)."""
+    return LoRAAdapter(
         name="policy",
         lora_id=1,
         config=CONFIG,
@@ -231,6 +229,13 @@ def test_a_push_into_an_engine_without_lora_is_refused_and_changes_nothing():
             "base_model.model.a.lora_B.weight": torch.randn(8, 2),
         },
     )
+
+
+def test_a_push_into_an_engine_without_lora_is_refused_and_changes_nothing():
+    target = reload_ready(0)
+    before = state(target)
+    engine = make_engine(target)
+    adapter = tiny_net_adapter()
     with pytest.raises(Exception, match="runs without LoRA"):
         push_lora_adapter(EngineClient(engine), adapter)
     for name, want in before.items():
@@ -250,15 +255,7 @@ def test_a_byte_flipped_in_transit_is_caught_by_the_checksum():
     from vllm.distributed.weight_transfer.testing.ipc_faults import ByteFlippingClient
 
     engine = make_engine(reload_ready(0))
-    adapter = LoRAAdapter(
-        name="policy",
-        lora_id=1,
-        config=CONFIG,
-        tensors={
-            "base_model.model.a.lora_A.weight": torch.randn(2, 8),
-            "base_model.model.a.lora_B.weight": torch.randn(8, 2),
-        },
-    )
+    adapter = tiny_net_adapter()
     flipping = ByteFlippingClient(EngineClient(engine))
     with pytest.raises(Exception, match="checksum mismatch"):
         push_lora_adapter(flipping, adapter, verify_checksums=True)

@@ -232,15 +232,7 @@ class IPCWeightTransferEngine(
             self.pub.check_buffer(i, buffers[i][start:end])
         bound = self._bound_chunk(session, update_info, handles, buffers)
         covered = bound.names if bound is not None else frozenset()
-        weights = []
-        for view in views:
-            if view.name in covered:
-                continue
-            raw = buffers[view.buffer][view.offset : view.offset + view.nbytes]
-            if view.offset % view.dtype.itemsize:
-                # Upstream packs without padding; a dtype view needs alignment.
-                raw = raw.clone()
-            weights.append((view.name, raw.view(view.dtype).view(view.shape)))
+        weights = _typed_views(buffers, [v for v in views if v.name not in covered])
         self._mark_landed()
         record = self.pub.record
         if record is not None:
@@ -398,12 +390,7 @@ class IPCWeightTransferEngine(
                         f"trainer sent {header.checksum}, this worker read "
                         f"{got}); nothing changed"
                     )
-            tensors = []
-            for view in views:
-                raw = buffers[view.buffer][view.offset : view.offset + view.nbytes]
-                if view.offset % view.dtype.itemsize:
-                    raw = raw.clone()
-                tensors.append((view.name, raw.view(view.dtype).view(view.shape)))
+            tensors = _typed_views(buffers, views)
             self.adapters.receive(header, tensors)
             del tensors, buffers
         finally:
@@ -440,6 +427,21 @@ def _worker_rank(vllm_config: Any) -> int:
     except (AssertionError, ImportError):
         rank = 0
     return dp_index * world_size + rank
+
+
+def _typed_views(
+    buffers: list[torch.Tensor], views: list[Any]
+) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of each view: its bytes in its mapped buffer, typed
+    and shaped (copied first when its offset does not suit its dtype)."""
+    out = []
+    for view in views:
+        raw = buffers[view.buffer][view.offset : view.offset + view.nbytes]
+        if view.offset % view.dtype.itemsize:
+            # Upstream packs without padding; a dtype view needs alignment.
+            raw = raw.clone()
+        out.append((view.name, raw.view(view.dtype).view(view.shape)))
+    return out
 
 
 def _indexed(info: IPCWeightTransferUpdateInfo) -> list[tuple[str, dict]]:

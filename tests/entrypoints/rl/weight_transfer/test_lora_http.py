@@ -15,7 +15,6 @@ over HTTP with its cause and the version before keeps serving.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from vllm.distributed.weight_transfer.testing import (
     load_hf_model,
     logprob_atol,
 )
+from vllm.distributed.weight_transfer.testing.lora import random_lora
 from vllm.distributed.weight_transfer.testing.oracle import completions_greedy
 from vllm.distributed.weight_transfer.testing.server import ServerProcess, serve
 
@@ -62,22 +62,12 @@ def server(tiny_model_dir: Path):
 
 
 def policy(model_dir: Path, seed: int, rank: int = MAX_RANK) -> Any:
-    base = load_hf_model(model_dir, "float32")
-    model = peft.get_peft_model(
-        copy.deepcopy(base),
-        peft.LoraConfig(
-            r=rank,
-            lora_alpha=2 * rank,
-            target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
-            lora_dropout=0.0,
-        ),
+    return random_lora(
+        load_hf_model(model_dir, "float32"),
+        seed,
+        rank,
+        ["q_proj", "v_proj", "o_proj", "down_proj"],
     )
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model.eval()
 
 
 def from_disk(server: ServerProcess, model: Any, path: Path, name: str) -> GreedyResult:

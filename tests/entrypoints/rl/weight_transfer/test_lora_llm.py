@@ -56,6 +56,7 @@ from vllm.distributed.weight_transfer.testing.ipc_faults import (
     ByteFlippingClient,
     worker_fence_status,
 )
+from vllm.distributed.weight_transfer.testing.lora import random_lora
 from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 
 peft = pytest.importorskip("peft")
@@ -90,16 +91,7 @@ class Rig:
 
     def peft_model(self, seed: int, rank: int = MAX_RANK) -> Any:
         """A PEFT LoRA over a copy of the current base, random A and B."""
-        config = peft.LoraConfig(
-            r=rank, lora_alpha=2 * rank, target_modules=TARGETS, lora_dropout=0.0
-        )
-        model = peft.get_peft_model(copy.deepcopy(self.base), config)
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_" in name:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-        return model.eval()
+        return random_lora(self.base, seed, rank, TARGETS)
 
     def from_disk(self, model: Any, name: str, lora_id: int) -> GreedyResult:
         """The same engine serving ``model``'s adapter loaded from a
