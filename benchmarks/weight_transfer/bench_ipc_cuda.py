@@ -36,6 +36,13 @@ into the worker's. Measured, per model:
                     copy table): one copy per byte from the trainer's
                     parameters into the served layout, which the worker engine
                     does with ``landing="planned"``;
+* ``fork_shared_params_planned_pinned``: ``fork_shared_params_planned`` with
+                    the source users send a placed module with
+                    (``SharedParameters.source``), which knows when no
+                    parameter moved: after the first sync, each sends only
+                    the layout id the worker parsed then and the handle, and
+                    walks no tensor (the other shared modes walk every
+                    tensor of a plain dict source, as a user's own source is);
 * ``fork_shared_params_planned_one_chunk``: the same with a packed-buffer cap
                     above the model's size, so one message carries every
                     tensor (nothing is packed, so the cap allocates nothing):
@@ -476,6 +483,7 @@ def bench_fork(
     buffer_bytes: int,
     land: str = "loop",
     verify_each: bool = False,
+    source=None,
     **options,
 ) -> dict:
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
@@ -501,7 +509,7 @@ def bench_fork(
             **options,
         ),
         client=(client := PipeClient(conn, land)),
-        source=Source(),
+        source=source if source is not None else Source(),
     )
     mapped_before = _call(conn, "mappings")
     times, peaks = [], []
@@ -538,8 +546,26 @@ def bench_fork(
     }
 
 
-# SharedParameters placed by the shared-params modes (closed after the model).
+# SharedParameters placed by the shared-params modes, with the module holding
+# the placed parameters under the tensors' names (closed after the model).
 _PLACED: list = []
+
+
+def _holder_of(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module whose parameters are ``tensors`` under their own dotted
+    names (a submodule per prefix), as a trainer's model holds them."""
+    root = torch.nn.Module()
+    for name, tensor in tensors.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            child = module._modules.get(part)
+            if child is None:
+                child = torch.nn.Module()
+                module.add_module(part, child)
+            module = child
+        module.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
+    return root
 
 
 def bench_shared_params(
@@ -550,6 +576,7 @@ def bench_shared_params(
     land: str = "loop",
     plan_path: str | None = None,
     sent: list | None = None,
+    pinned: bool = False,
 ) -> dict:
     """The trainer's tensors placed in one CUDA allocation
     (``SharedParameters``): each chunk names it, nothing is packed, and the
@@ -557,7 +584,8 @@ def bench_shared_params(
     leaves ``tensors`` holding the placed tensors (same values; the originals
     are freed); later ones reuse the placement. With ``plan_path`` the worker
     first swaps its destinations for the plan's served tensors and lands
-    through chunk programs (``land="planned"``)."""
+    through chunk programs (``land="planned"``). ``pinned``: the trainer sends
+    with ``SharedParameters.source``, not a dict source."""
     from vllm.distributed.weight_transfer.shared_params import (
         SharedParameters,
         shared_place,
@@ -565,23 +593,26 @@ def bench_shared_params(
 
     result: dict = {}
     if shared_place(next(iter(tensors.values()))) is None:
-        holder = torch.nn.Module()
-        names = list(tensors)
-        for i, name in enumerate(names):
-            param = torch.nn.Parameter(tensors[name], requires_grad=False)
-            holder.register_parameter(f"p{i}", param)
+        holder = _holder_of(tensors)
         torch.cuda.synchronize()
         t = time.perf_counter()
-        _PLACED.append(SharedParameters.place(holder))
+        _PLACED.append((SharedParameters.place(holder), holder))
         torch.cuda.synchronize()
         result["place_seconds"] = time.perf_counter() - t
-        for i, name in enumerate(names):
-            tensors[name] = getattr(holder, f"p{i}").data
-        del holder
+        placed = dict(holder.named_parameters())
+        for name in tensors:
+            tensors[name] = placed[name].data
+        del placed
         torch.cuda.empty_cache()
     if plan_path is not None:
         result["copy_table"] = _call(conn, "planned_setup", (plan_path, sent))
-    result.update(bench_fork(tensors, conn, reps, True, buffer_bytes, land=land))
+    source = None
+    if pinned:
+        shared, holder = _PLACED[-1]
+        source = shared.source(holder)
+    result.update(
+        bench_fork(tensors, conn, reps, True, buffer_bytes, land=land, source=source)
+    )
     result["first_sync_seconds"] = result["all_seconds"][0]
     if plan_path is not None:
         result.update(_call(conn, "programs"))
@@ -596,7 +627,7 @@ def bench_packed_planned_kept(
     placements of the shared modes are closed first, so the trainer finds
     no tensor in a shared allocation and packs every one (one copy), into
     the same buffer at every sync, which the worker keeps mapped."""
-    for placed in _PLACED:
+    for placed, _ in _PLACED:
         placed.close()
     result: dict = {"copy_table": _call(conn, "planned_setup", (plan_path, sent))}
     result.update(
@@ -730,6 +761,18 @@ def run_model(
             (tensors, parent, reps, buffer_bytes),
             {"land": "planned", "plan_path": plan_path, "sent": params},
         )
+        # the same, sent with the source that knows when nothing moved: the
+        # layout's id instead of the layout, no walk of the tensors
+        modes["fork_shared_params_planned_pinned"] = (
+            bench_shared_params,
+            (tensors, parent, reps, buffer_bytes),
+            {
+                "land": "planned",
+                "plan_path": plan_path,
+                "sent": params,
+                "pinned": True,
+            },
+        )
         # the same with a cap above the model's size: one message per sync
         # (nothing is packed, so the cap costs no memory here); what the
         # per-chunk round trips cost
@@ -775,7 +818,7 @@ def run_model(
     parent.send(("stop", None))
     proc.join(60)
     while _PLACED:
-        _PLACED.pop().close()
+        _PLACED.pop()[0].close()
     del tensors, modes, same
     gc.collect()  # the per-mode Source classes are freed by the cyclic GC
     torch.cuda.empty_cache()

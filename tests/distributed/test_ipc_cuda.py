@@ -31,7 +31,7 @@ pytestmark = [
 def _reader(conn) -> None:
     """Second process: import every update's buffers and send back CPU copies."""
     from vllm.distributed.weight_transfer.ipc_dataplane import BufferImporter
-    from vllm.distributed.weight_transfer.ipc_wire import IPCWeightTransferUpdateInfo
+    from vllm.distributed.weight_transfer.ipc_wire import LayoutMemo
     from vllm.distributed.weight_transfer.verification import (
         WorkerPublication,
         device_identity,
@@ -45,6 +45,8 @@ def _reader(conn) -> None:
         backend="ipc", worker_rank=0, worker_device=device_identity(device)
     )
     prepared = None  # the receipt written at the prepare message
+    # As the worker engine parses: a short message names a layout parsed before.
+    layouts = LayoutMemo()
     while True:
         msg = conn.recv()
         if msg is None:
@@ -64,6 +66,9 @@ def _reader(conn) -> None:
         if msg == "stats":
             conn.send(("ok", (importer.mappings_opened, len(importer.kept()))))
             continue
+        if msg == "short_messages":
+            conn.send(("ok", layouts.compact))
+            continue
         if msg == "finish":  # as the worker engine does at finish_weight_update
             importer.close(keep_persistent=True)
             try:
@@ -81,7 +86,7 @@ def _reader(conn) -> None:
                 prepared = pub.prepare()
                 conn.send(("ok", ([], {})))
                 continue
-            info = IPCWeightTransferUpdateInfo.from_dict(pub.begin_message(update_info))
+            info = layouts.parse(pub.begin_message(update_info))
             keys, bufs = [], []
             for hmap in info.buffers():
                 key, handle = importer.select(hmap, "ipc_handles")
@@ -388,6 +393,76 @@ def test_shared_parameters_are_mapped_once_and_read_in_place(reader):
     torch.cuda.synchronize()
     torch.cuda.ipc_collect()
     assert torch.cuda.memory_allocated() - base < (1 << 20), "memory went back"
+
+
+def test_a_pinned_source_sends_its_layout_once_then_only_its_id(reader):
+    """``SharedParameters.source`` on CUDA: after the first sync, each sync
+    is one short message (the layout's id and the kept export), read
+    bit-exact through the kept mapping; a re-allocated parameter ends the
+    short form (that sync goes whole, the moved tensor packed), and a failed
+    sync makes the next one whole again, with a fresh export."""
+    from vllm.distributed.weight_transfer.shared_params import SharedParameters
+
+    torch.manual_seed(1)
+    model = Net().cuda()
+    shared = SharedParameters.place(model)
+    client = PipeWorker(reader)
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed=True, verify_checksums=True),
+        client=client,
+        source=shared.source(model),
+    )
+
+    def sync_and_check() -> None:
+        engine.send_weights()
+        for name, p in model.named_parameters():
+            assert torch.equal(client.received[name], p.detach().cpu()), name
+
+    def short_messages() -> int:
+        reader.send("short_messages")
+        status, count = _answer(reader, "short_messages")
+        assert status == "ok"
+        return count
+
+    shorts = short_messages()
+    sync_and_check()
+    export = shared.handle
+    opened, _ = _stats(reader)
+    for _ in range(2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(-2).add_(0.5)
+        del p
+        client.received.clear()  # the short message lists every name again
+        sync_and_check()
+    assert short_messages() == shorts + 2
+    assert _stats(reader) == (opened, 1), "no new mapping"
+    assert shared.handle is export
+
+    model.norm.data = model.norm.data * 3  # re-allocated: the full way
+    sync_and_check()
+    assert short_messages() == shorts + 2
+    with torch.no_grad():
+        model.big.add_(1)
+    sync_and_check()  # the norm still lies outside the buffer: whole again
+    assert short_messages() == shorts + 2
+
+    shared2 = SharedParameters.place(model)  # everything in a buffer again
+    engine.source = shared2.source(model)
+    sync_and_check()
+    sync_and_check()
+    assert short_messages() == shorts + 3
+    client.fail_next = True
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.send_weights()
+    export = shared2.handle
+    sync_and_check()
+    assert short_messages() == shorts + 3, "whole after the failure"
+    assert shared2.handle is not export, "exported anew"
+    sync_and_check()
+    assert short_messages() == shorts + 4
+    shared.close()
+    shared2.close()
 
 
 def test_a_kept_packed_buffer_is_mapped_once_and_exported_anew_after_a_failure(

@@ -129,6 +129,154 @@ def test_chunks_in_one_segment_travel_as_one_message_landed_by_one_program():
     shared.close()
 
 
+class ShortFormClient(RecordingClient):
+    """Also records each message's form: "full" (names, with the layout id
+    when it carries one) or "short" (only a layout id and the handle)."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.forms: list[tuple[str, str | None]] = []
+
+    def update_weights(self, update_info):
+        if "ipc_handles" in update_info:  # not the receipts' prepare message
+            form = "full" if "names" in update_info else "short"
+            self.forms.append((form, update_info.get("layout")))
+        super().update_weights(update_info)
+
+
+def pinned_trainer(engine, model, shared, **kwargs):
+    client = ShortFormClient(engine)
+    kwargs.setdefault("packed_buffer_size_bytes", 64)
+    trainer = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, **kwargs),
+        client=client,
+        source=shared.source(model),
+    )
+    return trainer, client
+
+
+def step(model, scale: float = 3.0) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale).sub_(1)
+
+
+def assert_served(target, model) -> None:
+    for name, want in state(model).items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name
+
+
+@pytest.mark.parametrize("checksums", [False, True], ids=["plain", "checksums"])
+def test_a_source_that_knows_nothing_moved_resends_its_layout_by_id(checksums):
+    """``SharedParameters.source``: the first sync sends the whole layout
+    once, with an id; while every parameter stays where it was, each later
+    sync sends only that id and the handle, walks no tensor, and the worker
+    reuses the parsed layout and the bound program."""
+    target = planned_ready(0)
+    engine = make_engine(target, landing="planned")
+    model = TinyNet(1)
+    shared = SharedParameters.place(model)
+    trainer, client = pinned_trainer(engine, model, shared, verify_checksums=checksums)
+    trainer.send_weights()
+    assert_served(target, model)
+    ((form, layout),) = client.forms
+    assert form == "full" and layout is not None
+    for scale in (3.0, -0.5):
+        step(model, scale)
+        trainer.send_weights()
+        assert_served(target, model)
+    assert client.forms[1:] == [("short", layout), ("short", layout)]
+    assert engine.layouts.compact == 2
+    programs = engine.chunk_programs
+    assert programs is not None and programs.binds == 1
+    assert engine._importer is not None and engine._importer.mappings_opened == 1
+    assert engine.fence_status["state"] == "committed"
+    shared.close()
+
+
+def _reallocate(model):
+    model.a.weight.data = model.a.weight.data.clone() + 3
+
+
+def _replace(model):
+    model.a.weight = torch.nn.Parameter(model.a.weight.detach() + 3)
+
+
+def _shrink_in_place(model):
+    # Same address and dtype; fewer elements: the shape the sync must send
+    # changed, so the metadata is looked at again (the engine refuses it).
+    model.b.bias.data = model.b.bias.data[:2]
+
+
+@pytest.mark.parametrize("change", [_reallocate, _replace], ids=lambda f: f.__name__)
+def test_a_parameter_moved_or_replaced_ends_the_short_form(change):
+    """Whatever moved a parameter (a new allocation, a new Parameter object
+    on the module) is seen before the sync: it goes the full way, the moved
+    tensor packed, and lands exactly; never the stale bytes."""
+    target = planned_ready(0)
+    engine = make_engine(target, landing="planned")
+    model = TinyNet(1)
+    shared = SharedParameters.place(model)
+    trainer, client = pinned_trainer(engine, model, shared)
+    trainer.send_weights()
+    step(model)
+    trainer.send_weights()
+    change(model)
+    step(model, -2.0)
+    trainer.send_weights()
+    assert_served(target, model)
+    assert [form for form, _ in client.forms] == ["full", "short", "full", "full"]
+    assert trainer._kept_buffer is not None, "the moved parameter was packed"
+    shared.close()
+
+
+def test_a_shape_changed_in_place_is_seen_and_refused_with_its_cause():
+    target = planned_ready(0)
+    engine = make_engine(target, landing="planned")
+    model = TinyNet(1)
+    shared = SharedParameters.place(model)
+    trainer, client = pinned_trainer(engine, model, shared)
+    trainer.send_weights()
+    before = state(target)
+    _shrink_in_place(model)
+    # (This toy engine has no checkpoint shapes; its loader names the shape.)
+    with pytest.raises(Exception, match=r"torch.Size\(\[2\]\)"):
+        trainer.send_weights()
+    assert client.forms[-1][0] == "full", "the new shape was sent, not the old id"
+    for name, want in before.items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name
+    shared.close()
+
+
+def test_a_worker_without_the_layout_refuses_the_short_form_then_syncs_whole():
+    """A worker that no longer holds the layout (a restarted engine, say)
+    refuses the short message before anything lands: the old weights serve,
+    nothing is fenced, and the trainer's next sync is whole again."""
+    target = planned_ready(0)
+    engine = make_engine(target, landing="planned")
+    model = TinyNet(1)
+    shared = SharedParameters.place(model)
+    trainer, client = pinned_trainer(engine, model, shared)
+    trainer.send_weights()
+    served = state(target)
+    engine.layouts._by_layout.clear()
+    step(model)
+    with pytest.raises(Exception, match="parsed no full message with that layout"):
+        trainer.send_weights()
+    for name, want in served.items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name
+    assert engine.fence_status["state"] != "fenced"
+    trainer.send_weights()
+    assert_served(target, model)
+    assert [form for form, _ in client.forms] == ["full", "short", "full"]
+    assert client.forms[2][1] != client.forms[0][1], "a new layout id"
+    step(model)
+    trainer.send_weights()
+    assert client.forms[-1] == ("short", client.forms[2][1])
+    assert_served(target, model)
+    shared.close()
+
+
 def test_a_reallocated_parameter_is_packed_never_read_stale():
     target = planned_ready(0)
     engine = make_engine(target, landing="planned")

@@ -103,6 +103,41 @@ def test_a_chunk_with_an_earlier_layout_reuses_its_views_and_checks_its_handles(
     assert memo.reused == 1
 
 
+def test_a_short_message_names_a_layout_parsed_before():
+    """A full packed message that carries ``layout`` is remembered under that
+    id; a later ``{"layout": id, "ipc_handles": ...}`` reuses its views with
+    the new handles, checked to cover the tensors. An id the worker never
+    parsed, extra fields, or a layout on an unpacked message are refused."""
+    memo = LayoutMemo()
+    first = memo.parse(json.loads(json.dumps(packed(layout="sync-a"))))
+    assert first.to_dict()["layout"] == "sync-a"
+    renamed = {**SHM, "name": "vllm-wt-1-next"}
+    short = memo.parse({"layout": "sync-a", "ipc_handles": {KEY: renamed}})
+    assert short._views is first._views and memo.compact == 1
+    handle = short.buffers()[0][KEY]
+    assert isinstance(handle, ShmHandle) and handle.name == "vllm-wt-1-next"
+    with pytest.raises(ValueError, match="parsed no full message with that layout"):
+        memo.parse({"layout": "sync-b", "ipc_handles": {KEY: SHM}})
+    with pytest.raises(ValueError, match="covers 10 bytes but the tensors need 72"):
+        memo.parse({"layout": "sync-a", "ipc_handles": {KEY: {**SHM, "nbytes": 10}}})
+    with pytest.raises(ValueError, match="unknown field"):
+        memo.parse({"layout": "sync-a", "ipc_handles": {KEY: SHM}, "offsets": [0]})
+    with pytest.raises(ValueError, match="update_info.layout must be"):
+        IPCWeightTransferUpdateInfo.from_dict({**unpacked(), "layout": "x"})
+    with pytest.raises(ValueError, match="update_info.layout must be"):
+        IPCWeightTransferUpdateInfo.from_dict(packed(layout=""))
+    # Only the newest ``max_layouts`` ids are kept.
+    small = LayoutMemo(max_layouts=1)
+    small.parse(packed(layout="one"))
+    small.parse(packed(layout="two"))
+    with pytest.raises(ValueError, match="parsed no full message"):
+        small.parse({"layout": "one", "ipc_handles": {KEY: SHM}})
+    assert small.parse({"layout": "two", "ipc_handles": {KEY: SHM}}).names == [
+        "a.weight",
+        "b.weight",
+    ]
+
+
 def test_unpacked_message_round_trips_through_json():
     info = IPCWeightTransferUpdateInfo.from_dict(unpacked())
     assert not info.packed

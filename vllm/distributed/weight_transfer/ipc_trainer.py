@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import uuid
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -87,6 +88,7 @@ from vllm.distributed.weight_transfer.ipc_wire import (
 )
 from vllm.distributed.weight_transfer.shared_params import (
     SharedParameters,
+    SharedParametersSource,
     SharedPlace,
     shared_place,
 )
@@ -333,6 +335,13 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         self._shared_now = _SharedInSync(self._shared_kept)
         # Chunks in one shared segment waiting to go as one message.
         self._held: _HeldChunks | None = None
+        # The buffer of a source that said nothing moved (``_pinned``) in the
+        # sync under way; the last sync that went whole as one message out
+        # of it (resent short while nothing moves), and the one under way.
+        self._pinned_owner: SharedParameters | None = None
+        self._whole: _WholeMessage | None = None
+        self._whole_now: _WholeMessage | None = None
+        self._plan_metas: list[ParamMeta] | None = None
 
     @property
     def packed(self) -> bool:
@@ -404,8 +413,15 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         off).
         """
         assert self.source is not None
-        metas = list(self.source.metadata())
-        plan = self._plan_for(metas)
+        pinned = _pinned(self.source)
+        if pinned is not None:
+            # Nothing moved since the source last looked: the same metadata
+            # list, so the same plan without comparing it name by name.
+            self._pinned_owner, metas = pinned
+        else:
+            self._pinned_owner = None
+            metas = list(self.source.metadata())
+        plan = self._plan_for(metas, unchanged=pinned is not None)
         self.last_plan = plan
         pub = self._open_publication(metas)
         try:
@@ -433,6 +449,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         self._shared_now = _SharedInSync(self._shared_kept)
         self._shared_kept = weakref.WeakSet()
         self._kept_used = False
+        self._whole_now = None
         try:
             self._send_chunks(plan, metas, buffers)
             if self.verify_publication:
@@ -444,7 +461,9 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
             # Workers keep exactly the persistent buffers this sync used.
             self._shared_kept = self._shared_now.used
             self._kept_mapped = self._kept_used
+            self._whole = self._whole_now
         except BaseException as e:
+            self._whole = None
             # Also after a failed finish: vLLM's Worker keeps the update open
             # until an engine call raises or a finish returns.
             self._abort_on_server(f"trainer rank {self.rank}: {describe_error(e)}")
@@ -494,8 +513,15 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
             pub, self._expected_workers(), self.init_info.receipt_timeout_s
         )
 
-    def _plan_for(self, metas: list[ParamMeta]) -> TransferPlan:
-        """The transfer plan of ``metas``, reused while the metadata is unchanged."""
+    def _plan_for(
+        self, metas: list[ParamMeta], unchanged: bool = False
+    ) -> TransferPlan:
+        """The transfer plan of ``metas``, reused while the metadata is
+        unchanged (``unchanged``: the source says ``metas`` is the very list
+        it gave before, with nothing changed)."""
+        if unchanged and self._plan_metas is metas and self._plan_cache is not None:
+            return self._plan_cache[1]
+        self._plan_metas = metas
         key = tuple((m.name, m.dtype, tuple(m.shape)) for m in metas)
         if self._plan_cache is None or self._plan_cache[0] != key:
             info = self.init_info
@@ -589,6 +615,16 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         """Send every chunk; a packed buffer freed after the sync goes in
         ``buffers``."""
         assert self.source is not None
+        whole = self._whole
+        if (
+            plan.packed
+            and whole is not None
+            and whole.plan is plan
+            and whole.owner is self._pinned_owner
+            and self._shared_now.kept(whole.owner)
+        ):
+            self._resend_whole(whole)
+            return
         cursor = _SourceCursor(self.source, metas)
         if not plan.packed:
             for chunk in plan.chunks:
@@ -727,8 +763,9 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                 return
             # A chunk not held goes after the chunks held before it.
             self._send_held(in_flight)
-            if segment is not None:
-                checksum = self._checksum(_segment_span(segment, in_segment))
+            if segment is not None and self.verify_checksums:
+                start, end = _segment_span(in_segment)
+                checksum = self._checksum(segment.owner.segment_bytes()[start:end])
             elif buffer is not None and buffer.tensor is not None:
                 start, end = chunk.span
                 checksum = self._checksum(buffer.tensor[start:end])
@@ -792,13 +829,27 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         held, self._held = self._held, None
         if held is None:
             return
-        place = SharedPlace(held.owner, held.found[0][2])
-        checksum = self._checksum(_segment_span(place, held.found))
+        span = _segment_span(held.found)
+        checksum = self._checksum(held.owner.segment_bytes()[span[0] : span[1]])
         self._shared_now.use(held.owner)
         key = device_key(held.owner.device, self.rank)
         what = f"chunks {held.first}-{held.last}"
+        fields: dict[str, Any] = held.fields
+        plan = self.last_plan
+        if (
+            held.owner is self._pinned_owner
+            and plan is not None
+            and held.first == 0
+            and held.last == len(plan.chunks) - 1
+        ):
+            # The whole sync in one message from a source that knows when
+            # nothing moved: its layout gets an id, which the next syncs
+            # name instead of repeating it (``_resend_whole``).
+            whole = _WholeMessage(plan, held.owner, uuid.uuid4().hex, span)
+            fields = {**fields, "layout": whole.layout}
+            self._whole_now = whole
         message = self._attach(
-            {**held.fields, "ipc_handles": {key: held.owner.handle.to_dict()}},
+            {**fields, "ipc_handles": {key: held.owner.handle.to_dict()}},
             what,
             [[checksum]],
         )
@@ -808,6 +859,29 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         )
         if not in_flight.asynchronous:
             self._settle(in_flight)
+
+    def _resend_whole(self, whole: _WholeMessage) -> None:
+        """Send the last sync's one message again in its short form: the
+        layout's id and the buffer's handle (the workers parsed the layout
+        then and keep the buffer mapped). Nothing is walked: the source
+        said every tensor is where it was (``_pinned``)."""
+        owner = whole.owner
+        # The trainer's last writes may still be queued on the device.
+        sync_device(owner.device)
+        self._shared_now.use(owner)
+        start, end = whole.span
+        checksum = self._checksum(owner.segment_bytes()[start:end])
+        key = device_key(owner.device, self.rank)
+        message = self._attach(
+            {"layout": whole.layout, "ipc_handles": {key: owner.handle.to_dict()}},
+            "the whole sync",
+            [[checksum]],
+        )
+        self._whole_now = whole
+        self._on_sender(
+            "update_weights of the whole sync",
+            lambda: self.client.update_weights(message),
+        )
 
     def _packed_buffer(
         self, nbytes: int, device: torch.device, owned: list[ExportedBuffer]
@@ -928,12 +1002,36 @@ class _SharedInSync:
         self._kept = kept
         self.used: weakref.WeakSet[SharedParameters] = weakref.WeakSet()
 
+    def kept(self, owner: SharedParameters) -> bool:
+        """Whether the workers ended the last sync holding ``owner`` mapped."""
+        return owner in self._kept
+
     def use(self, owner: SharedParameters) -> None:
         if owner in self.used:
             return
         if owner not in self._kept:
             owner.export_anew()
         self.used.add(owner)
+
+
+@dataclass(frozen=True)
+class _WholeMessage:
+    """A sync that went whole as one message out of one ``SharedParameters``
+    buffer: the plan it was for, the buffer, the layout id the message
+    carried, and the bytes it spans in the buffer."""
+
+    plan: TransferPlan
+    owner: SharedParameters
+    layout: str
+    span: tuple[int, int]
+
+
+def _pinned(source: WeightSource) -> tuple[SharedParameters, list[ParamMeta]] | None:
+    """The buffer and metadata of a source that says nothing moved since it
+    last looked (``SharedParametersSource.pinned``); None for any other."""
+    if isinstance(source, SharedParametersSource):
+        return source.pinned()
+    return None
 
 
 class _HeldChunks:
@@ -1051,14 +1149,13 @@ def _is_resident(tensor: torch.Tensor) -> bool:
 
 
 def _segment_span(
-    place: SharedPlace, found: list[tuple[TensorSlot, torch.Tensor, int]]
-) -> torch.Tensor:
-    """The bytes of a shared segment from the first tensor of a chunk to the
-    end of the last: what the worker checksums."""
+    found: list[tuple[TensorSlot, torch.Tensor, int]],
+) -> tuple[int, int]:
+    """Where in a shared segment a message's bytes lie, from the first
+    tensor to the end of the last: what the worker checksums."""
     start = min(offset for _, _, offset in found)
     end = max(offset + slot.nbytes for slot, _, offset in found)
-    segment = place.owner.segment_bytes()
-    return segment[start:end]
+    return start, end
 
 
 def _packed_chunk_fields(chunk: Chunk, offsets: bool = True) -> dict[str, Any]:

@@ -24,7 +24,16 @@ Update message (``/update_weights``), one per chunk::
                                             # buffer; null = back to back
       "ipc_handles": {device_key: handle}          # packed: one buffer
                    | [{device_key: handle}, ...]   # unpacked: one per tensor
+      "layout":      str | null,            # packed only: names this layout
     }
+
+A packed message that carries ``layout`` (an id the trainer chose) lets a
+later message send only ``{"layout": id, "ipc_handles": {...}}``: the worker
+reads the names, dtypes, shapes, sizes and offsets from the full message it
+parsed under that id (``LayoutMemo``), and checks the new handles against
+them. A worker that does not know the id refuses the message before anything
+lands. The trainer sends the short form only for a whole sync out of its own
+``SharedParameters`` whose layout every worker parsed at the sync before.
 
 A *handle* names one exported byte buffer and is one of::
 
@@ -528,6 +537,9 @@ class TensorView:
 
 
 _UPDATE_REQUIRED = {"names", "dtype_names", "shapes"}
+# The short form of a packed message whose layout the worker parsed before.
+_COMPACT_FIELDS = {"layout", "ipc_handles"}
+_MAX_LAYOUT_ID = 128
 
 
 class LayoutMemo:
@@ -537,25 +549,65 @@ class LayoutMemo:
     mapped, every chunk lists the same tensors at the same offsets at every
     sync, and checking thousands of names, shapes and offsets again is most
     of a worker's per-tensor cost. One earlier message is kept per chunk
-    (first name, last name, count), at most ``max_entries``."""
+    (first name, last name, count), at most ``max_entries``; and one per
+    ``layout`` id a message carried, at most ``max_layouts``, which a short
+    message (``{"layout": id, "ipc_handles": ...}``) names."""
 
-    def __init__(self, max_entries: int = 256) -> None:
+    def __init__(self, max_entries: int = 256, max_layouts: int = 16) -> None:
         self.max_entries = max_entries
+        self.max_layouts = max_layouts
         self._by_chunk: dict[tuple, IPCWeightTransferUpdateInfo] = {}
+        self._by_layout: dict[str, IPCWeightTransferUpdateInfo] = {}
         self.reused = 0  # messages parsed from an earlier one's views
+        self.compact = 0  # of those, short messages naming a layout id
 
     def parse(self, d: object) -> IPCWeightTransferUpdateInfo:
+        if isinstance(d, dict) and "layout" in d and "names" not in d:
+            return self._parse_compact(d)
         key = _chunk_key(d)
         like = self._by_chunk.get(key) if key is not None else None
         info = IPCWeightTransferUpdateInfo.from_dict(d, like=like)
         if like is not None and info._views is like._views:
             self.reused += 1
-        if key is not None and info.packed and not info.upstream_wire:
-            self._by_chunk.pop(key, None)
-            if len(self._by_chunk) >= self.max_entries:
-                self._by_chunk.pop(next(iter(self._by_chunk)))
-            self._by_chunk[key] = info
+        if not info.packed or info.upstream_wire:
+            return info
+        if key is not None:
+            _remember(self._by_chunk, key, info, self.max_entries)
+        if info.layout is not None:
+            _remember(self._by_layout, info.layout, info, self.max_layouts)
         return info
+
+    def _parse_compact(self, d: dict[str, Any]) -> IPCWeightTransferUpdateInfo:
+        """A short message: the layout of the full message parsed under its
+        id, with the new handles (checked to cover every tensor)."""
+        check_fields(d, _COMPACT_FIELDS, _COMPACT_FIELDS, "update_info")
+        layout = d["layout"]
+        known = self._by_layout.get(layout) if isinstance(layout, str) else None
+        if known is None:
+            raise ValueError(
+                f"update_info names layout {layout!r} without names, but this "
+                "worker parsed no full message with that layout (it keeps the "
+                f"last {self.max_layouts}); send the full message, with names, "
+                "dtype_names, shapes, tensor_sizes and offsets"
+            )
+        handles = d["ipc_handles"]
+        if not isinstance(handles, dict) or _is_upstream_form(handles):
+            raise ValueError(
+                "update_info.ipc_handles of a message naming a layout must be "
+                "one object of the fork's handles (a packed buffer)"
+            )
+        self.reused += 1
+        self.compact += 1
+        return known._with_handles(handles)
+
+
+def _remember(memo: dict, key: Any, info: Any, limit: int) -> None:
+    """Keep ``info`` under ``key`` as the newest entry, dropping the oldest
+    beyond ``limit``."""
+    memo.pop(key, None)
+    if len(memo) >= limit:
+        memo.pop(next(iter(memo)))
+    memo[key] = info
 
 
 def _chunk_key(d: object) -> tuple | None:
@@ -583,6 +635,7 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     ipc_handles_pickled: str | None = None
     tensor_sizes: list[int] | None = None
     offsets: list[int] | None = None
+    layout: str | None = None
 
     @classmethod
     def from_dict(
@@ -616,6 +669,7 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             and d["shapes"] == self.shapes
             and d.get("tensor_sizes") == self.tensor_sizes
             and d.get("offsets") == self.offsets
+            and d.get("layout") == self.layout
         )
 
     def _with_handles(self, handles: dict[str, Any]) -> IPCWeightTransferUpdateInfo:
@@ -640,8 +694,21 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         # ``ipc_handles``; ``buffers()`` turns them into CudaIpcHandles.
         self.upstream_wire = _is_upstream_form(self.ipc_handles)
         self._buffers: list[dict[str, BufferHandle]] | None = None
+        # Where each buffer's tensors end (``_check_cover``).
+        self._ends: list[int] | None = None
         if self.ipc_handles is None:
             raise ValueError("update_info.ipc_handles is missing: it must be provided")
+        if self.layout is not None and not (
+            isinstance(self.layout, str)
+            and 0 < len(self.layout) <= _MAX_LAYOUT_ID
+            and isinstance(self.ipc_handles, dict)
+            and not self.upstream_wire
+        ):
+            raise ValueError(
+                "update_info.layout must be a non-empty string of at most "
+                f"{_MAX_LAYOUT_ID} characters, on a packed message of the "
+                f"fork's handles; got {self.layout!r}"
+            )
         names = self.names
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise ValueError("update_info.names must be a list of strings")
@@ -803,9 +870,12 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         return self._buffers
 
     def _check_cover(self, buffers: list[dict[str, BufferHandle]]) -> None:
-        ends = [0] * len(buffers)
-        for view in self._views:
-            ends[view.buffer] = max(ends[view.buffer], view.offset + view.nbytes)
+        ends = self._ends
+        if ends is None or len(ends) != len(buffers):
+            # (Kept: a message reusing these views has the same ends.)
+            ends = self._ends = [0] * len(buffers)
+            for view in self._views:
+                ends[view.buffer] = max(ends[view.buffer], view.offset + view.nbytes)
         for i, (hmap, end) in enumerate(zip(buffers, ends, strict=True)):
             suffix = "" if self.packed else f"[{i}]"
             for key, handle in hmap.items():
@@ -841,4 +911,6 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             out["tensor_sizes"] = list(self.tensor_sizes)
         if self.offsets is not None:
             out["offsets"] = list(self.offsets)
+        if self.layout is not None:
+            out["layout"] = self.layout
         return out

@@ -32,16 +32,34 @@ they drop them, so nothing is freed under a reader: a shared-memory mapping
 holds its pages, and torch's CUDA IPC reference counting keeps a device
 allocation alive while any importer maps it. Only single-rank trainers send
 from the buffer (``world_size == 1``); others pack.
+
+``shared.source(model)`` is the ``WeightSource`` to send such a module with:
+the same names and tensors as ``ModuleSource(model)``, and it also says when
+nothing has changed since the last look (``pinned()``): every parameter is
+still the object its module holds, at the same address, shape and dtype, all
+inside the buffer. Then its metadata is the same list as before, and the
+``ipc`` trainer resends the last sync's message (naming the layout the
+workers parsed then) without walking a tensor. A parameter re-allocated or
+replaced on its module ends that until the next look finds everything in
+place again; a parameter registered after the source was made is not one of
+its tensors (make a new source after changing the module's structure).
 """
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    WeightSource,
+    materialize_full_tensor,
+)
 from vllm.distributed.weight_transfer.ipc_wire import BufferHandle, ShmHandle
 from vllm.distributed.weight_transfer.shm_buffer import SharedMemoryBuffer
 
@@ -186,6 +204,11 @@ class SharedParameters:
             return None
         return start if tensor.is_contiguous() else None
 
+    def source(self, module: torch.nn.Module) -> SharedParametersSource:
+        """A ``WeightSource`` over ``module``'s parameters (``module`` is the
+        one placed) that knows when nothing moved; see the module docstring."""
+        return SharedParametersSource(self, module)
+
     def moved(self) -> list[str]:
         """Parameters placed here that no longer live in the segment."""
         return [n for n, p in self._params.items() if self.locate(p) is None]
@@ -201,6 +224,83 @@ class SharedParameters:
         if isinstance(buffer, SharedMemoryBuffer):
             # Only the name goes: the parameters keep their memory.
             buffer.close()
+
+
+class SharedParametersSource(WeightSource):
+    """``module.named_parameters()``, as ``ModuleSource`` yields them, from a
+    module whose parameters a ``SharedParameters`` placed.
+
+    ``pinned()`` answers, without walking the module, whether every parameter
+    is exactly where the last look found it, inside the shared buffer: then a
+    sync can name the same bytes the last one did. The check reads each
+    parameter's holder, address, dtype, element count and strides (a
+    fraction of a microsecond each), so a moved parameter is always seen;
+    the source then looks again (a full walk of the module) and the trainer
+    sends the usual way, packing what is not in the buffer."""
+
+    def __init__(self, shared: SharedParameters, module: torch.nn.Module) -> None:
+        self._shared = shared
+        self._module = module
+        self._metas: list[ParamMeta] = []
+        # What the last look found, per parameter: the dict holding it on its
+        # module and its key there, the parameter, its address, dtype,
+        # element count and strides (shape is left out: ``Tensor.size`` costs
+        # ten times more, and with the others it fixes the shape of a
+        # tensor that lies contiguous in the buffer).
+        self._found: tuple[list, ...] = ()
+        self._in_buffer = False
+        self._look()
+
+    def _look(self) -> None:
+        holders, keys, params, metas = [], [], [], []
+        in_buffer = True
+        for name, p in self._module.named_parameters():
+            holder, _, key = name.rpartition(".")
+            holders.append(self._module.get_submodule(holder)._parameters)
+            keys.append(key)
+            params.append(p)
+            metas.append(ParamMeta(name, p.dtype, tuple(p.shape)))
+            if p.numel() and self._shared.locate(p) is None:
+                in_buffer = False
+        self._found = (holders, keys, params, *self._now(params))
+        self._metas, self._in_buffer = metas, in_buffer
+
+    @staticmethod
+    def _now(params: list) -> tuple[list, ...]:
+        return (
+            list(map(torch.Tensor.data_ptr, params)),
+            list(map(_dtype_of, params)),
+            list(map(torch.Tensor.numel, params)),
+            list(map(torch.Tensor.stride, params)),
+        )
+
+    def pinned(self) -> tuple[SharedParameters, list[ParamMeta]] | None:
+        """The buffer and this source's metadata (the same list object as at
+        the last look) when nothing changed since and every parameter lies in
+        the buffer; None otherwise (and the next ``metadata()`` looks
+        again)."""
+        if not self._in_buffer or self._shared._buffer is None:
+            return None
+        holders, keys, params, *attributes = self._found
+        if not all(map(operator.is_, map(dict.get, holders, keys), params)):
+            return None  # a parameter was replaced on its module
+        for now, then in zip(self._now(params), attributes, strict=True):
+            if now != then:
+                return None  # re-allocated, cast, reshaped or transposed
+        return self._shared, self._metas
+
+    def metadata(self) -> list[ParamMeta]:
+        if self.pinned() is None:
+            self._look()
+        return self._metas
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in self._module.named_parameters():
+            yield name, materialize_full_tensor(param)
+
+
+def _dtype_of(tensor: torch.Tensor) -> torch.dtype:
+    return tensor.dtype
 
 
 def _allocate(nbytes: int, device: torch.device) -> SharedMemoryBuffer | torch.Tensor:

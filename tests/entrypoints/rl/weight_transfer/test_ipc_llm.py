@@ -59,6 +59,7 @@ from vllm.distributed.weight_transfer.testing.served_layers import (
     kept_shared_segments,
     linear_layer_states,
     planned_landing_state,
+    short_messages,
 )
 from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 
@@ -488,8 +489,11 @@ def test_trainer_parameters_in_shared_memory_are_read_in_place(rig):
     (``SharedParameters``) sends them unpacked: with the planned landing each
     byte is copied once, from the trainer's tensor into the served one. The
     workers keep the segment mapped for the next sync, which follows an
-    in-place change, as an optimizer step makes. (The MoE source renames
-    expert tensors; whatever it yields outside the segment is packed.)"""
+    in-place change, as an optimizer step makes; the dense trainer sends
+    with ``shared.source(model)``, so that second sync names the layout the
+    workers parsed at the first instead of repeating it. (The MoE source
+    renames expert tensors; whatever it yields outside the segment is
+    packed.)"""
     import copy
 
     from vllm.distributed.weight_transfer.shared_params import SharedParameters
@@ -499,7 +503,7 @@ def test_trainer_parameters_in_shared_memory_are_read_in_place(rig):
     shared = SharedParameters.place(model)
     try:
         randomize_weights_(model, seed=31)
-        source = ModuleSource(model) if dense else CheckpointNamesSource(model)
+        source = shared.source(model) if dense else CheckpointNamesSource(model)
         engine = rig.push(source)
         rig.assert_serves(model)
         kept = rig.llm.collective_rpc(kept_shared_segments)
@@ -511,6 +515,8 @@ def test_trainer_parameters_in_shared_memory_are_read_in_place(rig):
         engine.send_weights()
         rig.assert_serves(model)
         assert rig.llm.collective_rpc(kept_shared_segments) == kept
+        if dense:
+            assert rig.llm.collective_rpc(short_messages) == [1] * rig.combo.tp
         # With the planned landing, each chunk read from the segment landed
         # through a copy program bound at the first sync and run again at
         # the second (not bound again).

@@ -71,6 +71,14 @@ def chunk_program_state(worker: Any) -> dict[str, int]:
     }
 
 
+def short_messages(worker: Any) -> int:
+    """For ``collective_rpc``: how many update messages an ``ipc`` worker
+    parsed in their short form (a layout id it parsed before, and a handle:
+    ``LayoutMemo``)."""
+    layouts = getattr(worker.weight_transfer_engine, "layouts", None)
+    return 0 if layouts is None else layouts.compact
+
+
 def kept_shared_segments(worker: Any) -> list[str]:
     """For ``collective_rpc``: names of the shared-memory segments an ``ipc``
     worker keeps mapped between updates (a trainer's ``SharedParameters``, or
