@@ -111,3 +111,30 @@ def test_a_pushed_adapter_serves_openai_requests_by_name(
     assert_bit_identical(
         completions_greedy(server.base_url, "policy"), second, what="after refusal"
     )
+
+
+def test_a_memory_path_never_pushed_is_refused_and_the_server_keeps_serving(server):
+    """Registering a name whose memory path no push filled: the server
+    loads it at once (upstream's ``/v1/load_lora_adapter`` preloads), the
+    worker finds no such adapter, and the server answers 404 with the cause,
+    never loading it inside a generation step; base requests keep serving."""
+    from vllm.distributed.weight_transfer.lora_adapters import memory_path
+
+    base = completions_greedy(server.base_url, server.model)
+    answer = requests.post(
+        f"{server.base_url}/v1/load_lora_adapter",
+        json={"lora_name": "ghost", "lora_path": memory_path("never-pushed")},
+        timeout=120,
+    )
+    assert answer.status_code == 404, answer.text
+    assert "memory://never-pushed" in answer.text
+    # Not registered: a request naming it is refused, not loaded in a step.
+    refused = requests.post(
+        f"{server.base_url}/v1/completions",
+        json={"model": "ghost", "prompt": "hello", "max_tokens": 2},
+        timeout=120,
+    )
+    assert refused.status_code == 404, refused.text
+    assert_bit_identical(
+        completions_greedy(server.base_url, server.model), base, what="base after"
+    )

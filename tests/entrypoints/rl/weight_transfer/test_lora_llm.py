@@ -259,6 +259,20 @@ class FailingFinish(OfflineLLMWeightSyncClient):
         super().finish_weight_update(weight_version)
 
 
+def test_a_memory_path_never_pushed_is_refused_by_add_lora_not_fatal(rig):
+    """A memory path no push filled: vLLM's ``add_lora`` (what the OpenAI
+    server's ``/v1/load_lora_adapter`` calls to preload) refuses it with the
+    cause on every worker, and the engine keeps serving. (A ``LoRARequest``
+    whose adapter fails to load inside a generation step stops an offline
+    engine; upstream 0.32 does the same for a directory that does not exist.
+    ``docs/training/weight_transfer/lora.md`` says to preload adapters you
+    are not sure of.)"""
+    base = rig.greedy()
+    with pytest.raises(Exception, match="No adapter found for memory://never-pushed"):
+        rig.llm.llm_engine.add_lora(rig.lora("ghost", 90, memory_path("never-pushed")))
+    assert_bit_identical(rig.greedy(), base, what="base after the refusal")
+
+
 def test_a_push_that_fails_leaves_the_previous_version_serving(rig):
     model = rig.peft_model(seed=7)
     push_lora_adapter(rig.client, LoRAAdapter.from_peft_model(model, "steady", 5))
