@@ -357,6 +357,26 @@ class Only(WeightSource):
         return ((n, t) for n, t in self.inner if n in self.names)
 
 
+def test_a_dtype_changed_after_good_syncs_is_still_refused():
+    """The worker skips the manifest's and the message's dtype checks only
+    for the very layout that passed them; a later sync declaring another
+    dtype is checked and refused."""
+    target, trainer = reload_ready(0), TinyNet(1)
+    engine = make_engine(target)
+    push(engine, trainer)
+    push(engine, trainer)
+    before = state(target)
+    trainer.b.bias = torch.nn.Parameter(
+        trainer.b.bias.detach().view(torch.int32), requires_grad=False
+    )
+    with pytest.raises(
+        ManifestMismatch, match=r"b.bias as int32 \(served model: float"
+    ):
+        push(engine, trainer)
+    for name, want in before.items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name
+
+
 def test_a_layer_updated_without_all_its_parameters_is_refused_not_committed():
     """A linear layer's bias alone (its weight absent) would be rebuilt with the
     weight's memory uninitialized; the update is refused at finish and the

@@ -56,6 +56,25 @@ def test_manifest_from_dict_rejects_tampered_entries():
         Manifest.from_dict(d)
 
 
+def test_a_manifest_parsed_again_is_the_same_object_and_a_changed_one_is_not():
+    """A worker parses the same trainer manifest at every sync: the entries
+    are compared with the one parsed before (never trusted by digest) and
+    the checked object reused; a changed entry under the old digest is
+    parsed afresh and refused. ``to_dict`` hands out a copy."""
+    m = manifest()
+    first = Manifest.from_dict(json.loads(json.dumps(m.to_dict())))
+    again = Manifest.from_dict(json.loads(json.dumps(m.to_dict())))
+    assert again is first
+    d = m.to_dict()
+    d["entries"][1][2] = [4, 5]
+    d["entries"][1][3] = 80
+    with pytest.raises(ManifestMismatch, match="altered in transit"):
+        Manifest.from_dict(d)
+    # The copy handed out was changed; the manifest and its parse were not.
+    assert Manifest.from_dict(m.to_dict()) is first
+    assert m.to_dict() == first.to_dict() != d
+
+
 def test_manifest_rejects_duplicate_names():
     with pytest.raises(ValueError, match="not unique.*'a'"):
         Manifest.from_params([ParamMeta("a", torch.float32, (1,))] * 2)

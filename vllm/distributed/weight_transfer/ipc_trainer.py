@@ -100,6 +100,7 @@ from vllm.distributed.weight_transfer.trainer_group import (
 )
 from vllm.distributed.weight_transfer.verification import (
     DEFAULT_RECEIPT_TIMEOUT_S,
+    Manifest,
     TrainerPublication,
     describe_error,
     device_identity,
@@ -342,6 +343,8 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         self._whole: _WholeMessage | None = None
         self._whole_now: _WholeMessage | None = None
         self._plan_metas: list[ParamMeta] | None = None
+        # The metadata list of the last publication and its manifest.
+        self._manifest: tuple[list[ParamMeta], Manifest] | None = None
 
     @property
     def packed(self) -> bool:
@@ -486,6 +489,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         version = self._versions.next()
         if not self.is_sender:
             return None
+        cached = self._manifest
         self._pub = TrainerPublication.open(
             backend="ipc",
             model_version=version,
@@ -493,7 +497,12 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
             channel="shm",
             checksums=self.verify_checksums,
             trainer_devices=[devices[r] for r in sorted(devices)],
+            # The very metadata list of the last sync (a source that says
+            # nothing changed): its manifest, not built again.
+            manifest=cached[1] if cached is not None and cached[0] is metas else None,
         )
+        manifest = self._pub.header.manifest
+        self._manifest = (metas, manifest) if manifest is not None else None
         return self._pub
 
     def _expected_workers(self) -> range | int:

@@ -889,6 +889,13 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     def views(self) -> list[TensorView]:
         return list(self._views)
 
+    @property
+    def layout_views(self) -> object:
+        """An object that is the same (``is``) for every message parsed from
+        one layout (``LayoutMemo`` reuses it): what a worker compares to skip
+        checks the layout passed before. Read only."""
+        return self._views
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (what clients send); upstream handles stay tuples."""
         handles: Any

@@ -111,6 +111,15 @@ class IPCWeightTransferEngine(
         # Earlier messages whose checked views a message with the same
         # layout reuses (``parse_update_info``).
         self.layouts = LayoutMemo()
+        # The last manifest that passed the checkpoint's shape and dtype
+        # checks, the manifest ``_landing_layout`` was computed from, and the
+        # last message views that passed the dtype check: a trainer whose
+        # layout does not change sends the same manifest (the parsed object
+        # is reused, ``Manifest.from_dict``) and the same views
+        # (``LayoutMemo``) at every sync, and none needs checking again.
+        self._checked_manifest: Any = None
+        self._layout_manifest: Any = None
+        self._checked_views: Any = None
 
     def _make_publication(self) -> WorkerPublication:
         # Built on first use: naming the device queries it (a GPU's UUID), and
@@ -147,10 +156,12 @@ class IPCWeightTransferEngine(
         header = self.pub.header
         assert header is not None and self.pub.checker is not None
         manifest = self.pub.checker.manifest
-        shapes: Shapes | None = checkpoint_shapes(self.model_config)
-        if shapes is not None:
-            check_manifest_shapes(manifest, shapes, header.publication_id)
-        check_manifest_dtypes(manifest, self._kinds(), header.publication_id)
+        if manifest is not self._checked_manifest:
+            shapes: Shapes | None = checkpoint_shapes(self.model_config)
+            if shapes is not None:
+                check_manifest_shapes(manifest, shapes, header.publication_id)
+            check_manifest_dtypes(manifest, self._kinds(), header.publication_id)
+            self._checked_manifest = manifest
         if getattr(self.config, "landing", "reload") == "planned":
             # Staged or not: a staged update lands the planned names at the
             # commit, with the same plan.
@@ -211,13 +222,15 @@ class IPCWeightTransferEngine(
                 "through shared memory"
             )
         views = update_info.views()
-        wrong = wrong_dtype_kinds(((v.name, v.dtype) for v in views), self._kinds())
-        if wrong:
-            raise ValueError(
-                f"update_info declares {len(wrong)} tensor(s) with a dtype the "
-                f"served model cannot take: {'; '.join(wrong[:8])}; "
-                f"{DTYPE_KIND_RULE}; nothing was loaded"
-            )
+        if update_info.layout_views is not self._checked_views:
+            wrong = wrong_dtype_kinds(((v.name, v.dtype) for v in views), self._kinds())
+            if wrong:
+                raise ValueError(
+                    f"update_info declares {len(wrong)} tensor(s) with a dtype the "
+                    f"served model cannot take: {'; '.join(wrong[:8])}; "
+                    f"{DTYPE_KIND_RULE}; nothing was loaded"
+                )
+            self._checked_views = update_info.layout_views
         for view in views:
             self.pub.admit(view.name, view.dtype, view.shape, view.nbytes)
         importer = self._get_importer()
@@ -312,12 +325,19 @@ class IPCWeightTransferEngine(
         baked on first use and again when the layout or a served tensor
         changed; None (every layer reloads) when the model's loaders cannot
         be planned for it, which is logged once per layout."""
-        layout = tuple((e.name, e.dtype, e.shape) for e in manifest.entries)
+        layout: tuple[Any, ...] | None
+        if manifest is self._layout_manifest and self._landing_layout is not None:
+            layout = self._landing_layout  # the same parsed manifest object
+        else:
+            layout = tuple((e.name, e.dtype, e.shape) for e in manifest.entries)
+            self._layout_manifest = None
         if layout == self._landing_layout and self.landing_refused is not None:
             return None
         plan = self.landing_plan
         if plan is not None and layout == self._landing_layout and plan.still_bound():
+            self._layout_manifest = manifest
             return plan
+        assert layout is not None
         metas = [
             ParamMeta(name, dtype_from_name(dtype), shape)
             for name, dtype, shape in layout
@@ -341,6 +361,7 @@ class IPCWeightTransferEngine(
             )
             return None
         self.landing_plan, self.landing_refused = plan, None
+        self._layout_manifest = manifest
         return plan
 
     # -- internals -------------------------------------------------------------

@@ -162,10 +162,14 @@ class TrainerPublication:
         checksums: bool = False,
         inbox: ReceiptInbox | None = None,
         receipt_root: str | Path | None = None,
+        manifest: Manifest | None = None,
     ) -> TrainerPublication:
+        """``manifest``: the manifest of ``metas`` built before (a trainer
+        whose source says nothing changed reuses it), else it is built."""
         if channel == "producer" and inbox is None:
             raise ValueError("channel='producer' needs the producer's ReceiptInbox")
-        manifest = Manifest.from_params(metas)
+        if manifest is None:
+            manifest = Manifest.from_params(metas)
         publication_id = uuid.uuid4().hex
         box = (
             ShmReceiptBox(publication_id, root=receipt_root)

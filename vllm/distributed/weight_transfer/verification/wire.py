@@ -58,6 +58,11 @@ from vllm.distributed.weight_transfer.wire_fields import (
 PUBLICATION_FIELD = "publication"
 CHECKSUMS_FIELD = "payload_checksums"
 MANIFEST_FORMAT = 1
+# Manifests this process parsed and checked, by digest, newest last: a
+# message whose entries equal one of them (compared entry by entry, not
+# trusted by digest) reuses it instead of parsing and hashing them again.
+_PARSED_MANIFESTS: dict[str, Manifest] = {}
+_PARSED_MANIFESTS_KEPT = 4
 # Every publication sends every manifest tensor. The field stays on the wire
 # and is checked, so a sender that announces anything else is refused.
 Scope = Literal["full"]
@@ -226,9 +231,13 @@ class Manifest:
     @cached_property
     def digest(self) -> str:
         """sha256 over the ordered ``[name, dtype, shape, nbytes]`` of every entry."""
-        return _sha256_json(
-            f"vllm-wt-manifest-v{MANIFEST_FORMAT}", [e.to_list() for e in self.entries]
-        )
+        return _sha256_json(f"vllm-wt-manifest-v{MANIFEST_FORMAT}", self._entry_lists)
+
+    @cached_property
+    def _entry_lists(self) -> list[list[Any]]:
+        # Built once: the digest and every message carrying the manifest use
+        # it (tens of milliseconds for ten thousand entries). Read only.
+        return [e.to_list() for e in self.entries]
 
     @cached_property
     def by_name(self) -> dict[str, ManifestEntry]:
@@ -270,7 +279,8 @@ class Manifest:
         return {
             "format": MANIFEST_FORMAT,
             "digest": self.digest,
-            "entries": [e.to_list() for e in self.entries],
+            # A copy: whoever holds the message may change it.
+            "entries": [[n, d, list(shape), b] for n, d, shape, b in self._entry_lists],
         }
 
     @classmethod
@@ -285,6 +295,12 @@ class Manifest:
             )
         if not isinstance(d["entries"], list):
             raise ValueError("manifest.entries must be a list")
+        claimed = d.get("digest")
+        known = _PARSED_MANIFESTS.get(claimed) if isinstance(claimed, str) else None
+        if known is not None and known._entry_lists == d["entries"]:
+            # The same entries as a manifest parsed and checked before (a
+            # trainer publishes the same structure at every sync).
+            return known
         manifest = cls(
             tuple(
                 ManifestEntry.from_list(item, f"manifest.entries[{i}]")
@@ -296,6 +312,10 @@ class Manifest:
                 f"manifest digest field is {d['digest']!r} but its entries hash to "
                 f"{manifest.digest!r}; the manifest was altered in transit"
             )
+        _PARSED_MANIFESTS.pop(manifest.digest, None)
+        if len(_PARSED_MANIFESTS) >= _PARSED_MANIFESTS_KEPT:
+            _PARSED_MANIFESTS.pop(next(iter(_PARSED_MANIFESTS)))
+        _PARSED_MANIFESTS[manifest.digest] = manifest
         return manifest
 
 
