@@ -142,6 +142,30 @@ def test_update_lands_every_weight_and_releases_every_mapping(packed, keep):
     sender.shutdown()
 
 
+def test_packing_parameters_that_require_grad_records_no_autograd_history():
+    """A trainer's parameters require grad; packing them must not record
+    autograd history on the packed buffer (with it, each copy into a view
+    of the buffer extends one graph, and a sync's cost grows with the square
+    of the tensor count)."""
+    target = reload_ready(0)
+    engine = make_engine(target)
+    model = TinyNet(1)
+    assert all(p.requires_grad for p in model.parameters())
+    trainer = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, keep_packed_buffer=True),
+        client=EngineClient(engine),
+        source=ModuleSource(model),
+    )
+    trainer.send_weights()
+    # The typed views of the buffer the trainer packs into, kept between
+    # syncs: none carries a graph.
+    views = [v for chunk in trainer._views.values() for v in chunk.values()]
+    assert views and all(v.grad_fn is None and not v.requires_grad for v in views)
+    for name, want in state(model).items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name
+    trainer.shutdown()
+
+
 def test_the_kept_buffer_views_are_made_once_and_dropped_with_the_buffer():
     """The trainer makes the typed views of each chunk's slots in the buffer
     it keeps at the first sync and packs through the same views after an

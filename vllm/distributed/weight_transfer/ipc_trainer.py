@@ -408,6 +408,11 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
 
     # -- send ----------------------------------------------------------------
 
+    # Packing copies out of the trainer's parameters, which usually require
+    # grad: with autograd on, every copy into a view of the packed buffer
+    # records history on the buffer, which grows with each tensor (measured:
+    # 13 s per sync for 9,434 small tensors on CPU, against 0.2 s without).
+    @torch.no_grad()
     def send_weights(self, weight_version: str | None = None) -> None:
         """Push the source's current weights; see the module docstring.
 
