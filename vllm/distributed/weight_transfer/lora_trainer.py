@@ -119,6 +119,7 @@ class LoRAAdapter:
             tensors=tensors,
         )
 
+    @torch.no_grad()  # the base is often a model's parameters, which need grad
     def merged_into(self, base: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Base weights (checkpoint names) with this adapter folded in:
         ``W + scaling * B @ A`` for every module it adapts, computed in fp32
