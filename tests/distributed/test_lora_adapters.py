@@ -207,7 +207,13 @@ def test_the_memory_loader_builds_from_copies_and_checks_the_name():
         )
         assert load(manager, by_path) == "built" and built
         assert memory_adapters().ids_of("loaded", 77) == {77, 78}
-        with pytest.raises(ValueError, match="no LoRA adapter was pushed"):
+        from vllm.exceptions import LoRAAdapterNotFoundError
+
+        # Upstream's not-found error (the server's 404), saying why.
+        with pytest.raises(
+            LoRAAdapterNotFoundError,
+            match="No adapter found for memory://absent; no LoRA adapter was pushed",
+        ):
             load(
                 manager,
                 SimpleNamespace(

@@ -442,11 +442,17 @@ def install_memory_loader() -> None:
             if held is None and path.startswith(MEMORY_SCHEME):
                 held = _registry.by_name(path.removeprefix(MEMORY_SCHEME))
                 if held is None:
-                    raise ValueError(
-                        f"no LoRA adapter was pushed to this engine under the "
-                        f"name {path.removeprefix(MEMORY_SCHEME)!r} (path "
-                        f"{path!r}); push it with push_lora_adapter first"
+                    from vllm.exceptions import LoRAAdapterNotFoundError
+
+                    # Upstream's not-found error, which the OpenAI server
+                    # answers with 404, saying why.
+                    error = LoRAAdapterNotFoundError(name, path)
+                    error.message += (
+                        "; no LoRA adapter was pushed to this engine under the "
+                        f"name {path.removeprefix(MEMORY_SCHEME)!r}: push it with "
+                        "push_lora_adapter first"
                     )
+                    raise error
             if held is None:
                 return from_path(self, lora_request)
             if held.name != name and path != memory_path(held.name):
