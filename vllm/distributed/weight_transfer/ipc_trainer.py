@@ -634,6 +634,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
             plan.packed
             and whole is not None
             and whole.plan is plan
+            and whole.source is self.source
             and whole.owner is self._pinned_owner
             and self._shared_now.kept(whole.owner)
         ):
@@ -859,7 +860,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
             # The whole sync in one message from a source that knows when
             # nothing moved: its layout gets an id, which the next syncs
             # name instead of repeating it (``_resend_whole``).
-            whole = _WholeMessage(plan, held.owner, uuid.uuid4().hex, span)
+            whole = _WholeMessage(plan, self.source, held.owner, uuid.uuid4().hex, span)
             fields = {**fields, "layout": whole.layout}
             self._whole_now = whole
         message = self._attach(
@@ -1031,10 +1032,11 @@ class _SharedInSync:
 @dataclass(frozen=True)
 class _WholeMessage:
     """A sync that went whole as one message out of one ``SharedParameters``
-    buffer: the plan it was for, the buffer, the layout id the message
-    carried, and the bytes it spans in the buffer."""
+    buffer: the plan and the source it was for, the buffer, the layout id the
+    message carried, and the bytes it spans in the buffer."""
 
     plan: TransferPlan
+    source: WeightSource | None
     owner: SharedParameters
     layout: str
     span: tuple[int, int]
