@@ -83,6 +83,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -233,6 +234,10 @@ def _verify_planned(programs, sources: dict[str, torch.Tensor]) -> dict:
     return {"copies_checked": checked, "bit_exact": not bad, "first_bad": bad[:5]}
 
 
+def _left_out(covered: frozenset, views: list) -> int:
+    return sum(1 for v in views if v.name not in covered)
+
+
 def _worker(conn, params) -> None:
     torch.cuda.set_device(0)
     dest = {n: torch.empty(s, dtype=DTYPE, device="cuda") for n, s in params}
@@ -303,7 +308,7 @@ def _worker(conn, params) -> None:
                 # As the worker engine does for a chunk in a kept mapping:
                 # the chunk's bound program, reused while its layout holds.
                 assert programs is not None and len(bufs) == 1
-                buf, views = bufs[0], info.views()
+                buf = bufs[0]
                 key, mapped = chunk_in_mapping(mapping_key(handles[0]), buf, info)
 
                 def sources(names, mapped=mapped):
@@ -319,9 +324,13 @@ def _worker(conn, params) -> None:
                     verified["copies_checked"] += now["copies_checked"]
                     verified["bit_exact"] &= now["bit_exact"]
                     verified["first_bad"] += now["first_bad"]
-                names_left += sum(1 for v in views if v.name not in bound.names)
+                # As the worker engine does: the names the program leaves
+                # out, found once per layout.
+                names_left += info.layout_fact(
+                    ("left out", bound.names), partial(_left_out, bound.names)
+                )
                 torch.cuda.synchronize()
-                del bufs, buf, views
+                del bufs, buf
                 conn.send("ok")
                 continue
             srcs, dsts = [], []

@@ -11,12 +11,17 @@ from vllm.distributed.weight_transfer.update_completeness import (
     IncompleteUpdateError,
 )
 
-MODEL = SimpleNamespace(
-    packed_modules_mapping={
+
+class Model:
+    """A model class's fusing table, as vLLM model classes carry it."""
+
+    packed_modules_mapping = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
-)
+
+
+MODEL = Model()
 ATTN = "model.layers.0.self_attn"
 EXPERTS = "model.layers.0.mlp.experts"
 
@@ -37,6 +42,17 @@ def test_a_partial_attention_group_names_what_it_lacks():
     }
     with pytest.raises(IncompleteUpdateError, match="k_proj"):
         groups().check(names)
+
+
+def test_a_passed_set_is_remembered_and_any_other_set_checked_again():
+    whole = {f"{ATTN}.{p}_proj.weight" for p in "qkv"}
+    groups().check(whole)
+    groups().check(set(whole))  # the same names again
+    assert groups() is groups()  # equal groups of one model: one object
+    with pytest.raises(IncompleteUpdateError, match="k_proj"):
+        groups().check(whole - {f"{ATTN}.k_proj.weight"})
+    # Groups read differently (another config) are another object.
+    assert groups(num_experts=2) is not groups()
 
 
 def test_biases_form_their_own_group():

@@ -4,6 +4,8 @@
 trainer's receipt verification."""
 
 import json
+import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -75,6 +77,77 @@ def test_landed_requires_admission():
     checker = ManifestChecker(header(), manifest())
     with pytest.raises(ManifestMismatch, match="call admit first"):
         checker.landed("layers.1.w", 16)
+
+
+# -- whole messages checked once per layout (``whole_tensors``) ----------------
+
+
+def views(metas=METAS):
+    """What a message lists: name, dtype, shape and bytes of each tensor."""
+    return [
+        SimpleNamespace(
+            name=m.name,
+            dtype=m.dtype,
+            shape=m.shape,
+            nbytes=m.dtype.itemsize * math.prod(m.shape),
+        )
+        for m in metas
+    ]
+
+
+def test_whole_tensors_checked_once_serve_later_publications_of_that_manifest():
+    m = manifest()
+    whole = ManifestChecker(header(), m).whole_tensors(views())
+    for _ in range(2):  # a later publication with the same manifest object
+        checker = ManifestChecker(header(), m)
+        checker.admit_whole(whole)
+        checker.landed_whole(whole)
+        r = checker.receipt(worker_rank=0, worker_device="cpu:host:0")
+        assert (r.tensors_landed, r.complete) == (3, True)
+        assert r.bytes_landed == m.total_bytes
+        assert r.coverage == coverage_digest((e.name, e.nbytes) for e in m.entries)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"dtype": torch.float16}, "arrives as float16 but .* float32"),
+        ({"shape": (4, 5)}, "shape \\[4, 5\\] but .* \\[4, 4\\]"),
+        ({"nbytes": 60}, "arrives as 60 bytes but the manifest says 64"),
+        ({"name": "layers.9.w"}, "'layers.9.w' is not in publication"),
+        (
+            {"name": "layers.1.w", "shape": (4,), "nbytes": 16},
+            "'layers.1.w' arrives a second time",
+        ),
+    ],
+)
+def test_whole_tensors_refuses_what_admit_refuses(change, message):
+    listed = views()
+    vars(listed[1]).update(change)
+    checker = ManifestChecker(header(), manifest())
+    with pytest.raises(ManifestMismatch, match=message):
+        checker.whole_tensors(listed)
+    assert checker.bytes_landed == 0 and not checker.tensors_landed
+
+
+def test_admit_whole_refuses_a_second_arrival_and_another_manifest():
+    m = manifest()
+    first, rest = views()[:1], views()[1:]
+    checker = ManifestChecker(header(), m)
+    checker.admit_whole(checker.whole_tensors(rest))
+    with pytest.raises(ManifestMismatch, match="'layers.0.w' arrives a second time"):
+        checker.admit_whole(checker.whole_tensors(views()))
+    other = ManifestChecker(header(), Manifest.from_params(METAS))
+    with pytest.raises(ValueError, match="another manifest"):
+        other.admit_whole(checker.whole_tensors(first))
+
+
+def test_landed_whole_takes_the_checked_path_when_not_admitted_in_full():
+    checker = ManifestChecker(header(), manifest())
+    whole = checker.whole_tensors(views())
+    with pytest.raises(ManifestMismatch, match="call admit first"):
+        checker.landed_whole(whole)
+    assert checker.bytes_landed == 0
 
 
 def test_incomplete_full_update_has_no_receipt():

@@ -140,3 +140,25 @@ def test_a_name_whose_copies_cast_lands_the_ordinary_way():
     assert bound.names == plan.direct_names - {"kept.weight"}
     for name, got in _direct_params(model).items():
         assert torch.equal(got, dict(reference.named_parameters())[name]), name
+
+
+def test_a_chunk_layout_key_is_equal_only_for_the_same_fields():
+    from types import SimpleNamespace
+
+    from vllm.distributed.weight_transfer.chunk_programs import ChunkLayout
+
+    def view(name="a", dtype=torch.float32, shape=(2, 2), offset=0):
+        return SimpleNamespace(name=name, dtype=dtype, shape=shape, offset=offset)
+
+    layout = ChunkLayout([view(), view("b", offset=16)])
+    same = ChunkLayout([view(), view("b", offset=16)])
+    assert layout == same and hash(layout) == hash(same)
+    assert {layout: 1}[same] == 1
+    for other in (
+        [view(), view("b", offset=32)],
+        [view(), view("c", offset=16)],
+        [view(), view("b", dtype=torch.int32, offset=16)],
+        [view(), view("b", shape=(4,), offset=16)],
+        [view()],
+    ):
+        assert ChunkLayout(other) != layout

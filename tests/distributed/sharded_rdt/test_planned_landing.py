@@ -128,13 +128,29 @@ def test_an_update_with_part_of_a_direct_layer_is_refused():
     plan.check_whole({"toy.pair.a", "toy.pair.b", "kept.weight"})
     with pytest.raises(IncompleteUpdateError, match=r"toy\.fused \(lacks toy\.pair\.b"):
         plan.check_whole({"toy.pair.a", "kept.weight"})
+    # The set that passed last is remembered; another set is checked again.
+    plan.check_whole({"toy.pair.a", "toy.pair.b", "kept.weight"})
+    with pytest.raises(IncompleteUpdateError, match=r"lacks toy\.pair\.a"):
+        plan.check_whole({"toy.pair.b"})
 
 
-def test_a_replaced_served_tensor_unbinds_the_plan():
+@pytest.mark.parametrize(
+    "replace",
+    [
+        lambda m: setattr(m.kept, "weight", _param(4)),
+        lambda m: m.kept._parameters.__setitem__("weight", _param(4)),
+        # An instance attribute shadows the parameter for ``getattr``.
+        lambda m: m.kept.__dict__.__setitem__("weight", _param(4)),
+        lambda m: delattr(m.kept, "weight"),
+        lambda m: setattr(m.toy.norm, "weight", _param(4)),
+    ],
+    ids=["setattr", "parameters dict", "shadowed", "deleted", "another module"],
+)
+def test_a_replaced_served_tensor_unbinds_the_plan(replace):
     model = Mixed()
     plan = _bake(model, MIXED)
     assert plan.still_bound()
-    model.kept.weight = _param(4)
+    replace(model)
     assert not plan.still_bound()
 
 

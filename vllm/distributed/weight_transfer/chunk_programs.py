@@ -57,29 +57,44 @@ class BoundChunk:
             self.program()
 
 
+class ChunkLayout:
+    """A chunk's layout in its buffer (names, dtypes, shapes, offsets) as a
+    dict key: hashed once, and equal to another only when every field is."""
+
+    __slots__ = ("fields", "_hash")
+
+    def __init__(self, views: Sequence[Any]) -> None:
+        self.fields = tuple((v.name, v.dtype, v.shape, v.offset) for v in views)
+        self._hash = hash(self.fields)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            isinstance(other, ChunkLayout)
+            and self._hash == other._hash
+            and self.fields == other.fields
+        )
+
+
 def chunk_in_mapping(
     handle_key: Hashable, buffer: torch.Tensor, info: Any
 ) -> tuple[Hashable, Callable[[Sequence[str]], dict[str, torch.Tensor]]]:
     """For a packed ``ipc`` message ``info`` (``IPCWeightTransferUpdateInfo``)
     read from ``buffer`` (its mapping; ``handle_key`` names the buffer): the
     key ``ChunkPrograms.bound`` takes (the mapping and the message's layout
-    in it), and the ``sources`` callback that views the named tensors in the
-    mapping (tensors at offsets their dtype cannot start at are left out)."""
-    views = info.views()
-    key = (
-        handle_key,
-        buffer.data_ptr(),
-        tuple(info.names),
-        tuple(info.dtype_names),
-        tuple(map(tuple, info.shapes)),
-        tuple(v.offset for v in views),
-    )
+    in it, a ``ChunkLayout`` made once per layout), and the ``sources``
+    callback that views the named tensors in the mapping (tensors at offsets
+    their dtype cannot start at are left out)."""
+    layout = info.layout_fact(ChunkLayout, ChunkLayout)
+    key = (handle_key, buffer.data_ptr(), layout)
 
     def sources(names: Sequence[str]) -> dict[str, torch.Tensor]:
         wanted = set(names)
         return {
             v.name: buffer[v.offset : v.offset + v.nbytes].view(v.dtype).view(v.shape)
-            for v in views
+            for v in info.views()
             if v.name in wanted and v.offset % v.dtype.itemsize == 0
         }
 

@@ -73,8 +73,9 @@ import math
 import pickle
 import re
 import socket
+from collections.abc import Callable, Hashable
 from dataclasses import MISSING, dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -536,6 +537,8 @@ class TensorView:
     nbytes: int
 
 
+_Fact = TypeVar("_Fact")
+
 _UPDATE_REQUIRED = {"names", "dtype_names", "shapes"}
 # The short form of a packed message whose layout the worker parsed before.
 _COMPACT_FIELDS = {"layout", "ipc_handles"}
@@ -696,6 +699,8 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         self._buffers: list[dict[str, BufferHandle]] | None = None
         # Where each buffer's tensors end (``_check_cover``).
         self._ends: list[int] | None = None
+        # ``layout_fact``'s values; messages parsed from one layout share it.
+        self._layout_facts: dict[Hashable, Any] = {}
         if self.ipc_handles is None:
             raise ValueError("update_info.ipc_handles is missing: it must be provided")
         if self.layout is not None and not (
@@ -895,6 +900,26 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         one layout (``LayoutMemo`` reuses it): what a worker compares to skip
         checks the layout passed before. Read only."""
         return self._views
+
+    def layout_fact(
+        self,
+        key: Hashable,
+        compute: Callable[[list[TensorView]], _Fact],
+        still: Callable[[_Fact], bool] | None = None,
+    ) -> _Fact:
+        """``compute(views)``, computed once for every message that shares
+        this message's layout (``layout_views``) and kept with it under
+        ``key``; computed again when ``still(kept)`` says the kept value no
+        longer applies. ``compute`` must read the views alone (names, dtypes,
+        shapes, offsets), never the handles. A ``compute`` that raises keeps
+        nothing."""
+        facts = self._layout_facts
+        if key in facts:
+            kept = facts[key]
+            if still is None or still(kept):
+                return kept
+        value = facts[key] = compute(self._views)
+        return value
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (what clients send); upstream handles stay tuples."""

@@ -59,6 +59,7 @@ from vllm.distributed.weight_transfer.planned_landing import LandingPlan
 from vllm.distributed.weight_transfer.sharded_rdt_ops import dtype_from_name
 from vllm.distributed.weight_transfer.staged_update import StagedUpdate
 from vllm.distributed.weight_transfer.verification import (
+    WholeTensors,
     WorkerPublication,
     describe_error,
     device_identity,
@@ -231,8 +232,8 @@ class IPCWeightTransferEngine(
                     f"{DTYPE_KIND_RULE}; nothing was loaded"
                 )
             self._checked_views = update_info.layout_views
-        for view in views:
-            self.pub.admit(view.name, view.dtype, view.shape, view.nbytes)
+        whole = self._whole_tensors(update_info)
+        self.pub.admit_whole(whole)
         importer = self._get_importer()
         selected = [
             importer.select(hmap, f"update_info.ipc_handles{suffix}")
@@ -241,11 +242,19 @@ class IPCWeightTransferEngine(
         handles = [handle for _, handle in selected]
         self.last_update_keys.update(key for key, _ in selected)
         buffers = [importer.open(h) for h in handles]
-        for i, (start, end) in enumerate(_spans(views, len(buffers))):
-            self.pub.check_buffer(i, buffers[i][start:end])
+        if self.pub.checks_payloads:
+            n = len(buffers)
+            spans = update_info.layout_fact(("spans", n), lambda vs: _spans(vs, n))
+            for i, (start, end) in enumerate(spans):
+                self.pub.check_buffer(i, buffers[i][start:end])
         bound = self._bound_chunk(session, update_info, handles, buffers)
-        covered = bound.names if bound is not None else frozenset()
-        weights = _typed_views(buffers, [v for v in views if v.name not in covered])
+        if bound is not None:
+            covered = bound.names
+            views = update_info.layout_fact(
+                ("not bound", covered),
+                lambda vs: [v for v in vs if v.name not in covered],
+            )
+        weights = _typed_views(buffers, views)
         self._mark_landed()
         record = self.pub.record
         if record is not None:
@@ -255,11 +264,26 @@ class IPCWeightTransferEngine(
             self._land(session, weights, importer.storage_ptrs(), bound)
         del weights, buffers
         sync_device(self.device)
-        for view in views:
-            self.pub.landed(view.name, view.nbytes)
+        self.pub.landed_whole(whole, update_info.layout_fact("nbytes", _total_nbytes))
         if not update_info.packed:
             # One-shot buffers: nothing refers to them any more.
             self._close_mappings()
+
+    def _whole_tensors(
+        self, update_info: IPCWeightTransferUpdateInfo
+    ) -> WholeTensors | None:
+        """The message's tensors checked against the publication's manifest,
+        kept with the message layout while the manifest is the same object
+        (None when the publication checks nothing)."""
+        checker = self.pub.checker
+        if checker is None:
+            return None
+        manifest = checker.manifest
+        return update_info.layout_fact(
+            WholeTensors,
+            checker.whole_tensors,
+            still=lambda kept: kept.manifest is manifest,
+        )
 
     def _land(
         self,
@@ -433,6 +457,10 @@ def _spans(views: list[Any], n_buffers: int) -> list[tuple[int, int]]:
         starts[view.buffer] = view.offset if first is None else min(first, view.offset)
         ends[view.buffer] = max(ends[view.buffer], view.offset + view.nbytes)
     return [(start or 0, end) for start, end in zip(starts, ends, strict=True)]
+
+
+def _total_nbytes(views: list[Any]) -> int:
+    return sum(view.nbytes for view in views)
 
 
 def _worker_rank(vllm_config: Any) -> int:

@@ -43,8 +43,10 @@ the engine to bake again when any of them was replaced.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -87,12 +89,17 @@ class LandingPlan:
     # The served tensors the direct copies write, by region qualname (what a
     # bound copy program writes: ``chunk_programs``).
     served: dict[str, torch.Tensor]
+    # The last set of received names ``check_whole`` passed (it is a pure
+    # function of the names, and a sync usually sends the same ones).
+    _passed_whole: set[str] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
-    @property
+    @cached_property
     def direct_names(self) -> frozenset[str]:
         return frozenset(self.copies)
 
-    @property
+    @cached_property
     def direct_bytes(self) -> int:
         return sum(b.spec.nbytes for bound in self.copies.values() for b in bound)
 
@@ -176,8 +183,33 @@ class LandingPlan:
         return landing
 
     def still_bound(self) -> bool:
-        """Whether every bound view still belongs to the tensor that serves."""
-        return all(getattr(m, p, None) is t for m, p, t in self._targets)
+        """Whether every bound view still belongs to the tensor that serves:
+        each target is still what ``getattr(module, name)`` returns."""
+        params, shadows, keys, tensors, others = self._held
+        return (
+            all(map(operator.is_, map(dict.get, params, keys), tensors))
+            and not any(map(operator.contains, shadows, keys))
+            and all(getattr(m, p, None) is t for m, p, t in others)
+        )
+
+    @cached_property
+    def _held(self) -> tuple[list, list, list, list, list]:
+        """The targets a module holds as parameters, as parallel lists (its
+        ``_parameters``, its instance ``__dict__``, which would shadow them,
+        the names, the tensors) for ``still_bound`` to check in C-level maps;
+        and the other targets (buffers, attributes), checked by ``getattr``."""
+        params, shadows, keys, tensors, others = [], [], [], [], []
+        for module, name, tensor in self._targets:
+            if module._parameters.get(name) is tensor and not hasattr(
+                type(module), name
+            ):
+                params.append(module._parameters)
+                shadows.append(module.__dict__)
+                keys.append(name)
+                tensors.append(tensor)
+            else:
+                others.append((module, name, tensor))
+        return params, shadows, keys, tensors, others
 
     @torch.no_grad()
     def land(self, name: str, tensor: torch.Tensor) -> None:
@@ -203,6 +235,8 @@ class LandingPlan:
         """``IncompleteUpdateError`` when ``received`` writes part of a direct
         module: the module would serve old and new bytes together."""
         got = set(received)
+        if got == self._passed_whole:
+            return
         lacking = sorted(
             f"{module} (lacks {', '.join(sorted(names - got)[:3])})"
             for module, names in self.writers.items()
@@ -216,6 +250,7 @@ class LandingPlan:
                 "each layer it touches (send them at their current values where "
                 "they did not change)"
             )
+        self._passed_whole = got
 
 
 def _modules_that_reload(

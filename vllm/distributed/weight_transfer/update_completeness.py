@@ -20,8 +20,9 @@ functions of names: no tensor is read.
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _EXPERT_NAME_RE = re.compile(
     r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)\.(?P<leaf>[^.]+)"
@@ -31,6 +32,10 @@ _EXPERT_PROJECTIONS: tuple[frozenset[str], ...] = (
     frozenset({"w1", "w2", "w3"}),
 )
 _EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+# ``FusedGroups.of``'s last answer per model.
+_GROUPS_OF: weakref.WeakKeyDictionary[object, FusedGroups] = weakref.WeakKeyDictionary()
 
 
 class IncompleteUpdateError(ValueError):
@@ -45,9 +50,29 @@ class FusedGroups:
     siblings: Mapping[str, tuple[str, ...]]
     # experts per MoE layer, 0 when the model has none
     num_experts: int
+    # The last set of names ``check`` passed: a sync usually carries the
+    # same names as the one before, and the answer depends on names alone.
+    _passed: list[set[str]] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
 
     @classmethod
     def of(cls, model: object, hf_config: object | None) -> FusedGroups:
+        """The groups of ``model`` (read each time; the object of an earlier
+        call when they are equal, so its memo of passed names carries over)."""
+        groups = cls.read(model, hf_config)
+        try:
+            kept = _GROUPS_OF.get(model)
+        except TypeError:  # not weakly referable
+            return groups
+        if kept == groups:
+            return kept
+        _GROUPS_OF[model] = groups
+        return groups
+
+    @classmethod
+    def read(cls, model: object, hf_config: object | None) -> FusedGroups:
+        """The groups of ``model``, read from its class and ``hf_config``."""
         mapping = getattr(model, "packed_modules_mapping", None) or {}
         siblings: dict[str, tuple[str, ...]] = {}
         for members in mapping.values():
@@ -56,8 +81,8 @@ class FusedGroups:
                 for member in group:
                     siblings[member] = group
         num_experts = 0
-        for field in _EXPERT_COUNT_FIELDS:
-            value = getattr(hf_config, field, None)
+        for count_field in _EXPERT_COUNT_FIELDS:
+            value = getattr(hf_config, count_field, None)
             if isinstance(value, int) and value > 0:
                 num_experts = value
                 break
@@ -141,9 +166,13 @@ class FusedGroups:
 
     def check(self, names: Iterable[str], what: str = "the update") -> None:
         """Raise ``IncompleteUpdateError`` naming every incomplete group."""
+        names = set(names)
+        if self._passed and names == self._passed[0]:
+            return
         missing = self.missing(names)
         if missing:
             raise IncompleteUpdateError(describe_missing(missing, what))
+        self._passed[:] = [names]
 
 
 def first_few(items: Sequence[str], n: int, sep: str = ", ") -> str:

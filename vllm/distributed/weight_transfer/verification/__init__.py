@@ -27,6 +27,7 @@ Engines import from this package; the modules import each other directly.
 from vllm.distributed.weight_transfer.verification.checks import (
     ManifestChecker,
     VerifiedPublication,
+    WholeTensors,
     verify_receipts,
 )
 from vllm.distributed.weight_transfer.verification.checksum import payload_checksum
@@ -82,6 +83,7 @@ __all__ = [
     "pop_publication",
     # checks
     "ManifestChecker",
+    "WholeTensors",
     "VerifiedPublication",
     "verify_receipts",
     # checksum

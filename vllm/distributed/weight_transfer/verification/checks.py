@@ -11,9 +11,10 @@ live in ``wire``.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -32,6 +33,18 @@ from vllm.distributed.weight_transfer.verification.wire import (
 from vllm.distributed.weight_transfer.wire_fields import check_int, dtype_name
 
 Delivery = Literal["full", "sliced"]
+
+
+@dataclass(frozen=True)
+class WholeTensors:
+    """Whole tensors of one message, checked against ``manifest``
+    (``ManifestChecker.whole_tensors``)."""
+
+    manifest: Manifest
+    # (name, dtype, shape, bytes) of each tensor, as listed
+    items: tuple[tuple[str, Any, tuple[int, ...], int], ...]
+    sizes: dict[str, int]  # bytes by name
+    nbytes: int
 
 
 # ---------------------------------------------------------------------------
@@ -65,8 +78,11 @@ class ManifestChecker:
         header.check_manifest(manifest)
         self.header = header
         self.manifest = manifest
+        # Whether this worker expects every entry in full (``admit_whole``'s
+        # fast path relies on it).
+        self._expects_manifest = expected is None
         if expected is None:
-            expected = {e.name: e.nbytes for e in manifest.entries}
+            expected = manifest.sizes
         else:
             unknown = [n for n in expected if n not in manifest.by_name]
             if unknown:
@@ -107,6 +123,77 @@ class ManifestChecker:
     ) -> ManifestEntry:
         """Check a whole tensor before landing it; returns its manifest entry."""
         entry = self._entry(name)
+        self._check_whole(entry, dtype, shape, nbytes)
+        if self._admitted.get(name, 0):
+            raise ManifestMismatch(
+                f"tensor {name!r} arrives a second time in publication "
+                f"{self.header.publication_id}"
+            )
+        self._admitted[name] = self.expected[name]
+        return entry
+
+    def whole_tensors(self, views: Iterable[Any]) -> WholeTensors:
+        """``views`` (objects with ``name``, ``dtype``, ``shape``, ``nbytes``:
+        whole tensors of one message) checked against the manifest as
+        ``admit`` checks each, without admitting them yet: what
+        ``admit_whole`` and ``landed_whole`` take, for this manifest. A
+        worker keeps it for a message layout that comes back sync after
+        sync, so the per-tensor checks run once per layout."""
+        items = []
+        for v in views:
+            entry = self._entry(v.name)
+            self._check_whole(entry, v.dtype, v.shape, v.nbytes)
+            items.append((v.name, v.dtype, tuple(v.shape), entry.nbytes))
+        sizes = {name: nbytes for name, _, _, nbytes in items}
+        if len(sizes) != len(items):
+            counts = Counter(name for name, *_ in items)
+            twice = next(name for name, n in counts.items() if n > 1)
+            raise ManifestMismatch(
+                f"tensor {twice!r} arrives a second time in publication "
+                f"{self.header.publication_id}"
+            )
+        return WholeTensors(self.manifest, tuple(items), sizes, sum(sizes.values()))
+
+    def admit_whole(self, tensors: WholeTensors) -> None:
+        """``admit`` for each of ``tensors``, as one step when nothing of them
+        was admitted before in this publication."""
+        if tensors.manifest is not self.manifest:
+            raise ValueError(
+                "admit_whole: these tensors were checked against another manifest"
+            )
+        sizes = tensors.sizes
+        if self._expects_manifest and self._admitted.keys().isdisjoint(sizes):
+            self._admitted.update(sizes)
+            return
+        for name, dtype, shape, nbytes in tensors.items:
+            self.admit(name, dtype, shape, nbytes)
+
+    def landed_whole(self, tensors: WholeTensors) -> None:
+        """``landed`` for each of ``tensors`` in full (after ``admit_whole``)."""
+        sizes = tensors.sizes
+        if (
+            tensors.manifest is self.manifest
+            and self._expects_manifest
+            and self._landed.keys().isdisjoint(sizes)
+            and sizes.items() <= self._admitted.items()
+        ):
+            # Each was admitted in full and none landed yet.
+            self._landed.update(sizes)
+            self.bytes_landed += tensors.nbytes
+            return
+        for name, nbytes in sizes.items():
+            self.landed(name, nbytes)
+
+    def _check_whole(
+        self,
+        entry: ManifestEntry,
+        dtype: torch.dtype | str,
+        shape: Sequence[int],
+        nbytes: int | None,
+    ) -> None:
+        """``ManifestMismatch`` unless a whole tensor of ``dtype``, ``shape``
+        and ``nbytes`` is what ``entry`` lists."""
+        name = entry.name
         dname = dtype_name(dtype)
         if dname != entry.dtype:
             raise ManifestMismatch(
@@ -123,13 +210,6 @@ class ManifestChecker:
                 f"tensor {name!r} arrives as {nbytes} bytes but the manifest says "
                 f"{entry.nbytes}"
             )
-        if self._admitted.get(name, 0):
-            raise ManifestMismatch(
-                f"tensor {name!r} arrives a second time in publication "
-                f"{self.header.publication_id}"
-            )
-        self._admitted[name] = self.expected[name]
-        return entry
 
     def admit_slice(
         self, name: str, dtype: torch.dtype | str | None, nbytes: int
@@ -177,10 +257,14 @@ class ManifestChecker:
 
     @property
     def tensors_landed(self) -> int:
+        if self._landed == self.expected:
+            return len(self.expected)
         return sum(1 for n, b in self._landed.items() if b == self.expected[n])
 
     def missing(self) -> list[str]:
         """Names whose promised bytes have not all landed, in manifest order."""
+        if self._landed == self.expected:
+            return []
         return [
             e.name
             for e in self.manifest.entries
@@ -214,7 +298,11 @@ class ManifestChecker:
             bytes_landed=self.bytes_landed,
             expected_bytes=self.expected_bytes,
             complete=not missing,
-            coverage=coverage_digest(self._landed.items()),
+            coverage=(
+                self.manifest.full_coverage_digest()
+                if self._landed == self.manifest.sizes
+                else coverage_digest(self._landed.items())
+            ),
             checksums_verified=self.checksums_verified,
             timings=dict(timings or {}),
         )

@@ -61,6 +61,7 @@ from vllm.distributed.weight_transfer.verification.checks import (
     Delivery,
     ManifestChecker,
     VerifiedPublication,
+    WholeTensors,
     verify_receipts,
 )
 from vllm.distributed.weight_transfer.verification.checksum import (
@@ -437,10 +438,36 @@ class WorkerPublication:
         if self.checker is not None:
             self.checker.admit_slice(name, dtype, nbytes)
 
+    def admit_whole(self, tensors: WholeTensors | None) -> None:
+        """``ManifestChecker.admit_whole`` (``tensors`` is None when this
+        publication checks nothing)."""
+        if self.checker is not None:
+            assert tensors is not None
+            self.checker.admit_whole(tensors)
+
+    def landed_whole(self, tensors: WholeTensors | None, nbytes: int) -> None:
+        """``landed`` for each of ``tensors`` in full; ``nbytes`` is their
+        total, counted when this publication checks nothing."""
+        if self.checker is not None:
+            assert tensors is not None
+            self.checker.landed_whole(tensors)
+        if self.record is not None:
+            self.record.nbytes += nbytes
+
+    @property
+    def checks_payloads(self) -> bool:
+        """Whether this publication's payloads carry checksums to verify."""
+        return (
+            self.checker is not None
+            and self.header is not None
+            and self.header.checksum is not None
+        )
+
     def check_payload(self, what: str, expected: str | None, buf: torch.Tensor) -> None:
         """Verify ``buf`` against the trainer's checksum when checksums are on."""
-        if self.checker is None or self.header is None or self.header.checksum is None:
+        if not self.checks_payloads:
             return
+        assert self.checker is not None and self.header is not None
         if expected is None:
             raise ChecksumMismatch(
                 f"publication {self.header.publication_id} promises checksums but "

@@ -271,9 +271,19 @@ class Manifest:
             return f"it has extra tensor(s) {some_names(extra)}"
         return "the tensors come in a different order"
 
+    @cached_property
+    def sizes(self) -> dict[str, int]:
+        """Bytes of each entry, by name (read only)."""
+        return {e.name: e.nbytes for e in self.entries}
+
+    @cached_property
+    def _full_coverage(self) -> str:
+        return coverage_digest(self.sizes.items())
+
     def full_coverage_digest(self) -> str:
-        """``coverage_digest`` of every entry landed in full."""
-        return coverage_digest((e.name, e.nbytes) for e in self.entries)
+        """``coverage_digest`` of every entry landed in full (computed once
+        per manifest object)."""
+        return self._full_coverage
 
     def to_dict(self) -> dict[str, Any]:
         return {
