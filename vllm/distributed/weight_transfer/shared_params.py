@@ -226,6 +226,16 @@ class SharedParameters:
             buffer.close()
 
 
+# What ``SharedParametersSource.pinned`` reads of each parameter, each a
+# C-level callable: address, dtype, element count, strides.
+_READS = (
+    torch.Tensor.data_ptr,
+    operator.attrgetter("dtype"),
+    torch.Tensor.numel,
+    torch.Tensor.stride,
+)
+
+
 class SharedParametersSource(WeightSource):
     """``module.named_parameters()``, as ``ModuleSource`` yields them, from a
     module whose parameters a ``SharedParameters`` placed.
@@ -267,12 +277,7 @@ class SharedParametersSource(WeightSource):
 
     @staticmethod
     def _now(params: list) -> tuple[list, ...]:
-        return (
-            list(map(torch.Tensor.data_ptr, params)),
-            list(map(_dtype_of, params)),
-            list(map(torch.Tensor.numel, params)),
-            list(map(torch.Tensor.stride, params)),
-        )
+        return tuple(list(map(read, params)) for read in _READS)
 
     def pinned(self) -> tuple[SharedParameters, list[ParamMeta]] | None:
         """The buffer and this source's metadata (the same list object as at
@@ -284,8 +289,8 @@ class SharedParametersSource(WeightSource):
         holders, keys, params, *attributes = self._found
         if not all(map(operator.is_, map(dict.get, holders, keys), params)):
             return None  # a parameter was replaced on its module
-        for now, then in zip(self._now(params), attributes, strict=True):
-            if now != then:
+        for read, then in zip(_READS, attributes, strict=True):
+            if list(map(read, params)) != then:
                 return None  # re-allocated, cast, reshaped or transposed
         return self._shared, self._metas
 
@@ -297,10 +302,6 @@ class SharedParametersSource(WeightSource):
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self._module.named_parameters():
             yield name, materialize_full_tensor(param)
-
-
-def _dtype_of(tensor: torch.Tensor) -> torch.dtype:
-    return tensor.dtype
 
 
 def _allocate(nbytes: int, device: torch.device) -> SharedMemoryBuffer | torch.Tensor:
