@@ -50,8 +50,9 @@ from __future__ import annotations
 import operator
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -228,7 +229,7 @@ class SharedParameters:
 
 # What ``SharedParametersSource.pinned`` reads of each parameter, each a
 # C-level callable: address, dtype, element count, strides.
-_READS = (
+_READS: tuple[Callable[[torch.Tensor], Any], ...] = (
     torch.Tensor.data_ptr,
     operator.attrgetter("dtype"),
     torch.Tensor.numel,
