@@ -43,6 +43,12 @@ into the worker's. Measured, per model:
                     the layout id the worker parsed then and the handle, and
                     walks no tensor (the other shared modes walk every
                     tensor of a plain dict source, as a user's own source is);
+* ``fork_shared_params_planned_pinned_after_step``: the same, each sync
+                    called right after an update of every trainer tensor
+                    (``torch._foreach_add_``, as an optimizer step ends an RL
+                    step) left queued on the device; reported: what the sync
+                    adds to that step (step and sync, minus the step alone
+                    measured just before), against the flat copy;
 * ``fork_shared_params_planned_one_chunk``: the same with a packed-buffer cap
                     above the model's size, so one message carries every
                     tensor (nothing is packed, so the cap allocates nothing):
@@ -493,6 +499,7 @@ def bench_fork(
     land: str = "loop",
     verify_each: bool = False,
     source=None,
+    after_step: bool = False,
     **options,
 ) -> dict:
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
@@ -521,17 +528,34 @@ def bench_fork(
         source=source if source is not None else Source(),
     )
     mapped_before = _call(conn, "mappings")
-    times, peaks = [], []
+    times, peaks, steps, step_and_sync = [], [], [], []
+    trainer_tensors = list(tensors.values())
     for _ in range(reps):
         _call(conn, "zero")
         torch.cuda.synchronize()
+        if after_step:
+            # The step alone: an update of every tensor, as an optimizer step
+            # ends an RL trainer's step.
+            t = time.perf_counter()
+            torch._foreach_add_(trainer_tensors, 1.0)
+            torch.cuda.synchronize()
+            steps.append(time.perf_counter() - t)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         t = time.perf_counter()
+        if after_step:
+            # The same step, left queued on the device as a trainer leaves it
+            # when it calls send_weights next.
+            torch._foreach_add_(trainer_tensors, 1.0)
         engine.send_weights()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
         peaks.append(torch.cuda.max_memory_allocated() - base)
+    if after_step:
+        # What the sync adds to the step (each rep's pair; the step's time
+        # is taken out).
+        step_and_sync = times
+        times = [both - step for both, step in zip(times, steps, strict=True)]
     assert engine.last_plan is not None
     checked: dict = {}
     if verify_each:  # one more sync, each chunk checked as it lands
@@ -540,8 +564,16 @@ def bench_fork(
         checked = _call(conn, "verified_each")
         _call(conn, "verify_each", False)
     engine.shutdown()
+    extra: dict = {}
+    if after_step:
+        extra = {
+            "step_seconds": steps,
+            "step_and_sync_seconds": step_and_sync,
+            "seconds_are": "step and sync minus the step alone, per rep",
+        }
     return {
         **checked,
+        **extra,
         "seconds": min(times),
         "all_seconds": times,
         "worker_mappings_opened": _call(conn, "mappings") - mapped_before,
@@ -586,6 +618,7 @@ def bench_shared_params(
     plan_path: str | None = None,
     sent: list | None = None,
     pinned: bool = False,
+    after_step: bool = False,
 ) -> dict:
     """The trainer's tensors placed in one CUDA allocation
     (``SharedParameters``): each chunk names it, nothing is packed, and the
@@ -594,7 +627,9 @@ def bench_shared_params(
     are freed); later ones reuse the placement. With ``plan_path`` the worker
     first swaps its destinations for the plan's served tensors and lands
     through chunk programs (``land="planned"``). ``pinned``: the trainer sends
-    with ``SharedParameters.source``, not a dict source."""
+    with ``SharedParameters.source``, not a dict source. ``after_step``: each
+    sync follows an update of every trainer tensor left queued on the device
+    (``bench_fork``), and the time reported is what the sync adds to it."""
     from vllm.distributed.weight_transfer.shared_params import (
         SharedParameters,
         shared_place,
@@ -620,7 +655,16 @@ def bench_shared_params(
         shared, holder = _PLACED[-1]
         source = shared.source(holder)
     result.update(
-        bench_fork(tensors, conn, reps, True, buffer_bytes, land=land, source=source)
+        bench_fork(
+            tensors,
+            conn,
+            reps,
+            True,
+            buffer_bytes,
+            land=land,
+            source=source,
+            after_step=after_step,
+        )
     )
     result["first_sync_seconds"] = result["all_seconds"][0]
     if plan_path is not None:
@@ -780,6 +824,20 @@ def run_model(
                 "plan_path": plan_path,
                 "sent": params,
                 "pinned": True,
+            },
+        )
+        # the same right after an optimizer-like update of every tensor that
+        # the trainer leaves queued on the device (as RL steps end): the
+        # host's work before the first device wait overlaps that update
+        modes["fork_shared_params_planned_pinned_after_step"] = (
+            bench_shared_params,
+            (tensors, parent, reps, buffer_bytes),
+            {
+                "land": "planned",
+                "plan_path": plan_path,
+                "sent": params,
+                "pinned": True,
+                "after_step": True,
             },
         )
         # the same with a cap above the model's size: one message per sync
