@@ -6,10 +6,10 @@ A trainer module and a served module with the same parameters (``--tensors``
 of them: ``Linear(8, 8)`` layers, weight and bias, so almost every byte of a
 sync is per-tensor work, as on Qwen3-30B-A3B's 9,435 tensors); the served
 one is held by the fork's ``ipc`` worker engine in this process
-(``IPCWeightTransferEngine``, no vLLM engine), which lands with
-``landing="planned"`` and verifies every publication (manifest, receipts,
-completeness), as the defaults do. Measured side by side, seconds per
-``send_weights()`` after a warm-up:
+(``IPCWeightTransferEngine`` driven directly, ``testing.direct_engine``; no
+vLLM engine), which lands with ``landing="planned"`` and verifies every
+publication (manifest, receipts, completeness), as the defaults do.
+Measured side by side, seconds per ``send_weights()`` after a warm-up:
 
 * ``packed``: the defaults (the trainer packs every tensor into a buffer);
 * ``shared_module_source``: the trainer's parameters placed in shared memory
@@ -31,7 +31,6 @@ import argparse
 import statistics
 import sys
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -44,6 +43,11 @@ from vllm.distributed.weight_transfer.ipc_engine import (
     IPCWeightTransferEngine,
 )
 from vllm.distributed.weight_transfer.shared_params import SharedParameters
+from vllm.distributed.weight_transfer.testing.direct_engine import (
+    DirectEngineClient,
+    direct_ipc_engine,
+    load_through_weight_loaders,
+)
 from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
 
 
@@ -56,54 +60,12 @@ class ManyLinears(torch.nn.Module):
         self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(layers))
 
     def load_weights(self, weights):
-        from vllm.model_executor.model_loader.weight_utils import (
-            default_weight_loader,
-        )
-
-        params = dict(self.named_parameters())
-        for name, tensor in weights:
-            param = params[name]
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-        return set(params)
-
-
-class EngineClient:
-    """Calls the worker engine directly, as its RPC handlers would."""
-
-    def __init__(self, engine: IPCWeightTransferEngine) -> None:
-        self.engine = engine
-
-    def init_weight_transfer_engine(self, init_info: Any) -> None:
-        self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
-
-    def start_weight_update(self) -> None:
-        self.engine.start_weight_update()
-
-    def update_weights(self, update_info: Any) -> None:
-        self.engine.update_weights(update_info)
-
-    def finish_weight_update(self, weight_version: Any = None) -> None:
-        self.engine.finish_weight_update()
-
-    def update_weight_version(self, new_version: str) -> None:
-        pass
-
-    def get_world_size(self) -> int:
-        return 1
+        return load_through_weight_loaders(self, weights)
 
 
 def worker_engine(model: torch.nn.Module) -> IPCWeightTransferEngine:
     record_metadata_for_reloading(model)
-    vllm_config = SimpleNamespace(
-        parallel_config=SimpleNamespace(),
-        model_config=SimpleNamespace(dtype=None, model=None),
-    )
-    return IPCWeightTransferEngine(
-        SimpleNamespace(backend="ipc", landing="planned"),  # type: ignore[arg-type]
-        vllm_config,  # type: ignore[arg-type]
-        torch.device("cpu"),
-        model,
-    )
+    return direct_ipc_engine(model, landing="planned")
 
 
 def run_mode(mode: str, layers: int, syncs: int) -> dict[str, Any]:
@@ -117,7 +79,7 @@ def run_mode(mode: str, layers: int, syncs: int) -> dict[str, Any]:
         if mode == "shared_source":
             source = shared.source(trainer_model)
     trainer = IPCTrainerWeightTransferEngine.trainer_init(
-        IPCTrainerInitInfo(rank=0), client=EngineClient(engine), source=source
+        IPCTrainerInitInfo(rank=0), client=DirectEngineClient(engine), source=source
     )
     times = []
     try:

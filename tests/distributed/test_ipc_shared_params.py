@@ -10,7 +10,9 @@ CUDA bookkeeping (a kept mapping, fresh exports) with torch's import faked."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -144,7 +146,16 @@ class ShortFormClient(RecordingClient):
         super().update_weights(update_info)
 
 
-def pinned_trainer(engine, model, shared, **kwargs):
+@contextlib.contextmanager
+def pinned_rig(**kwargs):
+    """A planned worker engine over ``planned_ready(0)`` (``target``), a
+    trainer ``model`` placed in shared memory (``shared``, closed at exit)
+    and its ``trainer`` sending with ``shared.source(model)`` through a
+    ``ShortFormClient`` (``client``); ``kwargs`` go to the trainer's init."""
+    target = planned_ready(0)
+    engine = make_engine(target, landing="planned")
+    model = TinyNet(1)
+    shared = SharedParameters.place(model)
     client = ShortFormClient(engine)
     kwargs.setdefault("packed_buffer_size_bytes", 64)
     trainer = IPCTrainerWeightTransferEngine.trainer_init(
@@ -152,7 +163,17 @@ def pinned_trainer(engine, model, shared, **kwargs):
         client=client,
         source=shared.source(model),
     )
-    return trainer, client
+    try:
+        yield SimpleNamespace(
+            target=target,
+            engine=engine,
+            model=model,
+            shared=shared,
+            trainer=trainer,
+            client=client,
+        )
+    finally:
+        shared.close()
 
 
 def step(model, scale: float = 3.0) -> None:
@@ -172,26 +193,22 @@ def test_a_source_that_knows_nothing_moved_resends_its_layout_by_id(checksums):
     once, with an id; while every parameter stays where it was, each later
     sync sends only that id and the handle, walks no tensor, and the worker
     reuses the parsed layout and the bound program."""
-    target = planned_ready(0)
-    engine = make_engine(target, landing="planned")
-    model = TinyNet(1)
-    shared = SharedParameters.place(model)
-    trainer, client = pinned_trainer(engine, model, shared, verify_checksums=checksums)
-    trainer.send_weights()
-    assert_served(target, model)
-    ((form, layout),) = client.forms
-    assert form == "full" and layout is not None
-    for scale in (3.0, -0.5):
-        step(model, scale)
-        trainer.send_weights()
-        assert_served(target, model)
-    assert client.forms[1:] == [("short", layout), ("short", layout)]
-    assert engine.layouts.compact == 2
-    programs = engine.chunk_programs
-    assert programs is not None and programs.binds == 1
-    assert engine._importer is not None and engine._importer.mappings_opened == 1
-    assert engine.fence_status["state"] == "committed"
-    shared.close()
+    with pinned_rig(verify_checksums=checksums) as rig:
+        rig.trainer.send_weights()
+        assert_served(rig.target, rig.model)
+        ((form, layout),) = rig.client.forms
+        assert form == "full" and layout is not None
+        for scale in (3.0, -0.5):
+            step(rig.model, scale)
+            rig.trainer.send_weights()
+            assert_served(rig.target, rig.model)
+        assert rig.client.forms[1:] == [("short", layout), ("short", layout)]
+        engine = rig.engine
+        assert engine.layouts.compact == 2
+        programs = engine.chunk_programs
+        assert programs is not None and programs.binds == 1
+        assert engine._importer is not None and engine._importer.mappings_opened == 1
+        assert engine.fence_status["state"] == "committed"
 
 
 def _reallocate(model):
@@ -213,68 +230,57 @@ def test_a_parameter_moved_or_replaced_ends_the_short_form(change):
     """Whatever moved a parameter (a new allocation, a new Parameter object
     on the module) is seen before the sync: it goes the full way, the moved
     tensor packed, and lands exactly; never the stale bytes."""
-    target = planned_ready(0)
-    engine = make_engine(target, landing="planned")
-    model = TinyNet(1)
-    shared = SharedParameters.place(model)
-    trainer, client = pinned_trainer(engine, model, shared)
-    trainer.send_weights()
-    step(model)
-    trainer.send_weights()
-    change(model)
-    step(model, -2.0)
-    trainer.send_weights()
-    assert_served(target, model)
-    assert [form for form, _ in client.forms] == ["full", "short", "full", "full"]
-    assert trainer._kept_buffer is not None, "the moved parameter was packed"
-    shared.close()
+    with pinned_rig() as rig:
+        trainer, model = rig.trainer, rig.model
+        trainer.send_weights()
+        step(model)
+        trainer.send_weights()
+        change(model)
+        step(model, -2.0)
+        trainer.send_weights()
+        assert_served(rig.target, model)
+        forms = [form for form, _ in rig.client.forms]
+        assert forms == ["full", "short", "full", "full"]
+        assert trainer._kept_buffer is not None, "the moved parameter was packed"
 
 
 def test_a_shape_changed_in_place_is_seen_and_refused_with_its_cause():
-    target = planned_ready(0)
-    engine = make_engine(target, landing="planned")
-    model = TinyNet(1)
-    shared = SharedParameters.place(model)
-    trainer, client = pinned_trainer(engine, model, shared)
-    trainer.send_weights()
-    before = state(target)
-    _shrink_in_place(model)
-    # (This toy engine has no checkpoint shapes; its loader names the shape.)
-    with pytest.raises(Exception, match=r"torch.Size\(\[2\]\)"):
-        trainer.send_weights()
-    assert client.forms[-1][0] == "full", "the new shape was sent, not the old id"
-    for name, want in before.items():
-        assert torch.equal(dict(target.named_parameters())[name], want), name
-    shared.close()
+    with pinned_rig() as rig:
+        rig.trainer.send_weights()
+        before = state(rig.target)
+        _shrink_in_place(rig.model)
+        # (This toy engine has no checkpoint shapes; its loader names the shape.)
+        with pytest.raises(Exception, match=r"torch.Size\(\[2\]\)"):
+            rig.trainer.send_weights()
+        assert rig.client.forms[-1][0] == "full", "the new shape was sent, not the id"
+        served = dict(rig.target.named_parameters())
+        for name, want in before.items():
+            assert torch.equal(served[name], want), name
 
 
 def test_a_worker_without_the_layout_refuses_the_short_form_then_syncs_whole():
     """A worker that no longer holds the layout (a restarted engine, say)
     refuses the short message before anything lands: the old weights serve,
     nothing is fenced, and the trainer's next sync is whole again."""
-    target = planned_ready(0)
-    engine = make_engine(target, landing="planned")
-    model = TinyNet(1)
-    shared = SharedParameters.place(model)
-    trainer, client = pinned_trainer(engine, model, shared)
-    trainer.send_weights()
-    served = state(target)
-    engine.layouts._by_layout.clear()
-    step(model)
-    with pytest.raises(Exception, match="parsed no full message with that layout"):
+    with pinned_rig() as rig:
+        trainer, client, model, target = rig.trainer, rig.client, rig.model, rig.target
         trainer.send_weights()
-    for name, want in served.items():
-        assert torch.equal(dict(target.named_parameters())[name], want), name
-    assert engine.fence_status["state"] != "fenced"
-    trainer.send_weights()
-    assert_served(target, model)
-    assert [form for form, _ in client.forms] == ["full", "short", "full"]
-    assert client.forms[2][1] != client.forms[0][1], "a new layout id"
-    step(model)
-    trainer.send_weights()
-    assert client.forms[-1] == ("short", client.forms[2][1])
-    assert_served(target, model)
-    shared.close()
+        served = state(target)
+        rig.engine.layouts._by_layout.clear()
+        step(model)
+        with pytest.raises(Exception, match="parsed no full message with that layout"):
+            trainer.send_weights()
+        for name, want in served.items():
+            assert torch.equal(dict(target.named_parameters())[name], want), name
+        assert rig.engine.fence_status["state"] != "fenced"
+        trainer.send_weights()
+        assert_served(target, model)
+        assert [form for form, _ in client.forms] == ["full", "short", "full"]
+        assert client.forms[2][1] != client.forms[0][1], "a new layout id"
+        step(model)
+        trainer.send_weights()
+        assert client.forms[-1] == ("short", client.forms[2][1])
+        assert_served(target, model)
 
 
 def test_a_reallocated_parameter_is_packed_never_read_stale():

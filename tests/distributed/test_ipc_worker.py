@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
@@ -25,6 +24,11 @@ from vllm.distributed.weight_transfer.ipc_engine import (
 )
 from vllm.distributed.weight_transfer.ipc_wire import cpu_device_key
 from vllm.distributed.weight_transfer.layerwise_session import LayerwiseReloadSession
+from vllm.distributed.weight_transfer.testing.direct_engine import (
+    DirectEngineClient,
+    direct_ipc_engine,
+    load_through_weight_loaders,
+)
 from vllm.distributed.weight_transfer.update_completeness import IncompleteUpdateError
 from vllm.distributed.weight_transfer.verification import (
     ManifestMismatch,
@@ -59,48 +63,9 @@ def reload_ready(seed: int) -> TinyNet:
     return net
 
 
-def make_engine(
-    model: torch.nn.Module,
-    checkpoint: str | None = None,
-    landing: str = "reload",
-    **config: Any,
-) -> IPCWeightTransferEngine:
-    vllm_config = SimpleNamespace(
-        parallel_config=SimpleNamespace(),
-        model_config=SimpleNamespace(dtype=None, model=checkpoint),
-    )
-    return IPCWeightTransferEngine(
-        SimpleNamespace(backend="ipc", landing=landing, **config),  # type: ignore[arg-type]
-        vllm_config,  # type: ignore[arg-type]
-        torch.device("cpu"),
-        model,
-    )
-
-
-class EngineClient:
-    """Drives a worker engine directly, like the worker's RPC handlers."""
-
-    def __init__(self, engine: IPCWeightTransferEngine) -> None:
-        self.engine = engine
-        self.versions: list[str] = []
-
-    def init_weight_transfer_engine(self, init_info):
-        self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
-
-    def start_weight_update(self):
-        self.engine.start_weight_update()
-
-    def update_weights(self, update_info):
-        self.engine.update_weights(update_info)
-
-    def finish_weight_update(self, weight_version=None):
-        self.engine.finish_weight_update()
-
-    def update_weight_version(self, new_version):
-        self.versions.append(new_version)
-
-    def get_world_size(self):
-        return 1
+# The worker engine over a plain module, and the client that drives it.
+make_engine = direct_ipc_engine
+EngineClient = DirectEngineClient
 
 
 def state(model):
@@ -508,15 +473,7 @@ class LoaderNet(TinyNet):
     model's does, so the planner can record it."""
 
     def load_weights(self, weights):
-        from vllm.model_executor.model_loader.weight_utils import (
-            default_weight_loader,
-        )
-
-        params = dict(self.named_parameters())
-        for name, tensor in weights:
-            param = params[name]
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-        return set(params)
+        return load_through_weight_loaders(self, weights)
 
 
 def planned_ready(seed: int) -> LoaderNet:

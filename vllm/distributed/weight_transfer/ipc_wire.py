@@ -88,6 +88,7 @@ from vllm.distributed.weight_transfer.wire_fields import (
     check_int,
     dtype_from_name,
     dtype_name,
+    remember_newest,
 )
 
 # Prefix of every shared-memory segment this backend creates (under /dev/shm).
@@ -575,9 +576,9 @@ class LayoutMemo:
         if not info.packed or info.upstream_wire:
             return info
         if key is not None:
-            _remember(self._by_chunk, key, info, self.max_entries)
+            remember_newest(self._by_chunk, key, info, self.max_entries)
         if info.layout is not None:
-            _remember(self._by_layout, info.layout, info, self.max_layouts)
+            remember_newest(self._by_layout, info.layout, info, self.max_layouts)
         return info
 
     def _parse_compact(self, d: dict[str, Any]) -> IPCWeightTransferUpdateInfo:
@@ -602,15 +603,6 @@ class LayoutMemo:
         self.reused += 1
         self.compact += 1
         return known._with_handles(handles)
-
-
-def _remember(memo: dict, key: Any, info: Any, limit: int) -> None:
-    """Keep ``info`` under ``key`` as the newest entry, dropping the oldest
-    beyond ``limit``."""
-    memo.pop(key, None)
-    if len(memo) >= limit:
-        memo.pop(next(iter(memo)))
-    memo[key] = info
 
 
 def _chunk_key(d: object) -> tuple | None:

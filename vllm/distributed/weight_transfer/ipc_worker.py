@@ -113,13 +113,14 @@ class IPCWeightTransferEngine(
         # layout reuses (``parse_update_info``).
         self.layouts = LayoutMemo()
         # The last manifest that passed the checkpoint's shape and dtype
-        # checks, the manifest ``_landing_layout`` was computed from, and the
-        # last message views that passed the dtype check: a trainer whose
-        # layout does not change sends the same manifest (the parsed object
-        # is reused, ``Manifest.from_dict``) and the same views
-        # (``LayoutMemo``) at every sync, and none needs checking again.
+        # checks, the last manifest with the trainer layout read from it
+        # (``_layout_of``), and the last message views that passed the dtype
+        # check: a trainer whose layout does not change sends the same
+        # manifest (the parsed object is reused, ``Manifest.from_dict``) and
+        # the same views (``LayoutMemo``) at every sync, and none needs
+        # checking again.
         self._checked_manifest: Any = None
-        self._layout_manifest: Any = None
+        self._manifest_layout: tuple[Any, tuple[Any, ...]] | None = None
         self._checked_views: Any = None
 
     def _make_publication(self) -> WorkerPublication:
@@ -349,19 +350,12 @@ class IPCWeightTransferEngine(
         baked on first use and again when the layout or a served tensor
         changed; None (every layer reloads) when the model's loaders cannot
         be planned for it, which is logged once per layout."""
-        layout: tuple[Any, ...] | None
-        if manifest is self._layout_manifest and self._landing_layout is not None:
-            layout = self._landing_layout  # the same parsed manifest object
-        else:
-            layout = tuple((e.name, e.dtype, e.shape) for e in manifest.entries)
-            self._layout_manifest = None
+        layout = self._layout_of(manifest)
         if layout == self._landing_layout and self.landing_refused is not None:
             return None
         plan = self.landing_plan
         if plan is not None and layout == self._landing_layout and plan.still_bound():
-            self._layout_manifest = manifest
             return plan
-        assert layout is not None
         metas = [
             ParamMeta(name, dtype_from_name(dtype), shape)
             for name, dtype, shape in layout
@@ -385,8 +379,17 @@ class IPCWeightTransferEngine(
             )
             return None
         self.landing_plan, self.landing_refused = plan, None
-        self._layout_manifest = manifest
         return plan
+
+    def _layout_of(self, manifest: Any) -> tuple[Any, ...]:
+        """``(name, dtype, shape)`` of each of ``manifest``'s entries, read
+        once per manifest object."""
+        kept = self._manifest_layout
+        if kept is not None and kept[0] is manifest:
+            return kept[1]
+        layout = tuple((e.name, e.dtype, e.shape) for e in manifest.entries)
+        self._manifest_layout = (manifest, layout)
+        return layout
 
     # -- internals -------------------------------------------------------------
 

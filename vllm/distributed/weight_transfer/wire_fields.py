@@ -3,8 +3,9 @@
 """Checks for the fields of the fork's wire messages, shared by every module
 that parses them (``ipc_wire``, ``verification.wire``, ``sharded_rdt_common``):
 dtype names, integers, and which fields a message may and must carry. Each
-raises ``ValueError`` naming where the bad value was found. Depends on torch
-only."""
+raises ``ValueError`` naming where the bad value was found. Also the bounded
+memo (``remember_newest``) the parsers keep earlier messages in. Depends on
+torch only."""
 
 from __future__ import annotations
 
@@ -55,3 +56,12 @@ def check_fields(
     if missing:
         raise ValueError(f"{where} is missing field(s) {missing}")
     return d
+
+
+def remember_newest(memo: dict[Any, Any], key: Any, value: Any, limit: int) -> None:
+    """Keep ``value`` under ``key`` in ``memo`` as its newest entry, dropping
+    the oldest entries beyond ``limit`` (dicts keep insertion order)."""
+    memo.pop(key, None)
+    while memo and len(memo) >= limit:
+        memo.pop(next(iter(memo)))
+    memo[key] = value

@@ -53,6 +53,7 @@ from vllm.distributed.weight_transfer.wire_fields import (
     check_int,
     dtype_from_name,
     dtype_name,
+    remember_newest,
 )
 
 PUBLICATION_FIELD = "publication"
@@ -322,10 +323,9 @@ class Manifest:
                 f"manifest digest field is {d['digest']!r} but its entries hash to "
                 f"{manifest.digest!r}; the manifest was altered in transit"
             )
-        _PARSED_MANIFESTS.pop(manifest.digest, None)
-        if len(_PARSED_MANIFESTS) >= _PARSED_MANIFESTS_KEPT:
-            _PARSED_MANIFESTS.pop(next(iter(_PARSED_MANIFESTS)))
-        _PARSED_MANIFESTS[manifest.digest] = manifest
+        remember_newest(
+            _PARSED_MANIFESTS, manifest.digest, manifest, _PARSED_MANIFESTS_KEPT
+        )
         return manifest
 
 
