@@ -588,6 +588,47 @@ def test_a_failure_after_a_planned_landing_fences_until_a_full_resync(keep):
         assert torch.equal(dict(target.named_parameters())[name], want), name
 
 
+@pytest.mark.parametrize(
+    "keep", [False, None], ids=["per-tensor-landing", "bound-over-kept-buffer"]
+)
+def test_with_checksums_a_planned_landing_is_read_back_and_a_wrong_byte_fences(keep):
+    """With payload checksums on, the worker reads the planned landing back:
+    a served region that does not hold the trainer's slice (here: one byte
+    flipped after the landing wrote it, as a wrong copy table would) fails
+    the update naming the tensor, and fences; without the flip the same
+    syncs pass the check."""
+    from vllm.distributed.weight_transfer.chunk_programs import BoundChunk
+    from vllm.distributed.weight_transfer.planned_landing import LandingPlan
+
+    target, trainer = planned_ready(0), TinyNet(1)
+    engine = make_engine(target, landing="planned")
+    checked = dict(verify_checksums=True, keep_packed_buffer=keep)
+    for seed in (1, 2):  # the check passes on a right landing
+        trainer = TinyNet(seed)
+        push(engine, trainer, **checked)
+        assert engine.fence_status["state"] == "committed"
+    owner, attr = (LandingPlan, "land") if keep is False else (BoundChunk, "__call__")
+    original = getattr(owner, attr)
+
+    def flipping(*args):
+        original(*args)
+        with torch.no_grad():
+            target.b.weight.view(-1)[0:1].view(torch.int32).add_(1)
+
+    setattr(owner, attr, flipping)
+    try:
+        with pytest.raises(Exception, match="planned landing wrote bytes that differ"):
+            push(engine, TinyNet(3), **checked)
+    finally:
+        setattr(owner, attr, original)
+    status = engine.fence_status
+    assert status["state"] == "fenced" and "b.weight" in status["reason"]
+    push(engine, trainer, **checked)  # the resync
+    assert engine.fence_status["state"] == "committed"
+    for name, want in state(trainer).items():
+        assert torch.equal(dict(target.named_parameters())[name], want), name
+
+
 def _send_acting_midway(engine, trainer, act) -> None:
     """Sync ``trainer`` into ``engine`` in small chunks, running ``act()``
     once the first chunks have landed (before the fourth tensor is read)."""

@@ -59,6 +59,7 @@ from vllm.distributed.weight_transfer.planned_landing import LandingPlan
 from vllm.distributed.weight_transfer.sharded_rdt_ops import dtype_from_name
 from vllm.distributed.weight_transfer.staged_update import StagedUpdate
 from vllm.distributed.weight_transfer.verification import (
+    ChecksumMismatch,
     WholeTensors,
     WorkerPublication,
     describe_error,
@@ -256,6 +257,9 @@ class IPCWeightTransferEngine(
                 lambda vs: [v for v in vs if v.name not in covered],
             )
         weights = _typed_views(buffers, views)
+        landed_check = self._landed_to_check(session, update_info, buffers, bound)
+        if check_direct := self._direct_to_check:
+            landed_check += [w for w in weights if w[0] in check_direct]
         self._mark_landed()
         record = self.pub.record
         if record is not None:
@@ -263,12 +267,76 @@ class IPCWeightTransferEngine(
                 self._land(session, weights, importer.storage_ptrs(), bound)
         else:
             self._land(session, weights, importer.storage_ptrs(), bound)
-        del weights, buffers
+        del weights
         sync_device(self.device)
+        if landed_check:
+            self._check_landed(landed_check)
+        del buffers, landed_check
         self.pub.landed_whole(whole, update_info.layout_fact("nbytes", _total_nbytes))
         if not update_info.packed:
             # One-shot buffers: nothing refers to them any more.
             self._close_mappings()
+
+    @property
+    def _direct_to_check(self) -> frozenset[str]:
+        """The planned names whose landing ``_check_landed`` reads back: every
+        direct name when payload checksums are on and the update lands live
+        (a staged update lands at the commit); none otherwise."""
+        planned = self._planned
+        if (
+            planned is None
+            or not self.pub.checks_payloads
+            or not isinstance(self._session, LayerwiseReloadSession)
+        ):
+            return frozenset()
+        return planned.direct_names
+
+    def _landed_to_check(
+        self,
+        session: Any,
+        update_info: IPCWeightTransferUpdateInfo,
+        buffers: list[torch.Tensor],
+        bound: BoundChunk | None,
+    ) -> list[tuple[str, torch.Tensor]]:
+        """The trainer's tensors, as mapped, of the names ``bound``'s program
+        lands, when ``_direct_to_check`` holds them."""
+        if bound is None or not self._direct_to_check:
+            return []
+        covered = bound.names
+        return _typed_views(
+            buffers,
+            update_info.layout_fact(
+                ("bound", covered), lambda vs: [v for v in vs if v.name in covered]
+            ),
+        )
+
+    def _check_landed(self, landed: list[tuple[str, torch.Tensor]]) -> None:
+        """With payload checksums on, the planned landing is read back: every
+        served region a planned copy wrote must equal, bit for bit, the
+        trainer's slice it came from (the payload checksum proves the bytes
+        read; this proves where they went). A difference fails the update,
+        which fences: the bytes are in the served tensors."""
+        planned = self._planned
+        assert planned is not None
+        record = self.pub.record
+
+        def differing() -> list[str]:
+            flags = torch.stack([planned.landed_differs(n, t) for n, t in landed])
+            bad = flags.tolist()
+            return [n for (n, _), b in zip(landed, bad, strict=True) if b]
+
+        if record is not None:
+            with record.phase("checksum"):
+                wrong = differing()
+        else:
+            wrong = differing()
+        if wrong:
+            raise ChecksumMismatch(
+                f"the planned landing wrote bytes that differ from the trainer's "
+                f"for {len(wrong)} tensor(s) ({', '.join(wrong[:4])}"
+                f"{' and more' if len(wrong) > 4 else ''}): the served tensors, "
+                "read back after landing, do not hold the slices the plan takes"
+            )
 
     def _whole_tensors(
         self, update_info: IPCWeightTransferUpdateInfo

@@ -218,6 +218,22 @@ class LandingPlan:
         for bound in self.copies[name]:
             bound.view.copy_(replay_slice(tensor, bound.spec))
 
+    @torch.no_grad()
+    def landed_differs(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A 0-dim bool tensor on the served tensors' device, true when any
+        served region a planned copy of ``name`` wrote differs, bit for bit,
+        from the slice of ``tensor`` (the trainer's tensor of that name) the
+        plan takes for it, cast as the landing casts: the landing read back.
+        A tensor, not a bool, so a caller checking many names waits for the
+        device once."""
+        flags = []
+        for bound in self.copies[name]:
+            want = replay_slice(tensor, bound.spec)
+            if want.dtype != bound.view.dtype:
+                want = want.to(bound.view.dtype)
+            flags.append(torch.ne(_bits(bound.view), _bits(want)).any())
+        return flags[0] if len(flags) == 1 else torch.stack(flags).any()
+
     def slices(self, name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
         """The planned slices of ``tensor``, in the order ``land_slices``
         takes them: all of it this worker keeps (its TP shard), as views
@@ -251,6 +267,17 @@ class LandingPlan:
                 "they did not change)"
             )
         self._passed_whole = got
+
+
+# Integer dtypes by item size: bit-for-bit comparisons view floats as these
+# (``torch.equal`` on floats treats -0.0 as 0.0 and a NaN as unequal).
+_BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.is_floating_point() and tensor.element_size() in _BITS_OF_SIZE:
+        return tensor.view(_BITS_OF_SIZE[tensor.element_size()])
+    return tensor
 
 
 def _modules_that_reload(

@@ -461,9 +461,10 @@ def test_planned_landing_copies_straight_into_the_served_tensors(rig):
     embedding took its bytes straight from the trainer's tensors on every TP
     rank; only the MoE experts (which vLLM CPU repacks) went through the
     layerwise reload, each for the reason it names. Reload engines keep no
-    plan."""
+    plan. With checksums on, every worker read the planned landing back
+    (each landed region equals the trainer's slice) before its receipt."""
     randomize_weights_(rig.trainer_model, seed=21)
-    rig.push()
+    rig.push(verify_checksums=True)
     states = rig.llm.collective_rpc(planned_landing_state)
     if rig.combo.landing != "planned":
         assert states == [{}] * rig.combo.tp
@@ -504,7 +505,8 @@ def test_trainer_parameters_in_shared_memory_are_read_in_place(rig):
     try:
         randomize_weights_(model, seed=31)
         source = shared.source(model) if dense else CheckpointNamesSource(model)
-        engine = rig.push(source)
+        # Checksums on: the landings through the bound programs are read back.
+        engine = rig.push(source, verify_checksums=True)
         rig.assert_serves(model)
         kept = rig.llm.collective_rpc(kept_shared_segments)
         if dense:
