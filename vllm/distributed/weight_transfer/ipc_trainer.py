@@ -51,10 +51,12 @@ from typing import Any, ClassVar, Literal, Self
 import torch
 
 from vllm.distributed.weight_transfer.base import (
+    ModuleSource,
     ParamMeta,
     TrainerInitInfo,
     VLLMWeightSyncClient,
     WeightSource,
+    materialize_full_tensor,
 )
 from vllm.distributed.weight_transfer.full_resync import (
     FullResyncTrainerEngine,
@@ -85,6 +87,10 @@ from vllm.distributed.weight_transfer.ipc_wire import (
     dtype_name,
     handle_from_dict,
     upstream_args,
+)
+from vllm.distributed.weight_transfer.sharded_gather import (
+    gather_full_into,
+    is_sharded,
 )
 from vllm.distributed.weight_transfer.shared_params import (
     SharedParameters,
@@ -247,14 +253,24 @@ def _check_yielded(meta: ParamMeta, name: str, tensor: Any) -> torch.Tensor:
 
 
 class _SourceCursor:
-    """Walks a source in metadata order, one tensor alive at a time."""
+    """Walks a source in metadata order, one tensor alive at a time.
+
+    A ``ModuleSource``'s parameters are walked as they are, so a sharded one
+    (a DTensor) reaches ``next_unmaterialized`` still sharded, for a packer
+    that gathers it straight into its slot; ``next`` gathers it as the
+    source's own iteration would (``full_tensor()``), at the same point of
+    the walk."""
 
     def __init__(self, source: WeightSource, metas: list[ParamMeta]) -> None:
-        self._it: Iterator[tuple[str, torch.Tensor]] = iter(source)
+        self._it: Iterator[tuple[str, torch.Tensor]] = _unmaterialized(source)
         self._metas = metas
         self._index = 0
 
     def next(self) -> torch.Tensor:
+        tensor = self.next_unmaterialized()
+        return materialize_full_tensor(tensor) if is_sharded(tensor) else tensor
+
+    def next_unmaterialized(self) -> torch.Tensor:
         meta = self._metas[self._index]
         try:
             name, tensor = next(self._it)
@@ -275,6 +291,16 @@ class _SourceCursor:
             f"WeightSource yielded {name!r} after the {len(self._metas)} tensors "
             "metadata() announced"
         )
+
+
+def _unmaterialized(source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """``source``'s items, with a ``ModuleSource``'s DTensors left sharded
+    (its iteration would gather each into a new tensor); any other source's
+    items as it yields them."""
+    module = vars(source).get("_module") if type(source) is ModuleSource else None
+    if isinstance(module, torch.nn.Module):
+        return iter(module.named_parameters())
+    return iter(source)
 
 
 class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]):
@@ -310,6 +336,9 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         self.upstream_wire = init_info.wire == "upstream"
         self.group: TrainerGroup = group or make_trainer_group(self.rank)
         self.last_plan: TransferPlan | None = None
+        # Sharded tensors (DTensors) whose shards were gathered straight into
+        # their slot of a packed buffer, over this engine's life.
+        self.gathered_into_slots = 0
         self._plan_cache: tuple[tuple, TransferPlan] | None = None
         self._chunk_fields: list[dict[str, Any]] = []
         # What this engine does, which can be less than asked: the upstream
@@ -728,7 +757,11 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                     dst = dst.view(tensor.dtype).view(tensor.shape)
                     if views is not None:
                         views[slot.offset] = dst
-                if _is_resident(tensor):
+                if is_sharded(tensor):
+                    # A DTensor: its shards gathered straight into the slot
+                    # when they lie there in rank order (FSDP2's layout).
+                    self.gathered_into_slots += gather_full_into(dst, tensor)
+                elif _is_resident(tensor):
                     dsts, srcs = batched.setdefault(tensor.dtype, ([], []))
                     dsts.append(dst)
                     srcs.append(tensor)
@@ -740,7 +773,9 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         after = 0
         try:
             for slot in chunk.slots:
-                tensor = cursor.next()
+                tensor = cursor.next_unmaterialized()
+                if is_sharded(tensor) and (may_share or self.upstream_wire):
+                    tensor = materialize_full_tensor(tensor)
                 if self.upstream_wire:
                     self._check_wire_device(tensor)
                 if may_share:

@@ -314,14 +314,17 @@ def test_a_failed_update_leaves_the_engine_serving(rig):
     rig.assert_serves()
 
 
-def test_two_rank_trainer_feeds_each_worker_from_its_own_rank(rig):
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "dtensor"])
+def test_two_rank_trainer_feeds_each_worker_from_its_own_rank(rig, sharded):
     if (rig.combo.arch, rig.combo.dtype, rig.combo.tp) != ("qwen3", "float32", 2):
         pytest.skip("runs on the dense fp32 TP=2 engine only")
     """Two gloo ranks each send the whole model from a packed buffer they
     keep, twice (the weights change in place between the syncs); each worker
     maps its own rank's buffer once and, with the planned landing, binds
     each chunk's copies to it at the first sync and runs them again at the
-    second: the path of trainers whose tensors are new at every sync."""
+    second: the path of trainers whose tensors are new at every sync.
+    ``dtensor``: the ranks hold the model as DTensors (FSDP2's layout), and
+    each rank gathers every tensor's shards into its slot of the buffer."""
     seed = 21
     spec = TinyModelSpec(arch="qwen3")
     before = rig.llm.collective_rpc(chunk_program_state)
@@ -332,6 +335,7 @@ def test_two_rank_trainer_feeds_each_worker_from_its_own_rank(rig):
         world_size=2,
         conn=child,
         syncs=2,
+        sharded=sharded,
         packed_buffer_size_bytes=CHUNK_CAP,
     )
     try:

@@ -78,6 +78,7 @@ def _trainer_rank(
     conn: Any,
     init_kwargs: dict[str, Any],
     syncs: int,
+    sharded: bool = False,
 ) -> None:
     import torch.distributed as dist
 
@@ -100,16 +101,19 @@ def _trainer_rank(
     try:
         model = build_hf_model(spec)
         randomize_weights_(model, seed)
+        sent = _sharded_copy(model, world_size) if sharded else model
         client = PipeClient(conn) if rank == 0 else _NoClient()
         engine = WeightTransferTrainerFactory.trainer_init(
             IPCTrainerInitInfo(rank=rank, **init_kwargs),
             client=client,
-            source=ModuleSource(model),
+            source=ModuleSource(sent),
         )
         engine.send_weights()
         for i in range(1, syncs):
             # In place, as an optimizer step changes the weights.
             randomize_weights_(model, seed + i)
+            if sharded:
+                _reshard_in_place(sent, model, world_size)
             engine.send_weights()
         engine.shutdown()
     except BaseException:
@@ -123,25 +127,70 @@ def _trainer_rank(
         dist.destroy_process_group()
 
 
+def _sharded_copy(model: Any, world_size: int) -> Any:
+    """A copy of ``model`` whose parameters are DTensors sharding dimension 0
+    over a CPU mesh of every rank, FSDP2's layout."""
+    import copy
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    sharded = copy.deepcopy(model)
+    for module in sharded.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            shards = distribute_tensor(param.detach(), mesh, [Shard(0)])
+            setattr(module, name, torch.nn.Parameter(shards, requires_grad=False))
+    return sharded
+
+
+def _reshard_in_place(sharded: Any, model: Any, world_size: int) -> None:
+    """Copy ``model``'s values into ``sharded``'s shards, in place."""
+    import torch
+    from torch.distributed.tensor import distribute_tensor
+
+    full = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in sharded.named_parameters():
+            value = distribute_tensor(
+                full[name].detach(), param.device_mesh, param.placements
+            )
+            param.to_local().copy_(value.to_local())
+
+
 def start_trainer_ranks(
     spec: TinyModelSpec,
     seed: int,
     world_size: int,
     conn: Any,
     syncs: int = 1,
+    sharded: bool = False,
     **init_kwargs: Any,
 ) -> list[Any]:
     """Spawn the trainer ranks; rank 0 relays its client calls over ``conn``.
     Each rank builds ``spec``'s model with weights from ``seed`` and sends it
     ``syncs`` times, drawing the weights anew in place (seed + i) before each
-    later sync; ``trainer_weights`` gives the last sync's model."""
+    later sync; ``trainer_weights`` gives the last sync's model. ``sharded``:
+    the ranks hold the model as DTensors sharding dimension 0 over all of
+    them (FSDP2's layout), and send those."""
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
     procs = []
     for rank in range(world_size):
         proc = ctx.Process(
             target=_trainer_rank,
-            args=(rank, world_size, port, spec, seed, conn, init_kwargs, syncs),
+            args=(
+                rank,
+                world_size,
+                port,
+                spec,
+                seed,
+                conn,
+                init_kwargs,
+                syncs,
+                sharded,
+            ),
             daemon=True,
         )
         proc.start()
