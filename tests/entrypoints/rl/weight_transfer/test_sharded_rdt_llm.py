@@ -438,27 +438,36 @@ def test_an_init_declaring_a_float_tensor_int32_is_refused_and_init_recovers(eng
 # old weights, and a failure before the commit leaves them serving unfenced.
 
 
-@pytest.fixture(scope="module")
-def staged_engine(ray_cluster):
+STAGED_COMBOS = [("qwen3", 1), ("qwen3_moe", 2)]
+
+
+@pytest.fixture(
+    scope="module",
+    params=STAGED_COMBOS,
+    ids=[f"{a}-tp{tp}" for a, tp in STAGED_COMBOS],
+)
+def staged_engine(request, ray_cluster):
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import LLMHost
 
-    model_dir = str(build_tiny_model(TinyModelSpec(arch="qwen3")))
+    arch, tp = request.param
+    model_dir = str(build_tiny_model(TinyModelSpec(arch=arch)))
     llm = ray.remote(num_cpus=0)(LLMHost).remote(
         model_dir,
+        tp=tp,
         weight_transfer_config=WeightTransferConfig(
             backend="sharded_rdt", staging="host"
         ),
     )
     ray.get(llm.pids.remote())  # wait until the engine is up
-    yield llm, model_dir
+    yield llm, model_dir, tp
     ray.kill(llm)
 
 
 def test_a_staged_sync_serves_the_old_weights_while_it_pulls(staged_engine):
-    llm, model_dir = staged_engine
+    llm, model_dir, tp = staged_engine
     with _trainers(model_dir, 1) as ranks:
-        ray.get(ranks[0].init.remote(llm, num_consumers=1, stall_timeout_s=20.0))
+        ray.get(ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=20.0))
         _sync_and_check(llm, ranks, 201)
         before = ray.get(llm.greedy.remote())
         ray.get(ranks[0].randomize.remote(202))
@@ -480,16 +489,16 @@ def test_a_staged_sync_serves_the_old_weights_while_it_pulls(staged_engine):
         )
         assert switched == sorted(switched), "the served weights went back"
         assert switched.count(False) >= 2, "the sync should outlast a few requests"
-        assert _states(llm) == ["committed"]
+        assert _states(llm) == ["committed"] * tp
         assert ray.get(llm.weight_version.remote()) == "step-202"
 
 
 def test_a_staged_pull_that_fails_keeps_the_old_weights_and_version(staged_engine):
-    llm, model_dir = staged_engine
+    llm, model_dir, tp = staged_engine
     with _trainers(model_dir, 1) as ranks:
         ray.get(
             ranks[0].init.remote(
-                llm, num_consumers=1, verify_checksums=True, stall_timeout_s=20.0
+                llm, num_consumers=tp, verify_checksums=True, stall_timeout_s=20.0
             )
         )
         _sync_and_check(llm, ranks, 203)
@@ -505,11 +514,11 @@ def test_a_staged_pull_that_fails_keeps_the_old_weights_and_version(staged_engin
         assert "chunk seq 1" in error and "checksum" in error
         # Chunk 0 was only staged: nothing is fenced, the old weights serve
         # and the served version still names them.
-        assert _states(llm) == ["committed"]
+        assert _states(llm) == ["committed"] * tp
         assert ray.get(llm.weight_version.remote()) == "step-203"
         _assert_serves(llm, before, "vLLM after the failed staged sync")
 
         ray.get(ranks[0].send.remote(weight_version="step-204"), timeout=120)
-        assert _states(llm) == ["committed"]
+        assert _states(llm) == ["committed"] * tp
         assert ray.get(llm.weight_version.remote()) == "step-204"
         _assert_serves_trainer(llm, ranks[0])
