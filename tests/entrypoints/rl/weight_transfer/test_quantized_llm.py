@@ -198,3 +198,46 @@ def test_sharded_rdt_updates_an_fp8_engine_exactly_like_a_fresh_load():
         ray.get(rank.shutdown.remote())
     finally:
         ray.shutdown()
+
+
+def test_vllm_serve_fp8_engine_updated_over_http_like_a_fresh_load():
+    """``vllm serve --quantization fp8_per_channel`` updated over the RL HTTP
+    routes through ``ipc``: after each of two syncs (the trainer's weights
+    changed in place) the server serves, bit for bit, what the same server
+    serves after loading the trainer's weights fresh from a checkpoint, with
+    its quantization; a no-op push changes nothing."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.testing.fresh_load import http_worker_call
+    from vllm.distributed.weight_transfer.testing.server import serve
+
+    model_dir = build_tiny_model(TinyModelSpec(arch="qwen3"))
+    with serve(
+        model_dir,
+        dtype="bfloat16",
+        weight_transfer_backend="ipc",
+        extra_args=["--quantization", QUANTIZATION],
+    ) as server:
+        call = http_worker_call(server.base_url)
+
+        def served_dtypes() -> dict[str, str]:
+            (dtypes,) = call("served_weight_dtypes", [])["results"]
+            return dtypes
+
+        _assert_quantized(served_dtypes())
+        trainer_model = load_hf_model(model_dir, "float32")
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            IPCTrainerInitInfo(rank=0),
+            client=HTTPVLLMWeightSyncClient(server.base_url, timeout=120),
+            source=ModuleSource(trainer_model),
+        )
+        oracle = server.fresh_load_oracle()
+        served = []
+        for seed in (35, 36):
+            randomize_weights_(trainer_model, seed=seed)
+            trainer.send_weights()
+            served.append(oracle.assert_serves(trainer_model))
+        assert served[0].tokens != served[1].tokens, "both syncs served the same"
+        trainer.send_weights()  # the weights it already holds
+        assert_bit_identical(server.greedy(), served[-1], what="after a no-op push")
+        _assert_quantized(served_dtypes())
+        trainer.shutdown()

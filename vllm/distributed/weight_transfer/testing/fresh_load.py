@@ -108,6 +108,13 @@ class FreshLoadWorkerExtension:
 
         return planned_landing_state(self)
 
+    def served_weight_dtypes(self) -> dict[str, str]:
+        """Parameter name -> dtype of the served model (a quantized layer's
+        weight shows its codes' dtype), callable by name."""
+        worker: Any = self
+        model = worker.model_runner.model
+        return {name: str(p.dtype) for name, p in model.named_parameters()}
+
     def fresh_load_restore(self) -> bool:
         worker: Any = self
         saved = getattr(worker, "_fresh_load_saved", None)
