@@ -60,8 +60,15 @@ def quantize_into(w: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> 
     """Per-output-row FP8: ``scale`` = row absmax / 448 (float32), ``codes``
     = w / scale as float8 e4m3."""
     scale.copy_(w.abs().amax(dim=1, keepdim=True))  # exact in float32
-    scale.div_(FP8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
+    # A tensor divisor: divided, not multiplied by a rounded reciprocal (what
+    # torch does with a Python number on CUDA), so the scale is the exact
+    # quotient rounded once.
+    scale.div_(_fp8_max(w.device)).clamp_(min=torch.finfo(torch.float32).tiny)
     codes.copy_((w.float() / scale).clamp_(-FP8_MAX, FP8_MAX))
+
+
+def _fp8_max(device: torch.device) -> torch.Tensor:
+    return torch.full((1, 1), FP8_MAX, dtype=torch.float32, device=device)
 
 
 def timed(fn, reps: int) -> list[float]:
@@ -136,6 +143,8 @@ def main() -> None:
     bad = []
     for i, (w, c, s) in enumerate(zip(landed, codes, scales, strict=True)):
         ref_scale = (w.double().abs().amax(dim=1, keepdim=True) / FP8_MAX).float()
+        # (the division by a float64 tensor rounds once to float64, then once
+        # to float32: the correctly rounded float32 quotient, as above)
         ref_codes = (w.float() / ref_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         if not (
             torch.equal(s, ref_scale)
