@@ -18,13 +18,16 @@ bfloat16), with nothing else running:
   reference quantizer: vLLM's fused kernel is not available on this machine,
   where vLLM does not run);
 * ``land_then_quantize``: both, one after the other: the worker-side path;
+* ``quantize_per_channel_fused`` and ``land_then_quantize_fused``: the same
+  with a fused Triton kernel, one program per row (the row read once, the
+  codes and scale written once), as a fused worker-side quantizer would;
 * ``flat_copy_codes``: one device copy of the codes and scales' bytes, the
   data plane of landing codes the trainer quantized (not built: the
   trainer-side path moves these bytes instead of the bfloat16 ones).
 
 Prints each mode's time over ``flat_copy_bf16`` and the bytes each path
-moves; every quantized weight is checked against a float64 reference of the
-same quantizer (codes equal, scales equal). Writes JSON with ``--out``.
+moves; every weight each quantizer wrote is checked against a float64
+reference of the same quantizer (codes equal, scales equal). Writes JSON with ``--out``.
 """
 
 from __future__ import annotations
@@ -67,6 +70,37 @@ def quantize_into(w: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> 
     codes.copy_((w.float() / scale).clamp_(-FP8_MAX, FP8_MAX))
 
 
+def fused_quantizer():
+    """A Triton kernel doing ``quantize_into`` in one program per row: the
+    row read once (bfloat16), its absmax and scale, the codes written once;
+    what a fused worker-side quantizer costs. None without Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def _rows(w_ptr, c_ptr, s_ptr, cols, fp8_max, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < cols
+        w = tl.load(w_ptr + row * cols + offs, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(w), axis=0)
+        # Correctly rounded divisions (``/`` may lower to an approximate one).
+        scale = tl.maximum(tl.math.div_rn(amax, fp8_max), 1.1754943508222875e-38)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(w, scale), -fp8_max), fp8_max)
+        tl.store(c_ptr + row * cols + offs, q.to(c_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + row, scale)
+
+    def run(w: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        rows, cols = w.shape
+        block = triton.next_power_of_2(cols)
+        _rows[(rows,)](w, codes, scale, cols, FP8_MAX, BLOCK=block, num_warps=8)
+
+    return run
+
+
 def _fp8_max(device: torch.device) -> torch.Tensor:
     return torch.full((1, 1), FP8_MAX, dtype=torch.float32, device=device)
 
@@ -80,6 +114,23 @@ def timed(fn, reps: int) -> list[float]:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return times
+
+
+def _mismatched(landed, codes, scales) -> list[int]:
+    """Tensors whose codes or scales differ from a float64 reference of the
+    same quantizer."""
+    bad = []
+    for i, (w, c, s) in enumerate(zip(landed, codes, scales, strict=True)):
+        # (float64 division rounded once to float64, then once to float32:
+        # the correctly rounded float32 quotient)
+        ref_scale = (w.double().abs().amax(dim=1, keepdim=True) / FP8_MAX).float()
+        ref_codes = (w.float() / ref_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        same_codes = torch.equal(c.view(torch.uint8), ref_codes.view(torch.uint8))
+        if not (torch.equal(s, ref_scale) and same_codes):
+            bad.append(i)
+        c.zero_()  # the next quantizer writes them anew
+        s.zero_()
+    return bad
 
 
 def main() -> None:
@@ -118,6 +169,17 @@ def main() -> None:
         land()
         quantize()
 
+    fused = fused_quantizer()
+
+    def quantize_fused() -> None:
+        assert fused is not None
+        for w, c, s in zip(landed, codes, scales, strict=True):
+            fused(w, c, s)
+
+    def land_then_quantize_fused() -> None:
+        land()
+        quantize_fused()
+
     def flat_copy_codes() -> None:
         flat_dst[:code_bytes].copy_(flat_src[:code_bytes])
 
@@ -128,7 +190,11 @@ def main() -> None:
         "land_then_quantize": land_then_quantize,
         "flat_copy_codes": flat_copy_codes,
     }
+    if fused is not None:
+        modes["quantize_per_channel_fused"] = quantize_fused
+        modes["land_then_quantize_fused"] = land_then_quantize_fused
     results: dict = {}
+    checked: dict[str, list[int]] = {}
     for name, fn in modes.items():
         fn()  # warm-up
         times = timed(fn, args.reps)
@@ -136,21 +202,11 @@ def main() -> None:
             "best_s": round(min(times), 5),
             "median_s": round(statistics.median(times), 5),
         }
+        if name in ("quantize_per_channel", "quantize_per_channel_fused"):
+            checked[name] = _mismatched(landed, codes, scales)
     flat = results["flat_copy_bf16"]["best_s"]
     for r in results.values():
         r["over_flat_copy_bf16"] = round(r["best_s"] / flat, 3)
-    # The quantizer against a float64 reference, every tensor.
-    bad = []
-    for i, (w, c, s) in enumerate(zip(landed, codes, scales, strict=True)):
-        ref_scale = (w.double().abs().amax(dim=1, keepdim=True) / FP8_MAX).float()
-        # (the division by a float64 tensor rounds once to float64, then once
-        # to float32: the correctly rounded float32 quotient, as above)
-        ref_codes = (w.float() / ref_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        if not (
-            torch.equal(s, ref_scale)
-            and torch.equal(c.view(torch.uint8), ref_codes.view(torch.uint8))
-        ):
-            bad.append(i)
     doc = {
         "benchmark": "bench_quantize_step_cuda",
         "device": torch.cuda.get_device_name(0),
@@ -162,8 +218,8 @@ def main() -> None:
         "bytes_codes_and_scales": code_bytes,
         "codes_over_bf16_bytes": round(code_bytes / bf16_bytes, 4),
         "results": results,
-        "quantizer_matches_reference": not bad,
-        "mismatched_tensors": bad[:8],
+        "quantizers_match_reference": {k: not v for k, v in checked.items()},
+        "mismatched_tensors": {k: v[:8] for k, v in checked.items()},
     }
     text = json.dumps(doc, indent=2)
     print(text)
