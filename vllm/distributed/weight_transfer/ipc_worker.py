@@ -257,7 +257,7 @@ class IPCWeightTransferEngine(
                 lambda vs: [v for v in vs if v.name not in covered],
             )
         weights = _typed_views(buffers, views)
-        landed_check = self._landed_to_check(session, update_info, buffers, bound)
+        landed_check = self._landed_to_check(update_info, buffers, bound)
         if check_direct := self._direct_to_check:
             landed_check += [w for w in weights if w[0] in check_direct]
         self._mark_landed()
@@ -293,7 +293,6 @@ class IPCWeightTransferEngine(
 
     def _landed_to_check(
         self,
-        session: Any,
         update_info: IPCWeightTransferUpdateInfo,
         buffers: list[torch.Tensor],
         bound: BoundChunk | None,
