@@ -20,6 +20,7 @@ already touched; ``{"abort": reason}`` from the trainer does the same.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -261,11 +262,7 @@ class IPCWeightTransferEngine(
         if check_direct := self._direct_to_check:
             landed_check += [w for w in weights if w[0] in check_direct]
         self._mark_landed()
-        record = self.pub.record
-        if record is not None:
-            with record.phase("load"):
-                self._land(session, weights, importer.storage_ptrs(), bound)
-        else:
+        with self._phase("load"):
             self._land(session, weights, importer.storage_ptrs(), bound)
         del weights
         sync_device(self.device)
@@ -317,18 +314,10 @@ class IPCWeightTransferEngine(
         which fences: the bytes are in the served tensors."""
         planned = self._planned
         assert planned is not None
-        record = self.pub.record
-
-        def differing() -> list[str]:
+        with self._phase("checksum"):
             flags = torch.stack([planned.landed_differs(n, t) for n, t in landed])
             bad = flags.tolist()
-            return [n for (n, _), b in zip(landed, bad, strict=True) if b]
-
-        if record is not None:
-            with record.phase("checksum"):
-                wrong = differing()
-        else:
-            wrong = differing()
+        wrong = [n for (n, _), b in zip(landed, bad, strict=True) if b]
         if wrong:
             raise ChecksumMismatch(
                 f"the planned landing wrote bytes that differ from the trainer's "
@@ -336,6 +325,12 @@ class IPCWeightTransferEngine(
                 f"{' and more' if len(wrong) > 4 else ''}): the served tensors, "
                 "read back after landing, do not hold the slices the plan takes"
             )
+
+    def _phase(self, name: str) -> AbstractContextManager[Any]:
+        """Times the block as phase ``name`` of the publication's sync record
+        (nothing when there is none)."""
+        record = self.pub.record
+        return record.phase(name) if record is not None else nullcontext()
 
     def _whole_tensors(
         self, update_info: IPCWeightTransferUpdateInfo
