@@ -142,6 +142,19 @@ class TimedClient:
         self._timed("finish_weight_update", weight_version)
 
 
+def device_times(fn: Any, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn``, the device idle before
+    and waited for after each (CUDA)."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def git_commit() -> str | None:
     """The checkout this run imports (``-dirty`` when it has local changes)."""
     try:

@@ -809,22 +809,19 @@ def run_model(
     }
     if plan_path is not None:
         # last of all: the worker's destinations become the served layout
+        planned = {"land": "planned", "plan_path": plan_path, "sent": params}
         modes["fork_shared_params_planned"] = (
             bench_shared_params,
             (tensors, parent, reps, buffer_bytes),
-            {"land": "planned", "plan_path": plan_path, "sent": params},
+            planned,
         )
         # the same, sent with the source that knows when nothing moved: the
         # layout's id instead of the layout, no walk of the tensors
+        pinned = {**planned, "pinned": True}
         modes["fork_shared_params_planned_pinned"] = (
             bench_shared_params,
             (tensors, parent, reps, buffer_bytes),
-            {
-                "land": "planned",
-                "plan_path": plan_path,
-                "sent": params,
-                "pinned": True,
-            },
+            pinned,
         )
         # the same right after an optimizer-like update of every tensor that
         # the trainer leaves queued on the device (as RL steps end): the
@@ -832,13 +829,7 @@ def run_model(
         modes["fork_shared_params_planned_pinned_after_step"] = (
             bench_shared_params,
             (tensors, parent, reps, buffer_bytes),
-            {
-                "land": "planned",
-                "plan_path": plan_path,
-                "sent": params,
-                "pinned": True,
-                "after_step": True,
-            },
+            {**pinned, "after_step": True},
         )
         # the same with a cap above the model's size: one message per sync
         # (nothing is packed, so the cap costs no memory here); what the

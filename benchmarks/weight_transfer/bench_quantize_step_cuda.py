@@ -33,12 +33,11 @@ reference of the same quantizer (codes equal, scales equal). Writes JSON with ``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import time
 
 import torch
+from _bench_common import device_times, emit_json
 
 HIDDEN, INTERMEDIATE, LAYERS = 4096, 12288, 36
 Q_OUT, KV_OUT = 32 * 128, 8 * 128
@@ -103,17 +102,6 @@ def fused_quantizer():
 
 def _fp8_max(device: torch.device) -> torch.Tensor:
     return torch.full((1, 1), FP8_MAX, dtype=torch.float32, device=device)
-
-
-def timed(fn, reps: int) -> list[float]:
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def _mismatched(landed, codes, scales) -> list[int]:
@@ -197,7 +185,7 @@ def main() -> None:
     checked: dict[str, list[int]] = {}
     for name, fn in modes.items():
         fn()  # warm-up
-        times = timed(fn, args.reps)
+        times = device_times(fn, args.reps)
         results[name] = {
             "best_s": round(min(times), 5),
             "median_s": round(statistics.median(times), 5),
@@ -221,11 +209,7 @@ def main() -> None:
         "quantizers_match_reference": {k: not v for k, v in checked.items()},
         "mismatched_tensors": {k: v[:8] for k, v in checked.items()},
     }
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_json(doc, args.out)
 
 
 if __name__ == "__main__":

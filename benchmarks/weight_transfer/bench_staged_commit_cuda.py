@@ -35,6 +35,7 @@ import statistics
 import time
 
 import torch
+from _bench_common import device_times
 
 # Qwen3-8B's shapes (hidden 4096, intermediate 12288, 36 layers, 32 query and
 # 8 key/value heads of 128, vocabulary 151936), served at TP=1.
@@ -83,17 +84,6 @@ def layout() -> Layout:
     return out
 
 
-def timed(fn, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=5)
@@ -135,13 +125,13 @@ def main() -> int:
     }
     flat_src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     flat_dst = torch.empty_like(flat_src)
-    flat = timed(lambda: flat_dst.copy_(flat_src), args.repeats + 1)[1:]
+    flat = device_times(lambda: flat_dst.copy_(flat_src), args.repeats + 1)[1:]
     flat_s = statistics.median(flat)
     results = {}
     for mode, fn in modes.items():
         for t in kernel.values():
             t.zero_()
-        times = timed(fn, args.repeats + 1)[1:]  # first: warm-up
+        times = device_times(fn, args.repeats + 1)[1:]  # first: warm-up
         ok = all(torch.equal(d, staged_dev[s]) for d, s in pairs)
         median = statistics.median(times)
         results[mode] = {

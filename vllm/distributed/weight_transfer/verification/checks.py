@@ -125,10 +125,7 @@ class ManifestChecker:
         entry = self._entry(name)
         self._check_whole(entry, dtype, shape, nbytes)
         if self._admitted.get(name, 0):
-            raise ManifestMismatch(
-                f"tensor {name!r} arrives a second time in publication "
-                f"{self.header.publication_id}"
-            )
+            raise self._second_arrival(name)
         self._admitted[name] = self.expected[name]
         return entry
 
@@ -147,10 +144,8 @@ class ManifestChecker:
         sizes = {name: nbytes for name, _, _, nbytes in items}
         if len(sizes) != len(items):
             counts = Counter(name for name, *_ in items)
-            twice = next(name for name, n in counts.items() if n > 1)
-            raise ManifestMismatch(
-                f"tensor {twice!r} arrives a second time in publication "
-                f"{self.header.publication_id}"
+            raise self._second_arrival(
+                next(name for name, n in counts.items() if n > 1)
             )
         return WholeTensors(self.manifest, tuple(items), sizes, sum(sizes.values()))
 
@@ -183,6 +178,12 @@ class ManifestChecker:
             return
         for name, nbytes in sizes.items():
             self.landed(name, nbytes)
+
+    def _second_arrival(self, name: str) -> ManifestMismatch:
+        return ManifestMismatch(
+            f"tensor {name!r} arrives a second time in publication "
+            f"{self.header.publication_id}"
+        )
 
     def _check_whole(
         self,
