@@ -14,7 +14,11 @@ small logprob tolerance); the script exits with status 1 on a mismatch.
 With ``--quantization fp8_per_channel`` the engine serves float8 weights
 (bfloat16 activations) that it quantizes itself from the trainer's float32
 weights at every sync (dense models; see docs/training/weight_transfer/
-quantized.md); the check is then the bit-exact fresh load alone.
+quantized.md); the check is then the bit-exact fresh load alone. Adding
+``--trainer-codes`` makes the trainer quantize instead (``Fp8ChannelCodes``):
+it sends float8 codes and per-row scales, half the bytes, which the workers
+copy straight into the served codes; the served model is the same, bit for
+bit.
 With ``--cpu-linear plain`` the engine keeps its linear layers' weights as
 tensors (``WeightTransferConfig.cpu_linear``; no oneDNN handle to rebuild at
 each sync, at some generation speed), and with ``--landing planned`` it copies
@@ -24,8 +28,8 @@ parameters live in shared memory (``SharedParameters``), so nothing is packed
 and, planned, each byte is copied once. See docs/training/weight_transfer/
 one_copy.md. The checks are the same.
 Run: ``python examples/rl/rlhf_ipc_offline_cpu.py [--arch qwen3_moe] [--tp 2]
-[--steps 3] [--model-dir DIR] [--quantization fp8_per_channel]
-[--cpu-linear plain] [--landing planned] [--shared-params]``.
+[--steps 3] [--model-dir DIR] [--quantization fp8_per_channel
+[--trainer-codes]] [--cpu-linear plain] [--landing planned] [--shared-params]``.
 """
 
 from __future__ import annotations
@@ -68,6 +72,11 @@ def parse_args() -> argparse.Namespace:
         help="an online scheme the engine applies to the weights it receives",
     )
     p.add_argument(
+        "--trainer-codes",
+        action="store_true",
+        help="with --quantization fp8_per_channel: the trainer sends FP8 codes",
+    )
+    p.add_argument(
         "--cpu-linear",
         choices=["packed", "plain"],
         default="packed",
@@ -104,6 +113,8 @@ def fake_training_step(model: torch.nn.Module, step: int) -> None:
 
 def main() -> int:
     args = parse_args()
+    if args.trainer_codes and args.quantization != "fp8_per_channel":
+        sys.exit("--trainer-codes needs --quantization fp8_per_channel")
     if args.tp > 1:
         # vLLM's CPU default binds OpenMP threads per NUMA node; pin one core
         # per TP worker instead. Must be set before the LLM starts.
@@ -153,10 +164,16 @@ def main() -> int:
             # in-place updates write into the segment the workers read.
             shared = SharedParameters.place(model)
             print(f"trainer parameters in shared memory: {shared.shm_name}")
+        source = weight_source(model)
+        if args.trainer_codes:
+            from vllm.distributed.weight_transfer.fp8_codes import Fp8ChannelCodes
+
+            # Linear weights leave the trainer as float8 codes and scales.
+            source = Fp8ChannelCodes(source, dtype=torch.bfloat16)
         trainer = WeightTransferTrainerFactory.trainer_init(
             IPCTrainerInitInfo(rank=0, packed=True),
             client=OfflineLLMWeightSyncClient(llm),
-            source=weight_source(model),
+            source=source,
         )
         for step in range(1, args.steps + 1):
             fake_training_step(model, step)

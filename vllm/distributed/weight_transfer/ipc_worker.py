@@ -42,6 +42,7 @@ from vllm.distributed.weight_transfer.chunk_programs import (
     ChunkPrograms,
     chunk_in_mapping,
 )
+from vllm.distributed.weight_transfer.codes_landing import CodesLanding, CodesRefused
 from vllm.distributed.weight_transfer.ipc_dataplane import (
     BufferImporter,
     mapping_key,
@@ -106,6 +107,11 @@ class IPCWeightTransferEngine(
         self.landing_plan: LandingPlan | None = None
         self._landing_layout: tuple[Any, ...] | None = None
         self._planned: LandingPlan | None = None
+        # Trainer-side FP8 codes (``codes_landing``): the landing of the last
+        # trainer layout that held codes, with that layout, and the landing
+        # the open update uses (None: no codes).
+        self._codes_kept: tuple[tuple[Any, ...], CodesLanding | None] | None = None
+        self._codes: CodesLanding | None = None
         # Why the layout in ``_landing_layout`` could not be planned, if so.
         self.landing_refused: str | None = None
         # Planned landings of chunks the worker keeps mapped, bound once
@@ -154,23 +160,32 @@ class IPCWeightTransferEngine(
     def _on_start(self) -> None:
         self.last_update_keys = set()
         self._planned = None
+        self._codes = None
 
     def _on_new_publication(self) -> None:
         """Reject a manifest the served checkpoint contradicts, before loading."""
         header = self.pub.header
         assert header is not None and self.pub.checker is not None
         manifest = self.pub.checker.manifest
+        session = self._session
+        # Trainer-side FP8 codes land live, straight in the served tensors.
+        self._codes = self._codes_landing_for(self._layout_of(manifest))
+        if self._codes is not None and isinstance(session, StagedUpdate):
+            raise CodesRefused(
+                f"publication {header.publication_id} sends FP8 codes, but this "
+                "update is staged: staged updates take full-precision weights "
+                "(the engine quantizes them at the commit); nothing was loaded"
+            )
         if manifest is not self._checked_manifest:
             shapes: Shapes | None = checkpoint_shapes(self.model_config)
             if shapes is not None:
                 check_manifest_shapes(manifest, shapes, header.publication_id)
-            check_manifest_dtypes(manifest, self._kinds(), header.publication_id)
+            check_manifest_dtypes(manifest, self._update_kinds(), header.publication_id)
             self._checked_manifest = manifest
         if getattr(self.config, "landing", "reload") == "planned":
             # Staged or not: a staged update lands the planned names at the
             # commit, with the same plan.
             self._planned = self._landing_plan_for(manifest)
-        session = self._session
         if isinstance(session, StagedUpdate):
             # Staged: the worker's slices of the planned names, every other
             # tensor whole (the reload slices it at the commit).
@@ -227,7 +242,9 @@ class IPCWeightTransferEngine(
             )
         views = update_info.views()
         if update_info.layout_views is not self._checked_views:
-            wrong = wrong_dtype_kinds(((v.name, v.dtype) for v in views), self._kinds())
+            wrong = wrong_dtype_kinds(
+                ((v.name, v.dtype) for v in views), self._update_kinds()
+            )
             if wrong:
                 raise ValueError(
                     f"update_info declares {len(wrong)} tensor(s) with a dtype the "
@@ -279,14 +296,19 @@ class IPCWeightTransferEngine(
         """The planned names whose landing ``_check_landed`` reads back: every
         direct name when payload checksums are on and the update lands live
         (a staged update lands at the commit); none otherwise."""
-        planned = self._planned
+        planned, codes = self._planned, self._codes
         if (
-            planned is None
+            (planned is None and codes is None)
             or not self.pub.checks_payloads
             or not isinstance(self._session, LayerwiseReloadSession)
         ):
             return frozenset()
-        return planned.direct_names
+        if codes is None:
+            assert planned is not None
+            return planned.direct_names
+        if planned is None:
+            return codes.names
+        return planned.direct_names | codes.names
 
     def _landed_to_check(
         self,
@@ -312,10 +334,16 @@ class IPCWeightTransferEngine(
         trainer's slice it came from (the payload checksum proves the bytes
         read; this proves where they went). A difference fails the update,
         which fences: the bytes are in the served tensors."""
-        planned = self._planned
-        assert planned is not None
+        planned, codes = self._planned, self._codes
         with self._phase("checksum"):
-            flags = torch.stack([planned.landed_differs(n, t) for n, t in landed])
+            flags = torch.stack(
+                [
+                    (
+                        codes if codes is not None and n in codes.names else planned
+                    ).landed_differs(n, t)  # type: ignore[union-attr]
+                    for n, t in landed
+                ]
+            )
             bad = flags.tolist()
         wrong = [n for (n, _), b in zip(landed, bad, strict=True) if b]
         if wrong:
@@ -357,8 +385,16 @@ class IPCWeightTransferEngine(
     ) -> None:
         """The chunk's bound program (``bound``: the planned names it covers,
         which ``weights`` leaves out), then the other planned names straight
-        into the served tensors (staged: at the commit), the rest through the
-        session (the layerwise reload, or staging)."""
+        into the served tensors (staged: at the commit), trainer-side FP8
+        codes straight into the served codes, the rest through the session
+        (the layerwise reload, or staging)."""
+        codes = self._codes
+        if codes is not None:
+            mine = [w for w in weights if w[0] in codes.names]
+            if mine:
+                assert isinstance(session, LayerwiseReloadSession)
+                session.land_planned(codes, mine)
+                weights = [w for w in weights if w[0] not in codes.names]
         planned = self._planned
         if bound is not None:
             assert planned is not None and isinstance(session, LayerwiseReloadSession)
@@ -418,9 +454,11 @@ class IPCWeightTransferEngine(
         plan = self.landing_plan
         if plan is not None and layout == self._landing_layout and plan.still_bound():
             return plan
+        codes = self._codes.names if self._codes is not None else frozenset()
         metas = [
             ParamMeta(name, dtype_from_name(dtype), shape)
             for name, dtype, shape in layout
+            if name not in codes
         ]
         self.landing_plan, self._landing_layout = None, layout
         try:
@@ -453,7 +491,36 @@ class IPCWeightTransferEngine(
         self._manifest_layout = (manifest, layout)
         return layout
 
+    def _codes_landing_for(self, layout: tuple[Any, ...]) -> CodesLanding | None:
+        """Where ``layout``'s trainer-side FP8 codes land (None when it holds
+        none), planned on first use and again when the layout or a served
+        tensor changed; ``CodesRefused`` when this engine cannot take them."""
+        kept = self._codes_kept
+        if (
+            kept is not None
+            and (kept[0] is layout or kept[0] == layout)
+            and (kept[1] is None or kept[1].still_bound())
+        ):
+            return kept[1]
+        self._codes_kept = None
+        landing = CodesLanding.plan(
+            self.model,
+            layout,
+            worker=f"ipc worker {_worker_rank(self.vllm_config)}",
+            vllm_config=self.vllm_config,
+        )
+        self._codes_kept = (layout, landing)
+        return landing
+
     # -- internals -------------------------------------------------------------
+
+    def _update_kinds(self) -> dict[str, str]:
+        """``_kinds`` without the names the open update sends as FP8 codes
+        (``codes_landing`` checks those)."""
+        codes = self._codes
+        if codes is None:
+            return self._kinds()
+        return {n: k for n, k in self._kinds().items() if n not in codes.names}
 
     def _kinds(self) -> dict[str, str]:
         """Dtype kinds of the served checkpoint's tensors (or, without a

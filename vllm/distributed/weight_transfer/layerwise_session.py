@@ -56,7 +56,7 @@ result is copied into the kernel tensors.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -68,8 +68,15 @@ from vllm.distributed.weight_transfer.update_completeness import (
 )
 from vllm.logger import init_logger
 
-if TYPE_CHECKING:
-    from vllm.distributed.weight_transfer.planned_landing import LandingPlan
+
+class DirectLanding(Protocol):
+    """What writes checkpoint tensors straight into served tensors
+    (``planned_landing.LandingPlan``, ``codes_landing.CodesLanding``)."""
+
+    def land(self, name: str, tensor: torch.Tensor) -> None: ...
+
+    def check_whole(self, received: Iterable[str]) -> None: ...
+
 
 logger = init_logger(__name__)
 
@@ -113,8 +120,8 @@ class LayerwiseReloadSession:
         self._open = False
         self._landing = False
         self._forward_guard: Any = None
-        # The planned landing that wrote served tensors in this update.
-        self._planned: LandingPlan | None = None
+        # The direct landings that wrote served tensors in this update.
+        self._direct: list[DirectLanding] = []
 
     @property
     def is_open(self) -> bool:
@@ -142,7 +149,7 @@ class LayerwiseReloadSession:
         reason = self._calls.overdue(self._open)
         if reason is None:
             return
-        landed = self._landing or self._planned is not None
+        landed = self._landing or bool(self._direct)
         self.abort(reason)
         if self.on_abort is not None:
             self.on_abort(reason, landed)
@@ -164,11 +171,11 @@ class LayerwiseReloadSession:
         self._guard_forward()
 
     def land_planned(
-        self, landing: LandingPlan, weights: Iterable[tuple[str, torch.Tensor]]
+        self, landing: DirectLanding, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> None:
-        """Copy ``weights`` (direct names of ``landing``) straight into the
-        served tensors (``planned_landing``), under the same deadline,
-        duplicate-name and forward-pass checks as ``load``."""
+        """Copy ``weights`` (names ``landing`` lands) straight into the
+        served tensors (``planned_landing``, ``codes_landing``), under the
+        same deadline, duplicate-name and forward-pass checks as ``load``."""
         weights = list(weights)
 
         def land() -> None:
@@ -179,7 +186,7 @@ class LayerwiseReloadSession:
 
     def land_bound(
         self,
-        landing: LandingPlan,
+        landing: DirectLanding,
         names: Iterable[str],
         run: Callable[[], None],
         what: str = "land_bound()",
@@ -190,7 +197,8 @@ class LayerwiseReloadSession:
         duplicate-name and forward-pass checks as ``load``."""
         fresh = self._admit_names(list(names), what)
         self._guard_forward()
-        self._planned = landing
+        if not any(d is landing for d in self._direct):
+            self._direct.append(landing)
         self._calls.received |= fresh
         with torch.no_grad():
             run()
@@ -236,7 +244,7 @@ class LayerwiseReloadSession:
         if not self._open:
             raise RuntimeError(self.closed_message("finish()"))
         self.check_deadline("finish()")
-        if not self._landing and self._planned is None:
+        if not self._landing and not self._direct:
             self._close()  # nothing arrived: the model was never touched
             return
         try:
@@ -244,8 +252,8 @@ class LayerwiseReloadSession:
                 self.model, getattr(self.model_config, "hf_config", None)
             )
             groups.check(self._calls.received)
-            if self._planned is not None:
-                self._planned.check_whole(self._calls.received)
+            for direct in self._direct:
+                direct.check_whole(self._calls.received)
             if self._landing:
                 self._check_layers_whole()
                 finalize_layerwise_reload(self.model, self.model_config)
@@ -295,7 +303,7 @@ class LayerwiseReloadSession:
             self._forward_guard = None
         self._open = False
         self._landing = False
-        self._planned = None
+        self._direct = []
         self._calls.received = set()
 
     def _guard_forward(self) -> None:

@@ -13,10 +13,17 @@ engine serves when it loads the trainer's weights fresh from a checkpoint
 (``testing.fresh_load`` builds that model with the engine's own quantization),
 for ``ipc`` at TP 1 and 2 and ``sharded_rdt`` at TP 1. There is no Hugging
 Face comparison: the served model is the quantized one.
+
+Trainer-side quantization (``fp8_codes.Fp8ChannelCodes``: the trainer sends
+float8 codes and per-row scales) must serve the same oracle through ``ipc``
+at TP 1 and 2, offline and over HTTP, with every linear layer's codes copied
+straight into the served tensors; codes an engine cannot take are refused
+before anything lands.
 """
 
 from __future__ import annotations
 
+import math
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -30,6 +37,10 @@ from vllm.distributed.weight_transfer import (
 )
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
+from vllm.distributed.weight_transfer.fp8_codes import (
+    Fp8ChannelCodes,
+    quantize_fp8_per_channel,
+)
 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 from vllm.distributed.weight_transfer.testing import (
     FreshLoadOracle,
@@ -205,7 +216,8 @@ def test_vllm_serve_fp8_engine_updated_over_http_like_a_fresh_load():
     routes through ``ipc``: after each of two syncs (the trainer's weights
     changed in place) the server serves, bit for bit, what the same server
     serves after loading the trainer's weights fresh from a checkpoint, with
-    its quantization; a no-op push changes nothing."""
+    its quantization; a no-op push changes nothing; a trainer that sends FP8
+    codes (``Fp8ChannelCodes``) gets the same oracle."""
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.testing.fresh_load import http_worker_call
     from vllm.distributed.weight_transfer.testing.server import serve
@@ -241,3 +253,167 @@ def test_vllm_serve_fp8_engine_updated_over_http_like_a_fresh_load():
         assert_bit_identical(server.greedy(), served[-1], what="after a no-op push")
         _assert_quantized(served_dtypes())
         trainer.shutdown()
+        # The trainer quantizes: codes and scales over the same routes land
+        # straight in the served codes, and the fresh-load oracle holds.
+        codes = WeightTransferTrainerFactory.trainer_init(
+            IPCTrainerInitInfo(rank=0),
+            client=HTTPVLLMWeightSyncClient(server.base_url, timeout=120),
+            source=Fp8ChannelCodes(ModuleSource(trainer_model)),
+        )
+        randomize_weights_(trainer_model, seed=37)
+        codes.send_weights()
+        oracle.assert_serves(trainer_model)
+        (state,) = call("fp8_codes_state", [])["results"]
+        assert len(state["layers"]) == 4 * trainer_model.config.num_hidden_layers
+        _assert_quantized(served_dtypes())
+        codes.shutdown()
+
+
+# The vLLM layers of a Qwen3 decoder block that the scheme quantizes, each
+# with the checkpoint tensors its rows come from, in order.
+_FUSED_FROM = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+def _codes_digests(model: torch.nn.Module) -> dict[str, str]:
+    """What a TP 1 engine's fp8_codes_state digests must be for the trainer's
+    ``model``: each fused layer's codes and scales, quantized on the trainer."""
+    import hashlib
+
+    params = dict(model.named_parameters())
+    digests = {}
+    for i in range(model.config.num_hidden_layers):
+        for fused, parts in _FUSED_FROM.items():
+            pieces = [
+                quantize_fp8_per_channel(params[f"model.layers.{i}.{p}.weight"])
+                for p in parts
+            ]
+            codes = torch.cat([c.view(torch.uint8) for c, _ in pieces])
+            scales = torch.cat([s.reshape(-1) for _, s in pieces]).view(torch.uint8)
+            digests[f"model.layers.{i}.{fused}"] = hashlib.sha256(
+                codes.numpy().tobytes() + scales.numpy().tobytes()
+            ).hexdigest()
+    return digests
+
+
+def test_trainer_side_fp8_codes_serve_what_worker_side_quantization_serves(
+    ipc_engine,
+):
+    """The trainer quantizes (``Fp8ChannelCodes``: float8 codes and float32
+    per-row scales, half the bytes) and the workers land the codes straight
+    into the served float8 tensors: after each of two syncs the engine serves
+    bit for bit what a fresh load of the trainer's full-precision weights
+    serves with the engine's own quantization, every linear layer took codes
+    (none went through the layerwise reload), and at TP 1 the served codes
+    and scales are the trainer's, byte for byte."""
+    llm, model_dir, tp = ipc_engine
+    trainer_model = load_hf_model(model_dir, "float32")
+    call = offline_worker_call(llm)
+    oracle = FreshLoadOracle(call, lambda: vllm_greedy(llm))
+    source = Fp8ChannelCodes(ModuleSource(trainer_model))
+    # The linear layers' codes and scales are about half their bfloat16 bytes.
+    linear = [m for m in source.source.metadata() if m.name.endswith("_proj.weight")]
+    sent = [m for m in source.metadata() if m.name.endswith(("_proj.weight", "_scale"))]
+    assert _nbytes(sent) < 0.55 * _nbytes(_bf16(linear))
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(rank=0),
+        client=OfflineLLMWeightSyncClient(llm),
+        source=source,
+    )
+    layers = {
+        f"model.layers.{i}.{fused}"
+        for i in range(trainer_model.config.num_hidden_layers)
+        for fused in _FUSED_FROM
+    }
+    served = []
+    for seed in (41, 42):
+        randomize_weights_(trainer_model, seed=seed)
+        trainer.send_weights()
+        llm.reset_prefix_cache()
+        served.append(oracle.assert_serves(trainer_model))
+        states = call("fp8_codes_state", [])
+        assert len(states) == tp
+        for state in states:
+            assert set(state["layers"]) == layers
+        if tp == 1:
+            assert states[0]["digests"] == _codes_digests(trainer_model)
+    assert served[0].tokens != served[1].tokens, "both syncs served the same"
+
+
+def _bf16(metas: list[ParamMeta]) -> list[ParamMeta]:
+    return [ParamMeta(m.name, torch.bfloat16, m.shape) for m in metas]
+
+
+def _nbytes(metas: list[ParamMeta]) -> int:
+    return sum(m.dtype.itemsize * math.prod(m.shape) for m in metas)
+
+
+class _WideScales(Fp8ChannelCodes):
+    """Codes whose scale tensors have two columns (not per-channel scales)."""
+
+    def metadata(self) -> list[ParamMeta]:
+        return [
+            ParamMeta(m.name, m.dtype, (m.shape[0], 2))
+            if m.name.endswith(".weight_scale")
+            else m
+            for m in super().metadata()
+        ]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in super().__iter__():
+            if name.endswith(".weight_scale"):
+                tensor = tensor.expand(-1, 2).contiguous()
+            yield name, tensor
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("wide_scales", r"q_proj.weight_scale is float32 \[\d+, 2\]"),
+        ("embedding", r"embed_tokens: it is not quantized per channel to FP8 online"),
+        ("part_of_qkv", r"qkv_proj: the codes cover \d+ of its \d+ elements"),
+    ],
+)
+def test_fp8_codes_an_engine_cannot_take_are_refused_before_anything_lands(
+    ipc_engine, case, match
+):
+    """Scales that are not one per row, codes for a layer the engine does not
+    quantize, codes for part of a fused layer: each refused before anything
+    lands, naming the tensor or layer; the old weights keep serving, unfenced,
+    and the next sync serves the oracle."""
+    llm, model_dir, _ = ipc_engine
+    trainer_model = load_hf_model(model_dir, "float32")
+    client = OfflineLLMWeightSyncClient(llm)
+    inner = ModuleSource(trainer_model)
+    source: WeightSource
+    if case == "wide_scales":
+        source = _WideScales(inner)
+    elif case == "embedding":
+        source = Fp8ChannelCodes(
+            inner, quantized=lambda n, s: n == "model.embed_tokens.weight"
+        )
+    else:
+        source = Fp8ChannelCodes(inner, quantized=lambda n, s: "q_proj" in n)
+    llm.reset_prefix_cache()
+    before = vllm_greedy(llm)
+    bad = WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(rank=0), client=client, source=source
+    )
+    with pytest.raises(Exception, match=match):
+        bad.send_weights()
+    llm.reset_prefix_cache()
+    assert_bit_identical(vllm_greedy(llm), before, what=f"after refused codes ({case})")
+
+    randomize_weights_(trainer_model, seed=43)
+    oracle = FreshLoadOracle(offline_worker_call(llm), lambda: vllm_greedy(llm))
+    WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(rank=0),
+        client=client,
+        source=Fp8ChannelCodes(ModuleSource(trainer_model)),
+    ).send_weights()
+    llm.reset_prefix_cache()
+    oracle.assert_serves(trainer_model)

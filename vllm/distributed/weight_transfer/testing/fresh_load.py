@@ -115,6 +115,30 @@ class FreshLoadWorkerExtension:
         model = worker.model_runner.model
         return {name: str(p.dtype) for name, p in model.named_parameters()}
 
+    def fp8_codes_state(self) -> dict[str, Any]:
+        """Where the worker's last trainer-side FP8 codes landed (the layers
+        they wrote straight into) and, per layer, the SHA-256 of its served
+        codes (checkpoint orientation) and scales, callable by name."""
+        import hashlib
+
+        import torch
+
+        worker: Any = self
+        kept = getattr(worker.weight_transfer_engine, "_codes_kept", None)
+        landing = kept[1] if kept is not None else None
+        if landing is None:
+            return {"layers": [], "digests": {}}
+        model = worker.model_runner.model
+        digests = {}
+        for name in sorted(landing.writers):
+            layer = model.get_submodule(name)
+            codes = layer.weight.t().contiguous().view(torch.uint8)
+            scales = layer.weight_scale.reshape(-1).contiguous().view(torch.uint8)
+            digests[name] = hashlib.sha256(
+                codes.numpy().tobytes() + scales.numpy().tobytes()
+            ).hexdigest()
+        return {"layers": sorted(landing.writers), "digests": digests}
+
     def fresh_load_restore(self) -> bool:
         worker: Any = self
         saved = getattr(worker, "_fresh_load_saved", None)
