@@ -22,8 +22,13 @@ bfloat16), with nothing else running:
   with a fused Triton kernel, one program per row (the row read once, the
   codes and scale written once), as a fused worker-side quantizer would;
 * ``flat_copy_codes``: one device copy of the codes and scales' bytes, the
-  data plane of landing codes the trainer quantized (not built: the
-  trainer-side path moves these bytes instead of the bfloat16 ones).
+  data plane of landing codes the trainer quantized (the trainer-side path,
+  ``fp8_codes`` / ``codes_landing``, moves these bytes instead of the
+  bfloat16 ones);
+* ``trainer_quantize_fork`` and ``trainer_quantize_fork_then_land_codes``:
+  the fork's trainer-side quantizer (``fp8_codes.quantize_fp8_per_channel``,
+  allocating its outputs as ``Fp8ChannelCodes`` does) over the trainer's
+  weights, alone and followed by the codes' copy: the trainer-side path.
 
 Prints each mode's time over ``flat_copy_bf16`` and the bytes each path
 moves; every weight each quantizer wrote is checked against a float64
@@ -104,21 +109,39 @@ def _fp8_max(device: torch.device) -> torch.Tensor:
     return torch.full((1, 1), FP8_MAX, dtype=torch.float32, device=device)
 
 
+def _same_as_reference(w: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> bool:
+    """Whether codes ``c`` and scales ``s`` of ``w`` equal a float64
+    reference of the same quantizer."""
+    # (float64 division rounded once to float64, then once to float32: the
+    # correctly rounded float32 quotient)
+    ref_scale = (w.double().abs().amax(dim=1, keepdim=True) / FP8_MAX).float()
+    ref_codes = (w.float() / ref_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    same_codes = torch.equal(c.view(torch.uint8), ref_codes.view(torch.uint8))
+    return torch.equal(s, ref_scale) and same_codes
+
+
 def _mismatched(landed, codes, scales) -> list[int]:
-    """Tensors whose codes or scales differ from a float64 reference of the
-    same quantizer."""
+    """Tensors whose codes or scales differ from the reference."""
     bad = []
     for i, (w, c, s) in enumerate(zip(landed, codes, scales, strict=True)):
-        # (float64 division rounded once to float64, then once to float32:
-        # the correctly rounded float32 quotient)
-        ref_scale = (w.double().abs().amax(dim=1, keepdim=True) / FP8_MAX).float()
-        ref_codes = (w.float() / ref_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        same_codes = torch.equal(c.view(torch.uint8), ref_codes.view(torch.uint8))
-        if not (torch.equal(s, ref_scale) and same_codes):
+        if not _same_as_reference(w, c, s):
             bad.append(i)
         c.zero_()  # the next quantizer writes them anew
         s.zero_()
     return bad
+
+
+def fork_trainer_quantizer():
+    """The fork's trainer-side quantizer (``fp8_codes.quantize_fp8_per_channel``,
+    what ``Fp8ChannelCodes`` runs on each linear weight, allocating its
+    codes and scales); None where the fork's module cannot be imported."""
+    try:
+        from vllm.distributed.weight_transfer.fp8_codes import (
+            quantize_fp8_per_channel,
+        )
+    except ImportError:
+        return None
+    return quantize_fp8_per_channel
 
 
 def main() -> None:
@@ -171,6 +194,17 @@ def main() -> None:
     def flat_copy_codes() -> None:
         flat_dst[:code_bytes].copy_(flat_src[:code_bytes])
 
+    fork = fork_trainer_quantizer()
+
+    def trainer_quantize() -> None:
+        assert fork is not None
+        for w in trainer:
+            fork(w)
+
+    def trainer_quantize_then_land_codes() -> None:
+        trainer_quantize()
+        flat_copy_codes()
+
     land()  # quantize reads landed weights
     modes = {
         "flat_copy_bf16": flat_copy_bf16,
@@ -181,6 +215,11 @@ def main() -> None:
     if fused is not None:
         modes["quantize_per_channel_fused"] = quantize_fused
         modes["land_then_quantize_fused"] = land_then_quantize_fused
+    if fork is not None:
+        modes["trainer_quantize_fork"] = trainer_quantize
+        modes["trainer_quantize_fork_then_land_codes"] = (
+            trainer_quantize_then_land_codes
+        )
     results: dict = {}
     checked: dict[str, list[int]] = {}
     for name, fn in modes.items():
@@ -192,6 +231,10 @@ def main() -> None:
         }
         if name in ("quantize_per_channel", "quantize_per_channel_fused"):
             checked[name] = _mismatched(landed, codes, scales)
+    if fork is not None:
+        checked["trainer_quantize_fork"] = [
+            i for i, w in enumerate(trainer) if not _same_as_reference(w, *fork(w))
+        ]
     flat = results["flat_copy_bf16"]["best_s"]
     for r in results.values():
         r["over_flat_copy_bf16"] = round(r["best_s"] / flat, 3)

@@ -183,6 +183,8 @@ class CodesLanding:
             bake_worker_plan,
         )
 
+        if not any(codes_name_of(entry[0]) for entry in layout):
+            return None
         if not any(_quantized_per_channel(m) for m in model.modules()):
             # No layer serves per-channel FP8 codes: tensors named like
             # codes are a pre-quantized checkpoint's own, for its loaders.
@@ -329,13 +331,15 @@ class CodesLanding:
 
 def _quantized_per_channel(layer: torch.nn.Module) -> bool:
     """Whether vLLM's online per-channel FP8 method quantizes ``layer``."""
+    method = getattr(layer, "quant_method", None)
+    key = getattr(method, "weight_quant_key", None)
+    if key is None or not hasattr(method, "fp8_linear"):
+        return False
     from vllm.model_executor.layers.quantization.utils.quant_utils import (
         kFp8StaticChannelSym,
     )
 
-    method = getattr(layer, "quant_method", None)
-    key = getattr(method, "weight_quant_key", None)
-    return key == kFp8StaticChannelSym and hasattr(method, "fp8_linear")
+    return key == kFp8StaticChannelSym
 
 
 def _why_not_codes(
