@@ -120,3 +120,25 @@ def test_a_layout_reads_as_codes_only_with_per_row_float32_scales():
 def test_scales_that_do_not_fit_their_codes_are_refused(entries, match):
     with pytest.raises(CodesRefused, match=match):
         CodesLanding.codes_entries(_layout(*entries))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_cuda_quantizer_equals_the_torch_operations(dtype):
+    """On CUDA the trainer quantizes with one fused Triton kernel per row; its
+    codes and scales equal the torch operations' bit for bit (rows of zeros,
+    rows below and above the float8 range, saturating values, a row wider
+    than a power of two, and Qwen3-8B-wide rows)."""
+    pytest.importorskip("triton")
+    from vllm.distributed.weight_transfer import fp8_codes
+
+    assert fp8_codes._fused_rows() is not None
+    g = torch.Generator().manual_seed(1)
+    weights = [*_weights(2), torch.randn(64, 12288, generator=g) * 0.02]
+    weights.append(torch.randn(5, 4097, generator=g))
+    for w in weights:
+        w = w.to(dtype).cuda()
+        fused = fp8_codes.quantize_fp8_per_channel(w, dtype)
+        plain = fp8_codes._quantize_with_torch_ops(w)
+        assert torch.equal(fused[1].view(torch.int32), plain[1].view(torch.int32))
+        assert torch.equal(fused[0].view(torch.uint8), plain[0].view(torch.uint8))

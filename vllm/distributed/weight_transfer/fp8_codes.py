@@ -23,6 +23,11 @@ shards are rows (or column blocks of rows) of the full tensor's result: a
 row-parallel engine shares the row's ``amax`` across its ranks, which gives
 the scale of the whole row computed here.
 
+On a CUDA device with Triton, one fused kernel quantizes each row (the row
+read once, its codes and scale written once, the divisions correctly
+rounded, so the result is the same as the torch operations'); elsewhere the
+torch operations run in row blocks.
+
 Names follow FP8 checkpoints quantized per channel: ``<layer>.weight`` holds
 the codes (shape of the weight, ``torch.float8_e4m3fn``) and
 ``<layer>.weight_scale`` the scales (``[rows, 1]``, float32). Every other
@@ -31,7 +36,9 @@ tensor passes through unchanged.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Iterator
+from typing import Any
 
 import torch
 
@@ -76,6 +83,15 @@ def quantize_fp8_per_channel(
             f"per-channel FP8 quantizes 2-D weights; got shape {tuple(weight.shape)}"
         )
     w = weight.detach().to(dtype)
+    fused = _fused_rows() if w.is_cuda else None
+    if fused is not None and 0 < w.shape[1] <= _FUSED_MAX_COLS and w.numel() < 2**31:
+        return fused(w.contiguous())
+    return _quantize_with_torch_ops(w)
+
+
+def _quantize_with_torch_ops(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_fp8_per_channel`` of ``w`` (already in the engine's dtype)
+    with torch operations, in row blocks."""
     low, high = w.aminmax(dim=-1, keepdim=True)
     amax = torch.maximum(low.abs(), high.abs()).to(SCALE_DTYPE)
     fp8_max = torch.tensor(FP8_MAX, dtype=SCALE_DTYPE, device=w.device)
@@ -88,6 +104,68 @@ def quantize_fp8_per_channel(
         quotient = w[rows] / scale[rows]
         codes[rows] = quotient.clamp_(-FP8_MAX, FP8_MAX).to(FP8_CODES)
     return codes, scale
+
+
+# Rows wider than this take the torch operations (a fused program holds a
+# whole row).
+_FUSED_MAX_COLS = 1 << 16
+
+
+@functools.cache
+def _fused_rows() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+    """The fused CUDA quantizer (Triton), or None without Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def quantize_row(
+        w_ptr, codes_ptr, scale_ptr, cols, fp8_max, min_scale, BLOCK: tl.constexpr
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        offsets = tl.arange(0, BLOCK)
+        inside = offsets < cols
+        w = tl.load(w_ptr + row * cols + offsets, mask=inside, other=0.0)
+        w = w.to(tl.float32)
+        amax = tl.max(tl.abs(w), axis=0)
+        # div_rn: correctly rounded, as torch divides (``/`` may lower to an
+        # approximate division).
+        scale = tl.maximum(tl.math.div_rn(amax, fp8_max), min_scale)
+        quotient = tl.math.div_rn(w, scale)
+        codes = tl.minimum(tl.maximum(quotient, -fp8_max), fp8_max)
+        tl.store(
+            codes_ptr + row * cols + offsets,
+            codes.to(codes_ptr.dtype.element_ty),
+            mask=inside,
+        )
+        tl.store(scale_ptr + row, scale)
+
+    def run(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, cols = w.shape
+        codes = torch.empty(w.shape, dtype=FP8_CODES, device=w.device)
+        scale = torch.empty((rows, 1), dtype=SCALE_DTYPE, device=w.device)
+        if rows:
+            kernel: Any = quantize_row
+            kernel[(rows,)](
+                w,
+                codes,
+                scale,
+                cols,
+                FP8_MAX,
+                _MIN_SCALE,
+                BLOCK=triton.next_power_of_2(cols),
+                num_warps=8,
+            )
+        return codes, scale
+
+    return run
+
+
+# The smallest scale, as the float32 torch compares with (the Python number
+# 1 / (448 * 512) rounded to float32).
+_MIN_SCALE = float(torch.tensor(1.0 / MIN_SCALE_DIVISOR, dtype=torch.float32))
 
 
 class Fp8ChannelCodes(WeightSource):
