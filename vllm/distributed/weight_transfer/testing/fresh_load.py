@@ -115,6 +115,28 @@ class FreshLoadWorkerExtension:
         model = worker.model_runner.model
         return {name: str(p.dtype) for name, p in model.named_parameters()}
 
+    def slow_down_forward(self, seconds: str | float) -> bool:
+        """Sleep ``seconds`` before every forward pass of the served model (0
+        removes the pause), callable by name over HTTP (arguments arrive as
+        strings). Tests over HTTP on a small CPU use it to make a generation
+        take long enough in wall time that a commit falls inside it: without
+        it the tiny model's 480 tokens take under a second, and a starved
+        API server can deliver them all at once, after the fact."""
+        import time
+
+        worker: Any = self
+        pause = float(seconds)
+        old = getattr(worker, "_slow_forward_hook", None)
+        if old is not None:
+            old.remove()
+            worker._slow_forward_hook = None
+        if pause > 0:
+            model = worker.model_runner.model
+            worker._slow_forward_hook = model.register_forward_pre_hook(
+                lambda module, args: time.sleep(pause)
+            )
+        return True
+
     def fp8_codes_state(self) -> dict[str, Any]:
         """Where the worker's last trainer-side FP8 codes landed (the layers
         they wrote straight into) and, per layer, the SHA-256 of its served

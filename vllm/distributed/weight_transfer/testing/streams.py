@@ -29,6 +29,9 @@ class Stream:
     arrivals: list[float] = field(default_factory=list)  # one per chunk
     tokens: list[int] = field(default_factory=list)  # with ``token_ids`` only
     finished_at: float | None = None  # None while it runs, or if it failed
+    # ``stream_generate`` only: the weight version of each span of output
+    # tokens, ``{"version", "start", "end"}`` (vLLM's ``WeightVersionSpan``).
+    weight_versions: list[dict] = field(default_factory=list)
 
 
 def stream_completion(
@@ -66,6 +69,46 @@ def stream_completion(
         if token_ids:
             for choice in chunk["choices"]:
                 stream.tokens += choice.get("token_ids") or []
+        if on_chunk is not None:
+            on_chunk(stream)
+    stream.finished_at = time.perf_counter()
+    return stream
+
+
+def stream_generate(
+    base_url: str,
+    stream: Stream,
+    max_tokens: int,
+    *,
+    timeout_s: float = 120.0,
+    on_chunk: Callable[[Stream], None] | None = None,
+) -> Stream:
+    """Stream one greedy generation of ``stream.prompt`` through vLLM's
+    token-in/token-out route (``/inference/v1/generate``, on a server started
+    with ``--enable-scale-out``) into ``stream``: its token ids, and on the
+    last chunk the weight version of every span of them."""
+    body = {
+        "token_ids": list(stream.prompt),
+        "sampling_params": {
+            "temperature": 0.0,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+        },
+        "stream": True,
+    }
+    response = requests.post(
+        f"{base_url}/inference/v1/generate", json=body, stream=True, timeout=timeout_s
+    )
+    response.raise_for_status()
+    stream.started = time.perf_counter()
+    for line in response.iter_lines():
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[len(b"data: ") :])
+        stream.arrivals.append(time.perf_counter())
+        for choice in chunk["choices"]:
+            stream.tokens += choice.get("token_ids") or []
+            stream.weight_versions += choice.get("weight_versions") or []
         if on_chunk is not None:
             on_chunk(stream)
     stream.finished_at = time.perf_counter()
