@@ -279,7 +279,7 @@ _FUSED_FROM = {
 }
 
 
-def _codes_digests(model: torch.nn.Module) -> dict[str, str]:
+def _codes_digests(model: Any) -> dict[str, str]:
     """What a TP 1 engine's fp8_codes_state digests must be for the trainer's
     ``model``: each fused layer's codes and scales, quantized on the trainer."""
     import hashlib
