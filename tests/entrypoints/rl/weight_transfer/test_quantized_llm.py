@@ -309,7 +309,8 @@ def test_trainer_side_fp8_codes_serve_what_worker_side_quantization_serves(
     bit for bit what a fresh load of the trainer's full-precision weights
     serves with the engine's own quantization, every linear layer took codes
     (none went through the layerwise reload), and at TP 1 the served codes
-    and scales are the trainer's, byte for byte."""
+    and scales are the trainer's, byte for byte. Payload checksums are on, so
+    every worker also read the landed codes and scales back."""
     llm, model_dir, tp = ipc_engine
     trainer_model = load_hf_model(model_dir, "float32")
     call = offline_worker_call(llm)
@@ -319,8 +320,10 @@ def test_trainer_side_fp8_codes_serve_what_worker_side_quantization_serves(
     linear = [m for m in source.source.metadata() if m.name.endswith("_proj.weight")]
     sent = [m for m in source.metadata() if m.name.endswith(("_proj.weight", "_scale"))]
     assert _nbytes(sent) < 0.55 * _nbytes(_bf16(linear))
+    # Checksums on: each worker also reads the served codes and scales back
+    # against the trainer's after they land.
     trainer = WeightTransferTrainerFactory.trainer_init(
-        IPCTrainerInitInfo(rank=0),
+        IPCTrainerInitInfo(rank=0, verify_checksums=True),
         client=OfflineLLMWeightSyncClient(llm),
         source=source,
     )
