@@ -334,15 +334,9 @@ class IPCWeightTransferEngine(
         trainer's slice it came from (the payload checksum proves the bytes
         read; this proves where they went). A difference fails the update,
         which fences: the bytes are in the served tensors."""
-        planned, codes = self._planned, self._codes
         with self._phase("checksum"):
             flags = torch.stack(
-                [
-                    (
-                        codes if codes is not None and n in codes.names else planned
-                    ).landed_differs(n, t)  # type: ignore[union-attr]
-                    for n, t in landed
-                ]
+                [self._direct_landing_of(n).landed_differs(n, t) for n, t in landed]
             )
             bad = flags.tolist()
         wrong = [n for (n, _), b in zip(landed, bad, strict=True) if b]
@@ -353,6 +347,15 @@ class IPCWeightTransferEngine(
                 f"{' and more' if len(wrong) > 4 else ''}): the served tensors, "
                 "read back after landing, do not hold the slices the plan takes"
             )
+
+    def _direct_landing_of(self, name: str) -> CodesLanding | LandingPlan:
+        """The direct landing (codes, or the planned landing) that lands
+        ``name`` in the open update."""
+        codes = self._codes
+        if codes is not None and name in codes.names:
+            return codes
+        assert self._planned is not None
+        return self._planned
 
     def _phase(self, name: str) -> AbstractContextManager[Any]:
         """Times the block as phase ``name`` of the publication's sync record
