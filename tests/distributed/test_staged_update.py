@@ -266,6 +266,30 @@ def test_staging_that_does_not_fit_is_refused_before_it_is_copied(monkeypatch):
     assert_state(target, state(trainer))
 
 
+def test_fp8_codes_in_a_staged_update_are_refused_unfenced(monkeypatch):
+    """Trainer-side FP8 codes land live, straight in the served codes; a
+    staged update refuses a publication that carries them at its first
+    message, before anything is staged, and the next sync works. (The codes
+    plan needs a quantized vLLM model; here it is stood in for.)"""
+    from vllm.distributed.weight_transfer import codes_landing
+
+    target, trainer = reload_ready(0), TinyNet(1)
+    before = state(target)
+    engine = staged_engine(target)
+    # A plan that says the layout has codes, and is planned again next time.
+    stand_in = SimpleNamespace(names=frozenset(), still_bound=lambda: False)
+    monkeypatch.setattr(
+        codes_landing.CodesLanding, "plan", classmethod(lambda cls, *a, **k: stand_in)
+    )
+    with pytest.raises(Exception, match="sends FP8 codes, but this update is staged"):
+        trainer_for(EngineClient(engine), trainer).send_weights()
+    assert_state(target, before)
+    assert engine.fence_status["state"] != "fenced"
+    monkeypatch.undo()
+    trainer_for(EngineClient(engine), trainer).send_weights()
+    assert_state(target, state(trainer))
+
+
 def test_a_name_sent_twice_is_refused_before_the_commit():
     target, before, _, session = open_update()
     session.load([("a.weight", torch.ones(6, 4))])
