@@ -11,7 +11,7 @@ checkpoint format and vLLM's per-layer processing quantizes them, as it does at
 start-up. After every sync the engine must serve bit for bit what the same
 engine serves when it loads the trainer's weights fresh from a checkpoint
 (``testing.fresh_load`` builds that model with the engine's own quantization),
-for ``ipc`` at TP 1 and 2 and ``sharded_rdt`` at TP 1. There is no Hugging
+for ``ipc`` and ``sharded_rdt`` at TP 1 and 2. There is no Hugging
 Face comparison: the served model is the quantized one.
 
 Trainer-side quantization (``fp8_codes.Fp8ChannelCodes``: the trainer sends
@@ -174,7 +174,8 @@ def test_float8_codes_for_an_engine_that_quantizes_on_load_are_refused(ipc_engin
     oracle.assert_serves(trainer_model)
 
 
-def test_sharded_rdt_updates_an_fp8_engine_exactly_like_a_fresh_load():
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_sharded_rdt_updates_an_fp8_engine_exactly_like_a_fresh_load(tp):
     ray = pytest.importorskip("ray")
     pytest.importorskip("nixl")
     from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
@@ -186,12 +187,14 @@ def test_sharded_rdt_updates_an_fp8_engine_exactly_like_a_fresh_load():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         llm = ray.remote(num_cpus=0)(LLMHost).remote(
-            model_dir, tp=1, dtype="bfloat16", quantization=QUANTIZATION
+            model_dir, tp=tp, dtype="bfloat16", quantization=QUANTIZATION
         )
-        (dtypes,) = ray.get(llm.weight_dtypes.remote())
-        _assert_quantized(dtypes)
+        for dtypes in ray.get(llm.weight_dtypes.remote()):
+            _assert_quantized(dtypes)
         rank = ray.remote(num_cpus=0)(TrainerRank).remote(model_dir, 0, 1, 0)
-        ray.get(rank.init.remote(llm, num_consumers=1))
+        # Each worker pulls only its TP shard; the row-parallel layers' scales
+        # come from the row maximum vLLM shares across the ranks.
+        ray.get(rank.init.remote(llm, num_consumers=tp))
         served = []
         for seed in (33, 34):
             ray.get(rank.randomize.remote(seed))
@@ -204,8 +207,8 @@ def test_sharded_rdt_updates_an_fp8_engine_exactly_like_a_fresh_load():
             assert_bit_identical(got, expected, what=f"vLLM after sync {seed}")
             served.append(got)
         assert served[0].tokens != served[1].tokens, "both syncs served the same"
-        (dtypes,) = ray.get(llm.weight_dtypes.remote())
-        _assert_quantized(dtypes)
+        for dtypes in ray.get(llm.weight_dtypes.remote()):
+            _assert_quantized(dtypes)
         ray.get(rank.shutdown.remote())
     finally:
         ray.shutdown()
