@@ -57,10 +57,12 @@ from vllm.distributed.weight_transfer.fp8_codes import (
     codes_name_of,
     scale_name,
 )
+from vllm.distributed.weight_transfer.planned_landing import bit_pattern
 from vllm.distributed.weight_transfer.sharded_rdt_ops import OpChain, replay
 from vllm.distributed.weight_transfer.update_completeness import (
     IncompleteUpdateError,
     first_few,
+    partly_written,
 )
 from vllm.distributed.weight_transfer.verification import ManifestMismatch
 from vllm.logger import init_logger
@@ -292,7 +294,9 @@ class CodesLanding:
         """A 0-dim bool tensor, true when a served region ``name`` wrote
         differs, bit for bit, from what ``land`` copies there."""
         flags = [
-            torch.ne(_bits(b.view), _bits(self._piece(b, name, tensor))).any()
+            torch.ne(
+                bit_pattern(b.view), bit_pattern(self._piece(b, name, tensor))
+            ).any()
             for b in self.bound[name]
         ]
         return flags[0] if len(flags) == 1 else torch.stack(flags).any()
@@ -314,12 +318,7 @@ class CodesLanding:
         """``IncompleteUpdateError`` when ``received`` writes some of a layer's
         codes or scales but not all: the layer would serve old and new
         bytes together."""
-        got = set(received)
-        lacking = sorted(
-            f"{module} (lacks {', '.join(sorted(names - got)[:3])})"
-            for module, names in self.writers.items()
-            if names & got and not names <= got
-        )
+        lacking = partly_written(self.writers, set(received))
         if lacking:
             raise IncompleteUpdateError(
                 f"the update writes {len(lacking)} FP8 layer(s) without all of "
@@ -417,10 +416,10 @@ def _kernel_keeps_codes(layer: torch.nn.Module, kernel: Any, vllm_config: Any) -
         and w.dtype == FP8_CODES
         and tuple(w.shape) == (k, n)
         and w.t().is_contiguous()
-        and torch.equal(_bits(w.t()), _bits(codes))
+        and torch.equal(bit_pattern(w.t()), bit_pattern(codes))
         and s.dtype == SCALE_DTYPE
         and tuple(s.shape) == tuple(scale.shape)
-        and torch.equal(_bits(s), _bits(scales))
+        and torch.equal(bit_pattern(s), bit_pattern(scales))
     )
     now = {k_: v for k_, v in probe.__dict__.items() if k_ != "_parameters"}
     return (
@@ -484,15 +483,3 @@ def _placed(
 def _served(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """A quantized layer's served codes (``[cols, rows]``) and scales."""
     return layer.get_parameter("weight"), layer.get_parameter("weight_scale")
-
-
-_BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    size = tensor.element_size()
-    return (
-        tensor.contiguous().view(_BITS_OF_SIZE[size])
-        if size in _BITS_OF_SIZE
-        else tensor
-    )

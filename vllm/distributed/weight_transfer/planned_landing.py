@@ -58,6 +58,7 @@ from vllm.distributed.weight_transfer.sharded_rdt_reload import region_view
 from vllm.distributed.weight_transfer.update_completeness import (
     IncompleteUpdateError,
     first_few,
+    partly_written,
 )
 from vllm.logger import init_logger
 
@@ -231,7 +232,7 @@ class LandingPlan:
             want = replay_slice(tensor, bound.spec)
             if want.dtype != bound.view.dtype:
                 want = want.to(bound.view.dtype)
-            flags.append(torch.ne(_bits(bound.view), _bits(want)).any())
+            flags.append(torch.ne(bit_pattern(bound.view), bit_pattern(want)).any())
         return flags[0] if len(flags) == 1 else torch.stack(flags).any()
 
     def slices(self, name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -253,11 +254,7 @@ class LandingPlan:
         got = set(received)
         if got == self._passed_whole:
             return
-        lacking = sorted(
-            f"{module} (lacks {', '.join(sorted(names - got)[:3])})"
-            for module, names in self.writers.items()
-            if names & got and not names <= got
-        )
+        lacking = partly_written(self.writers, got)
         if lacking:
             raise IncompleteUpdateError(
                 f"the update writes {len(lacking)} layer(s) without all of their "
@@ -274,7 +271,9 @@ class LandingPlan:
 _BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
+def bit_pattern(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` viewed as integers of its element size when it holds
+    floats, for bit-for-bit comparisons; other tensors as they are."""
     if tensor.is_floating_point() and tensor.element_size() in _BITS_OF_SIZE:
         return tensor.view(_BITS_OF_SIZE[tensor.element_size()])
     return tensor

@@ -175,6 +175,18 @@ class FusedGroups:
         self._passed[:] = [names]
 
 
+def partly_written(
+    writers: Mapping[str, frozenset[str]], received: set[str]
+) -> list[str]:
+    """``"<layer> (lacks <names>)"`` for each layer of ``writers`` (layer ->
+    the names that write it) that ``received`` writes only partly, sorted."""
+    return sorted(
+        f"{layer} (lacks {', '.join(sorted(names - received)[:3])})"
+        for layer, names in writers.items()
+        if names & received and not names <= received
+    )
+
+
 def first_few(items: Sequence[str], n: int, sep: str = ", ") -> str:
     """The first ``n`` of ``items`` joined by ``sep``, and how many more."""
     more = f" and {len(items) - n} more" if len(items) > n else ""

@@ -56,9 +56,23 @@ def stream_completion(
     }
     if token_ids:
         body["return_token_ids"] = True
-    response = requests.post(
-        f"{base_url}/v1/completions", json=body, stream=True, timeout=timeout_s
+    return _read_events(
+        f"{base_url}/v1/completions", body, stream, timeout_s, on_chunk, fields=()
     )
+
+
+def _read_events(
+    url: str,
+    body: dict,
+    stream: Stream,
+    timeout_s: float,
+    on_chunk: Callable[[Stream], None] | None,
+    fields: Sequence[str],
+) -> Stream:
+    """POST ``body`` to ``url`` and read its server-sent events into
+    ``stream``: the arrival of each chunk, and each choice's token ids (and
+    weight-version spans, when ``fields`` names them)."""
+    response = requests.post(url, json=body, stream=True, timeout=timeout_s)
     response.raise_for_status()
     stream.started = time.perf_counter()
     for line in response.iter_lines():
@@ -66,9 +80,10 @@ def stream_completion(
             continue
         chunk = json.loads(line[len(b"data: ") :])
         stream.arrivals.append(time.perf_counter())
-        if token_ids:
-            for choice in chunk["choices"]:
-                stream.tokens += choice.get("token_ids") or []
+        for choice in chunk["choices"]:
+            stream.tokens += choice.get("token_ids") or []
+            if "weight_versions" in fields:
+                stream.weight_versions += choice.get("weight_versions") or []
         if on_chunk is not None:
             on_chunk(stream)
     stream.finished_at = time.perf_counter()
@@ -96,23 +111,14 @@ def stream_generate(
         },
         "stream": True,
     }
-    response = requests.post(
-        f"{base_url}/inference/v1/generate", json=body, stream=True, timeout=timeout_s
+    return _read_events(
+        f"{base_url}/inference/v1/generate",
+        body,
+        stream,
+        timeout_s,
+        on_chunk,
+        fields=("weight_versions",),
     )
-    response.raise_for_status()
-    stream.started = time.perf_counter()
-    for line in response.iter_lines():
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        chunk = json.loads(line[len(b"data: ") :])
-        stream.arrivals.append(time.perf_counter())
-        for choice in chunk["choices"]:
-            stream.tokens += choice.get("token_ids") or []
-            stream.weight_versions += choice.get("weight_versions") or []
-        if on_chunk is not None:
-            on_chunk(stream)
-    stream.finished_at = time.perf_counter()
-    return stream
 
 
 class StreamingClients:
