@@ -11,7 +11,8 @@ checkpoint format and vLLM's per-layer processing quantizes them, as it does at
 start-up. After every sync the engine must serve bit for bit what the same
 engine serves when it loads the trainer's weights fresh from a checkpoint
 (``testing.fresh_load`` builds that model with the engine's own quantization),
-for ``ipc`` and ``sharded_rdt`` at TP 1 and 2. There is no Hugging
+for ``ipc`` (TP 1 and 2 offline, TP 1 over HTTP) and ``sharded_rdt`` (TP 2
+offline, TP 1 over HTTP). There is no Hugging
 Face comparison: the served model is the quantized one.
 
 Trainer-side quantization (``fp8_codes.Fp8ChannelCodes``: the trainer sends
@@ -174,8 +175,11 @@ def test_float8_codes_for_an_engine_that_quantizes_on_load_are_refused(ipc_engin
     oracle.assert_serves(trainer_model)
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
-def test_sharded_rdt_updates_an_fp8_engine_exactly_like_a_fresh_load(tp):
+def test_sharded_rdt_updates_an_fp8_engine_exactly_like_a_fresh_load():
+    """Offline at TP 2 (Ray actors, NIXL); TP 1 runs behind ``vllm serve``
+    below, so both sizes and both surfaces are covered without a fourth
+    engine start."""
+    tp = 2
     ray = pytest.importorskip("ray")
     pytest.importorskip("nixl")
     from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
@@ -270,6 +274,59 @@ def test_vllm_serve_fp8_engine_updated_over_http_like_a_fresh_load():
         assert len(state["layers"]) == 4 * trainer_model.config.num_hidden_layers
         _assert_quantized(served_dtypes())
         codes.shutdown()
+
+
+def test_vllm_serve_fp8_engine_updated_by_sharded_rdt_like_a_fresh_load():
+    """``vllm serve --quantization fp8_per_channel`` with ``sharded_rdt``: the
+    trainer's full-precision weights are pulled over NIXL, driven over the RL
+    HTTP routes with checksums on; after each of two syncs the server serves
+    the fresh-load oracle of the trainer's weights bit for bit, every worker's
+    receipt came back, and the layers stay quantized."""
+    pytest.importorskip("nixl")
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.sharded_rdt_trainer import (
+        ShardedRDTTrainerInitInfo,
+        ShardedRDTTrainerWeightTransferEngine,
+    )
+    from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
+    from vllm.distributed.weight_transfer.testing.fresh_load import http_worker_call
+    from vllm.distributed.weight_transfer.testing.server import serve
+
+    model_dir = build_tiny_model(TinyModelSpec(arch="qwen3"))
+    trainer_model = load_hf_model(model_dir, "float32")
+    with serve(
+        model_dir,
+        dtype="bfloat16",
+        weight_transfer_backend="sharded_rdt",
+        extra_args=["--quantization", QUANTIZATION],
+    ) as server:
+        call = http_worker_call(server.base_url)
+        (dtypes,) = call("served_weight_dtypes", [])["results"]
+        _assert_quantized(dtypes)
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            ShardedRDTTrainerInitInfo(
+                num_consumers=1, stall_timeout_s=60.0, verify_checksums=True, rank=0
+            ),
+            client=HTTPVLLMWeightSyncClient(server.base_url, timeout=120),
+            source=CheckpointNamesSource(trainer_model),
+        )
+        assert isinstance(trainer, ShardedRDTTrainerWeightTransferEngine)
+        oracle = server.fresh_load_oracle()
+        try:
+            served = []
+            for seed in (38, 39):
+                randomize_weights_(trainer_model, seed=seed)
+                trainer.send_weights()
+                assert trainer.last_publication is not None
+                verified = trainer.last_publication.verified
+                assert verified is not None and verified.workers == (0,)
+                assert verified.checksums_verified > 0
+                served.append(oracle.assert_serves(trainer_model))
+            assert served[0].tokens != served[1].tokens, "both syncs served the same"
+            (dtypes,) = call("served_weight_dtypes", [])["results"]
+            _assert_quantized(dtypes)
+        finally:
+            trainer.shutdown()
 
 
 # The vLLM layers of a Qwen3 decoder block that the scheme quantizes, each
