@@ -235,6 +235,7 @@ class FakeEngine:
         )
         self.paused = False
         self.fail_update = False
+        self.version: str | None = None
 
     async def start_weight_update(self) -> None:
         pass
@@ -244,10 +245,14 @@ class FakeEngine:
             raise ValueError("manifest mismatch")
 
     async def finish_weight_update(self, weight_version=None) -> None:
-        pass
+        if weight_version is not None:
+            self.version = weight_version
 
     async def update_weight_version(self, new_version) -> None:
-        pass
+        self.version = new_version
+
+    async def get_weight_version(self) -> str | None:
+        return self.version
 
     async def is_paused(self) -> bool:
         return self.paused
@@ -331,3 +336,55 @@ def test_routes_below_a_root_path_are_observed(registry, rl_app):
     rl_app.root_path = "/rl"
     push(rl_app, base_url="http://testserver/rl", root_path="/rl")
     assert value(registry, "vllm:weight_transfer_syncs_total", backend="ipc") == 1
+
+
+# -- GET /weight_update_status ---------------------------------------------------
+
+
+def test_status_shows_the_serving_version_and_the_staged_publication(rl_app):
+    client = TestClient(rl_app)
+    idle = client.get("/weight_update_status").json()
+    assert idle == {
+        "weight_version": None,
+        "staging": "host",
+        "open": None,
+        "committed": None,
+    }
+    pub = header()
+    assert client.post("/start_weight_update").status_code == 200
+    info = attach_publication({"names": []}, pub)
+    assert client.post("/update_weights", json={"update_info": info}).is_success
+    staging = client.get("/weight_update_status").json()
+    # the engine still serves the version before; the staged one is named
+    assert staging["weight_version"] is None and staging["committed"] is None
+    opened = staging["open"]
+    assert opened["publication_id"] == pub.publication_id
+    assert opened["model_version"] == 1 and opened["payload_bytes"] == 1024
+    assert opened["backend"] == "ipc" and opened["seconds_open"] >= 0
+    assert not opened["prepared"] and not opened["failed"]
+    prepare = {"prepare": pub.publication_id}
+    assert client.post("/update_weights", json={"update_info": prepare}).is_success
+    # every worker attested what it staged: the staged version is verified
+    assert client.get("/weight_update_status").json()["open"]["prepared"]
+    assert client.post(
+        "/finish_weight_update", json={"weight_version": "step-1"}
+    ).is_success
+    done = client.get("/weight_update_status").json()
+    assert done["weight_version"] == "step-1" and done["open"] is None
+    assert done["committed"] == {
+        "publication_id": pub.publication_id,
+        "model_version": 1,
+        "payload_bytes": 1024,
+    }
+
+
+def test_status_names_a_failed_update_and_keeps_the_last_commit(rl_app):
+    push(rl_app, ok=True)
+    committed = TestClient(rl_app).get("/weight_update_status").json()["committed"]
+    client = TestClient(rl_app, raise_server_exceptions=False)
+    rl_app.state.engine_client.fail_update = True
+    client.post("/start_weight_update")
+    info = attach_publication({"names": []}, header())
+    assert client.post("/update_weights", json={"update_info": info}).status_code == 500
+    status = client.get("/weight_update_status").json()
+    assert status["open"]["failed"] and status["committed"] == committed

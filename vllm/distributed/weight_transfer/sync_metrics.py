@@ -214,6 +214,8 @@ class RouteSyncObserver:
         self._lock = Lock()
         self._open: _OpenSync | None = None
         self._last_committed: str | None = None  # backend of the last commit
+        # The publication the last committed sync carried (None without one).
+        self._committed_header: PublicationHeader | None = None
 
     def observe_route(
         self,
@@ -227,6 +229,32 @@ class RouteSyncObserver:
     ) -> None:
         with self._lock:
             self._observe(operation, started, ok, backend, update_info, new_version)
+
+    def update_status(self) -> dict[str, Any]:
+        """What this process's routes saw of the weight updates, JSON-safe:
+        ``open`` is the update started and not yet finished (``None`` when
+        there is none), with the publication its messages named, how long it
+        has been open, whether the trainer's prepare message went through
+        (every worker attested what it received or staged) and whether a call
+        of it failed; ``committed`` is the publication of the last update
+        that finished. ``GET /weight_update_status`` serves it."""
+        with self._lock:
+            sync = self._open
+            opened = None
+            if sync is not None:
+                opened = {
+                    **_publication_fields(sync.header),
+                    "backend": _backend(sync),
+                    "seconds_open": round(self._clock() - sync.started, 3),
+                    "prepared": sync.prepared,
+                    "failed": sync.failed,
+                }
+            committed = (
+                _publication_fields(self._committed_header)
+                if self._committed_header is not None
+                else None
+            )
+        return {"open": opened, "committed": committed}
 
     def _observe(
         self,
@@ -276,6 +304,7 @@ class RouteSyncObserver:
                 )
                 m.sync_seconds.labels(label).observe(self._clock() - sync.started)
                 self._last_committed = label
+                self._committed_header = sync.header
             else:
                 self._last_committed = None
             return
@@ -292,6 +321,16 @@ class RouteSyncObserver:
 
 def _backend(sync: _OpenSync) -> str:
     return sync.header.backend if sync.header is not None else sync.backend
+
+
+def _publication_fields(header: PublicationHeader | None) -> dict[str, Any]:
+    """The publication id, model version and payload bytes of ``header``
+    (``None`` each for an update without a publication header)."""
+    return {
+        "publication_id": header.publication_id if header else None,
+        "model_version": header.model_version if header else None,
+        "payload_bytes": header.payload_bytes if header else None,
+    }
 
 
 def is_prepare_message(update_info: Any) -> bool:

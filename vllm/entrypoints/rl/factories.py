@@ -13,6 +13,10 @@ Inside it sits ``WeightUpdateGuard``: while an ``ipc`` or ``sharded_rdt``
 update lands in place or commits from staging, the server holds generation
 itself, ``/resume`` is refused, and an in-place update has an eager deadline;
 see ``vllm.distributed.weight_transfer.update_guard``.
+
+``GET /weight_update_status`` (``weight_update_status``) is the fork's one
+added route: the serving version next to the update in flight (the staged
+version, with staging on).
 """
 
 from fastapi import FastAPI
@@ -24,8 +28,10 @@ def register_rl_api_routers(app: FastAPI) -> None:
     )
     from vllm.distributed.weight_transfer.update_guard import WeightUpdateGuard
     from vllm.entrypoints.rl.online.api_router import router
+    from vllm.entrypoints.rl.weight_update_status import router as status_router
 
     app.include_router(router)
+    app.include_router(status_router)
     # The last one added runs first: the metrics see what the guard answers.
     app.add_middleware(WeightUpdateGuard)
     app.add_middleware(WeightSyncMetricsMiddleware)

@@ -51,7 +51,10 @@ from vllm.distributed.weight_transfer.testing import (
     randomize_weights_,
 )
 from vllm.distributed.weight_transfer.testing.fresh_load import http_worker_call
-from vllm.distributed.weight_transfer.testing.oracle import completions_greedy
+from vllm.distributed.weight_transfer.testing.oracle import (
+    completions_greedy,
+    switch_point,
+)
 from vllm.distributed.weight_transfer.testing.server import ServerProcess, serve
 from vllm.distributed.weight_transfer.testing.streams import (
     Stream,
@@ -152,34 +155,6 @@ class CompletesAfterEachMessage:
             LONG_STREAM_TOKENS,
             on_chunk=on_chunk,
         )
-
-
-def switch_point(
-    server: ServerProcess,
-    prompt: tuple[int, ...],
-    tokens: list[int],
-    old_tokens: tuple[int, ...],
-) -> int:
-    """Where ``tokens`` switch from the old weights' greedy output to the new
-    weights' greedy continuation of that prefix (``len(tokens)`` when they
-    never switch, 0 when they are the new weights' from the start); fails
-    when they are neither."""
-    k = next(
-        (i for i, (a, b) in enumerate(zip(tokens, old_tokens, strict=False)) if a != b),
-        len(tokens),
-    )
-    if k == len(tokens):
-        return k
-    continuation = completions_greedy(
-        server.base_url,
-        server.model,
-        prompts=[list(prompt) + tokens[:k]],
-        max_tokens=len(tokens) - k,
-    )
-    assert tokens[k:] == list(continuation.tokens[0]), (
-        f"a stream of prompt {prompt} is neither version: {tokens}"
-    )
-    return k
 
 
 def version_switch(
@@ -290,7 +265,11 @@ def sync_once(
         tokens = done.tokens
         assert len(tokens) == STREAM_TOKENS, "every stream completes"
         k = switch_point(
-            server, DEFAULT_PROMPTS[prompt_index], tokens, old.tokens[prompt_index]
+            server.base_url,
+            server.model,
+            DEFAULT_PROMPTS[prompt_index],
+            tokens,
+            old.tokens[prompt_index],
         )
         cut_over += 0 < k < STREAM_TOKENS
     long_stream = sync_client.long_stream

@@ -11,6 +11,7 @@ compares them with a message that shows the first divergence.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -167,3 +168,32 @@ def assert_same_greedy(
 def logprob_atol(dtype: str) -> float:
     """Tolerance for logprobs of two different kernels on the same weights."""
     return 5e-3 if dtype == "float32" else 6e-2
+
+
+def switch_point(
+    base_url: str,
+    model: str,
+    prompt: Sequence[int],
+    tokens: Sequence[int],
+    old_tokens: Sequence[int],
+) -> int:
+    """Where ``tokens``, a greedy output of ``prompt`` from a server whose
+    weights changed while it generated, switch from the old weights' greedy
+    output ``old_tokens`` to the served (new) weights' greedy continuation of
+    that prefix: ``len(tokens)`` when they never switch. Fails when the tokens
+    after the switch are not that continuation (``completions_greedy`` of the
+    prompt plus the old prefix)."""
+    tokens = list(tokens)
+    k = next(
+        (i for i, (a, b) in enumerate(zip(tokens, old_tokens, strict=False)) if a != b),
+        len(tokens),
+    )
+    if k == len(tokens):
+        return k
+    continuation = completions_greedy(
+        base_url, model, prompts=[list(prompt) + tokens[:k]], max_tokens=len(tokens) - k
+    )
+    assert tokens[k:] == list(continuation.tokens[0]), (
+        f"an output of prompt {list(prompt)} is neither version: {tokens}"
+    )
+    return k

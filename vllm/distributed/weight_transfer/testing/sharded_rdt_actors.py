@@ -289,7 +289,11 @@ class TrainerRank:
         stall_timeout_s: float = 60.0,
         transport: str = "auto",
         verify_checksums: bool = False,
+        client: Any = None,
     ) -> dict[str, Any]:
+        """A trainer engine driving ``llm`` (an ``LLMHost`` actor) through
+        Ray, or the engine ``client`` drives (e.g. a ``vllm serve`` over
+        HTTP; ``llm`` is then unused)."""
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
         from vllm.distributed.weight_transfer.sharded_rdt_trainer import (
@@ -310,7 +314,7 @@ class TrainerRank:
                 verify_checksums=verify_checksums,
                 rank=self.rank,
             ),
-            client=RayVLLMWeightSyncClient(llm),
+            client=client if client is not None else RayVLLMWeightSyncClient(llm),
             source=source,
         )
         return self.engine.get_worker_init_payload()
