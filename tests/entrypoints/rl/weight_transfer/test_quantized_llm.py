@@ -420,6 +420,61 @@ def test_trainer_side_fp8_codes_serve_what_worker_side_quantization_serves(
     assert served[0].tokens != served[1].tokens, "both syncs served the same"
 
 
+def test_a_codes_sync_whose_trainer_fails_midway_is_fenced_until_a_full_sync(
+    ipc_engine,
+):
+    """Codes land straight in the served tensors, so there is nothing to put
+    back: a trainer that fails after some chunks of codes landed leaves the
+    engine fenced, with the served version naming the cause, and refusing
+    anything but a full resync; the next full codes sync serves the oracle."""
+    from vllm.distributed.weight_transfer.testing.ipc_faults import (
+        worker_fence_status,
+    )
+    from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
+        FailingSource,
+    )
+    from vllm.distributed.weight_transfer.verification import is_fenced_version
+
+    llm, model_dir, tp = ipc_engine
+    trainer_model = load_hf_model(model_dir, "float32")
+    client = OfflineLLMWeightSyncClient(llm)
+    randomize_weights_(trainer_model, seed=44)
+    codes = Fp8ChannelCodes(ModuleSource(trainer_model))
+    # Small chunks: layer 0's codes have landed when the source fails at the
+    # last layer's first tensor.
+    names = [m.name for m in codes.metadata()]
+    last_layer = trainer_model.config.num_hidden_layers - 1
+    after = next(i for i, n in enumerate(names) if f"layers.{last_layer}." in n)
+    dying = WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=64 * 1024),
+        client=client,
+        source=FailingSource(codes, after=after),
+    )
+    try:
+        dying.send_weights()
+    except Exception as e:
+        if "repacks the codes after loading" in str(e):
+            pytest.skip(f"this CPU's FP8 kernel repacks codes, refused by design: {e}")
+        assert "injected trainer failure" in str(e), e
+    else:
+        raise AssertionError("the failing codes sync went through")
+    version = llm.get_weight_version()
+    assert is_fenced_version(version) and "injected trainer failure" in version
+    assert [s["state"] for s in llm.collective_rpc(worker_fence_status)] == [
+        "fenced"
+    ] * tp
+
+    oracle = FreshLoadOracle(offline_worker_call(llm), lambda: vllm_greedy(llm))
+    WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(rank=0), client=client, source=codes
+    ).send_weights()
+    assert [s["state"] for s in llm.collective_rpc(worker_fence_status)] == [
+        "committed"
+    ] * tp
+    llm.reset_prefix_cache()
+    oracle.assert_serves(trainer_model)
+
+
 def _bf16(metas: list[ParamMeta]) -> list[ParamMeta]:
     return [ParamMeta(m.name, torch.bfloat16, m.shape) for m in metas]
 
