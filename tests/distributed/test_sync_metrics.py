@@ -338,6 +338,17 @@ def test_routes_below_a_root_path_are_observed(registry, rl_app):
     assert value(registry, "vllm:weight_transfer_syncs_total", backend="ipc") == 1
 
 
+def test_an_adapter_push_publication_is_not_a_base_weight_publication(
+    registry, observer
+):
+    """A LoRA adapter push's publication orders the adapter's versions only:
+    the routes count the sync, but no bytes of a base-weight publication."""
+    info = attach_publication({"names": [], "adapter": {"name": "policy"}}, header())
+    sync(observer, info=info)
+    assert value(registry, "vllm:weight_transfer_syncs_total", backend="ipc") == 1
+    assert value(registry, "vllm:weight_transfer_bytes_total", backend="ipc") == 0
+
+
 # -- GET /weight_update_status ---------------------------------------------------
 
 

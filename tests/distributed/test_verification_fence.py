@@ -102,6 +102,23 @@ def test_update_without_header_commits_on_a_healthy_engine():
     assert fence.state == WeightState.COMMITTED and fence.status.model_version == 2
 
 
+def test_an_update_that_touched_no_weight_keeps_the_committed_publication():
+    """An update that carried only a LoRA adapter never reaches the fence
+    with its publication and touches no weight: the base weights'
+    committed publication and version stay as they were."""
+    fence = committed_fence(2)
+    committed = fence.status.publication_id
+    fence.start()
+    fence.finish()
+    status = fence.status
+    assert (status.publication_id, status.model_version) == (committed, 2)
+    # A header-less update that did change weights no longer names it.
+    fence.start()
+    fence.touch()
+    fence.finish()
+    assert fence.status.publication_id is None and fence.status.model_version == 2
+
+
 def test_rejection_before_landing_keeps_weights_and_state():
     fence = committed_fence(3)
     fence.start()

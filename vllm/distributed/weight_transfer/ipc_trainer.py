@@ -110,8 +110,8 @@ from vllm.distributed.weight_transfer.verification import (
     TrainerPublication,
     describe_error,
     device_identity,
+    expected_workers,
     payload_checksum,
-    served_world_size,
 )
 from vllm.logger import init_logger
 
@@ -541,12 +541,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
 
     def _expected_workers(self) -> range | int:
         """The workers whose receipts a publication waits for."""
-        workers = served_world_size(self.client)
-        # One engine: its workers are ranks 0..n-1. Several engines behind one
-        # client (a Ray client over several actors) each number their workers
-        # from 0, so the trainer waits for that many distinct workers instead.
-        engines = len(getattr(self.client, "handles", None) or [self.client])
-        return range(workers) if engines == 1 else workers
+        return expected_workers(self.client)
 
     def _verify(self) -> None:
         """Have every worker prepare, then verify every worker's receipt."""

@@ -540,8 +540,9 @@ class IPCWeightTransferEngine(
     ) -> None:
         """A LoRA adapter's message: its tensors are read from the trainer's
         buffer through a mapping of their own (released at once, so the
-        mappings kept for base-weight syncs stay as they are) and copied into
-        the adapter staging."""
+        mappings kept for base-weight syncs stay as they are), their bytes
+        checked against the trainer's checksum when it sent one, and copied
+        into the adapter staging."""
         info = IPCWeightTransferUpdateInfo.from_dict(
             {k: v for k, v in update_info.items() if k != ADAPTER_KEY}
         )
@@ -556,7 +557,8 @@ class IPCWeightTransferEngine(
                 for suffix, hmap in _indexed(info)
             ]
             views = info.views()
-            if header.checksum is not None:
+            expected = self.adapters.expected_checksum(header)
+            if expected is not None:
                 # The trainer's bytes as they arrived, before anything is kept.
                 from vllm.distributed.weight_transfer.verification.checksum import (
                     payload_checksum,
@@ -564,12 +566,7 @@ class IPCWeightTransferEngine(
 
                 end = max((v.offset + v.nbytes for v in views), default=0)
                 got = payload_checksum(buffers[0][:end])
-                if got != header.checksum:
-                    raise ValueError(
-                        f"adapter {header.name!r}: checksum mismatch (the "
-                        f"trainer sent {header.checksum}, this worker read "
-                        f"{got}); nothing changed"
-                    )
+                self.adapters.check_checksum(header, expected, got)
             tensors = _typed_views(buffers, views)
             self.adapters.receive(header, tensors)
             del tensors, buffers

@@ -11,6 +11,10 @@ limits; ``check_adapter``) and, at ``finish_weight_update``, makes it the
 version that serves under its name and integer id (``MemoryAdapters.commit``).
 The base weights are not touched, nothing is written to disk, and a push that
 fails or is aborted before the finish leaves the version before it serving.
+A verified push (the trainer's default) also carries a publication header:
+each worker admits every tensor against its manifest, writes a receipt of
+what it staged at the trainer's prepare message, and refuses a version older
+than the one its adapter name serves (``lora_publication``).
 
 Serving reads adapters through vLLM's own LoRA manager, which loads an adapter
 when a request names an id it does not hold, and drops all of them after every
@@ -30,10 +34,17 @@ import math
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from vllm.distributed.weight_transfer.lora_publication import AdapterPublication
+from vllm.distributed.weight_transfer.verification import (
+    Receipt,
+    check_model_version,
+    pop_publication,
+)
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -266,6 +277,8 @@ class AdapterVersion:
 
     header: AdapterHeader
     tensors: dict[str, torch.Tensor]
+    # The model version of the publication that pushed it (None: unverified).
+    model_version: int | None = None
 
     @property
     def name(self) -> str:
@@ -355,6 +368,9 @@ class MemoryAdapters:
         # Other ids the LoRA manager built a pushed adapter under (requests
         # that named it by ``memory_path``), by adapter name.
         self._aliases: dict[str, set[int]] = {}
+        # Each adapter name's version order: the model version of its last
+        # verified push (unverified pushes carry none and leave it).
+        self._model_versions: dict[str, int] = {}
 
     def get(self, lora_id: int) -> AdapterVersion | None:
         with self._lock:
@@ -377,6 +393,12 @@ class MemoryAdapters:
     def names(self) -> dict[str, int]:
         with self._lock:
             return {v.name: lora_id for lora_id, v in self._live.items()}
+
+    def model_version(self, name: str) -> int | None:
+        """The model version adapter ``name`` committed last (None when no
+        verified push of it committed): no push of it may be older."""
+        with self._lock:
+            return self._model_versions.get(name)
 
     def versions(self) -> dict[str, str | None]:
         """Adapter name -> the version label serving now."""
@@ -406,11 +428,16 @@ class MemoryAdapters:
         with self._lock:
             old = self._live.get(version.lora_id)
             self._live[version.lora_id] = version
+            if version.model_version is not None:
+                self._model_versions[version.name] = version.model_version
             return old
 
     def remove(self, lora_id: int) -> None:
+        """Forget the adapter serving under ``lora_id`` and its version order."""
         with self._lock:
-            self._live.pop(lora_id, None)
+            gone = self._live.pop(lora_id, None)
+            if gone is not None:
+                self._model_versions.pop(gone.name, None)
 
 
 _registry = MemoryAdapters()
@@ -477,15 +504,74 @@ def lora_model_manager(model: torch.nn.Module) -> Any:
 @dataclass
 class AdapterPushes:
     """A worker engine's side of adapter pushes: the staging of the open
-    update, and the commit at its finish."""
+    update, its publication when the push is verified (``begin``,
+    ``prepare``), and the commit at its finish. ``worker_rank`` and
+    ``worker_device`` name this worker in receipts; ``receipt_root`` is where
+    it may write them (``WorkerPublication``'s)."""
 
     model: torch.nn.Module
     base_shapes: Mapping[str, tuple[int, ...]] | None
     max_rank: int | None
     registry: MemoryAdapters = field(default_factory=memory_adapters)
     staging: AdapterStaging | None = None
+    publication: AdapterPublication | None = None
+    worker_rank: int = 0
+    worker_device: str = "cpu"
+    receipt_root: str | Path | None = None
     # Pushes committed by this engine (a counter for tests and metrics).
     committed: int = 0
+
+    def begin(
+        self, header: AdapterHeader, update_info: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Take a message's publication header off it; returns the rest. At
+        the push's first message, a verified push older than the version its
+        adapter name serves is refused here, before anything is staged; a
+        later message must name the same publication."""
+        publication, checksums, rest = pop_publication(dict(update_info))
+        if self.staging is not None or self.publication is not None:
+            if self.publication is None:
+                if publication is not None:
+                    raise ValueError(
+                        f"adapter {header.name!r}: a message with a publication "
+                        "header in a push whose first message had none"
+                    )
+            else:
+                self.publication.next_message(publication, checksums)
+            return rest
+        if publication is not None:
+            check_model_version(
+                publication,
+                self.registry.model_version(header.name),
+                f" of adapter {header.name!r}",
+            )
+            self.publication = AdapterPublication(
+                publication,
+                header.name,
+                worker_rank=self.worker_rank,
+                worker_device=self.worker_device,
+                receipt_root=self.receipt_root,
+            )
+            self.publication.message_checksums = checksums
+        return rest
+
+    def expected_checksum(self, header: AdapterHeader) -> str | None:
+        """The trainer's checksum of the message's buffer: the publication's
+        when the push is verified, else the adapter header's (None: none)."""
+        if self.publication is not None:
+            return self.publication.expected_checksum()
+        return header.checksum
+
+    def check_checksum(self, header: AdapterHeader, expected: str, got: str) -> None:
+        """Refuse the message when the bytes this worker read do not have the
+        trainer's checksum; a match counts in the receipt."""
+        if got != expected:
+            raise ValueError(
+                f"adapter {header.name!r}: checksum mismatch (the trainer sent "
+                f"{expected}, this worker read {got}); nothing changed"
+            )
+        if self.publication is not None:
+            self.publication.checksum_verified(expected, got)
 
     def receive(
         self, header: AdapterHeader, tensors: Iterable[tuple[str, torch.Tensor]]
@@ -501,7 +587,12 @@ class AdapterPushes:
         staging = self.staging
         if staging is None:
             staging = self.staging = AdapterStaging()
+        tensors = list(tensors)
+        if self.publication is not None:
+            self.publication.admit(tensors)
         staging.add(header, tensors)
+        if self.publication is not None:
+            self.publication.staged(tensors)
         if staging.complete:
             shapes = {n: tuple(t.shape) for n, t in staging.tensors.items()}
             errors = self.registry.check_ids(header) + check_adapter(
@@ -526,17 +617,33 @@ class AdapterPushes:
                 "message; nothing changed"
             )
 
+    def prepare(self) -> Receipt | None:
+        """Before the commit (the trainer's prepare message, or the finish):
+        refuse a push cut short, then write this worker's receipt of a
+        verified push (once)."""
+        self.check_complete()
+        if self.staging is None or self.publication is None:
+            return None
+        return self.publication.prepare()
+
     def commit(self) -> AdapterVersion | None:
-        """At the finish: the staged adapter becomes the version serving, and
-        the LoRA manager drops the one it holds, so the next step loads the
-        new one. An incomplete push is refused and changes nothing."""
+        """At the finish, after ``prepare``: the staged adapter becomes the
+        version serving, and the LoRA manager drops the one it holds, so the
+        next step loads the new one."""
         staging, self.staging = self.staging, None
+        publication, self.publication = self.publication, None
         if staging is None:
             return None
         header = staging.header
         assert header is not None and staging.complete  # check_complete
         install_memory_loader()
-        version = AdapterVersion(header, staging.tensors)
+        version = AdapterVersion(
+            header,
+            staging.tensors,
+            model_version=(
+                publication.header.model_version if publication is not None else None
+            ),
+        )
         self.registry.commit(version)
         manager = lora_model_manager(self.model)
         if manager is not None:
@@ -552,5 +659,9 @@ class AdapterPushes:
         )
         return version
 
-    def discard(self) -> None:
+    def discard(self, reason: str | None = None) -> None:
+        """Drop the open push; a verified one tells the trainer why."""
         self.staging = None
+        publication, self.publication = self.publication, None
+        if publication is not None:
+            publication.fail(reason or "the update closed before the adapter's commit")

@@ -15,6 +15,19 @@ serves. The base weights are not touched and nothing is written to disk. On
 any failure the update is aborted and the version before keeps serving; the
 error names the cause.
 
+Verified publication (``verify_publication``, on by default as for base
+weights): the message also carries a publication header whose manifest lists
+the adapter's tensors; after it, the prepare message has every worker (every
+TP rank of every engine the client drives) write a receipt of what it staged
+(names, bytes, the checksums it verified), and the pusher commits only once
+every receipt verified; ``last_publication`` then holds what was verified.
+The publication's ``model_version`` orders this adapter's versions only (per
+adapter name, apart from the base weights'): ``model_version=None`` numbers
+pushes by the wall clock in microseconds, an int numbers each adapter's
+pushes from it; a worker refuses a push older than the one its adapter
+serves. A client without ``get_world_size`` (which says whose receipts to
+wait for) pushes unverified, with a warning.
+
     adapter = LoRAAdapter.from_peft_model(peft_model, name="policy", lora_id=1)
     push_lora_adapter(OfflineLLMWeightSyncClient(llm), adapter, version="step-7")
     # or, every step, with the buffer kept: pusher = LoRAPusher(client);
@@ -41,7 +54,12 @@ from typing import Any
 
 import torch
 
-from vllm.distributed.weight_transfer.full_resync import abort_update, commit_update
+from vllm.distributed.weight_transfer.base import ParamMeta
+from vllm.distributed.weight_transfer.full_resync import (
+    ModelVersions,
+    abort_update,
+    commit_update,
+)
 from vllm.distributed.weight_transfer.ipc_dataplane import (
     ExportedBuffer,
     allocate_buffer,
@@ -57,7 +75,18 @@ from vllm.distributed.weight_transfer.lora_adapters import (
     module_of,
 )
 from vllm.distributed.weight_transfer.stale_updates import start_update
-from vllm.distributed.weight_transfer.verification import describe_error
+from vllm.distributed.weight_transfer.verification import (
+    DEFAULT_RECEIPT_TIMEOUT_S,
+    PREPARE_FIELD,
+    TrainerPublication,
+    VerifiedPublication,
+    describe_error,
+    device_identity,
+    expected_workers,
+)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 __all__ = ["LoRAAdapter", "LoRAPusher", "memory_path", "push_lora_adapter"]
 
@@ -153,13 +182,24 @@ def push_lora_adapter(
     version: str | None = None,
     rank: int = 0,
     verify_checksums: bool = False,
-) -> None:
+    verify_publication: bool = True,
+    model_version: int | None = None,
+    receipt_timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S,
+) -> VerifiedPublication | None:
     """Push ``adapter`` to the engine ``client`` drives, once; see the module
-    docstring. A trainer that pushes every step keeps a ``LoRAPusher``,
-    which reuses its buffer."""
-    pusher = LoRAPusher(client, rank=rank, verify_checksums=verify_checksums)
+    docstring. Returns what the receipts verified (None when unverified). A
+    trainer that pushes every step keeps a ``LoRAPusher``, which reuses its
+    buffer."""
+    pusher = LoRAPusher(
+        client,
+        rank=rank,
+        verify_checksums=verify_checksums,
+        verify_publication=verify_publication,
+        model_version=model_version,
+        receipt_timeout_s=receipt_timeout_s,
+    )
     try:
-        pusher.push(adapter, version=version)
+        return pusher.push(adapter, version=version)
     finally:
         pusher.close()
 
@@ -168,22 +208,53 @@ class LoRAPusher:
     """Pushes adapters to the engine ``client`` drives, keeping the buffer
     they travel in from one push to the next (a new buffer's pages cost more
     than the copy into it). ``rank`` is this trainer rank (it keys the
-    buffer's handle). ``close()`` frees the buffer; a failed push frees it
+    buffer's handle). ``verify_publication``, ``model_version`` (the first
+    model version of each adapter name; None: the wall clock) and
+    ``receipt_timeout_s`` (the wait for every receipt) are described in the
+    module docstring. ``close()`` frees the buffer; a failed push frees it
     too, since a worker that timed out may still be reading it."""
 
     def __init__(
-        self, client: Any, *, rank: int = 0, verify_checksums: bool = False
+        self,
+        client: Any,
+        *,
+        rank: int = 0,
+        verify_checksums: bool = False,
+        verify_publication: bool = True,
+        model_version: int | None = None,
+        receipt_timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S,
     ) -> None:
+        if model_version is not None and model_version < 0:
+            raise ValueError(f"model_version must be >= 0, got {model_version}")
         self.client = client
         self.rank = rank
         # Each worker checks the bytes it read against the trainer's checksum.
         self.verify_checksums = verify_checksums
+        # What this pusher does, which can be less than asked (see above).
+        self.verify_publication = verify_publication
+        if verify_publication and not callable(getattr(client, "get_world_size", None)):
+            logger.warning(
+                "LoRA adapter pushes through %s go unverified (no receipts): it "
+                "has no get_world_size(), which says whose receipts to wait "
+                "for. Use a client from vllm.distributed.weight_transfer.clients",
+                type(client).__name__,
+            )
+            self.verify_publication = False
+        self.receipt_timeout_s = receipt_timeout_s
+        self._first_version = model_version
+        # Each adapter name's version order (``ModelVersions``), by name.
+        self._versions: dict[str, ModelVersions] = {}
+        # The publication of the last push whose receipts all verified.
+        self.last_publication: TrainerPublication | None = None
         self._buffer: ExportedBuffer | None = None
         # Names the client's server was told about (``register_lora_adapter``).
         self._registered: set[str] = set()
 
-    def push(self, adapter: LoRAAdapter, *, version: str | None = None) -> None:
-        """Push ``adapter``; returns once it serves (see the module docstring)."""
+    def push(
+        self, adapter: LoRAAdapter, *, version: str | None = None
+    ) -> VerifiedPublication | None:
+        """Push ``adapter``; returns once it serves (see the module
+        docstring), with what the receipts verified (None when unverified)."""
         items = [(n, t.detach()) for n, t in adapter.tensors.items()]
         if not items:
             raise ValueError(f"adapter {adapter.name!r} has no tensors")
@@ -217,15 +288,17 @@ class LoRAPusher:
 
                 last = offsets[-1] + items[-1][1].numel() * items[-1][1].element_size()
                 checksum = payload_checksum(flat[:last])
+            pub = self._open_publication(adapter, items, device)
             header = AdapterHeader(
                 adapter.name,
                 adapter.lora_id,
                 adapter.config,
                 version=version,
                 last=True,
-                checksum=checksum,
+                # A verified push's checksum travels in its publication.
+                checksum=checksum if pub is None else None,
             )
-            message = {
+            message: dict[str, Any] = {
                 "names": [n for n, _ in items],
                 "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in items],
                 "shapes": [list(t.shape) for _, t in items],
@@ -234,13 +307,15 @@ class LoRAPusher:
                 "ipc_handles": {device_key(device, self.rank): buffer.handle.to_dict()},
                 ADAPTER_KEY: header.to_dict(),
             }
-            start_update(self.client, what)
+            if pub is not None:
+                message = pub.attach(
+                    message, checksums=[checksum] if checksum is not None else ()
+                )
             try:
-                self.client.update_weights(message)
-                commit_update(self.client, None)
-            except BaseException as e:
-                abort_update(self.client, f"{what}: {describe_error(e)}")
-                raise
+                self._send(message, pub, what)
+            finally:
+                if pub is not None:
+                    pub.close()
         except BaseException:
             self.close()
             raise
@@ -250,6 +325,62 @@ class LoRAPusher:
             # learns this one; its requests then reach it by its memory path.
             register(adapter.name, memory_path(adapter.name))
             self._registered.add(adapter.name)
+        return pub.verified if pub is not None else None
+
+    def _open_publication(
+        self,
+        adapter: LoRAAdapter,
+        items: list[tuple[str, torch.Tensor]],
+        device: torch.device,
+    ) -> TrainerPublication | None:
+        """The publication of this push (None when unverified): the
+        adapter's tensors as its manifest, the next version of the adapter's
+        own order, receipts through shared memory."""
+        if not self.verify_publication:
+            return None
+        versions = self._versions.get(adapter.name)
+        if versions is None:
+            versions = self._versions[adapter.name] = ModelVersions(self._first_version)
+        return TrainerPublication.open(
+            backend="ipc",
+            model_version=versions.next(),
+            metas=[ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in items],
+            trainer_devices=[device_identity(device)],
+            channel="shm",
+            checksums=self.verify_checksums,
+        )
+
+    def _send(
+        self, message: dict[str, Any], pub: TrainerPublication | None, what: str
+    ) -> None:
+        """One update: the message; with ``pub``, the prepare message and the
+        check of every expected worker's receipt; then the commit. Any failure
+        after the start aborts the update: the version before keeps serving,
+        and the served weight version is left as it is (only an adapter
+        failed)."""
+        try:
+            start_update(self.client, what)
+            try:
+                self.client.update_weights(message)
+                if pub is not None:
+                    self.client.update_weights(
+                        {PREPARE_FIELD: pub.header.publication_id}
+                    )
+                    pub.verify(
+                        expected_workers(self.client),
+                        timeout_s=self.receipt_timeout_s,
+                    )
+                commit_update(self.client, None)
+            except BaseException as e:
+                abort_update(self.client, f"{what}: {describe_error(e)}")
+                raise
+        except BaseException as e:
+            if pub is not None:
+                pub.record.finish(ok=False, error=e)
+                pub.record.log(logger)
+            raise
+        if pub is not None:
+            self.last_publication = pub
 
     def _buffer_for(self, nbytes: int, device: torch.device) -> ExportedBuffer:
         buffer = self._buffer

@@ -342,7 +342,10 @@ def is_prepare_message(update_info: Any) -> bool:
 
 
 def _inspect_update(update_info: Any) -> tuple[PublicationHeader | None, bool]:
-    """The publication header of an update payload, and whether it aborts."""
+    """The publication header of an update payload, and whether it aborts. A
+    LoRA adapter push's publication (a message with an ``adapter`` header,
+    ``lora_adapters.ADAPTER_KEY``) orders that adapter's versions, not the
+    base weights', so it names no publication here."""
     items = update_info if isinstance(update_info, list) else [update_info]
     header = None
     aborted = False
@@ -350,7 +353,7 @@ def _inspect_update(update_info: Any) -> tuple[PublicationHeader | None, bool]:
         if not isinstance(item, dict):
             continue
         aborted = aborted or "abort" in item
-        if header is None and PUBLICATION_FIELD in item:
+        if header is None and PUBLICATION_FIELD in item and "adapter" not in item:
             # An invalid header is the worker's to reject; the route then fails.
             with contextlib.suppress(ValueError):
                 header = PublicationHeader.from_dict(item[PUBLICATION_FIELD])

@@ -48,7 +48,10 @@ goes to the backend's ``receive_adapter`` instead of ``receive_weights``. Its
 tensors are staged apart from the model and checked on the push's last
 message; ``finish_weight_update`` makes the adapter the version that serves.
 Any failure or abort before that drops the staging; the model is never
-touched, so nothing is fenced.
+touched, so nothing is fenced. A verified push's publication header is the
+adapter's (``lora_publication``): its version is checked against the
+adapter name's own order, never bound to the fence, and the prepare message
+writes the adapter's receipt.
 
 Backends implement ``_make_publication`` and ``receive_weights`` (which
 lands through ``_session_for`` and calls ``_mark_landed`` before the first
@@ -134,8 +137,11 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
     def receive_adapter(
         self, header: AdapterHeader, update_info: dict[str, Any]
     ) -> None:
-        """Read one adapter message's tensors and hand them to
-        ``self.adapters.receive`` (backends that carry adapters override)."""
+        """Read one adapter message's tensors (``update_info``, its
+        publication header already taken off) and hand them to
+        ``self.adapters.receive``, after checking the bytes against
+        ``self.adapters.expected_checksum`` (backends that carry adapters
+        override)."""
         raise ValueError(
             f"the {self.backend_name} backend does not carry LoRA adapters "
             f"(adapter {header.name!r}); push them with the ipc backend"
@@ -159,12 +165,15 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
                 model=self.model,
                 base_shapes=checkpoint_shapes(self.model_config),
                 max_rank=getattr(lora_config, "max_lora_rank", None),
+                worker_rank=self.pub.worker_rank,
+                worker_device=self.pub.worker_device,
+                receipt_root=self.pub.receipt_root,
             )
         return self._adapters
 
-    def _discard_adapter(self) -> None:
+    def _discard_adapter(self, reason: str | None = None) -> None:
         if self._adapters is not None:
-            self._adapters.discard()
+            self._adapters.discard(reason)
 
     @property
     def fence_status(self) -> dict[str, Any]:
@@ -208,7 +217,7 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         self._landed = False
         self._aborted = False
         self._prepared = False
-        self._discard_adapter()
+        self._discard_adapter("a new update started")
         self._on_start()
         timeout_s = getattr(self.config, "update_timeout_s", None)
         session: UpdateSession
@@ -257,9 +266,10 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
             header = adapter_header(update_info)
             if header is not None:
                 # A LoRA adapter: staged apart from the model, committed at
-                # the finish.
+                # the finish; its publication is the adapter's own.
                 self._session_for(f"adapter {header.name!r}")
-                self.receive_adapter(header, update_info)
+                message = self.adapters.begin(header, update_info)
+                self.receive_adapter(header, message)
                 return
             checker = self.pub.checker
             message = self.pub.begin_message(update_info)
@@ -302,14 +312,16 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
                 return
             try:
                 if self._adapters is not None:
-                    # An adapter push cut short is refused before anything.
-                    self._adapters.check_complete()
+                    # An adapter push cut short is refused before anything;
+                    # a verified one writes its receipt unless prepared.
+                    self._adapters.prepare()
                 if isinstance(session, StagedUpdate) and session.is_open:
                     self._commit_staged(session)
                 elif session is not None and session.is_open:
                     session.finish()
             except BaseException as e:
                 self.pub.fail(e, weights_intact=not self._landed)
+                self._discard_adapter(describe_error(e))
                 if isinstance(e, Exception) and not str(e).strip():
                     raise RuntimeError(
                         f"{self.backend_name} finish_weight_update failed: "
@@ -332,6 +344,8 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
     def _prepare(self, session: UpdateSession) -> None:
         """Check what this worker holds and write its receipt; nothing is
         committed (the trainer's prepare message, or a staged finish)."""
+        if self._adapters is not None:
+            self._adapters.prepare()
         if isinstance(session, StagedUpdate):
             session.prepare()
         self.pub.prepare()
@@ -365,7 +379,7 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         self.pub.fail(reason, weights_intact=not (landed and self._landed))
 
     def _close_session(self, reason: str) -> None:
-        self._discard_adapter()
+        self._discard_adapter(reason)
         session, self._session = self._session, None
         if session is not None:
             session.abort(reason)

@@ -13,12 +13,15 @@ Oracles, for every adapter version served:
 * Hugging Face + PEFT's forward of base + adapter (fp32) gives the same
   greedy tokens, logprobs within the fp32 tolerance.
 
-Scenarios: a first push; a second after an in-place optimizer step; two
-adapters updated independently; bad adapters (rank above max_lora_rank, an
+Scenarios: a first push, verified by the receipt of every worker (each TP
+rank attests the whole adapter); a second after an in-place optimizer step;
+two adapters updated independently; bad adapters (rank above max_lora_rank, an
 unknown module, a wrong shape, an id serving another name) refused with the
 cause before anything changes; a push that fails at the finish leaves the
 version before serving and the base weights unfenced; a base-weight sync
-keeps pushed adapters serving on the new base; base weights with an adapter
+with an explicit version after adapter pushes versioned by the wall clock
+(adapters order their versions apart) keeps pushed adapters serving on the
+new base; base weights with an adapter
 folded in (``LoRAAdapter.merged_into``) serve what base + adapter serves.
 """
 
@@ -148,7 +151,15 @@ def test_an_adapter_pushed_from_memory_serves_as_from_disk_and_a_second_push(rig
     assert adapter.config == AdapterConfig(
         rank=MAX_RANK, alpha=2.0 * MAX_RANK, target_modules=tuple(sorted(TARGETS))
     )
-    push_lora_adapter(rig.client, adapter, version="v1")
+    verified = push_lora_adapter(
+        rig.client, adapter, version="v1", verify_checksums=True
+    )
+    # Every worker (each TP rank) attested the whole adapter and its checksum.
+    workers = rig.client.get_world_size()
+    nbytes = sum(t.numel() * t.element_size() for t in adapter.tensors.values())
+    assert verified is not None and verified.workers == tuple(range(workers))
+    assert verified.bytes_landed == workers * nbytes
+    assert verified.checksums_verified == workers
     first = rig.assert_serves(model, "policy", 1)
     assert first != rig.greedy(), "the adapter changes the output"
     # A request with another id that names the adapter by its memory path
@@ -167,6 +178,10 @@ def test_an_adapter_pushed_from_memory_serves_as_from_disk_and_a_second_push(rig
             LoRAAdapter.from_peft_model(model, name="policy", lora_id=1), version="v2"
         )
         second = rig.assert_serves(model, "policy", 1)
+        kept = pusher.last_publication
+        assert kept is not None and kept.verified is not None
+        assert kept.verified.workers == tuple(range(workers))
+        assert kept.verified.model_version > verified.model_version
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "lora_A" in name:
@@ -293,13 +308,20 @@ def test_a_base_weight_sync_keeps_pushed_adapters_serving_on_the_new_base(rig):
     adapter = LoRAAdapter.from_peft_model(adapter_model, "kept", 6)
     push_lora_adapter(rig.client, adapter)
     # New base weights from the trainer (vLLM drops every adapter after a
-    # base-weight update; the pushed one comes back from memory).
+    # base-weight update; the pushed one comes back from memory), with an
+    # explicit version (1 unless a base sync came before) far below the
+    # wall-clock versions of the adapter pushes: adapters order their
+    # versions apart from the base weights', so it is accepted.
+    status = rig.llm.collective_rpc(worker_fence_status)
+    base_version = 1 + max(s["model_version"] or 0 for s in status)
     randomize_weights_(rig.base, seed=10)
     WeightTransferTrainerFactory.trainer_init(
-        IPCTrainerInitInfo(rank=0),
+        IPCTrainerInitInfo(rank=0, model_version=base_version),
         client=rig.client,
         source=ModuleSource(rig.base),
     ).send_weights()
+    status = rig.llm.collective_rpc(worker_fence_status)
+    assert all(s["model_version"] == base_version for s in status), status
     on_new_base = rig.peft_model(seed=9)  # the same adapter over the new base
     rig.assert_serves(on_new_base, "kept", 6)
 

@@ -37,6 +37,7 @@ from vllm.distributed.weight_transfer.verification.fence import (
     WeightsFencedError,
     WeightState,
     abort_reason,
+    check_model_version,
     fenced_message,
     fenced_version,
     is_fenced_version,
@@ -47,6 +48,7 @@ from vllm.distributed.weight_transfer.verification.publication import (
     TrainerPublication,
     WorkerPublication,
     device_identity,
+    expected_workers,
     served_world_size,
 )
 from vllm.distributed.weight_transfer.verification.receipts import (
@@ -98,6 +100,7 @@ __all__ = [
     "WeightState",
     "WeightsFencedError",
     "abort_reason",
+    "check_model_version",
     "is_prepare_request",
     "fenced_message",
     "fenced_version",
@@ -107,5 +110,6 @@ __all__ = [
     "TrainerPublication",
     "WorkerPublication",
     "device_identity",
+    "expected_workers",
     "served_world_size",
 ]

@@ -23,7 +23,11 @@ its first byte landed cannot be rolled back: the model now mixes two versions.
   it was, with the failure remembered in ``status.last_failure``.
 * Model versions never go backwards: a publication older than the committed one
   is rejected before it touches anything. Re-publishing the same version (a
-  retry) is allowed.
+  retry) is allowed. The order is the base weights' own: a LoRA adapter push
+  (``lora_publication``) orders its versions per adapter name with the same
+  rule (``check_model_version``) and never reaches this fence, so an update
+  that carried only an adapter leaves the committed publication and version
+  as they were.
 * A version more than ``MAX_VERSION_AHEAD_US`` beyond this host's wall clock
   in microseconds (what default trainers publish) is rejected the same way:
   once committed it would lock out every default trainer, whose versions could
@@ -200,24 +204,7 @@ class WeightFence:
                     f"the open update is publication {self._header.publication_id}"
                 )
             return
-        ceiling = version_ceiling()
-        if header.model_version > ceiling:
-            raise ValueError(
-                f"publication {header.publication_id} carries model version "
-                f"{header.model_version}, beyond {ceiling} (this host's wall clock "
-                "in microseconds plus a day); committing it would lock out every "
-                "trainer that versions by the wall clock. Use a smaller "
-                "model_version, or none (the wall clock)"
-            )
-        if (
-            self._committed_version is not None
-            and header.model_version < self._committed_version
-        ):
-            raise ValueError(
-                f"publication {header.publication_id} carries model version "
-                f"{header.model_version}, older than the committed version "
-                f"{self._committed_version}; versions never go backwards"
-            )
+        check_model_version(header, self._committed_version)
         self._header = header
 
     def touch(self) -> None:
@@ -261,7 +248,11 @@ class WeightFence:
         self._state = WeightState.COMMITTED
         self._reason = None
         self._resync_required = False
-        self._committed_id = header.publication_id if header else None
+        if header is not None:
+            self._committed_id = header.publication_id
+        elif self._touched:
+            # Weights changed without a publication to name them.
+            self._committed_id = None
         self._committed_version = (
             header.model_version if header else self._committed_version
         )
@@ -284,6 +275,31 @@ class WeightFence:
 def version_ceiling() -> int:
     """The largest model version a worker accepts now."""
     return time.time_ns() // 1000 + MAX_VERSION_AHEAD_US
+
+
+def check_model_version(
+    header: PublicationHeader, committed: int | None, domain: str = ""
+) -> None:
+    """Refuse ``header`` (``ValueError``) when its model version is older than
+    ``committed``, the version its domain holds now, or beyond
+    ``version_ceiling()``. A domain is one order of versions: the base
+    weights (``WeightFence``, ``domain`` empty) or one LoRA adapter
+    (``domain`` names it, for the error)."""
+    ceiling = version_ceiling()
+    if header.model_version > ceiling:
+        raise ValueError(
+            f"publication {header.publication_id}{domain} carries model version "
+            f"{header.model_version}, beyond {ceiling} (this host's wall clock "
+            "in microseconds plus a day); committing it would lock out every "
+            "trainer that versions by the wall clock. Use a smaller "
+            "model_version, or none (the wall clock)"
+        )
+    if committed is not None and header.model_version < committed:
+        raise ValueError(
+            f"publication {header.publication_id}{domain} carries model version "
+            f"{header.model_version}, older than the committed version "
+            f"{committed}; versions never go backwards"
+        )
 
 
 # ---------------------------------------------------------------------------

@@ -128,6 +128,16 @@ def served_world_size(client: Any) -> int:
     return int(method())
 
 
+def expected_workers(client: Any) -> range | int:
+    """The workers whose receipts a publication through ``client`` waits for:
+    ranks ``0..n-1`` of its one engine, or, for a client that drives several
+    engines (``client.handles``: a Ray client over several actors, whose
+    workers each number from 0), how many distinct workers they run."""
+    workers = served_world_size(client)
+    engines = len(getattr(client, "handles", None) or [client])
+    return range(workers) if engines == 1 else workers
+
+
 # ---------------------------------------------------------------------------
 # trainer side
 
