@@ -360,6 +360,7 @@ def test_status_shows_the_serving_version_and_the_staged_publication(rl_app):
         "staging": "host",
         "open": None,
         "committed": None,
+        "adapters": {},
     }
     pub = header()
     assert client.post("/start_weight_update").status_code == 200
@@ -373,6 +374,7 @@ def test_status_shows_the_serving_version_and_the_staged_publication(rl_app):
     assert opened["model_version"] == 1 and opened["payload_bytes"] == 1024
     assert opened["backend"] == "ipc" and opened["seconds_open"] >= 0
     assert not opened["prepared"] and not opened["failed"]
+    assert opened["adapter"] is None
     prepare = {"prepare": pub.publication_id}
     assert client.post("/update_weights", json={"update_info": prepare}).is_success
     # every worker attested what it staged: the staged version is verified
@@ -399,3 +401,16 @@ def test_status_names_a_failed_update_and_keeps_the_last_commit(rl_app):
     assert client.post("/update_weights", json={"update_info": info}).status_code == 500
     status = client.get("/weight_update_status").json()
     assert status["open"]["failed"] and status["committed"] == committed
+
+
+def test_status_names_each_adapter_push_apart_from_the_base_weights(rl_app):
+    push(rl_app, ok=True)
+    client = TestClient(rl_app)
+    committed = client.get("/weight_update_status").json()["committed"]
+    assert committed is not None
+    adapter = {"name": "policy", "lora_id": 7, "version": "step-3"}
+    push(rl_app, ok=True, info=attach_publication({"adapter": adapter}, header()))
+    status = client.get("/weight_update_status").json()
+    # the base weights' last commit stays; the adapter has its own entry
+    assert status["committed"] == committed
+    assert status["adapters"] == {"policy": adapter}

@@ -196,6 +196,8 @@ class _OpenSync:
     failed: bool = False
     # The trainer's prepare message went through: receipts are out.
     prepared: bool = False
+    # A LoRA adapter push: the adapter's name, int id and version label.
+    adapter: dict[str, Any] | None = None
 
 
 class RouteSyncObserver:
@@ -216,6 +218,8 @@ class RouteSyncObserver:
         self._last_committed: str | None = None  # backend of the last commit
         # The publication the last committed sync carried (None without one).
         self._committed_header: PublicationHeader | None = None
+        # The last committed push of each LoRA adapter, by name.
+        self._adapters: dict[str, dict[str, Any]] = {}
 
     def observe_route(
         self,
@@ -236,8 +240,11 @@ class RouteSyncObserver:
         there is none), with the publication its messages named, how long it
         has been open, whether the trainer's prepare message went through
         (every worker attested what it received or staged) and whether a call
-        of it failed; ``committed`` is the publication of the last update
-        that finished. ``GET /weight_update_status`` serves it."""
+        of it failed, and ``adapter`` for a LoRA adapter push; ``committed``
+        is the publication of the last base-weight update that finished;
+        ``adapters`` the last push of each LoRA adapter that finished (its
+        name, int id and version label). ``GET /weight_update_status``
+        serves it."""
         with self._lock:
             sync = self._open
             opened = None
@@ -248,13 +255,15 @@ class RouteSyncObserver:
                     "seconds_open": round(self._clock() - sync.started, 3),
                     "prepared": sync.prepared,
                     "failed": sync.failed,
+                    "adapter": sync.adapter,
                 }
             committed = (
                 _publication_fields(self._committed_header)
                 if self._committed_header is not None
                 else None
             )
-        return {"open": opened, "committed": committed}
+            adapters = {name: dict(a) for name, a in self._adapters.items()}
+        return {"open": opened, "committed": committed, "adapters": adapters}
 
     def _observe(
         self,
@@ -281,6 +290,9 @@ class RouteSyncObserver:
                 return
             if header is not None and sync.header is None:
                 sync.header = header
+            adapter = _adapter_of(update_info)
+            if adapter is not None and sync.adapter is None:
+                sync.adapter = adapter
             if ok and is_prepare_message(update_info):
                 sync.prepared = True
             if not sync.failed and (not ok or aborted):
@@ -304,7 +316,11 @@ class RouteSyncObserver:
                 )
                 m.sync_seconds.labels(label).observe(self._clock() - sync.started)
                 self._last_committed = label
-                self._committed_header = sync.header
+                if sync.adapter is not None:
+                    # An adapter push leaves the base weights as they were.
+                    self._adapters[sync.adapter["name"]] = sync.adapter
+                else:
+                    self._committed_header = sync.header
             else:
                 self._last_committed = None
             return
@@ -339,6 +355,21 @@ def is_prepare_message(update_info: Any) -> bool:
     with contextlib.suppress(ValueError):
         return is_prepare_request(update_info)
     return False
+
+
+def _adapter_of(update_info: Any) -> dict[str, Any] | None:
+    """Name, int id and version label of a LoRA adapter push's message
+    (``lora_adapters.AdapterHeader``), or None for base weights."""
+    items = update_info if isinstance(update_info, list) else [update_info]
+    for item in items:
+        adapter = item.get("adapter") if isinstance(item, dict) else None
+        if isinstance(adapter, dict) and isinstance(adapter.get("name"), str):
+            return {
+                "name": adapter["name"],
+                "lora_id": adapter.get("lora_id"),
+                "version": adapter.get("version"),
+            }
+    return None
 
 
 def _inspect_update(update_info: Any) -> tuple[PublicationHeader | None, bool]:

@@ -16,10 +16,13 @@ RL routes of this API-server process saw (``RouteSyncObserver``)::
         "payload_bytes": 1234567, "backend": "sharded_rdt",
         "seconds_open": 1.73,
         "prepared": true,                  # every worker attested (receipts out)
-        "failed": false
+        "failed": false,
+        "adapter": null                    # name, id, version of an adapter push
       },
       "committed": {"publication_id": "...", "model_version": ...,
-                    "payload_bytes": ...}  # the last update that finished
+                    "payload_bytes": ...}, # the last base update that finished
+      "adapters": {"policy": {"name": "policy", "lora_id": 1000,
+                              "version": "step-41"}}  # last push of each
     }
 
 With ``staging`` other than ``"off"``, ``open`` is the staged version: the
@@ -28,8 +31,11 @@ update landing in place (generation is held meanwhile). The label a trainer
 passes to ``finish_weight_update`` is only known at the commit, so ``open``
 names the publication; ``model_version`` is the number the trainer published
 (its init info's ``model_version``, one more per sync; by default the wall
-clock in microseconds). With several API-server processes each answers for the calls
-it served, as for the sync metrics.
+clock in microseconds). ``adapters`` names the version label of the last push of
+each LoRA adapter (``lora_trainer.push_lora_adapter(..., version=...)``),
+which serves under that name; adapter pushes never change ``committed``.
+With several API-server processes each answers for the calls it served, as
+for the sync metrics.
 """
 
 from typing import Any

@@ -100,7 +100,9 @@ def test_a_pushed_adapter_serves_openai_requests_by_name(
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.mul_(-1.5)
-    push_lora_adapter(client, LoRAAdapter.from_peft_model(model, "policy", PUSHED_ID))
+    push_lora_adapter(
+        client, LoRAAdapter.from_peft_model(model, "policy", PUSHED_ID), version="v2"
+    )
     second = completions_greedy(server.base_url, "policy")
     assert_bit_identical(
         second, from_disk(server, model, tmp_path / "v2", "policy-disk-2"), what="v2"
@@ -117,6 +119,14 @@ def test_a_pushed_adapter_serves_openai_requests_by_name(
     assert_bit_identical(
         completions_greedy(server.base_url, "policy"), second, what="after refusal"
     )
+    # The server names the version each adapter serves, apart from the base
+    # weights' (the refused push did not replace it).
+    status = requests.get(f"{server.base_url}/weight_update_status", timeout=30)
+    assert status.json()["adapters"]["policy"] == {
+        "name": "policy",
+        "lora_id": PUSHED_ID,
+        "version": "v2",
+    }
 
 
 def test_a_memory_path_never_pushed_is_refused_and_the_server_keeps_serving(server):
