@@ -58,7 +58,14 @@ from vllm.distributed.weight_transfer.fp8_codes import (
     scale_name,
 )
 from vllm.distributed.weight_transfer.planned_landing import bit_pattern
-from vllm.distributed.weight_transfer.sharded_rdt_ops import OpChain, replay
+from vllm.distributed.weight_transfer.sharded_rdt_ops import (
+    OpChain,
+    SliceSpec,
+    ViewOp,
+    dtype_name,
+    replay,
+)
+from vllm.distributed.weight_transfer.sharded_rdt_plan import Region, SliceCopy
 from vllm.distributed.weight_transfer.update_completeness import (
     IncompleteUpdateError,
     first_few,
@@ -278,6 +285,53 @@ class CodesLanding:
         )
         return landing
 
+    def slice_copies(
+        self, model: torch.nn.Module
+    ) -> list[tuple[SliceCopy, torch.Tensor]]:
+        """Every planned piece as a ``sharded_rdt`` copy, with the served view
+        it is copied into: for each codes copy, the slice a producer cuts from
+        the trainer's codes (the loader's view ops) and the rows it cuts from
+        the trainer's scale (flattened, then narrowed), each with the region
+        of the served tensor it fills. A ``sharded_rdt`` worker pulls exactly
+        these bytes and copies them into the views (``ChunkLander``'s direct
+        copies)."""
+        out: list[tuple[SliceCopy, torch.Tensor]] = []
+        for c in self.copies:
+            weight, scale = _served(model.get_submodule(c.module))
+            start, stop = c.scale_rows
+            pieces = (
+                (
+                    c.codes,
+                    c.chain,
+                    "weight",
+                    weight,
+                    weight.t()[c.row : c.row + c.rows, c.col : c.col + c.cols],
+                ),
+                (
+                    c.scale,
+                    (
+                        ViewOp("reshape", (-1,)),
+                        ViewOp("narrow", (0, start, stop - start)),
+                    ),
+                    "weight_scale",
+                    scale,
+                    scale.view(-1)[c.row : c.row + c.rows],
+                ),
+            )
+            for source, chain, param, served, view in pieces:
+                dtype = dtype_name(view.dtype)
+                spec = SliceSpec(source, chain, tuple(view.shape), dtype)
+                region = Region(
+                    c.module,
+                    param,
+                    int(view.storage_offset() - served.storage_offset()),
+                    tuple(view.shape),
+                    tuple(view.stride()),
+                    dtype,
+                )
+                out.append((SliceCopy(spec, region), view))
+        return out
+
     def still_bound(self) -> bool:
         """Whether every served tensor written is still the one its layer holds."""
         return all(getattr(m, p, None) is t for m, p, t in self.targets)
@@ -478,6 +532,12 @@ def _placed(
         cols=cols,
         scale_rows=(start, start + rows),
     )
+
+
+def _scale_rows_chain(start: int, stop: int) -> OpChain:
+    """The view ops that cut rows ``[start, stop)`` of a ``[rows, 1]`` (or
+    ``[rows]``) scale, flattened: what ``_piece`` takes of it."""
+    return (ViewOp("reshape", (-1,)), ViewOp("narrow", (0, start, stop - start)))
 
 
 def _served(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,6 +60,7 @@ from vllm.distributed.weight_transfer.checkpoint_structure import (
     checkpoint_dtype_kinds,
     module_dtype_kinds,
 )
+from vllm.distributed.weight_transfer.codes_landing import CodesLanding, CodesRefused
 from vllm.distributed.weight_transfer.layerwise_session import (
     LayerwiseReloadSession,
 )
@@ -75,8 +76,14 @@ from vllm.distributed.weight_transfer.sharded_rdt_common import (
     buffer_alloc_bytes,
     check_ray_rdt_version,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_ops import dtype_from_name
-from vllm.distributed.weight_transfer.sharded_rdt_plan import WorkerPlan
+from vllm.distributed.weight_transfer.sharded_rdt_ops import (
+    dtype_from_name,
+    dtype_name,
+)
+from vllm.distributed.weight_transfer.sharded_rdt_plan import (
+    WorkerPlan,
+    with_direct_copies,
+)
 from vllm.distributed.weight_transfer.sharded_rdt_reload import (
     ChunkLander,
     deferred_modules,
@@ -204,6 +211,9 @@ class ShardedRDTWeightTransferEngine(
         self._links: list[ProducerLink] = []
         self._buffers: list[torch.Tensor] = []
         self._lander: ChunkLander | None = None
+        # Trainer-side FP8 codes of the init's layout, landed straight in the
+        # served codes (None when the trainer sends none).
+        self._codes: CodesLanding | None = None
         # What the last update_weights pulled and landed (JSON-safe).
         self.last_receipt: dict[str, Any] | None = None
         # The structure the plan was baked from, and the bytes of each tensor
@@ -250,7 +260,7 @@ class ShardedRDTWeightTransferEngine(
         if transport_name == "rdt":
             check_ray_rdt_version()
         started = time.perf_counter()
-        consumer_id, metas, plan, pulls = self._plan_consumer(init_info)
+        consumer_id, metas, plan, pulls, codes = self._plan_consumer(init_info)
 
         # Every check so far is pure: an init they refuse leaves the previous
         # one serving syncs. From here on the old links give way to new ones,
@@ -278,7 +288,8 @@ class ShardedRDTWeightTransferEngine(
         self._transport = transport
         self._links = links
         self._buffers = buffers
-        self._lander = ChunkLander(self.model, plan, pulls)
+        self._codes = codes
+        self._lander = self._make_lander()
         logger.info(
             "sharded_rdt consumer %d: %s transport, %d chunks from %d producers, "
             "%d bytes per sync, %d receive buffers of %d bytes; ready in %.2f s",
@@ -292,11 +303,19 @@ class ShardedRDTWeightTransferEngine(
             time.perf_counter() - started,
         )
 
+    def _make_lander(self) -> ChunkLander:
+        """The lander of the plan, with the FP8 codes' copies bound to views
+        of the served tensors they fill."""
+        assert self.plan is not None and self.pulls is not None
+        direct = dict(self._codes.slice_copies(self.model)) if self._codes else {}
+        return ChunkLander(self.model, self.plan, self.pulls, direct=direct)
+
     def _plan_consumer(
         self, init_info: ShardedRDTWeightTransferInitInfo
-    ) -> tuple[int, list[ParamMeta], WorkerPlan, PullPlan]:
-        """This worker's consumer id, the trainer's tensors, the baked plan
-        and the pull plan; touches nothing but the plan's own recording."""
+    ) -> tuple[int, list[ParamMeta], WorkerPlan, PullPlan, CodesLanding | None]:
+        """This worker's consumer id, the trainer's tensors, the baked plan,
+        the pull plan and the landing of trainer-side FP8 codes (None without
+        codes); touches nothing but the plan's own recording."""
         parallel = self.parallel_config
         num_consumers = init_info.num_consumers or parallel.world_size_across_dp
         num_replicas = max(1, init_info.num_replicas)
@@ -312,18 +331,28 @@ class ShardedRDTWeightTransferEngine(
                 init_info.names, init_info.dtype_names, init_info.shapes, strict=True
             )
         ]
+        worker = f"consumer {consumer_id}"
+        # Trainer-side FP8 codes land straight in the served codes; refused
+        # here, naming each layer, when this engine cannot take them.
+        codes = CodesLanding.plan(
+            self.model,
+            [(m.name, dtype_name(m.dtype), tuple(m.shape)) for m in metas],
+            worker=worker,
+            vllm_config=self.vllm_config,
+        )
+        loaded = [m for m in metas if codes is None or m.name not in codes.names]
         # A dtype of another kind than the served tensor's (float bytes
         # declared int32) would be planned as a cast: refuse it here.
         kinds = checkpoint_dtype_kinds(self.model_config)
         if kinds is None:
             kinds = module_dtype_kinds(self.model)
         check_manifest_dtypes(
-            Manifest.from_params(metas), kinds, "(init_weight_transfer_engine)"
+            Manifest.from_params(loaded), kinds, "(init_weight_transfer_engine)"
         )
         plan = bake_worker_plan(
             self.model,
-            metas,
-            worker=f"consumer {consumer_id}",
+            loaded,
+            worker=worker,
             vllm_config=self.vllm_config,
             device=self.device,
         )
@@ -332,6 +361,12 @@ class ShardedRDTWeightTransferEngine(
             raise NotImplementedError(
                 f"sharded_rdt cannot land weights of attention layers whose "
                 f"processing is deferred to the end of a reload: {deferred[:3]}"
+            )
+        if codes is not None:
+            plan = with_direct_copies(
+                plan,
+                init_info.names,
+                [c for c, _ in codes.slice_copies(self.model)],
             )
         router = RdtRouter(
             init_info.num_producers,
@@ -342,7 +377,8 @@ class ShardedRDTWeightTransferEngine(
             group_lens=init_info.group_lens,
             workers_per_replica=workers_per_replica if num_replicas > 1 else 0,
         )
-        return consumer_id, metas, plan, build_pull_plan(plan, router, consumer_id)
+        pulls = build_pull_plan(plan, router, consumer_id)
+        return consumer_id, metas, plan, pulls, codes
 
     def _connect(
         self,
@@ -409,6 +445,8 @@ class ShardedRDTWeightTransferEngine(
         for link in self._links:
             link.sync_id = update_info.sync_id
             link.checksums = header is not None and header.checksum is not None
+        if self._codes is not None:
+            self._check_codes_bound(session)
         lander = self._lander
         if isinstance(session, StagedUpdate):
             # Refuse before the first pull when this worker's plan cannot be
@@ -430,6 +468,40 @@ class ShardedRDTWeightTransferEngine(
         session.begin_landing()
         lander.begin()
         self._pull_all(lander, session, started, None)
+
+    def _check_codes_bound(self, session: UpdateSession) -> None:
+        """Before anything is pulled: codes are not staged, and the served
+        tensors the codes were bound to at init are still the ones served
+        (a reload may have replaced them); bind them again if not, as long
+        as the plan is unchanged."""
+        codes = self._codes
+        assert codes is not None
+        if isinstance(session, StagedUpdate):
+            raise CodesRefused(
+                "the trainer sends FP8 codes, but this update is staged: staged "
+                "updates take full-precision weights (the engine quantizes them "
+                "at the commit); nothing was pulled"
+            )
+        if codes.still_bound():
+            return
+        assert self.manifest is not None
+        fresh = CodesLanding.plan(
+            self.model,
+            [(e.name, e.dtype, tuple(e.shape)) for e in self.manifest.entries],
+            worker=f"consumer {self.consumer_id}",
+            vllm_config=self.vllm_config,
+        )
+        same = fresh is not None and [c for c, _ in fresh.slice_copies(self.model)] == [
+            c for c, _ in codes.slice_copies(self.model)
+        ]
+        if not same:
+            raise CodesRefused(
+                "the served FP8 layers changed since init_weight_transfer_engine "
+                "and the codes no longer land where they were planned; call "
+                "init_weight_transfer_engine again; nothing was pulled"
+            )
+        self._codes = fresh
+        self._lander = self._make_lander()
 
     def _pull_all(
         self,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 from typing import Any
 
@@ -355,4 +355,37 @@ def build_plan(
         ),
         unused_names=tuple(n for n in names if n not in copied),
         partial_modules=tuple(partial_modules),
+    )
+
+
+def with_direct_copies(
+    plan: WorkerPlan, names: Sequence[str], copies: Iterable[SliceCopy]
+) -> WorkerPlan:
+    """``plan`` plus ``copies`` whose bytes go straight into served tensors,
+    with no loader and no per-module processing after them (trainer-side FP8
+    codes). The copies are grouped with the rest by their source over
+    ``names``, the trainer's full name list, and the modules they write are
+    in no group's ``completes``, so nothing processes them. A module written
+    by both kinds of copy is refused: its processing would redo what the
+    direct copies wrote."""
+    direct = list(copies)
+    written = {c.region.module for c in direct}
+    both = written & {c.region.module for c in plan.copies}
+    if both:
+        raise ValueError(
+            f"{len(both)} module(s) would take both processed and direct copies: "
+            f"{sorted(both)[:3]}"
+        )
+    merged = build_plan(
+        worker=plan.worker,
+        names=names,
+        copies=[*plan.copies, *direct],
+        partial_modules=plan.partial_modules,
+    )
+    return replace(
+        merged,
+        groups=tuple(
+            replace(g, completes=tuple(m for m in g.completes if m not in written))
+            for g in merged.groups
+        ),
     )

@@ -26,10 +26,16 @@ lander.
 
 Modules the plan never touches are left to the session's ``finish()``, which
 puts their kernel tensors back unchanged.
+
+Direct copies (``direct``: trainer-side FP8 codes and scales, bound to views
+of the served tensors) skip both steps: their bytes are copied into the
+served view as they arrive, and their modules are never materialized or
+processed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -163,11 +169,15 @@ class ChunkLander:
         plan: WorkerPlan,
         pulls: PullPlan,
         steps: ModuleSteps | None = None,
+        direct: Mapping[SliceCopy, torch.Tensor] | None = None,
     ) -> None:
         self.model = model
         self.plan = plan
         self.pulls = pulls
         self.steps = LayerwiseReloadSteps(model) if steps is None else steps
+        # Copies that land straight in a served tensor, bound to its view
+        # (``sharded_rdt_plan.with_direct_copies``): no module step around them.
+        self.direct: Mapping[SliceCopy, torch.Tensor] = dict(direct or {})
         self._landings: list[list[_Landing]] = []
         self._completes_after: dict[int, tuple[str, ...]] = {}
         groups = {g.index: g for g in plan.groups}
@@ -196,11 +206,16 @@ class ChunkLander:
     def land(self, index: int, data: torch.Tensor) -> None:
         """Land chunk ``index`` of the pull plan from its packed bytes."""
         for landing in self._landings[index]:
+            spec = landing.copy.slice
+            served = self.direct.get(landing.copy)
+            if served is not None:
+                raw = data[landing.offset : landing.offset + spec.nbytes]
+                served.copy_(raw.view(dtype_from_name(spec.dtype)).view(spec.shape))
+                continue
             region = landing.copy.region
             if region.module not in self._materialized:
                 self.steps.materialize(region.module)
                 self._materialized.add(region.module)
-            spec = landing.copy.slice
             raw = data[landing.offset : landing.offset + spec.nbytes]
             value = raw.view(dtype_from_name(spec.dtype)).view(spec.shape)
             region_view(self.model, region).copy_(value)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -211,6 +211,21 @@ def test_sharded_rdt_updates_an_fp8_engine_exactly_like_a_fresh_load():
             assert_bit_identical(got, expected, what=f"vLLM after sync {seed}")
             served.append(got)
         assert served[0].tokens != served[1].tokens, "both syncs served the same"
+        # Trainer-side codes: each worker pulls its shard of the codes (row
+        # blocks of the column-parallel layers, column blocks of the
+        # row-parallel ones) and their scales, straight into the served codes.
+        codes_or_skip(
+            lambda: ray.get(rank.init.remote(llm, num_consumers=tp, fp8_codes=True))
+        )
+        for seed in (35, 36):
+            ray.get(rank.randomize.remote(seed))
+            ray.get(rank.send.remote())
+            ray.get(llm.reset_prefix_cache.remote())
+            got = ray.get(llm.greedy.remote())
+            with tempfile.TemporaryDirectory(prefix="fresh-load-") as checkpoint:
+                ray.get(rank.save_checkpoint.remote(checkpoint))
+                expected = ray.get(llm.fresh_load_greedy.remote(checkpoint))
+            assert_bit_identical(got, expected, what=f"vLLM after codes sync {seed}")
         for dtypes in ray.get(llm.weight_dtypes.remote()):
             _assert_quantized(dtypes)
         ray.get(rank.shutdown.remote())
@@ -327,6 +342,29 @@ def test_vllm_serve_fp8_engine_updated_by_sharded_rdt_like_a_fresh_load():
             _assert_quantized(dtypes)
         finally:
             trainer.shutdown()
+        # The trainer quantizes: the worker pulls codes and scales (about
+        # half the linear layers' bytes) and copies them straight into the
+        # served codes; the fresh-load oracle of the full-precision weights
+        # holds, as for worker-side quantization.
+        codes = codes_or_skip(
+            lambda: WeightTransferTrainerFactory.trainer_init(
+                ShardedRDTTrainerInitInfo(
+                    num_consumers=1, stall_timeout_s=60.0, verify_checksums=True, rank=0
+                ),
+                client=HTTPVLLMWeightSyncClient(server.base_url, timeout=120),
+                source=Fp8ChannelCodes(CheckpointNamesSource(trainer_model)),
+            )
+        )
+        try:
+            for seed in (40, 41):
+                randomize_weights_(trainer_model, seed=seed)
+                send_codes_or_skip(codes)
+                oracle.assert_serves(trainer_model)
+            (state,) = call("fp8_codes_state", [])["results"]
+            assert state["digests"] == _codes_digests(trainer_model)
+            _assert_quantized(call("served_weight_dtypes", [])["results"][0])
+        finally:
+            codes.shutdown()
 
 
 # The vLLM layers of a Qwen3 decoder block that the scheme quantizes, each
@@ -339,17 +377,22 @@ _FUSED_FROM = {
 }
 
 
-def send_codes_or_skip(trainer: Any) -> None:
-    """``trainer.send_weights()`` of FP8 codes. On a CPU whose FP8 kernel
-    repacks codes after loading (vLLM's AMX-FP8 kernel), the engine refuses
-    them by design, naming the kernel, before anything lands: the test then
-    skips what needs codes to land."""
+def codes_or_skip(call: Callable[[], Any]) -> Any:
+    """``call()``, which sends FP8 codes (or plans for them: a ``sharded_rdt``
+    init). On a CPU whose FP8 kernel repacks codes after loading (vLLM's
+    AMX-FP8 kernel), the engine refuses them by design, naming the kernel,
+    before anything lands: the test then skips what needs codes to land."""
     try:
-        trainer.send_weights()
+        return call()
     except Exception as e:
         if "repacks the codes after loading" in str(e):
             pytest.skip(f"this CPU's FP8 kernel repacks codes, refused by design: {e}")
         raise
+
+
+def send_codes_or_skip(trainer: Any) -> None:
+    """``trainer.send_weights()`` of FP8 codes, through ``codes_or_skip``."""
+    codes_or_skip(trainer.send_weights)
 
 
 def _codes_digests(model: Any) -> dict[str, str]:

@@ -146,8 +146,10 @@ class FreshLoadWorkerExtension:
         import torch
 
         worker: Any = self
-        kept = getattr(worker.weight_transfer_engine, "_codes_kept", None)
-        landing = kept[1] if kept is not None else None
+        engine = worker.weight_transfer_engine
+        # ipc keeps the landing of the last layout; sharded_rdt the init's.
+        kept = getattr(engine, "_codes_kept", None)
+        landing = kept[1] if kept is not None else getattr(engine, "_codes", None)
         if landing is None:
             return {"layers": [], "digests": {}}
         model = worker.model_runner.model

@@ -290,10 +290,13 @@ class TrainerRank:
         transport: str = "auto",
         verify_checksums: bool = False,
         client: Any = None,
+        fp8_codes: bool = False,
     ) -> dict[str, Any]:
         """A trainer engine driving ``llm`` (an ``LLMHost`` actor) through
         Ray, or the engine ``client`` drives (e.g. a ``vllm serve`` over
-        HTTP; ``llm`` is then unused)."""
+        HTTP; ``llm`` is then unused). ``fp8_codes``: the trainer quantizes
+        its linear weights to per-channel FP8 codes and scales
+        (``fp8_codes.Fp8ChannelCodes``)."""
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
         from vllm.distributed.weight_transfer.sharded_rdt_trainer import (
@@ -303,9 +306,12 @@ class TrainerRank:
 
         if self.engine is not None:
             self.engine.shutdown()
-        source = HeldGroupsSource(
-            CheckpointNamesSource(self.model), self.rank, self.world, hold
-        )
+        names: WeightSource = CheckpointNamesSource(self.model)
+        if fp8_codes:
+            from vllm.distributed.weight_transfer.fp8_codes import Fp8ChannelCodes
+
+            names = Fp8ChannelCodes(names)
+        source = HeldGroupsSource(names, self.rank, self.world, hold)
         self.engine = WeightTransferTrainerFactory.trainer_init(
             ShardedRDTTrainerInitInfo(
                 num_consumers=num_consumers,
