@@ -14,6 +14,7 @@ from vllm.distributed.weight_transfer.sharded_rdt_plan import (
     SliceCopy,
     WorkerPlan,
     build_plan,
+    with_direct_copies,
 )
 
 NAMES = [
@@ -143,3 +144,51 @@ def test_slice_and_region_sizes_must_agree():
             slice=SliceSpec("w", (), (4,), "float32"),
             region=Region("m", "weight", 0, (2,), (1,), "float32"),
         )
+
+
+def test_direct_copies_join_their_groups_and_are_never_processed():
+    """Trainer-side FP8 codes of layer 1's q and k: planned with the layers'
+    other copies by the group of their source, while their module is in no
+    group's ``completes`` (nothing processes what they write)."""
+    qkv = "model.layers.1.self_attn.qkv_proj"
+    loaded = [
+        c for c in _copies() if c.region.module != qkv
+    ]  # the loaders' plan leaves the codes' module out
+    plan = build_plan(worker="w", names=NAMES, copies=loaded)
+    codes = [
+        _copy(
+            "model.layers.1.self_attn.q_proj.weight",
+            qkv,
+            "weight",
+            2,
+            0,
+            dtype="float8_e4m3fn",
+        ),
+        _copy(
+            "model.layers.1.self_attn.k_proj.weight",
+            qkv,
+            "weight",
+            2,
+            8,
+            dtype="float8_e4m3fn",
+        ),
+    ]
+    merged = with_direct_copies(plan, NAMES, codes)
+    layer1 = merged.groups[2]
+    assert set(codes) <= set(layer1.copies)
+    assert qkv not in {m for g in merged.groups for m in g.completes}
+    assert "model.layers.1.input_layernorm" in layer1.completes
+    assert set(merged.copies) == set(loaded) | set(codes)
+
+
+def test_a_module_with_processed_and_direct_copies_is_refused():
+    plan = build_plan(worker="w", names=NAMES, copies=_copies())
+    code = _copy(
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.qkv_proj",
+        "weight",
+        2,
+        dtype="float8_e4m3fn",
+    )
+    with pytest.raises(ValueError, match="both processed and direct copies"):
+        with_direct_copies(plan, NAMES, [code])
