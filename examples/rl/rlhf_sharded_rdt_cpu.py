@@ -17,9 +17,15 @@
   weight version. vLLM's greedy output is then compared with a Hugging Face
   forward pass of the trainer's weights; the script exits with status 1 on a
   mismatch.
+* With ``--quantization fp8_per_channel`` the engine serves a bfloat16 model
+  quantized online, and the oracle is what the same engine serves when it
+  loads the trainer's weights fresh from a checkpoint (bit for bit). Adding
+  ``--trainer-codes`` makes the trainer ranks quantize the linear weights
+  themselves (``Fp8ChannelCodes``): each worker pulls only its shard of the
+  codes and scales, about half the bytes, straight into the served codes.
 
 Run: ``python examples/rl/rlhf_sharded_rdt_cpu.py [--arch qwen3_moe] [--tp 2]
-[--steps 2] [--checksums]``.
+[--steps 2] [--checksums] [--quantization fp8_per_channel [--trainer-codes]]``.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import argparse
 import os
 import socket
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -36,6 +43,7 @@ import torch
 
 from vllm.distributed.weight_transfer.testing import (
     TinyModelSpec,
+    assert_bit_identical,
     assert_same_greedy,
     build_tiny_model,
     logprob_atol,
@@ -61,7 +69,9 @@ class TrainerRank:
         self.model = load_hf_model(model_dir, "float32")
         self.engine: Any = None
 
-    def init(self, llm: Any, num_consumers: int, checksums: bool) -> None:
+    def init(
+        self, llm: Any, num_consumers: int, checksums: bool, codes: bool = False
+    ) -> None:
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
         from vllm.distributed.weight_transfer.sharded_rdt_trainer import (
@@ -69,11 +79,14 @@ class TrainerRank:
         )
         from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
 
-        # Checkpoint names (HF keeps MoE experts fused in memory); this rank
-        # holds every other gather group.
-        source = HeldGroupsSource(
-            CheckpointNamesSource(self.model), self.rank, self.world, hold="half"
-        )
+        # Checkpoint names (HF keeps MoE experts fused in memory), as FP8
+        # codes and scales if asked; this rank holds every other gather group.
+        names: Any = CheckpointNamesSource(self.model)
+        if codes:
+            from vllm.distributed.weight_transfer.fp8_codes import Fp8ChannelCodes
+
+            names = Fp8ChannelCodes(names)
+        source = HeldGroupsSource(names, self.rank, self.world, hold="half")
         self.engine = WeightTransferTrainerFactory.trainer_init(
             ShardedRDTTrainerInitInfo(
                 num_consumers=num_consumers,
@@ -104,6 +117,13 @@ class TrainerRank:
 
         return hf_greedy(self.model)
 
+    def save_checkpoint(self, directory: str) -> str:
+        """This rank's full-precision weights as a checkpoint (the fresh-load
+        oracle of a quantized engine)."""
+        from vllm.distributed.weight_transfer.testing import save_checkpoint
+
+        return str(save_checkpoint(self.model, directory))
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 
@@ -116,13 +136,31 @@ def main() -> int:
     p.add_argument(
         "--checksums", action="store_true", help="checksum every pulled chunk"
     )
+    p.add_argument(
+        "--quantization",
+        choices=["fp8_per_channel"],
+        default=None,
+        help="serve a bfloat16 model quantized online",
+    )
+    p.add_argument(
+        "--trainer-codes",
+        action="store_true",
+        help="the trainer sends FP8 codes and scales (needs --quantization)",
+    )
     args = p.parse_args()
+    if args.trainer_codes and args.quantization is None:
+        p.error("--trainer-codes needs --quantization fp8_per_channel")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model_dir = str(build_tiny_model(TinyModelSpec(arch=args.arch)))
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     t0 = time.perf_counter()
-    llm: Any = ray.remote(num_cpus=0)(LLMHost).remote(model_dir, tp=args.tp)
+    engine_args: dict[str, Any] = {}
+    if args.quantization:
+        engine_args = {"dtype": "bfloat16", "quantization": args.quantization}
+    llm: Any = ray.remote(num_cpus=0)(LLMHost).remote(
+        model_dir, tp=args.tp, **engine_args
+    )
     ray.get(llm.pids.remote())
     print(f"LLM up in {time.perf_counter() - t0:.1f} s (sharded_rdt, TP={args.tp})")
 
@@ -133,7 +171,12 @@ def main() -> int:
     ranks = [rank_actor.remote(model_dir, r, 2, port) for r in range(2)]
     ray.get(
         [
-            t.init.remote(llm, num_consumers=args.tp, checksums=args.checksums)
+            t.init.remote(
+                llm,
+                num_consumers=args.tp,
+                checksums=args.checksums,
+                codes=args.trainer_codes,
+            )
             for t in ranks
         ]
     )
@@ -145,9 +188,17 @@ def main() -> int:
         seconds = ray.get([t.send.remote(step) for t in ranks])
         version = ray.get(llm.weight_version.remote())
         got = ray.get(llm.greedy.remote())
-        want = ray.get(ranks[0].greedy.remote())
         try:
-            assert_same_greedy(got, want, atol=logprob_atol("float32"))
+            if args.quantization:
+                # The same engine loading the trainer's weights fresh, with
+                # its quantization: bit for bit.
+                with tempfile.TemporaryDirectory(prefix="fresh-load-") as ckpt:
+                    ray.get(ranks[0].save_checkpoint.remote(ckpt))
+                    want = ray.get(llm.fresh_load_greedy.remote(ckpt))
+                assert_bit_identical(got, want, what=f"vLLM at step {step}")
+            else:
+                want = ray.get(ranks[0].greedy.remote())
+                assert_same_greedy(got, want, atol=logprob_atol("float32"))
             ok = True
         except AssertionError as e:
             ok, failures = False, failures + 1
@@ -163,7 +214,7 @@ def main() -> int:
         print(
             f"step {step}: send_weights {max(seconds) * 1e3:.0f} ms; "
             f"{'; '.join(pulled)}; served version {version!r}; "
-            f"vLLM == HF oracle: {ok}"
+            f"vLLM == {'fresh-load' if args.quantization else 'HF'} oracle: {ok}"
         )
     ray.get([t.shutdown.remote() for t in ranks])
     ray.shutdown()
