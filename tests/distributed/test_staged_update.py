@@ -266,28 +266,56 @@ def test_staging_that_does_not_fit_is_refused_before_it_is_copied(monkeypatch):
     assert_state(target, state(trainer))
 
 
-def test_fp8_codes_in_a_staged_update_are_refused_unfenced(monkeypatch):
-    """Trainer-side FP8 codes land live, straight in the served codes; a
-    staged update refuses a publication that carries them at its first
-    message, before anything is staged, and the next sync works. (The codes
-    plan needs a quantized vLLM model; here it is stood in for.)"""
+class _CodesStandIn:
+    """Stands in for a ``codes_landing.CodesLanding`` (which needs a quantized
+    vLLM model): layer ``a``'s tensors land straight in the served ones."""
+
+    def __init__(self, model: TinyNet) -> None:
+        self.views = {"a.weight": model.a.weight.data, "a.bias": model.a.bias.data}
+        self.names = frozenset(self.views)
+        self.nbytes = sum(v.numel() * v.element_size() for v in self.views.values())
+        self.landed_at: list[str] = []
+
+    def still_bound(self) -> bool:
+        return True
+
+    def slices(self, name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return [tensor]
+
+    def land_slices(self, name: str, pieces: list[torch.Tensor]) -> None:
+        self.landed_at.append(name)
+        self.views[name].copy_(pieces[0])
+
+    def land(self, name: str, tensor: torch.Tensor) -> None:
+        raise AssertionError("a staged update lands codes at the commit only")
+
+    def check_whole(self, received) -> None:
+        pass
+
+
+def test_fp8_codes_are_staged_and_land_at_the_commit(monkeypatch):
+    """Trainer-side FP8 codes in a staged update: only this worker's pieces
+    are staged, the old weights serve until the commit, and the commit copies
+    the pieces straight into the served tensors (the rest through the
+    reload)."""
     from vllm.distributed.weight_transfer import codes_landing
 
     target, trainer = reload_ready(0), TinyNet(1)
     before = state(target)
     engine = staged_engine(target)
-    # A plan that says the layout has codes, and is planned again next time.
-    stand_in = SimpleNamespace(names=frozenset(), still_bound=lambda: False)
+    stand_in = _CodesStandIn(target)
     monkeypatch.setattr(
         codes_landing.CodesLanding, "plan", classmethod(lambda cls, *a, **k: stand_in)
     )
-    with pytest.raises(Exception, match="sends FP8 codes, but this update is staged"):
-        trainer_for(EngineClient(engine), trainer).send_weights()
-    assert_state(target, before)
-    assert engine.fence_status["state"] != "fenced"
-    monkeypatch.undo()
-    trainer_for(EngineClient(engine), trainer).send_weights()
+    client = ServingClient(engine)
+    trainer_for(client, trainer).send_weights()
+    assert client.seen, "no forward ran before the commit"
+    for seen in client.seen:
+        for name, value in before.items():
+            assert torch.equal(seen[name], value), name
+    assert sorted(stand_in.landed_at) == ["a.bias", "a.weight"]
     assert_state(target, state(trainer))
+    assert engine.fence_status["state"] == "committed"
 
 
 def test_a_name_sent_twice_is_refused_before_the_commit():

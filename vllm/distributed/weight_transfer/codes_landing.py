@@ -35,9 +35,11 @@ tensors with no quantizing and no layerwise reload.
    planner sees the codes cover only part of it).
 
 ``land`` copies a codes tensor's slices and a scale's rows into views of the
-served tensors, bound at planning; ``check_whole`` refuses a finish that
-wrote some of a layer's codes or scales but not all; ``still_bound`` tells
-the worker to plan again when a served tensor was replaced.
+served tensors, bound at planning (a staged update stages the same pieces,
+``slices``, and copies them at the commit, ``land_slices``);
+``check_whole`` refuses a finish that wrote some of a layer's codes or
+scales but not all; ``still_bound`` tells the worker to plan again when a
+served tensor was replaced.
 """
 
 from __future__ import annotations
@@ -342,6 +344,18 @@ class CodesLanding:
         tensors."""
         for b in self.bound[name]:
             b.view.copy_(self._piece(b, name, tensor))
+
+    def slices(self, name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """The pieces of codes or scale ``name`` this worker keeps, in the
+        order ``land_slices`` takes them (a staged update stages these)."""
+        return [self._piece(b, name, tensor) for b in self.bound[name]]
+
+    @torch.no_grad()
+    def land_slices(self, name: str, pieces: Sequence[torch.Tensor]) -> None:
+        """Copy pieces taken by ``slices`` (or copies of them) into the
+        served tensors."""
+        for b, piece in zip(self.bound[name], pieces, strict=True):
+            b.view.copy_(piece)
 
     @torch.no_grad()
     def landed_differs(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

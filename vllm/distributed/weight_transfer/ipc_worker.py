@@ -42,7 +42,7 @@ from vllm.distributed.weight_transfer.chunk_programs import (
     ChunkPrograms,
     chunk_in_mapping,
 )
-from vllm.distributed.weight_transfer.codes_landing import CodesLanding, CodesRefused
+from vllm.distributed.weight_transfer.codes_landing import CodesLanding
 from vllm.distributed.weight_transfer.ipc_dataplane import (
     BufferImporter,
     mapping_key,
@@ -170,12 +170,6 @@ class IPCWeightTransferEngine(
         session = self._session
         # Trainer-side FP8 codes land live, straight in the served tensors.
         self._codes = self._codes_landing_for(self._layout_of(manifest))
-        if self._codes is not None and isinstance(session, StagedUpdate):
-            raise CodesRefused(
-                f"publication {header.publication_id} sends FP8 codes, but this "
-                "update is staged: staged updates take full-precision weights "
-                "(the engine quantizes them at the commit); nothing was loaded"
-            )
         if manifest is not self._checked_manifest:
             shapes: Shapes | None = checkpoint_shapes(self.model_config)
             if shapes is not None:
@@ -187,15 +181,19 @@ class IPCWeightTransferEngine(
             # commit, with the same plan.
             self._planned = self._landing_plan_for(manifest)
         if isinstance(session, StagedUpdate):
-            # Staged: the worker's slices of the planned names, every other
-            # tensor whole (the reload slices it at the commit).
-            planned = self._planned
-            nbytes = manifest.total_bytes
+            # Staged: the worker's slices of the planned names and of the FP8
+            # codes, every other tensor whole (the reload slices it at the
+            # commit).
+            planned, codes = self._planned, self._codes
+            direct: frozenset[str] = frozenset()
+            nbytes = 0
             if planned is not None:
-                direct = planned.direct_names
-                nbytes = planned.direct_bytes + sum(
-                    e.nbytes for e in manifest.entries if e.name not in direct
-                )
+                direct |= planned.direct_names
+                nbytes += planned.direct_bytes
+            if codes is not None:
+                direct |= codes.names
+                nbytes += codes.nbytes
+            nbytes += sum(e.nbytes for e in manifest.entries if e.name not in direct)
             session.expect(nbytes, f"publication {header.publication_id}")
 
     def _on_update_closed(self) -> None:
@@ -394,10 +392,12 @@ class IPCWeightTransferEngine(
         codes = self._codes
         if codes is not None:
             mine = [w for w in weights if w[0] in codes.names]
-            if mine:
+            if mine and isinstance(session, StagedUpdate):
+                session.load_planned(codes, mine)
+            elif mine:
                 assert isinstance(session, LayerwiseReloadSession)
                 session.land_planned(codes, mine)
-                weights = [w for w in weights if w[0] not in codes.names]
+            weights = [w for w in weights if w[0] not in codes.names]
         planned = self._planned
         if bound is not None:
             assert planned is not None and isinstance(session, LayerwiseReloadSession)

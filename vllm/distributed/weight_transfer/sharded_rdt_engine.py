@@ -446,7 +446,7 @@ class ShardedRDTWeightTransferEngine(
             link.sync_id = update_info.sync_id
             link.checksums = header is not None and header.checksum is not None
         if self._codes is not None:
-            self._check_codes_bound(session)
+            self._check_codes_bound()
         lander = self._lander
         if isinstance(session, StagedUpdate):
             # Refuse before the first pull when this worker's plan cannot be
@@ -469,19 +469,14 @@ class ShardedRDTWeightTransferEngine(
         lander.begin()
         self._pull_all(lander, session, started, None)
 
-    def _check_codes_bound(self, session: UpdateSession) -> None:
-        """Before anything is pulled: codes are not staged, and the served
-        tensors the codes were bound to at init are still the ones served
-        (a reload may have replaced them); bind them again if not, as long
-        as the plan is unchanged."""
+    def _check_codes_bound(self) -> None:
+        """Before anything is pulled: the served tensors the codes were bound
+        to at init are still the ones served (a reload may have replaced
+        them); bind them again if not, as long as the plan is unchanged. (A
+        staged update stages the pulled chunks and lands them, codes
+        included, at the commit.)"""
         codes = self._codes
         assert codes is not None
-        if isinstance(session, StagedUpdate):
-            raise CodesRefused(
-                "the trainer sends FP8 codes, but this update is staged: staged "
-                "updates take full-precision weights (the engine quantizes them "
-                "at the commit); nothing was pulled"
-            )
         if codes.still_bound():
             return
         assert self.manifest is not None

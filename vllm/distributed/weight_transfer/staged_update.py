@@ -48,20 +48,18 @@ tensor whole, since the layerwise reload slices those when it loads them.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal, Protocol
 
 import torch
 
 from vllm.distributed.weight_transfer.layerwise_session import (
+    DirectLanding,
     LayerwiseReloadSession,
 )
 from vllm.distributed.weight_transfer.update_calls import UpdateCalls
 from vllm.distributed.weight_transfer.update_completeness import FusedGroups
 from vllm.logger import init_logger
-
-if TYPE_CHECKING:
-    from vllm.distributed.weight_transfer.planned_landing import LandingPlan
 
 logger = init_logger(__name__)
 
@@ -73,6 +71,16 @@ _STOP_JOIN_S = 30.0
 # Staging may take at most this share of the memory free when it is reserved;
 # the rest is left for the engine's own allocations while it keeps serving.
 FREE_MEMORY_SHARE = 0.9
+
+
+class StagedDirectLanding(DirectLanding, Protocol):
+    """A direct landing whose pieces can be staged: ``slices`` cuts what this
+    worker keeps of a tensor, ``land_slices`` copies such pieces into the
+    served tensors at the commit."""
+
+    def slices(self, name: str, tensor: torch.Tensor) -> list[torch.Tensor]: ...
+
+    def land_slices(self, name: str, pieces: Sequence[torch.Tensor]) -> None: ...
 
 
 class StagingDoesNotFit(MemoryError):
@@ -231,10 +239,11 @@ class StagedUpdate:
         self.defer(lambda session: session.load(staged))
 
     def load_planned(
-        self, landing: LandingPlan, weights: Iterable[tuple[str, torch.Tensor]]
+        self, landing: StagedDirectLanding, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> None:
         """Stage tensors that ``landing`` copies straight into the served
-        tensors (direct names of a ``planned_landing.LandingPlan``): only the
+        tensors (direct names of a ``planned_landing.LandingPlan``, or
+        trainer-side FP8 codes of a ``codes_landing.CodesLanding``): only the
         slices this worker keeps (its TP shard) are staged, and the commit
         copies each into its place, not through the reload."""
         self._check_open("load_planned()")

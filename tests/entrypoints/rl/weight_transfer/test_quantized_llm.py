@@ -18,8 +18,10 @@ Face comparison: the served model is the quantized one.
 Trainer-side quantization (``fp8_codes.Fp8ChannelCodes``: the trainer sends
 float8 codes and per-row scales) must serve the same oracle through ``ipc``
 at TP 1 and 2, offline and over HTTP, with every linear layer's codes copied
-straight into the served tensors; codes an engine cannot take are refused
-before anything lands.
+straight into the served tensors, and through ``sharded_rdt`` at TP 2
+offline and TP 1 over HTTP; codes an engine cannot take are refused before
+anything lands. The two ``vllm serve`` engines stage their updates, so
+worker-side quantization and codes are also proven through a staged commit.
 """
 
 from __future__ import annotations
@@ -235,11 +237,14 @@ def test_sharded_rdt_updates_an_fp8_engine_exactly_like_a_fresh_load():
 
 def test_vllm_serve_fp8_engine_updated_over_http_like_a_fresh_load():
     """``vllm serve --quantization fp8_per_channel`` updated over the RL HTTP
-    routes through ``ipc``: after each of two syncs (the trainer's weights
-    changed in place) the server serves, bit for bit, what the same server
-    serves after loading the trainer's weights fresh from a checkpoint, with
-    its quantization; a no-op push changes nothing; a trainer that sends FP8
-    codes (``Fp8ChannelCodes``) gets the same oracle."""
+    routes through ``ipc`` with staging (``"staging": "host"``: each sync is
+    staged, then committed in one call): after each of two syncs (the
+    trainer's weights changed in place) the server serves, bit for bit, what
+    the same server serves after loading the trainer's weights fresh from a
+    checkpoint, with its quantization (the commit quantizes); a no-op push
+    changes nothing; a trainer that sends FP8 codes (``Fp8ChannelCodes``)
+    gets the same oracle, its pieces staged and copied into the served codes
+    at the commit."""
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.testing.fresh_load import http_worker_call
     from vllm.distributed.weight_transfer.testing.server import serve
@@ -249,6 +254,7 @@ def test_vllm_serve_fp8_engine_updated_over_http_like_a_fresh_load():
         model_dir,
         dtype="bfloat16",
         weight_transfer_backend="ipc",
+        weight_transfer_options={"staging": "host"},
         extra_args=["--quantization", QUANTIZATION],
     ) as server:
         call = http_worker_call(server.base_url)
@@ -294,9 +300,12 @@ def test_vllm_serve_fp8_engine_updated_over_http_like_a_fresh_load():
 def test_vllm_serve_fp8_engine_updated_by_sharded_rdt_like_a_fresh_load():
     """``vllm serve --quantization fp8_per_channel`` with ``sharded_rdt``: the
     trainer's full-precision weights are pulled over NIXL, driven over the RL
-    HTTP routes with checksums on; after each of two syncs the server serves
-    the fresh-load oracle of the trainer's weights bit for bit, every worker's
-    receipt came back, and the layers stay quantized."""
+    HTTP routes with checksums on and staging (the pulls are staged while the
+    server serves, then committed in one call); after each of two syncs the
+    server serves the fresh-load oracle of the trainer's weights bit for bit,
+    every worker's receipt came back, and the layers stay quantized. Then the
+    trainer sends FP8 codes: staged, then copied into the served codes at the
+    commit, the same oracle."""
     pytest.importorskip("nixl")
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.sharded_rdt_trainer import (
@@ -313,6 +322,7 @@ def test_vllm_serve_fp8_engine_updated_by_sharded_rdt_like_a_fresh_load():
         model_dir,
         dtype="bfloat16",
         weight_transfer_backend="sharded_rdt",
+        weight_transfer_options={"staging": "host"},
         extra_args=["--quantization", QUANTIZATION],
     ) as server:
         call = http_worker_call(server.base_url)
