@@ -54,6 +54,7 @@ import argparse
 import dataclasses
 import statistics
 import time
+from itertools import pairwise
 from typing import Any
 
 from _bench_common import (
@@ -88,11 +89,17 @@ class Load(StreamingClients):
     def tokens_between(self, start: float, end: float) -> int:
         return sum(start <= t <= end for times in self.arrivals for t in times)
 
-    def max_gap(self, start: float, end: float) -> float:
+    def max_gap(self, start: float, end: float, spanning: bool = True) -> float:
         """The longest time within ``[start, end]`` in which some stream got
-        nothing (a stream's gaps include the one spanning ``start``)."""
+        nothing. With ``spanning`` a stream's gaps include the one spanning
+        ``start``; without, only gaps between two chunks inside the window
+        count (the idle floor, which must not inherit a sync just before)."""
         longest = 0.0
         for times in self.arrivals:
+            inside = [t for t in times if start <= t <= end]
+            if not spanning:
+                longest = max([longest, *(b - a for a, b in pairwise(inside))])
+                continue
             previous = max((t for t in times if t < start), default=start)
             for t in times:
                 if t < start or t > end:
@@ -199,7 +206,9 @@ def run_mode(
                     # The same streams' longest gap with no sync at all: the
                     # floor any gap during a sync stands on (a decode step, a
                     # new stream's prefill, the API server's own delays).
-                    "max_gap_idle_s": round(load.max_gap(t1 + 0.1 * sync_s, t2), 4),
+                    "max_gap_idle_s": round(
+                        load.max_gap(t1 + 0.1 * sync_s, t2, spanning=False), 4
+                    ),
                     "tokens_per_s_during_sync": round(during, 2),
                     "tokens_per_s_idle": round(idle, 2),
                 }
