@@ -28,6 +28,14 @@ trainer's prepare message waits for the pulls (each bounded by
 unfenced; ``finish_weight_update`` lands the staged chunks through the same
 ``ChunkLander`` in one call.
 
+Trainer-side FP8 codes (``fp8_codes.Fp8ChannelCodes`` on the trainer, an
+engine quantized online per channel): at init ``codes_landing.CodesLanding``
+plans where this worker's shard of every codes tensor and scale lands in the
+served codes, and those pieces join the pull plan as direct copies
+(``sharded_rdt_plan.with_direct_copies``): pulled like any slice, copied by
+``ChunkLander`` straight into the served views, never loaded or processed.
+The other tensors are baked and landed as above.
+
 Verified publication (`WorkerPublication`): the update message's header must
 carry the manifest this worker baked its plan from, or the update is refused
 before anything is pulled (the weights stay intact, the engine is not
@@ -486,10 +494,7 @@ class ShardedRDTWeightTransferEngine(
             worker=f"consumer {self.consumer_id}",
             vllm_config=self.vllm_config,
         )
-        same = fresh is not None and [c for c, _ in fresh.slice_copies(self.model)] == [
-            c for c, _ in codes.slice_copies(self.model)
-        ]
-        if not same:
+        if fresh is None or fresh.copies != codes.copies:
             raise CodesRefused(
                 "the served FP8 layers changed since init_weight_transfer_engine "
                 "and the codes no longer land where they were planned; call "
