@@ -51,6 +51,7 @@ from vllm.distributed.weight_transfer.testing import (
 from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
     HeldGroupsSource,
     LLMHost,
+    stop_llm_host,
 )
 
 
@@ -217,6 +218,7 @@ def main() -> int:
             f"vLLM == {'fresh-load' if args.quantization else 'HF'} oracle: {ok}"
         )
     ray.get([t.shutdown.remote() for t in ranks])
+    stop_llm_host(llm)
     ray.shutdown()
     print(f"oracle match on every step: {failures == 0}")
     return 0 if failures == 0 else 1

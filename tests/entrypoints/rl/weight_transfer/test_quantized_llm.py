@@ -187,6 +187,7 @@ def test_sharded_rdt_updates_an_fp8_engine_exactly_like_a_fresh_load():
     from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
         LLMHost,
         TrainerRank,
+        stop_llm_host,
     )
 
     model_dir = str(build_tiny_model(TinyModelSpec(arch="qwen3")))
@@ -231,6 +232,7 @@ def test_sharded_rdt_updates_an_fp8_engine_exactly_like_a_fresh_load():
         for dtypes in ray.get(llm.weight_dtypes.remote()):
             _assert_quantized(dtypes)
         ray.get(rank.shutdown.remote())
+        stop_llm_host(llm)
     finally:
         ray.shutdown()
 

@@ -59,14 +59,17 @@ def ray_cluster():
 
 @pytest.fixture(scope="module", params=COMBOS, ids=[f"{a}-tp{tp}" for a, tp in COMBOS])
 def engine(request, ray_cluster):
-    from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import LLMHost
+    from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
+        LLMHost,
+        stop_llm_host,
+    )
 
     arch, tp = request.param
     model_dir = str(build_tiny_model(TinyModelSpec(arch=arch)))
     llm = ray.remote(num_cpus=0)(LLMHost).remote(model_dir, tp=tp)
     ray.get(llm.pids.remote())  # wait until the engine is up
     yield llm, model_dir, tp
-    ray.kill(llm)
+    stop_llm_host(llm)
 
 
 @contextlib.contextmanager
@@ -448,7 +451,10 @@ STAGED_COMBOS = [("qwen3", 1), ("qwen3_moe", 2)]
 )
 def staged_engine(request, ray_cluster):
     from vllm.config import WeightTransferConfig
-    from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import LLMHost
+    from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
+        LLMHost,
+        stop_llm_host,
+    )
 
     arch, tp = request.param
     model_dir = str(build_tiny_model(TinyModelSpec(arch=arch)))
@@ -461,7 +467,7 @@ def staged_engine(request, ray_cluster):
     )
     ray.get(llm.pids.remote())  # wait until the engine is up
     yield llm, model_dir, tp
-    ray.kill(llm)
+    stop_llm_host(llm)
 
 
 def test_a_staged_sync_serves_the_old_weights_while_it_pulls(staged_engine):
