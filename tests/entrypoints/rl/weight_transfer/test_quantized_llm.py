@@ -202,8 +202,10 @@ def test_sharded_rdt_updates_an_fp8_engine_exactly_like_a_fresh_load():
         # Each worker pulls only its TP shard; the row-parallel layers' scales
         # come from the row maximum vLLM shares across the ranks.
         ray.get(rank.init.remote(llm, num_consumers=tp))
-        served = []
-        for seed in (33, 34):
+
+        def sync_serves_the_oracle(seed: int, what: str) -> Any:
+            """Change the trainer's weights in place, sync, and check the
+            engine serves the fresh-load oracle of them."""
             ray.get(rank.randomize.remote(seed))
             ray.get(rank.send.remote())
             ray.get(llm.reset_prefix_cache.remote())
@@ -211,8 +213,10 @@ def test_sharded_rdt_updates_an_fp8_engine_exactly_like_a_fresh_load():
             with tempfile.TemporaryDirectory(prefix="fresh-load-") as checkpoint:
                 ray.get(rank.save_checkpoint.remote(checkpoint))
                 expected = ray.get(llm.fresh_load_greedy.remote(checkpoint))
-            assert_bit_identical(got, expected, what=f"vLLM after sync {seed}")
-            served.append(got)
+            assert_bit_identical(got, expected, what=f"vLLM after {what} {seed}")
+            return got
+
+        served = [sync_serves_the_oracle(seed, "sync") for seed in (33, 34)]
         assert served[0].tokens != served[1].tokens, "both syncs served the same"
         # Trainer-side codes: each worker pulls its shard of the codes (row
         # blocks of the column-parallel layers, column blocks of the
@@ -221,14 +225,7 @@ def test_sharded_rdt_updates_an_fp8_engine_exactly_like_a_fresh_load():
             lambda: ray.get(rank.init.remote(llm, num_consumers=tp, fp8_codes=True))
         )
         for seed in (35, 36):
-            ray.get(rank.randomize.remote(seed))
-            ray.get(rank.send.remote())
-            ray.get(llm.reset_prefix_cache.remote())
-            got = ray.get(llm.greedy.remote())
-            with tempfile.TemporaryDirectory(prefix="fresh-load-") as checkpoint:
-                ray.get(rank.save_checkpoint.remote(checkpoint))
-                expected = ray.get(llm.fresh_load_greedy.remote(checkpoint))
-            assert_bit_identical(got, expected, what=f"vLLM after codes sync {seed}")
+            sync_serves_the_oracle(seed, "codes sync")
         for dtypes in ray.get(llm.weight_dtypes.remote()):
             _assert_quantized(dtypes)
         ray.get(rank.shutdown.remote())
