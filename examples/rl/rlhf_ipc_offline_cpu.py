@@ -121,7 +121,9 @@ def main() -> int:
         os.environ.setdefault(
             "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(args.tp))
         )
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.model_dir:
+        # Your own model may need more KV cache than the tiny models' 64 MiB.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     model_dir = args.model_dir or build_tiny_model(TinyModelSpec(arch=args.arch))
     model = load_hf_model(model_dir, "float32")

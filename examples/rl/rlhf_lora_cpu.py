@@ -67,7 +67,6 @@ def main() -> int:
     from vllm.lora.request import LoRARequest
 
     args = parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model_dir = build_tiny_model(TinyModelSpec(arch="qwen3"))
     policy = peft.get_peft_model(
         load_hf_model(model_dir, "float32"),

@@ -31,7 +31,6 @@ Run: ``python examples/rl/rlhf_sharded_rdt_cpu.py [--arch qwen3_moe] [--tp 2]
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import sys
 import tempfile
@@ -151,7 +150,6 @@ def main() -> int:
     args = p.parse_args()
     if args.trainer_codes and args.quantization is None:
         p.error("--trainer-codes needs --quantization fp8_per_channel")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model_dir = str(build_tiny_model(TinyModelSpec(arch=args.arch)))
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)

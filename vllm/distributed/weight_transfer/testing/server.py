@@ -10,7 +10,8 @@ server, engine core, workers), escalating to SIGKILL, whatever happened inside
 the block.
 
 Defaults suit a small CPU machine: ``--dtype float32 --enforce-eager
---max-model-len 256 --max-num-seqs 4 --seed 0`` and ``VLLM_CPU_KVCACHE_SPACE=1``.
+--max-model-len 256 --max-num-seqs 4 --kv-cache-memory-bytes 67108864 --seed 0``
+(``tiny_engine.TINY_ENGINE_ARGS``; ``VLLM_CPU_KVCACHE_SPACE``, when set, wins).
 The RL routes (``/init_weight_transfer_engine``, ``/update_weights``, ...) need
 ``VLLM_SERVER_DEV_MODE=1``, which is always set. ``tensor_parallel_size=2``
 also sets ``VLLM_CPU_OMP_THREADS_BIND="0|1"`` unless the caller chose a
@@ -108,6 +109,8 @@ def serve_args(
         str(max_model_len),
         "--max-num-seqs",
         str(max_num_seqs),
+        "--kv-cache-memory-bytes",
+        str(TINY_ENGINE_ARGS["kv_cache_memory_bytes"]),
         "--seed",
         str(TINY_ENGINE_ARGS["seed"]),
     ]
@@ -128,7 +131,6 @@ def server_env(
     settings in the module docstring, plus ``env`` (which wins)."""
     out = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV}
     out["VLLM_SERVER_DEV_MODE"] = "1"
-    out.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     out.setdefault("HF_HUB_OFFLINE", "1")
     out.setdefault("TOKENIZERS_PARALLELISM", "false")
     if tensor_parallel_size > 1:

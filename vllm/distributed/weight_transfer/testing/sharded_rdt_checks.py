@@ -140,7 +140,6 @@ def _rank_main(
 ) -> None:
     reports: list[dict[str, Any]] = []
     try:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         # The CPU communicator names its shared-memory segments after this id,
         # which a CPU worker sets; one id per group keeps runs apart.
         os.environ["VLLM_DIST_IDENT"] = f"sharded-rdt-checks-{port}"

@@ -3,7 +3,8 @@
 """The engine every test, example and benchmark starts on a tiny model.
 
 ``TINY_ENGINE_ARGS`` are the settings that keep a CPU engine small and
-deterministic (eager mode, a short context, a few sequences, a fixed seed);
+deterministic (eager mode, a short context, a few sequences, a small KV cache,
+a fixed seed);
 ``tiny_llm(model_dir, ...)`` starts an offline ``LLM`` with them, a weight
 transfer backend, and the fresh-load oracle's worker methods
 (``testing.fresh_load``). ``testing.server.serve`` passes the same settings to
@@ -17,10 +18,18 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.testing.fresh_load import WORKER_EXTENSION
 
+# 64 MiB of KV cache holds tens of thousands of the tiny models' tokens, far
+# more than max_model_len x max_num_seqs. vLLM CPU spends about 10 s of every
+# engine start setting up a 1 GiB cache on a 2-core machine and well under a
+# second for this one. VLLM_CPU_KVCACHE_SPACE, when set, wins over it (the
+# benchmarks set it for their larger models).
+TINY_KV_CACHE_BYTES = 64 * 2**20
+
 TINY_ENGINE_ARGS: dict[str, Any] = {
     "enforce_eager": True,
     "max_model_len": 256,
     "max_num_seqs": 4,
+    "kv_cache_memory_bytes": TINY_KV_CACHE_BYTES,
     "seed": 0,
 }
 
