@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A LoRA trainer pushes its adapter from memory into an offline ``vllm.LLM``
-after every step, over ``ipc`` (docs/training/weight_transfer/lora.md).
+after every step, over ``ipc`` or pulled over NIXL
+(docs/training/weight_transfer/lora.md).
 
 The trainer holds a PEFT LoRA over a tiny generated Qwen3 (no download). At
 each step it changes the adapter in place (standing in for an optimizer step),
@@ -12,7 +13,13 @@ adapter loaded from a PEFT directory under another id, and with Hugging Face +
 PEFT's forward (float32, within a small logprob tolerance); the script exits
 with status 1 on a mismatch.
 
-Run: ``python examples/rl/rlhf_lora_cpu.py [--steps 3] [--rank 8]``.
+``--transport nixl`` pushes the way a trainer on another machine does: the
+workers pull the adapter from the trainer's producer over NIXL and send their
+receipts back through it (``--producer-host`` is the address they reach it
+at; here all runs on one machine).
+
+Run: ``python examples/rl/rlhf_lora_cpu.py [--steps 3] [--rank 8]
+[--transport ipc|nixl] [--producer-host 127.0.0.1]``.
 """
 
 from __future__ import annotations
@@ -48,6 +55,17 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=3, help="train-and-push steps")
     p.add_argument("--rank", type=int, default=8, help="the adapter's LoRA rank")
+    p.add_argument(
+        "--transport",
+        choices=["ipc", "nixl"],
+        default="ipc",
+        help="ipc: workers map the trainer's buffer; nixl: they pull it",
+    )
+    p.add_argument(
+        "--producer-host",
+        default="127.0.0.1",
+        help="with --transport nixl: the address workers reach the trainer at",
+    )
     return p.parse_args()
 
 
@@ -79,8 +97,14 @@ def main() -> int:
     ).eval()
 
     llm = tiny_llm(model_dir, enable_lora=True, max_lora_rank=args.rank)
-    # Kept across steps: it reuses the buffer the adapter travels in.
-    pusher = LoRAPusher(OfflineLLMWeightSyncClient(llm))
+    # Kept across steps: it reuses the buffer the adapter travels in (and,
+    # over NIXL, the producer the workers pull from).
+    pusher = LoRAPusher(
+        OfflineLLMWeightSyncClient(llm),
+        transport=args.transport,
+        producer_host=args.producer_host,
+        verify_checksums=True,
+    )
     pushed = LoRARequest("policy", 1, memory_path("policy"))
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
@@ -106,9 +130,16 @@ def main() -> int:
                 verdict = "matches the adapter from disk and HF + PEFT"
             except AssertionError as e:
                 ok, verdict = False, f"MISMATCH: {e}"
+            receipts = pusher.last_publication
+            attested = (
+                len(receipts.verified.workers)
+                if receipts is not None and receipts.verified is not None
+                else 0
+            )
             print(
                 f"step {step}: pushed {len(adapter.tensors)} tensors "
-                f"({nbytes / 1e6:.2f} MB) in {push_s:.3f} s; {verdict}"
+                f"({nbytes / 1e6:.2f} MB) over {args.transport} in {push_s:.3f} s, "
+                f"{attested} worker receipt(s) verified; {verdict}"
             )
     pusher.close()
     llm.llm_engine.engine_core.shutdown()

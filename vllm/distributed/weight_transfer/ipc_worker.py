@@ -67,7 +67,10 @@ from vllm.distributed.weight_transfer.verification import (
     describe_error,
     device_identity,
 )
-from vllm.distributed.weight_transfer.worker_lifecycle import LayerwiseWorkerEngine
+from vllm.distributed.weight_transfer.worker_lifecycle import (
+    LayerwiseWorkerEngine,
+    global_worker_rank,
+)
 from vllm.logger import init_logger
 
 if TYPE_CHECKING:
@@ -136,7 +139,7 @@ class IPCWeightTransferEngine(
         # constructing the engine must not touch the device.
         return WorkerPublication(
             backend="ipc",
-            worker_rank=_worker_rank(self.vllm_config),
+            worker_rank=global_worker_rank(self.vllm_config),
             worker_device=device_identity(self.device),
         )
 
@@ -468,7 +471,7 @@ class IPCWeightTransferEngine(
             plan = LandingPlan.bake(
                 self.model,
                 metas,
-                worker=f"ipc worker {_worker_rank(self.vllm_config)}",
+                worker=f"ipc worker {global_worker_rank(self.vllm_config)}",
                 vllm_config=self.vllm_config,
             )
         except Exception as e:
@@ -509,7 +512,7 @@ class IPCWeightTransferEngine(
         landing = CodesLanding.plan(
             self.model,
             layout,
-            worker=f"ipc worker {_worker_rank(self.vllm_config)}",
+            worker=f"ipc worker {global_worker_rank(self.vllm_config)}",
             vllm_config=self.vllm_config,
         )
         self._codes_kept = (layout, landing)
@@ -593,21 +596,6 @@ def _spans(views: list[Any], n_buffers: int) -> list[tuple[int, int]]:
 
 def _total_nbytes(views: list[Any]) -> int:
     return sum(view.nbytes for view in views)
-
-
-def _worker_rank(vllm_config: Any) -> int:
-    """The worker's global rank across data-parallel replicas: the index
-    vLLM's ``Worker`` uses to pick its element of a list payload."""
-    parallel = getattr(vllm_config, "parallel_config", None)
-    dp_index = getattr(parallel, "data_parallel_index", 0) or 0
-    world_size = getattr(parallel, "world_size", 1) or 1
-    try:
-        from vllm.distributed.parallel_state import get_world_group
-
-        rank = get_world_group().rank_in_group
-    except (AssertionError, ImportError):
-        rank = 0
-    return dp_index * world_size + rank
 
 
 def _typed_views(

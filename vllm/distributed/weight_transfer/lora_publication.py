@@ -29,8 +29,9 @@ is what is attested and how versions are ordered:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -76,6 +77,16 @@ class AdapterPublication:
         # The payload checksums of the message being received, by buffer.
         self.message_checksums: list[str] | None = None
         self.receipt: Receipt | None = None
+        # Delivers receipts on the ``"producer"`` channel: set by the worker
+        # when the adapter was pulled from a producer (``lora_pull``).
+        self.producer_call: Callable[[dict[str, Any]], object] | None = None
+
+    def _sink(self) -> Any:
+        return sink_for(
+            self.header,
+            producer_call=self.producer_call,
+            receipt_root=self.receipt_root,
+        )
 
     def next_message(
         self, header: PublicationHeader | None, checksums: list[str] | None
@@ -125,7 +136,7 @@ class AdapterPublication:
         delivered raises."""
         if self.receipt is None:
             receipt = self.checker.receipt(self.worker_rank, self.worker_device)
-            sink = sink_for(self.header, receipt_root=self.receipt_root)
+            sink = self._sink()
             if sink is not None:
                 sink.deliver(receipt)
             self.receipt = receipt
@@ -142,7 +153,7 @@ class AdapterPublication:
             weights_intact=True,
         )
         try:
-            sink = sink_for(self.header, receipt_root=self.receipt_root)
+            sink = self._sink()
             if sink is not None:
                 sink.deliver(receipt)
         except Exception as e:

@@ -34,6 +34,13 @@ wait for) pushes unverified, with a warning.
     # pusher.push(adapter, version=...)
     llm.generate(prompts, lora_request=LoRARequest("policy", 1, "memory://policy"))
 
+Across machines (``transport="nixl"``): the packed buffer is served by a
+``sharded_rdt`` producer over NIXL instead of mapped, and every worker pulls
+it (``lora_pull``); receipts come back through the producer. The trainer must
+reach no shared path or handle, only the workers its NIXL endpoint
+(``producer_host``), and every wait is bounded by ``stall_timeout_s``. Any
+backend's engine takes these pushes.
+
 Over HTTP (``HTTPVLLMWeightSyncClient``) the push also registers the adapter's
 name with the OpenAI server, so ``model="policy"`` requests reach it; the server
 needs ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (upstream's
@@ -47,10 +54,12 @@ adapters itself, e.g. ``/v1/load_lora_adapter``). The worker never reads it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -74,6 +83,12 @@ from vllm.distributed.weight_transfer.lora_adapters import (
     memory_path,
     module_of,
 )
+from vllm.distributed.weight_transfer.lora_pull import (
+    ADAPTER_PULL_KEY,
+    AdapterPull,
+    AdapterServer,
+    served_workers,
+)
 from vllm.distributed.weight_transfer.stale_updates import start_update
 from vllm.distributed.weight_transfer.verification import (
     DEFAULT_RECEIPT_TIMEOUT_S,
@@ -91,6 +106,9 @@ logger = init_logger(__name__)
 __all__ = ["LoRAAdapter", "LoRAPusher", "memory_path", "push_lora_adapter"]
 
 ALIGN = 64
+# How long each wait of a pull over NIXL may last: workers register within
+# moments of the message, and an adapter reads in well under a second.
+DEFAULT_PULL_STALL_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -185,11 +203,14 @@ def push_lora_adapter(
     verify_publication: bool = True,
     model_version: int | None = None,
     receipt_timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S,
+    transport: Literal["ipc", "nixl"] = "ipc",
+    producer_host: str = "127.0.0.1",
+    stall_timeout_s: float = DEFAULT_PULL_STALL_TIMEOUT_S,
 ) -> VerifiedPublication | None:
     """Push ``adapter`` to the engine ``client`` drives, once; see the module
     docstring. Returns what the receipts verified (None when unverified). A
     trainer that pushes every step keeps a ``LoRAPusher``, which reuses its
-    buffer."""
+    buffer (and, with ``transport="nixl"``, its producer)."""
     pusher = LoRAPusher(
         client,
         rank=rank,
@@ -197,6 +218,9 @@ def push_lora_adapter(
         verify_publication=verify_publication,
         model_version=model_version,
         receipt_timeout_s=receipt_timeout_s,
+        transport=transport,
+        producer_host=producer_host,
+        stall_timeout_s=stall_timeout_s,
     )
     try:
         return pusher.push(adapter, version=version)
@@ -211,8 +235,12 @@ class LoRAPusher:
     buffer's handle). ``verify_publication``, ``model_version`` (the first
     model version of each adapter name; None: the wall clock) and
     ``receipt_timeout_s`` (the wait for every receipt) are described in the
-    module docstring. ``close()`` frees the buffer; a failed push frees it
-    too, since a worker that timed out may still be reading it."""
+    module docstring. ``transport``: ``"ipc"`` (workers map the buffer:
+    colocated) or ``"nixl"`` (workers pull it from a producer this pusher
+    serves at ``producer_host``: any machine; ``stall_timeout_s`` bounds each
+    wait of a pull). ``close()`` frees the buffer and the producer; a failed
+    push frees them too, since a worker that timed out may still be reading
+    the buffer."""
 
     def __init__(
         self,
@@ -223,16 +251,38 @@ class LoRAPusher:
         verify_publication: bool = True,
         model_version: int | None = None,
         receipt_timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S,
+        transport: Literal["ipc", "nixl"] = "ipc",
+        producer_host: str = "127.0.0.1",
+        stall_timeout_s: float = DEFAULT_PULL_STALL_TIMEOUT_S,
     ) -> None:
         if model_version is not None and model_version < 0:
             raise ValueError(f"model_version must be >= 0, got {model_version}")
+        if transport not in ("ipc", "nixl"):
+            raise ValueError(
+                f"transport must be 'ipc' (colocated) or 'nixl' (across "
+                f"machines), got {transport!r}"
+            )
+        if not stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s}")
+        has_world_size = callable(getattr(client, "get_world_size", None))
+        if transport == "nixl" and not has_world_size:
+            raise ValueError(
+                f"transport='nixl' needs a client with get_world_size() (how many "
+                f"workers pull); {type(client).__name__} has none. Use a client "
+                "from vllm.distributed.weight_transfer.clients"
+            )
+        self.transport = transport
+        self.producer_host = producer_host
+        self.stall_timeout_s = stall_timeout_s
+        self._server: AdapterServer | None = None
+        self._payload: torch.Tensor | None = None
         self.client = client
         self.rank = rank
         # Each worker checks the bytes it read against the trainer's checksum.
         self.verify_checksums = verify_checksums
         # What this pusher does, which can be less than asked (see above).
         self.verify_publication = verify_publication
-        if verify_publication and not callable(getattr(client, "get_world_size", None)):
+        if verify_publication and not has_world_size:
             logger.warning(
                 "LoRA adapter pushes through %s go unverified (no receipts): it "
                 "has no get_world_size(), which says whose receipts to wait "
@@ -269,25 +319,26 @@ class LoRAPusher:
         for _, tensor in items:
             offsets.append(end)
             end += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
-        buffer = self._buffer_for(end, device)
         what = f"LoRA adapter push {adapter.name!r}"
         try:
-            flat = buffer.tensor
-            assert flat is not None
+            flat = self._packing_buffer(end, device)
             with torch.no_grad():
                 for (_, tensor), offset in zip(items, offsets, strict=True):
                     nbytes = tensor.numel() * tensor.element_size()
                     place = flat[offset : offset + nbytes].view(tensor.dtype)
                     place.view(tensor.shape).copy_(tensor)
             sync_device(device)
+            last = offsets[-1] + items[-1][1].numel() * items[-1][1].element_size()
             checksum = None
             if self.verify_checksums:
                 from vllm.distributed.weight_transfer.verification.checksum import (
                     payload_checksum,
                 )
 
-                last = offsets[-1] + items[-1][1].numel() * items[-1][1].element_size()
                 checksum = payload_checksum(flat[:last])
+            pull = None
+            if self.transport == "nixl":
+                pull = self._adapter_server(device).open_push(last)
             pub = self._open_publication(adapter, items, device)
             header = AdapterHeader(
                 adapter.name,
@@ -304,15 +355,23 @@ class LoRAPusher:
                 "shapes": [list(t.shape) for _, t in items],
                 "tensor_sizes": [t.numel() * t.element_size() for _, t in items],
                 "offsets": offsets,
-                "ipc_handles": {device_key(device, self.rank): buffer.handle.to_dict()},
                 ADAPTER_KEY: header.to_dict(),
             }
+            if pull is not None:
+                message[ADAPTER_PULL_KEY] = pull.to_dict()
+            else:
+                assert self._buffer is not None
+                handle = self._buffer.handle.to_dict()
+                message["ipc_handles"] = {device_key(device, self.rank): handle}
             if pub is not None:
                 message = pub.attach(
                     message, checksums=[checksum] if checksum is not None else ()
                 )
             try:
-                self._send(message, pub, what)
+                if pull is not None:
+                    self._send_pulled(message, pub, what, pull, flat[:last])
+                else:
+                    self._send(message, pub, what)
             finally:
                 if pub is not None:
                     pub.close()
@@ -341,6 +400,16 @@ class LoRAPusher:
         versions = self._versions.get(adapter.name)
         if versions is None:
             versions = self._versions[adapter.name] = ModelVersions(self._first_version)
+        if self._server is not None and self.transport == "nixl":
+            return TrainerPublication.open(
+                backend="sharded_rdt",
+                model_version=versions.next(),
+                metas=[ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in items],
+                trainer_devices=[device_identity(device)],
+                channel="producer",
+                checksums=self.verify_checksums,
+                inbox=self._server.receipts,
+            )
         return TrainerPublication.open(
             backend="ipc",
             model_version=versions.next(),
@@ -350,18 +419,50 @@ class LoRAPusher:
             checksums=self.verify_checksums,
         )
 
-    def _send(
-        self, message: dict[str, Any], pub: TrainerPublication | None, what: str
+    def _send_pulled(
+        self,
+        message: dict[str, Any],
+        pub: TrainerPublication | None,
+        what: str,
+        pull: AdapterPull,
+        payload: torch.Tensor,
     ) -> None:
-        """One update: the message; with ``pub``, the prepare message and the
-        check of every expected worker's receipt; then the commit. Any failure
-        after the start aborts the update: the version before keeps serving,
-        and the served weight version is left as it is (only an adapter
-        failed)."""
+        """``_send`` with the producer serving ``payload`` while the workers
+        handle the message: they register, then pull it."""
+        server = self._server
+        assert server is not None
+        workers = served_workers(expected_workers(self.client))
+        stop = threading.Event()
+
+        def update(message: dict[str, Any]) -> None:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                serving = pool.submit(server.serve, pull, payload, workers, stop)
+                try:
+                    self.client.update_weights(message)
+                except BaseException as e:
+                    stop.set()
+                    server.fail(pull, f"a worker refused the adapter: {e}")
+                    raise
+                serving.result()
+
+        self._send(message, pub, what, update=update)
+
+    def _send(
+        self,
+        message: dict[str, Any],
+        pub: TrainerPublication | None,
+        what: str,
+        update: Any = None,
+    ) -> None:
+        """One update: the message (through ``update`` when given); with
+        ``pub``, the prepare message and the check of every expected worker's
+        receipt; then the commit. Any failure after the start aborts the
+        update: the version before keeps serving, and the served weight
+        version is left as it is (only an adapter failed)."""
         try:
             start_update(self.client, what)
             try:
-                self.client.update_weights(message)
+                (update or self.client.update_weights)(message)
                 if pub is not None:
                     self.client.update_weights(
                         {PREPARE_FIELD: pub.header.publication_id}
@@ -382,6 +483,30 @@ class LoRAPusher:
         if pub is not None:
             self.last_publication = pub
 
+    def _packing_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """The uint8 buffer the adapter is packed in: exported (shared memory
+        or CUDA IPC) for ``ipc``, plain memory the producer reads for
+        ``nixl``."""
+        if self.transport == "ipc":
+            flat = self._buffer_for(nbytes, device).tensor
+            assert flat is not None
+            return flat
+        payload = self._payload
+        if payload is None or payload.device != device or payload.numel() < nbytes:
+            payload = self._payload = torch.empty(
+                nbytes, dtype=torch.uint8, device=device
+            )
+        return payload
+
+    def _adapter_server(self, device: torch.device) -> AdapterServer:
+        if self._server is None:
+            self._server = AdapterServer(
+                host=self.producer_host,
+                stall_timeout_s=self.stall_timeout_s,
+                device=device,
+            )
+        return self._server
+
     def _buffer_for(self, nbytes: int, device: torch.device) -> ExportedBuffer:
         buffer = self._buffer
         if buffer is not None and buffer.tensor is not None:
@@ -395,3 +520,7 @@ class LoRAPusher:
         buffer, self._buffer = self._buffer, None
         if buffer is not None:
             buffer.close()
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        self._payload = None

@@ -146,6 +146,7 @@ class Producer:
         device: torch.device | str = "cpu",
         on_new_buffer: Callable[[torch.Tensor], None] | None = None,
         checksums: bool = False,
+        exact_buffers: bool = False,
     ) -> None:
         if sum(group_lens) != len(names):
             raise ValueError(
@@ -165,6 +166,9 @@ class Producer:
         self.device = torch.device(device)
         self._on_new_buffer = on_new_buffer
         self.checksums = checksums
+        # Serve buffers of exactly the largest chunk, not rounded up to
+        # 256 MiB (for small payloads whose size changes rarely).
+        self.exact_buffers = exact_buffers
         self.receipts = ReceiptInbox()
         self._group_of: dict[str, int] = {}
         start = 0
@@ -276,8 +280,38 @@ class Producer:
             self._progress()
             return list(share.buffers)
 
+    def registered(self) -> frozenset[int]:
+        """The ids of the consumers registered now."""
+        with self._cond:
+            return frozenset(self._consumers)
+
+    def failure_of(self, sync_id: int) -> str | None:
+        """Why sync ``sync_id`` failed (a consumer aborted it, begun or not),
+        or None."""
+        with self._cond:
+            if self._error is not None and self._error_gen == sync_id:
+                return str(self._error)
+            return self._doomed.get(sync_id)
+
+    def forget_consumers(self) -> None:
+        """Between syncs: drop every registration (the serve buffers stay for
+        the next registrations), so the next sync counts only consumers that
+        register anew. For producers whose consumers change every sync."""
+        with self._cond:
+            if self._active:
+                raise ProducerError(
+                    f"producer rank {self.rank}: forget_consumers during a sync"
+                )
+            self._consumers.clear()
+            for share in self._shares.values():
+                share.members.clear()
+
     def _allocate(self, need: int) -> list[torch.Tensor]:
-        size = buffer_alloc_bytes(need, self.buffer_presize_bytes)
+        size = (
+            max(need, self.buffer_presize_bytes)
+            if self.exact_buffers
+            else buffer_alloc_bytes(need, self.buffer_presize_bytes)
+        )
         buffers = [
             torch.empty(size, dtype=torch.uint8, device=self.device)
             for _ in range(self.num_slots)
@@ -531,6 +565,17 @@ class Producer:
             if sync_id is not None and sync_id > self._gen:
                 self._doomed.setdefault(sync_id, reason)
                 return
+            self._set_error(reason)
+
+    def fail_sync(self, sync_id: int, reason: str) -> None:
+        """Fail sync ``sync_id`` whether or not it began: consumers already
+        waiting for it to begin raise at once (``fail`` would keep a failure
+        for a sync not begun until its ``begin_sync``)."""
+        with self._cond:
+            if sync_id > self._gen:
+                if self._active:
+                    self._set_error(f"sync {sync_id} failed: {reason}")
+                self._gen = sync_id
             self._set_error(reason)
 
     def close(self) -> None:

@@ -44,7 +44,9 @@ then finish, then a full update); after the trainer's abort message finish
 closes quietly either way.
 
 LoRA adapters (``lora_adapters``): a message with an ``adapter`` header
-goes to the backend's ``receive_adapter`` instead of ``receive_weights``. Its
+goes to the backend's ``receive_adapter`` instead of ``receive_weights``, or,
+when it carries an ``adapter_pull`` (a trainer on another machine), to
+``lora_pull.AdapterPuller``, whatever the backend. Its
 tensors are staged apart from the model and checked on the push's last
 message; ``finish_weight_update`` makes the adapter the version that serves.
 Any failure or abort before that drops the staging; the model is never
@@ -78,6 +80,12 @@ from vllm.distributed.weight_transfer.lora_adapters import (
     AdapterHeader,
     AdapterPushes,
     adapter_header,
+)
+from vllm.distributed.weight_transfer.lora_pull import (
+    ADAPTER_PULL_KEY,
+    AdapterPull,
+    AdapterPuller,
+    payload_views,
 )
 from vllm.distributed.weight_transfer.staged_update import StagedUpdate
 from vllm.distributed.weight_transfer.verification import (
@@ -115,6 +123,8 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         self._prepared = False
         # LoRA adapter pushes (``lora_adapters``), made on first use.
         self._adapters: AdapterPushes | None = None
+        # Pulls of adapters from a trainer on another machine (``lora_pull``).
+        self._adapter_puller: AdapterPuller | None = None
 
     # -- backend hooks -------------------------------------------------------
 
@@ -143,8 +153,9 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         ``self.adapters.expected_checksum`` (backends that carry adapters
         override)."""
         raise ValueError(
-            f"the {self.backend_name} backend does not carry LoRA adapters "
-            f"(adapter {header.name!r}); push them with the ipc backend"
+            f"the {self.backend_name} backend does not map a trainer's buffers "
+            f"(adapter {header.name!r}); push adapters to it with "
+            "LoRAPusher(transport='nixl'), which it pulls from"
         )
 
     # -- what backends use -----------------------------------------------------
@@ -165,7 +176,9 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
                 model=self.model,
                 base_shapes=checkpoint_shapes(self.model_config),
                 max_rank=getattr(lora_config, "max_lora_rank", None),
-                worker_rank=self.pub.worker_rank,
+                # Adapter receipts name workers as expected_workers(client)
+                # counts them, whichever backend this is.
+                worker_rank=global_worker_rank(self.vllm_config),
                 worker_device=self.pub.worker_device,
                 receipt_root=self.pub.receipt_root,
             )
@@ -269,7 +282,10 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
                 # the finish; its publication is the adapter's own.
                 self._session_for(f"adapter {header.name!r}")
                 message = self.adapters.begin(header, update_info)
-                self.receive_adapter(header, message)
+                if ADAPTER_PULL_KEY in message:
+                    self._pull_adapter(header, message)
+                else:
+                    self.receive_adapter(header, message)
                 return
             checker = self.pub.checker
             message = self.pub.begin_message(update_info)
@@ -338,6 +354,32 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
     def shutdown(self) -> None:
         self._close_session("the engine is shutting down")
         self._on_update_closed()
+        puller, self._adapter_puller = self._adapter_puller, None
+        if puller is not None:
+            puller.close()
+
+    def _pull_adapter(self, header: AdapterHeader, message: dict[str, Any]) -> None:
+        """An adapter message from a trainer on another machine: pull the
+        packed adapter over NIXL, check its bytes against the trainer's
+        checksum when it sent one, and stage its tensors; receipts go back
+        through the producer it came from."""
+        pull = AdapterPull.from_dict(message[ADAPTER_PULL_KEY])
+        puller = self._adapter_puller
+        if puller is None:
+            puller = self._adapter_puller = AdapterPuller(self.device)
+        publication = self.adapters.publication
+        if publication is not None:
+            publication.producer_call = puller.deliver_receipt
+        payload = puller.pull(pull)
+        tensors = payload_views(payload, message)
+        expected = self.adapters.expected_checksum(header)
+        if expected is not None:
+            from vllm.distributed.weight_transfer.verification.checksum import (
+                payload_checksum,
+            )
+
+            self.adapters.check_checksum(header, expected, payload_checksum(payload))
+        self.adapters.receive(header, tensors)
 
     # -- internals -----------------------------------------------------------
 
@@ -417,3 +459,18 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
             self._on_update_failed(reason)
         finally:
             self._on_update_closed()
+
+
+def global_worker_rank(vllm_config: Any) -> int:
+    """The worker's rank across data-parallel replicas: the index vLLM's
+    ``Worker`` uses to pick its element of a list payload."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    dp_index = getattr(parallel, "data_parallel_index", 0) or 0
+    world_size = getattr(parallel, "world_size", 1) or 1
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        rank = get_world_group().rank_in_group
+    except (AssertionError, ImportError):
+        rank = 0
+    return dp_index * world_size + rank

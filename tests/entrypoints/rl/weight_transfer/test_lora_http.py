@@ -10,7 +10,9 @@ itself). Every version served is compared bit for bit with the same server
 serving the same adapter loaded from PEFT's directory under another name,
 and with Hugging Face + PEFT's forward (fp32 tolerance); a second push after
 an in-place step reaches the same ``model`` name; a bad adapter is refused
-over HTTP with its cause and the version before keeps serving. At TP 2, where
+over HTTP with its cause and the version before keeps serving; an adapter
+pulled over NIXL from the trainer's producer (``transport="nixl"``) serves
+the same way. At TP 2, where
 each worker maps the adapter's buffer and takes its own slice; TP 1 is
 covered offline (``test_lora_llm.py``, which runs both sizes), so CI starts
 one server here instead of two.
@@ -127,6 +129,29 @@ def test_a_pushed_adapter_serves_openai_requests_by_name(
         "lora_id": PUSHED_ID,
         "version": "v2",
     }
+
+
+def test_an_adapter_pulled_over_nixl_serves_openai_requests_by_name(
+    server, tiny_model_dir, tmp_path
+):
+    """``transport="nixl"``: each of the server's workers pulls the adapter
+    from this process's producer over NIXL and hands its receipt back through
+    it, with checksums on; nothing is mapped."""
+    client = HTTPVLLMWeightSyncClient(server.base_url, timeout=120)
+    model = policy(tiny_model_dir, seed=3)
+    adapter = LoRAAdapter.from_peft_model(model, "remote", PUSHED_ID + 1)
+    verified = push_lora_adapter(
+        client, adapter, version="r1", transport="nixl", verify_checksums=True
+    )
+    assert verified is not None and verified.workers == (0, 1)
+    assert verified.checksums_verified == 2
+    served = completions_greedy(server.base_url, "remote")
+    assert_bit_identical(
+        served, from_disk(server, model, tmp_path / "r1", "remote-disk-1"), what="r1"
+    )
+    assert_same_greedy(served, hf_greedy(model), atol=logprob_atol("float32"))
+    status = requests.get(f"{server.base_url}/weight_update_status", timeout=30)
+    assert status.json()["adapters"]["remote"]["version"] == "r1"
 
 
 def test_a_memory_path_never_pushed_is_refused_and_the_server_keeps_serving(server):

@@ -15,6 +15,9 @@ Oracles, for every adapter version served:
 
 Scenarios: a first push, verified by the receipt of every worker (each TP
 rank attests the whole adapter); a second after an in-place optimizer step;
+the same pulled over NIXL from the trainer's producer (``transport="nixl"``,
+the transport that crosses machines), and a pull no worker can make refused
+with the cause while the version before keeps serving;
 two adapters updated independently; bad adapters (rank above max_lora_rank, an
 unknown module, a wrong shape, an id serving another name) refused with the
 cause before anything changes; a push that fails at the finish leaves the
@@ -37,6 +40,7 @@ from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainer
 from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 from vllm.distributed.weight_transfer.lora_adapters import AdapterConfig
+from vllm.distributed.weight_transfer.lora_pull import ADAPTER_PULL_KEY
 from vllm.distributed.weight_transfer.lora_trainer import (
     LoRAAdapter,
     LoRAPusher,
@@ -195,6 +199,67 @@ def test_an_adapter_pushed_from_memory_serves_as_from_disk_and_a_second_push(rig
         pusher.close()
     assert second != first
     assert_bit_identical(rig.greedy(alias), third, what="by memory path, v3")
+
+
+class WrongProducerKey(OfflineLLMWeightSyncClient):
+    """Sends adapter pulls with a producer auth key that does not match, so
+    every worker's connection to the trainer's producer is refused."""
+
+    def update_weights(
+        self, update_info: dict[str, Any] | list[dict[str, Any]]
+    ) -> None:
+        pull = (
+            None if isinstance(update_info, list) else update_info.get(ADAPTER_PULL_KEY)
+        )
+        if pull is not None:
+            assert isinstance(update_info, dict)
+            endpoint = {**pull["endpoint"], "authkey": "00" * 16}
+            update_info = {
+                **update_info,
+                ADAPTER_PULL_KEY: {**pull, "endpoint": endpoint},
+            }
+        super().update_weights(update_info)
+
+
+def test_an_adapter_pulled_over_nixl_serves_and_a_failed_pull_changes_nothing(
+    rig,
+):
+    """``transport="nixl"``: every worker pulls the packed adapter from the
+    trainer's producer (what a trainer on another machine does) and its
+    receipt comes back through the producer."""
+    model = rig.peft_model(seed=13)
+    workers = rig.client.get_world_size()
+    pusher = LoRAPusher(rig.client, transport="nixl", verify_checksums=True)
+    try:
+        verified = pusher.push(
+            LoRAAdapter.from_peft_model(model, "remote", 8), version="r1"
+        )
+        assert verified is not None and verified.workers == tuple(range(workers))
+        assert verified.checksums_verified == workers
+        first = rig.assert_serves(model, "remote", 8)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(-1.5)
+        # The same producer serves the next push.
+        pusher.push(LoRAAdapter.from_peft_model(model, "remote", 8), version="r2")
+        second = rig.assert_serves(model, "remote", 8)
+        assert second != first
+    finally:
+        pusher.close()
+    # No worker can reach the producer: refused with the cause, r2 serves.
+    with pytest.raises(Exception, match="could not open a control connection"):
+        push_lora_adapter(
+            WrongProducerKey(rig.llm),
+            LoRAAdapter.from_peft_model(rig.peft_model(seed=14), "remote", 8),
+            transport="nixl",
+            stall_timeout_s=10.0,
+        )
+    assert_bit_identical(
+        rig.greedy(rig.lora("remote", 8)), second, what="after the failed pull"
+    )
+    status = rig.llm.collective_rpc(worker_fence_status)
+    assert all(s["state"] != "fenced" for s in status), status
 
 
 def test_two_adapters_are_updated_independently(rig):
