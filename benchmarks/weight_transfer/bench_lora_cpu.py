@@ -15,11 +15,19 @@ in-place change of its tensors:
   message, every worker checks, the commit) plus ``LLM.llm_engine.add_lora``
   of the pushed id, which makes the worker build the adapter as a request
   would;
+* ``nixl_s``: the same push with ``transport="nixl"`` (what a trainer on
+  another machine does: the worker pulls the packed adapter from the
+  pusher's producer over NIXL and returns its receipt through it), plus the
+  same ``add_lora``;
 * ``disk_s``: ``save_pretrained`` into a fresh directory plus ``add_lora`` of
   a ``LoRARequest`` on it with ``load_inplace=True`` (what a framework does to
   replace an adapter that serves);
-* ``adapter_bytes``, ``push_over_disk`` (medians), and whether a greedy
-  generation through both serves the same tokens and logprobs bit for bit.
+* ``adapter_bytes``, ``push_over_disk``, ``nixl_over_disk`` and
+  ``nixl_over_push`` (medians), and whether a greedy generation through each
+  serves the same tokens and logprobs bit for bit as the adapter from disk.
+
+Both pushes are verified publications (every worker's receipt checked before
+the commit), as by default.
 
 Written to ``benchmarks/results/lora_cpu.json``.
 
@@ -75,10 +83,12 @@ def main() -> int:
     model_dir = build_tiny_model(TinyModelSpec(**BENCH_SPEC))
     base = load_hf_model(model_dir, "float32")
     llm = tiny_llm(
-        model_dir, enable_lora=True, max_lora_rank=max(args.ranks), max_cpu_loras=4
+        model_dir, enable_lora=True, max_lora_rank=max(args.ranks), max_cpu_loras=8
     )
     # A trainer pushing every step keeps its pusher (and its buffer).
-    pusher = LoRAPusher(OfflineLLMWeightSyncClient(llm))
+    client = OfflineLLMWeightSyncClient(llm)
+    pusher = LoRAPusher(client)
+    puller = LoRAPusher(client, transport="nixl")
     results: dict[str, dict] = {}
     next_id = 1
     try:
@@ -91,9 +101,9 @@ def main() -> int:
                     ),
                 )
                 lora = [p for n, p in model.named_parameters() if "lora_" in n]
-                push_id, disk_id = next_id, next_id + 1
-                next_id += 2
-                push_s, disk_s = [], []
+                push_id, disk_id, pull_id = next_id, next_id + 1, next_id + 2
+                next_id += 3
+                push_s, disk_s, nixl_s = [], [], []
                 for round_ in range(args.rounds + 1):  # the first is a warm-up
                     gen = torch.Generator().manual_seed(round_)
                     with torch.no_grad():
@@ -110,6 +120,15 @@ def main() -> int:
                         )
                     )
                     push_s.append(time.perf_counter() - t0)
+                    pulled = LoRAAdapter.from_peft_model(model, f"pull-{rank}", pull_id)
+                    t0 = time.perf_counter()
+                    puller.push(pulled)
+                    llm.llm_engine.add_lora(
+                        LoRARequest(
+                            f"pull-{rank}", pull_id, memory_path(f"pull-{rank}")
+                        )
+                    )
+                    nixl_s.append(time.perf_counter() - t0)
                     path = os.path.join(tmp, f"rank{rank}-round{round_}")
                     t0 = time.perf_counter()
                     model.save_pretrained(path)
@@ -124,6 +143,13 @@ def main() -> int:
                         f"push-{rank}", push_id, memory_path(f"push-{rank}")
                     ),
                 )
+                pulled_out = vllm_greedy(
+                    llm,
+                    one_at_a_time=True,
+                    lora_request=LoRARequest(
+                        f"pull-{rank}", pull_id, memory_path(f"pull-{rank}")
+                    ),
+                )
                 from_disk = vllm_greedy(
                     llm,
                     one_at_a_time=True,
@@ -131,15 +157,20 @@ def main() -> int:
                 )
                 nbytes = sum(p.numel() * p.element_size() for p in lora)
                 push_median = statistics.median(push_s[1:])
+                nixl_median = statistics.median(nixl_s[1:])
                 disk_median = statistics.median(disk_s[1:])
                 result = {
                     "adapter_bytes": nbytes,
                     "adapter_tensors": len(lora),
                     "push_s": [round(x, 4) for x in push_s[1:]],
                     "push_s_median": round(push_median, 4),
+                    "nixl_s": [round(x, 4) for x in nixl_s[1:]],
+                    "nixl_s_median": round(nixl_median, 4),
+                    "nixl_first_s": round(nixl_s[0], 4),
                     "disk_s": [round(x, 4) for x in disk_s[1:]],
                     "disk_s_median": round(disk_median, 4),
                     "same_output": pushed == from_disk,
+                    "same_output_nixl": pulled_out == from_disk,
                     "same_tokens": pushed.tokens == from_disk.tokens,
                     "max_logprob_diff": max(
                         abs(x - y)
@@ -149,11 +180,14 @@ def main() -> int:
                         for x, y in zip(a, b, strict=True)
                     ),
                     "push_over_disk": round(push_median / disk_median, 3),
+                    "nixl_over_disk": round(nixl_median / disk_median, 3),
+                    "nixl_over_push": round(nixl_median / push_median, 3),
                 }
                 print(f"rank {rank}: {result}", flush=True)
                 results[f"rank_{rank}"] = result
     finally:
         pusher.close()
+        puller.close()
         llm.llm_engine.engine_core.shutdown()
     doc = {
         "benchmark": "lora_push_vs_save_and_load",
@@ -165,7 +199,8 @@ def main() -> int:
         **results,
     }
     emit_json(doc, str(args.out / "lora_cpu.json"))
-    return 0 if all(r["same_output"] for r in results.values()) else 1
+    same = all(r["same_output"] and r["same_output_nixl"] for r in results.values())
+    return 0 if same else 1
 
 
 if __name__ == "__main__":
