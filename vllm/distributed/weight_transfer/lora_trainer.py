@@ -57,7 +57,7 @@ from __future__ import annotations
 import concurrent.futures
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -400,7 +400,8 @@ class LoRAPusher:
         versions = self._versions.get(adapter.name)
         if versions is None:
             versions = self._versions[adapter.name] = ModelVersions(self._first_version)
-        if self._server is not None and self.transport == "nixl":
+        if self.transport == "nixl":
+            assert self._server is not None  # made by open_push, before this
             return TrainerPublication.open(
                 backend="sharded_rdt",
                 model_version=versions.next(),
@@ -452,7 +453,7 @@ class LoRAPusher:
         message: dict[str, Any],
         pub: TrainerPublication | None,
         what: str,
-        update: Any = None,
+        update: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         """One update: the message (through ``update`` when given); with
         ``pub``, the prepare message and the check of every expected worker's
