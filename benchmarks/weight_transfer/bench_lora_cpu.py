@@ -103,32 +103,25 @@ def main() -> int:
                 lora = [p for n, p in model.named_parameters() if "lora_" in n]
                 push_id, disk_id, pull_id = next_id, next_id + 1, next_id + 2
                 next_id += 3
-                push_s, disk_s, nixl_s = [], [], []
+                push_s: list[float] = []
+                disk_s: list[float] = []
+                nixl_s: list[float] = []
                 for round_ in range(args.rounds + 1):  # the first is a warm-up
                     gen = torch.Generator().manual_seed(round_)
                     with torch.no_grad():
                         for p in lora:
                             p.copy_(torch.randn(p.shape, generator=gen) * 0.01)
-                    adapter = LoRAAdapter.from_peft_model(
-                        model, f"push-{rank}", push_id
-                    )
-                    t0 = time.perf_counter()
-                    pusher.push(adapter)
-                    llm.llm_engine.add_lora(
-                        LoRARequest(
-                            f"push-{rank}", push_id, memory_path(f"push-{rank}")
+                    for way, name, lora_id, times in (
+                        (pusher, f"push-{rank}", push_id, push_s),
+                        (puller, f"pull-{rank}", pull_id, nixl_s),
+                    ):
+                        adapter = LoRAAdapter.from_peft_model(model, name, lora_id)
+                        t0 = time.perf_counter()
+                        way.push(adapter)
+                        llm.llm_engine.add_lora(
+                            LoRARequest(name, lora_id, memory_path(name))
                         )
-                    )
-                    push_s.append(time.perf_counter() - t0)
-                    pulled = LoRAAdapter.from_peft_model(model, f"pull-{rank}", pull_id)
-                    t0 = time.perf_counter()
-                    puller.push(pulled)
-                    llm.llm_engine.add_lora(
-                        LoRARequest(
-                            f"pull-{rank}", pull_id, memory_path(f"pull-{rank}")
-                        )
-                    )
-                    nixl_s.append(time.perf_counter() - t0)
+                        times.append(time.perf_counter() - t0)
                     path = os.path.join(tmp, f"rank{rank}-round{round_}")
                     t0 = time.perf_counter()
                     model.save_pretrained(path)

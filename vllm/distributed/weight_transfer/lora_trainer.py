@@ -394,7 +394,8 @@ class LoRAPusher:
     ) -> TrainerPublication | None:
         """The publication of this push (None when unverified): the
         adapter's tensors as its manifest, the next version of the adapter's
-        own order, receipts through shared memory."""
+        own order, receipts through shared memory (or, when pulled, the
+        producer)."""
         if not self.verify_publication:
             return None
         versions = self._versions.get(adapter.name)
@@ -402,22 +403,18 @@ class LoRAPusher:
             versions = self._versions[adapter.name] = ModelVersions(self._first_version)
         if self.transport == "nixl":
             assert self._server is not None  # made by open_push, before this
-            return TrainerPublication.open(
-                backend="sharded_rdt",
-                model_version=versions.next(),
-                metas=[ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in items],
-                trainer_devices=[device_identity(device)],
-                channel="producer",
-                checksums=self.verify_checksums,
-                inbox=self._server.receipts,
-            )
+            # Pulled from another machine: receipts come back through the
+            # producer, not a shared-memory directory.
+            channel = {"channel": "producer", "inbox": self._server.receipts}
+        else:
+            channel = {"channel": "shm"}
         return TrainerPublication.open(
-            backend="ipc",
+            backend="sharded_rdt" if self.transport == "nixl" else "ipc",
             model_version=versions.next(),
             metas=[ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in items],
             trainer_devices=[device_identity(device)],
-            channel="shm",
             checksums=self.verify_checksums,
+            **channel,
         )
 
     def _send_pulled(
