@@ -57,3 +57,30 @@ def test_a_name_repeated_within_one_message_is_refused_before_loading():
 def test_the_deadline_must_be_positive():
     with pytest.raises(ValueError, match="update_timeout_s"):
         WeightTransferConfig(backend="ipc", update_timeout_s=0)
+
+
+def test_direct_writes_count_as_landed_and_forward_passes_abort_them():
+    """``writing_served``: copies bound to served tensors (``sharded_rdt``'s
+    planned landing) touch the model without moving a layer aside, so an
+    update past its deadline reports the model touched, and a forward pass
+    during them aborts the update as it would during a reload."""
+    aborts: list = []
+    s = session(timeout_s=0.01, aborts=aborts)
+    s.writing_served()
+    assert s.touched_model and not s.landing
+    time.sleep(0.05)
+    with pytest.raises(TimeoutError):
+        s.finish()
+    assert aborts and aborts[0][1]  # served tensors had been written
+
+    aborts.clear()
+    s = session(aborts=aborts)
+    s.writing_served()
+    s.model(torch.zeros(1, 2))  # generation not paused
+    assert not s.is_open
+    assert aborts and "forward pass" in aborts[0][0] and aborts[0][1]
+    s.start()
+    s.writing_served()
+    s.finish()  # the guard goes with the session
+    s.model(torch.zeros(1, 2))
+    assert not s.is_open and len(aborts) == 1

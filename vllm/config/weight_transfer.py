@@ -55,17 +55,19 @@ class WeightTransferConfig:
     """
 
     landing: Literal["reload", "planned"] = "reload"
-    """How an in-place ``ipc`` update reaches the served tensors.
+    """How an ``ipc`` or ``sharded_rdt`` update reaches the served tensors.
     ``"reload"`` (the default) lands every tensor through vLLM's layerwise
     reload: each layer it touches is rebuilt, loaded, processed and copied
     back. ``"planned"`` plans once (the sharded_rdt planner records where the
     model's own loaders put each byte, and each layer is proven to keep its
-    bytes through vLLM's post-load processing) and then copies the tensors of
-    such layers straight into the served tensors, once per byte; the other
-    layers (MoE experts on vLLM CPU, packed or quantized layers) take the
-    layerwise reload within the same update. On vLLM CPU, linear layers
-    qualify only with ``cpu_linear="plain"``. Staged updates
-    (``staging`` other than ``"off"``) always reload.
+    bytes through vLLM's post-load processing) and then copies the bytes of
+    such layers straight into the served tensors, once per byte: from the
+    trainer's tensors for ``ipc``, from the receive buffer for
+    ``sharded_rdt``. The other layers (MoE experts on vLLM CPU, packed or
+    quantized layers) take the layerwise reload within the same update. On
+    vLLM CPU, linear layers qualify only with ``cpu_linear="plain"``. Staged
+    updates (``staging`` other than ``"off"``) stage the same bytes and land
+    them the same way at the commit.
     """
 
     def __post_init__(self) -> None:

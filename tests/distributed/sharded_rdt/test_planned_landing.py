@@ -3,9 +3,13 @@
 """``planned_landing.LandingPlan`` on small hand-written models: which names
 land straight in served tensors and which modules reload (and why), landing
 equals the model's own ``load_weights``, partial updates are refused, and a
-replaced tensor is noticed. The engine path (plain CPU linear layers, MoE
-experts reloading, TP=1 and 2, the fresh-load oracle) is in
-``tests/entrypoints/rl/weight_transfer/test_ipc_llm.py``."""
+replaced tensor is noticed; ``sharded_rdt``'s ``ChunkLander`` lands the
+planned modules' pulled bytes straight into the served tensors, reads them
+back, and materializes and processes only the others. The engine paths
+(plain CPU linear layers, MoE experts reloading, TP=1 and 2, the fresh-load
+oracle) are in ``tests/entrypoints/rl/weight_transfer/test_ipc_llm.py`` and,
+for ``sharded_rdt``, ``test_sharded_rdt_llm.py`` and
+``test_sharded_rdt_http.py``."""
 
 import pytest
 import torch
@@ -13,6 +17,11 @@ from test_bake_toy import CHECKPOINT, Toy, _metas, _param
 from torch import nn
 
 from vllm.distributed.weight_transfer.planned_landing import LandingPlan
+from vllm.distributed.weight_transfer.sharded_rdt_chunks import build_pull_plan
+from vllm.distributed.weight_transfer.sharded_rdt_common import RdtRouter
+from vllm.distributed.weight_transfer.sharded_rdt_plan import leaving_unprocessed
+from vllm.distributed.weight_transfer.sharded_rdt_producer import pack_chunk
+from vllm.distributed.weight_transfer.sharded_rdt_reload import ChunkLander
 from vllm.distributed.weight_transfer.update_completeness import (
     IncompleteUpdateError,
 )
@@ -186,3 +195,84 @@ def test_a_staged_update_stages_only_the_slices_this_rank_keeps():
     for name in ("toy.fused.weight", "toy.norm.weight", "kept.weight"):
         assert torch.equal(got[name], want[name]), name
     assert staged.staged_bytes == 0
+
+
+class RecordingSteps:
+    """Module steps for a model whose checkpoint-format tensors are real:
+    records what it materializes and processes, and processes a module by
+    its quantization method, as vLLM's per-layer step would."""
+
+    def __init__(self, model):
+        self.model = model
+        self.materialized: list[str] = []
+        self.processed: list[str] = []
+
+    def materialize(self, module_name):
+        self.materialized.append(module_name)
+
+    def process(self, module_name):
+        module = self.model.get_submodule(module_name)
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+        self.processed.append(module_name)
+
+
+def _land_pulled(model, checkpoint, landing, opened):
+    """One sharded_rdt sync of ``checkpoint`` into ``model`` with the planned
+    landing ``landing``, as the engine lands it: every chunk packed by the
+    producer's ``pack_chunk``, landed by ``ChunkLander`` and read back."""
+    plan = leaving_unprocessed(landing.plan, landing.writers)
+    pulls = build_pull_plan(plan, RdtRouter(1, 1), consumer_id=0)
+    steps = RecordingSteps(model)
+    lander = ChunkLander(model, plan, pulls, steps, direct=landing.bound_copies())
+    lander.begin(before_first_module=lambda: opened.append("reload"))
+    for index, chunk in enumerate(pulls.chunks):
+        data = torch.empty(chunk.nbytes, dtype=torch.uint8)
+        pack_chunk(chunk, checkpoint, data)
+        lander.land(index, data)
+        assert not lander.direct_differs(index, data)
+    return lander, steps, pulls
+
+
+def test_sharded_rdt_lands_planned_modules_straight_and_processes_the_rest():
+    reference = Mixed()
+    reference.load_weights(MIXED.items())
+    for layer in (reference.doubled, reference.handled, reference.beside):
+        layer.quant_method.process_weights_after_loading(layer)
+    model = Mixed()
+    landing = _bake(model, MIXED)
+    opened: list[str] = []
+    lander, steps, _ = _land_pulled(model, MIXED, landing, opened)
+    # The layerwise reload opens once, for the first module it must rebuild;
+    # only those modules are materialized and processed.
+    assert opened == ["reload"]
+    assert set(steps.materialized) == set(steps.processed) == set(landing.reloaded)
+    assert lander.processed == steps.processed
+    got, want = dict(model.named_parameters()), dict(reference.named_parameters())
+    assert got.keys() == want.keys()
+    for name in got:
+        assert torch.equal(got[name], want[name]), name
+    assert torch.equal(model.handled.handle, reference.handled.handle)
+
+
+def test_a_sync_whose_every_module_lands_straight_never_opens_the_reload():
+    checkpoint = {n: t for n, t in MIXED.items() if n.startswith("toy.")}
+    checkpoint["kept.weight"] = MIXED["kept.weight"]
+    reference = Mixed()
+    reference.load_weights(checkpoint.items())
+    model = Mixed()
+    landing = _bake(model, checkpoint)
+    assert not landing.reloaded
+    opened: list[str] = []
+    lander, steps, pulls = _land_pulled(model, checkpoint, landing, opened)
+    assert opened == [] and steps.materialized == steps.processed == []
+    for name in ("toy.fused.weight", "toy.norm.weight", "kept.weight"):
+        got = model.get_parameter(name)
+        assert torch.equal(got, reference.get_parameter(name)), name
+    # The read-back sees a served byte that differs from the pulled one.
+    model.kept.weight.data[0] += 1
+    data = torch.empty(pulls.chunks[-1].nbytes, dtype=torch.uint8)
+    pack_chunk(pulls.chunks[-1], checkpoint, data)
+    index = len(pulls.chunks) - 1
+    assert lander.has_direct(index) and bool(lander.direct_differs(index, data))

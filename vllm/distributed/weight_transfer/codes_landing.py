@@ -59,11 +59,11 @@ from vllm.distributed.weight_transfer.fp8_codes import (
     codes_name_of,
     scale_name,
 )
-from vllm.distributed.weight_transfer.planned_landing import bit_pattern
 from vllm.distributed.weight_transfer.sharded_rdt_ops import (
     OpChain,
     SliceSpec,
     ViewOp,
+    bit_pattern,
     dtype_name,
     replay,
 )

@@ -122,6 +122,9 @@ class LayerwiseReloadSession:
         self._forward_guard: Any = None
         # The direct landings that wrote served tensors in this update.
         self._direct: list[DirectLanding] = []
+        # Whether copies outside any DirectLanding wrote served tensors
+        # (``writing_served``).
+        self._wrote_served = False
 
     @property
     def is_open(self) -> bool:
@@ -149,11 +152,26 @@ class LayerwiseReloadSession:
         reason = self._calls.overdue(self._open)
         if reason is None:
             return
-        landed = self._landing or bool(self._direct)
+        landed = self.touched_model
         self.abort(reason)
         if self.on_abort is not None:
             self.on_abort(reason, landed)
         raise TimeoutError(self.closed_message(what))
+
+    @property
+    def touched_model(self) -> bool:
+        """Whether this update moved layers aside or wrote served tensors."""
+        return self._landing or bool(self._direct) or self._wrote_served
+
+    def writing_served(self) -> None:
+        """Copies bound to served tensors outside any ``DirectLanding``
+        (``sharded_rdt_reload.ChunkLander``'s direct copies) are about to
+        run: from here until the session closes, a forward pass aborts it,
+        and an abort counts the model as touched (idempotent)."""
+        if not self._open:
+            raise RuntimeError(self.closed_message("landing"))
+        self._wrote_served = True
+        self._guard_forward()
 
     def begin_landing(self) -> None:
         """Move the layers aside for loading (idempotent)."""
@@ -244,7 +262,7 @@ class LayerwiseReloadSession:
         if not self._open:
             raise RuntimeError(self.closed_message("finish()"))
         self.check_deadline("finish()")
-        if not self._landing and not self._direct:
+        if not self.touched_model:
             self._close()  # nothing arrived: the model was never touched
             return
         try:
@@ -304,6 +322,7 @@ class LayerwiseReloadSession:
         self._open = False
         self._landing = False
         self._direct = []
+        self._wrote_served = False
         self._calls.received = set()
 
     def _guard_forward(self) -> None:

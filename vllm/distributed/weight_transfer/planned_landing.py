@@ -52,8 +52,12 @@ from typing import Any
 import torch
 
 from vllm.distributed.weight_transfer.base import ParamMeta
-from vllm.distributed.weight_transfer.sharded_rdt_ops import SliceSpec, replay_slice
-from vllm.distributed.weight_transfer.sharded_rdt_plan import WorkerPlan
+from vllm.distributed.weight_transfer.sharded_rdt_ops import (
+    SliceSpec,
+    bit_pattern,
+    replay_slice,
+)
+from vllm.distributed.weight_transfer.sharded_rdt_plan import SliceCopy, WorkerPlan
 from vllm.distributed.weight_transfer.sharded_rdt_reload import region_view
 from vllm.distributed.weight_transfer.update_completeness import (
     IncompleteUpdateError,
@@ -64,13 +68,19 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
+__all__ = ["LandingPlan", "bit_pattern"]
+
 
 @dataclass(frozen=True)
 class _Bound:
     """One planned copy bound to the live tensor it writes."""
 
-    spec: SliceSpec
+    copy: SliceCopy
     view: torch.Tensor
+
+    @property
+    def spec(self) -> SliceSpec:
+        return self.copy.slice
 
 
 @dataclass
@@ -123,6 +133,15 @@ class LandingPlan:
         plan = bake_worker_plan(
             model, metas, worker=worker, vllm_config=vllm_config, allow_partial=True
         )
+        return cls.of_plan(model, plan, vllm_config=vllm_config)
+
+    @classmethod
+    def of_plan(
+        cls, model: torch.nn.Module, plan: WorkerPlan, *, vllm_config: Any | None
+    ) -> LandingPlan:
+        """Steps 2-4 of the module docstring for a plan already baked for
+        ``model`` (``sharded_rdt`` bakes its own at init)."""
+        worker = plan.worker
         writers: dict[str, set[str]] = {}
         writes: dict[str, set[str]] = {}
         for copy in plan.copies:
@@ -155,7 +174,7 @@ class LandingPlan:
             if region.module not in direct_modules:
                 continue
             view = region_view(model, region)
-            copies.setdefault(copy.slice.source, []).append(_Bound(copy.slice, view))
+            copies.setdefault(copy.slice.source, []).append(_Bound(copy, view))
             if region.qualname not in served:
                 owner = model.get_submodule(region.module)
                 tensor = getattr(owner, region.param)
@@ -182,6 +201,12 @@ class LandingPlan:
             _some_reasons(reloaded),
         )
         return landing
+
+    def bound_copies(self) -> dict[SliceCopy, torch.Tensor]:
+        """Every direct copy of the plan, bound to the view of the served
+        tensor it writes (what ``sharded_rdt_reload.ChunkLander`` takes as
+        ``direct``)."""
+        return {b.copy: b.view for bound in self.copies.values() for b in bound}
 
     def still_bound(self) -> bool:
         """Whether every bound view still belongs to the tensor that serves:
@@ -264,19 +289,6 @@ class LandingPlan:
                 "they did not change)"
             )
         self._passed_whole = got
-
-
-# Integer dtypes by item size: bit-for-bit comparisons view floats as these
-# (``torch.equal`` on floats treats -0.0 as 0.0 and a NaN as unequal).
-_BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bit_pattern(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` viewed as integers of its element size when it holds
-    floats, for bit-for-bit comparisons; other tensors as they are."""
-    if tensor.is_floating_point() and tensor.element_size() in _BITS_OF_SIZE:
-        return tensor.view(_BITS_OF_SIZE[tensor.element_size()])
-    return tensor
 
 
 def _modules_that_reload(

@@ -36,6 +36,18 @@ served codes, and those pieces join the pull plan as direct copies
 ``ChunkLander`` straight into the served views, never loaded or processed.
 The other tensors are baked and landed as above.
 
+Planned landing (``WeightTransferConfig.landing="planned"``): at init
+``planned_landing.LandingPlan.of_plan`` proves which modules of the baked
+plan keep their bytes through vLLM's post-load processing; their copies are
+bound to views of the served tensors and join the lander's direct copies
+(``sharded_rdt_plan.leaving_unprocessed`` takes them out of every group's
+``completes``). Each pulled byte of those modules is then copied once, from
+the receive buffer into the served tensor; the other modules (MoE experts on
+vLLM CPU, packed or quantized layers) are materialized, loaded and processed
+as above, in the same sync. A sync whose copies are all direct never opens
+the layerwise reload. With checksums on, every direct copy is read back
+after its chunk landed (``ChunkLander.direct_differs``).
+
 Verified publication (`WorkerPublication`): the update message's header must
 carry the manifest this worker baked its plan from, or the update is refused
 before anything is pulled (the weights stay intact, the engine is not
@@ -72,6 +84,7 @@ from vllm.distributed.weight_transfer.codes_landing import CodesLanding, CodesRe
 from vllm.distributed.weight_transfer.layerwise_session import (
     LayerwiseReloadSession,
 )
+from vllm.distributed.weight_transfer.planned_landing import LandingPlan
 from vllm.distributed.weight_transfer.sharded_rdt_bake import bake_worker_plan
 from vllm.distributed.weight_transfer.sharded_rdt_chunks import (
     PullPlan,
@@ -90,6 +103,7 @@ from vllm.distributed.weight_transfer.sharded_rdt_ops import (
 )
 from vllm.distributed.weight_transfer.sharded_rdt_plan import (
     WorkerPlan,
+    leaving_unprocessed,
     with_direct_copies,
 )
 from vllm.distributed.weight_transfer.sharded_rdt_reload import (
@@ -222,6 +236,14 @@ class ShardedRDTWeightTransferEngine(
         # Trainer-side FP8 codes of the init's layout, landed straight in the
         # served codes (None when the trainer sends none).
         self._codes: CodesLanding | None = None
+        # With ``landing="planned"``: the modules of the plan whose pulled
+        # bytes go straight into the served tensors (None otherwise). It is
+        # planned over ``_baked``, the loaders' plan alone; ``_pulled`` adds
+        # the codes' copies (the plan the pulls were built from), and
+        # ``plan`` takes the planned modules out of its ``completes``.
+        self.landing_plan: LandingPlan | None = None
+        self._baked: WorkerPlan | None = None
+        self._pulled: WorkerPlan | None = None
         # What the last update_weights pulled and landed (JSON-safe).
         self.last_receipt: dict[str, Any] | None = None
         # The structure the plan was baked from, and the bytes of each tensor
@@ -268,7 +290,8 @@ class ShardedRDTWeightTransferEngine(
         if transport_name == "rdt":
             check_ray_rdt_version()
         started = time.perf_counter()
-        consumer_id, metas, plan, pulls, codes = self._plan_consumer(init_info)
+        consumer_id, metas, baked, pulled, pulls, codes = self._plan_consumer(init_info)
+        landing = self._planned_landing(baked)
 
         # Every check so far is pure: an init they refuse leaves the previous
         # one serving syncs. From here on the old links give way to new ones,
@@ -291,7 +314,10 @@ class ShardedRDTWeightTransferEngine(
         self.expected = planned_bytes(pulls)
         self.transport_name = transport_name
         self.stall_timeout_s = init_info.stall_timeout_s
-        self.plan = plan
+        self._baked = baked
+        self._pulled = pulled
+        self.landing_plan = landing
+        self.plan = self._landing_order(pulled, landing)
         self.pulls = pulls
         self._transport = transport
         self._links = links
@@ -312,18 +338,39 @@ class ShardedRDTWeightTransferEngine(
         )
 
     def _make_lander(self) -> ChunkLander:
-        """The lander of the plan, with the FP8 codes' copies bound to views
-        of the served tensors they fill."""
+        """The lander of the plan, with the FP8 codes' copies and the planned
+        landing's bound to views of the served tensors they fill."""
         assert self.plan is not None and self.pulls is not None
         direct = dict(self._codes.slice_copies(self.model)) if self._codes else {}
+        if self.landing_plan is not None:
+            direct.update(self.landing_plan.bound_copies())
         return ChunkLander(self.model, self.plan, self.pulls, direct=direct)
+
+    def _planned_landing(self, baked: WorkerPlan) -> LandingPlan | None:
+        """With ``landing="planned"``, the modules of ``baked`` that land
+        straight in the served tensors; else None."""
+        if getattr(self.config, "landing", "reload") != "planned":
+            return None
+        return LandingPlan.of_plan(self.model, baked, vllm_config=self.vllm_config)
+
+    @staticmethod
+    def _landing_order(pulled: WorkerPlan, landing: LandingPlan | None) -> WorkerPlan:
+        """The plan the lander follows: ``pulled`` with the planned landing's
+        modules processed nowhere."""
+        if landing is None:
+            return pulled
+        return leaving_unprocessed(pulled, landing.writers)
 
     def _plan_consumer(
         self, init_info: ShardedRDTWeightTransferInitInfo
-    ) -> tuple[int, list[ParamMeta], WorkerPlan, PullPlan, CodesLanding | None]:
-        """This worker's consumer id, the trainer's tensors, the baked plan,
-        the pull plan and the landing of trainer-side FP8 codes (None without
-        codes); touches nothing but the plan's own recording."""
+    ) -> tuple[
+        int, list[ParamMeta], WorkerPlan, WorkerPlan, PullPlan, CodesLanding | None
+    ]:
+        """This worker's consumer id, the trainer's tensors, the plan baked
+        from the loaders, that plan with the codes' direct copies (what is
+        pulled), the pull plan and the landing of trainer-side FP8 codes
+        (None without codes); touches nothing but the plan's own
+        recording."""
         parallel = self.parallel_config
         num_consumers = init_info.num_consumers or parallel.world_size_across_dp
         num_replicas = max(1, init_info.num_replicas)
@@ -370,8 +417,9 @@ class ShardedRDTWeightTransferEngine(
                 f"sharded_rdt cannot land weights of attention layers whose "
                 f"processing is deferred to the end of a reload: {deferred[:3]}"
             )
+        pulled = plan
         if codes is not None:
-            plan = with_direct_copies(
+            pulled = with_direct_copies(
                 plan,
                 init_info.names,
                 [c for c, _ in codes.slice_copies(self.model)],
@@ -385,8 +433,8 @@ class ShardedRDTWeightTransferEngine(
             group_lens=init_info.group_lens,
             workers_per_replica=workers_per_replica if num_replicas > 1 else 0,
         )
-        pulls = build_pull_plan(plan, router, consumer_id)
-        return consumer_id, metas, plan, pulls, codes
+        pulls = build_pull_plan(pulled, router, consumer_id)
+        return consumer_id, metas, plan, pulled, pulls, codes
 
     def _connect(
         self,
@@ -455,6 +503,15 @@ class ShardedRDTWeightTransferEngine(
             link.checksums = header is not None and header.checksum is not None
         if self._codes is not None:
             self._check_codes_bound()
+        if (
+            self.landing_plan is not None
+            and not (isinstance(session, LayerwiseReloadSession) and session.landing)
+            and not self.landing_plan.still_bound()
+        ):
+            # (Checked only while every layer serves: once an update has
+            # begun landing, its layers sit aside and the views it bound
+            # are the ones it must write.)
+            self._bind_planned_again()
         lander = self._lander
         if isinstance(session, StagedUpdate):
             # Refuse before the first pull when this worker's plan cannot be
@@ -462,8 +519,8 @@ class ShardedRDTWeightTransferEngine(
             session.expect(self.pulls.payload_bytes, "this worker's pull plan")
 
             def begin(landing: LayerwiseReloadSession) -> None:
-                landing.begin_landing()
-                lander.begin()
+                landing.writing_served()
+                lander.begin(before_first_module=landing.begin_landing)
 
             session.defer(begin)
             # The pulls run while the engine keeps serving; the trainer's
@@ -473,8 +530,9 @@ class ShardedRDTWeightTransferEngine(
                 name="sharded-rdt-stage",
             )
             return
-        session.begin_landing()
-        lander.begin()
+        assert isinstance(session, LayerwiseReloadSession)
+        session.writing_served()
+        lander.begin(before_first_module=session.begin_landing)
         self._pull_all(lander, session, started, None)
 
     def _check_codes_bound(self) -> None:
@@ -501,6 +559,15 @@ class ShardedRDTWeightTransferEngine(
                 "init_weight_transfer_engine again; nothing was pulled"
             )
         self._codes = fresh
+        self._lander = self._make_lander()
+
+    def _bind_planned_again(self) -> None:
+        """Before anything is pulled: a served tensor the planned landing was
+        bound to was replaced since init (a reload); plan the landing again on
+        the tensors that serve now. The pull plan does not change."""
+        assert self._baked is not None and self._pulled is not None
+        self.landing_plan = self._planned_landing(self._baked)
+        self.plan = self._landing_order(self._pulled, self.landing_plan)
         self._lander = self._make_lander()
 
     def _pull_all(
@@ -672,6 +739,17 @@ class ShardedRDTWeightTransferEngine(
                 lander.land(index, data)
         else:
             lander.land(index, data)
+        if (
+            checksum is not None
+            and not isinstance(session, StagedUpdate)
+            and lander.has_direct(index)
+            and bool(lander.direct_differs(index, data))
+        ):
+            raise RuntimeError(
+                f"chunk seq {chunk.seq} (group {chunk.group}): the direct landing "
+                "wrote bytes that differ from the pulled ones into the served "
+                "tensors"
+            )
         timing["land"] += time.perf_counter() - t0
         for spec in slices:
             pub.landed(spec.source, spec.nbytes)
@@ -706,4 +784,7 @@ class ShardedRDTWeightTransferEngine(
         self._transport = None
         self._lander = None
         self.plan = None
+        self._baked = None
+        self._pulled = None
+        self.landing_plan = None
         self.pulls = None

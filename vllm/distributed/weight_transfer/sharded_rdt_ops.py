@@ -293,3 +293,16 @@ def replay_slices(
                 "the producer must hold every source the plan names"
             )
         yield replay_slice(tensor, spec)
+
+
+# Integer dtypes by item size: bit-for-bit comparisons view floats as these
+# (``torch.equal`` on floats treats -0.0 as 0.0 and a NaN as unequal).
+_BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bit_pattern(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` viewed as integers of its element size when it holds
+    floats, for bit-for-bit comparisons; other tensors as they are."""
+    if tensor.is_floating_point() and tensor.element_size() in _BITS_OF_SIZE:
+        return tensor.view(_BITS_OF_SIZE[tensor.element_size()])
+    return tensor

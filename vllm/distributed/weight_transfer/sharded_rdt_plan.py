@@ -382,10 +382,20 @@ def with_direct_copies(
         copies=[*plan.copies, *direct],
         partial_modules=plan.partial_modules,
     )
+    return leaving_unprocessed(merged, written)
+
+
+def leaving_unprocessed(plan: WorkerPlan, modules: Iterable[str]) -> WorkerPlan:
+    """``plan`` with ``modules`` in no group's ``completes``: their copies
+    still land, but nothing materializes or processes them around it (their
+    bytes go straight into the served tensors)."""
+    skip = set(modules)
+    if not skip:
+        return plan
     return replace(
-        merged,
+        plan,
         groups=tuple(
-            replace(g, completes=tuple(m for m in g.completes if m not in written))
-            for g in merged.groups
+            replace(g, completes=tuple(m for m in g.completes if m not in skip))
+            for g in plan.groups
         ),
     )

@@ -27,15 +27,19 @@ lander.
 Modules the plan never touches are left to the session's ``finish()``, which
 puts their kernel tensors back unchanged.
 
-Direct copies (``direct``: trainer-side FP8 codes and scales, bound to views
-of the served tensors) skip both steps: their bytes are copied into the
-served view as they arrive, and their modules are never materialized or
-processed.
+Direct copies (``direct``: trainer-side FP8 codes and scales, and with
+``landing="planned"`` the copies of every module whose processing keeps its
+bytes, ``planned_landing``; each bound to a view of the served tensor it
+writes) skip both steps: their bytes are copied into the served view as they
+arrive, and their modules are never materialized or processed. The engine
+opens the layerwise reload only when the first module must be materialized
+(``begin(before_first_module=...)``), so a sync whose copies are all direct
+never moves a layer aside.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,6 +47,7 @@ import torch
 
 from vllm.distributed.weight_transfer.sharded_rdt_chunks import PullPlan
 from vllm.distributed.weight_transfer.sharded_rdt_ops import (
+    bit_pattern,
     dtype_from_name,
     dtype_name,
 )
@@ -196,29 +201,63 @@ class ChunkLander:
         for gi, i in last_chunk_of_group.items():
             self._completes_after[i] = groups[gi].completes
         self._materialized: set[str] = set()
+        self._before_first_module: Callable[[], None] | None = None
         self.processed: list[str] = []
 
-    def begin(self) -> None:
+    def begin(self, before_first_module: Callable[[], None] | None = None) -> None:
+        """Start a sync. ``before_first_module`` runs once, just before the
+        first module is materialized (not at all when every copy is
+        direct)."""
         self._materialized = set()
+        self._before_first_module = before_first_module
         self.processed = []
+
+    @staticmethod
+    def _value(landing: _Landing, data: torch.Tensor) -> torch.Tensor:
+        """The slice ``landing`` copies, read from its chunk's bytes."""
+        spec = landing.copy.slice
+        raw = data[landing.offset : landing.offset + spec.nbytes]
+        return raw.view(dtype_from_name(spec.dtype)).view(spec.shape)
 
     @torch.no_grad()
     def land(self, index: int, data: torch.Tensor) -> None:
         """Land chunk ``index`` of the pull plan from its packed bytes."""
         for landing in self._landings[index]:
-            spec = landing.copy.slice
             served = self.direct.get(landing.copy)
             if served is not None:
-                raw = data[landing.offset : landing.offset + spec.nbytes]
-                served.copy_(raw.view(dtype_from_name(spec.dtype)).view(spec.shape))
+                served.copy_(self._value(landing, data))
                 continue
             region = landing.copy.region
             if region.module not in self._materialized:
+                if self._before_first_module is not None:
+                    prepare, self._before_first_module = self._before_first_module, None
+                    prepare()
                 self.steps.materialize(region.module)
                 self._materialized.add(region.module)
-            raw = data[landing.offset : landing.offset + spec.nbytes]
-            value = raw.view(dtype_from_name(spec.dtype)).view(spec.shape)
-            region_view(self.model, region).copy_(value)
+            region_view(self.model, region).copy_(self._value(landing, data))
         for module_name in self._completes_after.get(index, ()):
             self.steps.process(module_name)
             self.processed.append(module_name)
+
+    def has_direct(self, index: int) -> bool:
+        """Whether chunk ``index`` holds a direct copy."""
+        return any(landing.copy in self.direct for landing in self._landings[index])
+
+    @torch.no_grad()
+    def direct_differs(self, index: int, data: torch.Tensor) -> torch.Tensor:
+        """After chunk ``index`` landed from ``data``: a 0-dim bool tensor,
+        true when any served region a direct copy of the chunk wrote differs
+        bit for bit from the chunk's bytes for it, cast as the landing casts
+        (the landing read back). False for a chunk without direct copies."""
+        flags = []
+        for landing in self._landings[index]:
+            served = self.direct.get(landing.copy)
+            if served is None:
+                continue
+            want = self._value(landing, data)
+            if want.dtype != served.dtype:
+                want = want.to(served.dtype)
+            flags.append(torch.ne(bit_pattern(served), bit_pattern(want)).any())
+        if not flags:
+            return torch.zeros((), dtype=torch.bool)
+        return flags[0] if len(flags) == 1 else torch.stack(flags).any()

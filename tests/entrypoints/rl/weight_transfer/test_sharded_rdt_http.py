@@ -6,7 +6,12 @@ worker pulls its half over direct NIXL, and ``/v1/completions`` then serves bit
 for bit what a fresh vLLM load of the trainer's weights serves, and matches a
 Hugging Face forward pass of them. Checksums are on: every
 pulled chunk is verified, both workers' receipts come back through the
-producer, and ``/weight_info`` shows the step once they verified."""
+producer, and ``/weight_info`` shows the step once they verified.
+
+The server lands planned (``"landing": "planned"`` with plain CPU linear
+layers): every layer of the dense model keeps its bytes through vLLM's
+processing, so each worker copies every pulled byte once, from its receive
+buffer into the served tensor, and never opens the layerwise reload."""
 
 from __future__ import annotations
 
@@ -33,12 +38,16 @@ def test_serve_pulls_over_nixl_and_matches_the_oracle():
         ShardedRDTTrainerWeightTransferEngine,
     )
     from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
+    from vllm.distributed.weight_transfer.testing.fresh_load import http_worker_call
     from vllm.distributed.weight_transfer.testing.server import serve
 
     model_dir = build_tiny_model(TinyModelSpec(arch="qwen3"))
     model = load_hf_model(model_dir, "float32")
     with serve(
-        model_dir, weight_transfer_backend="sharded_rdt", tensor_parallel_size=2
+        model_dir,
+        weight_transfer_backend="sharded_rdt",
+        weight_transfer_options={"landing": "planned", "cpu_linear": "plain"},
+        tensor_parallel_size=2,
     ) as server:
         engine = WeightTransferTrainerFactory.trainer_init(
             ShardedRDTTrainerInitInfo(
@@ -62,5 +71,12 @@ def test_serve_pulls_over_nixl_and_matches_the_oracle():
                 assert_serves_weights(
                     server.fresh_load_oracle(), model, dtype="float32"
                 )
+                states = http_worker_call(server.base_url)("planned_landing_state", [])
+                for state in states["results"]:
+                    assert state["still_bound"] and not state["reloaded"], state
+                    assert any(
+                        n.endswith("mlp.down_proj.weight")
+                        for n in state["direct_names"]
+                    )
         finally:
             engine.shutdown()

@@ -13,6 +13,11 @@ caught with checksums on, a manifest that contradicts the served model is
 refused before any weight changes, a worker failing mid-update is fenced until
 a full resync, and the served version changes only once every receipt verified.
 
+The MoE TP=2 engine lands planned (``landing="planned"`` with plain CPU
+linear layers): every pulled byte of a layer whose processing keeps it goes
+straight from the receive buffer into the served tensor, and only the MoE
+experts are rebuilt by the layerwise reload, in the same sync.
+
 One engine per (model, TP) combination, shared by the tests of that
 combination; each test pushes the state it checks.
 """
@@ -42,8 +47,10 @@ pytest.importorskip("nixl")
 
 # Dense TP=2 runs under `vllm serve` in test_sharded_rdt_http.py; MoE at TP=1
 # lands through the same planner, whose plans test_planner_real_models.py
-# checks against load_weights bit for bit at TP=1 and TP=2.
-COMBOS = [("qwen3", 1), ("qwen3_moe", 2)]
+# checks against load_weights bit for bit at TP=1 and TP=2. The third entry
+# is WeightTransferConfig.landing (planned engines run plain CPU linear
+# layers, the only ones that keep their bytes on vLLM CPU).
+COMBOS = [("qwen3", 1, "reload"), ("qwen3_moe", 2, "planned")]
 
 
 def _free_port() -> int:
@@ -59,16 +66,28 @@ def ray_cluster():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module", params=COMBOS, ids=[f"{a}-tp{tp}" for a, tp in COMBOS])
+@pytest.fixture(
+    scope="module",
+    params=COMBOS,
+    ids=[f"{a}-tp{tp}-{landing}" for a, tp, landing in COMBOS],
+)
 def engine(request, ray_cluster):
+    from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
         LLMHost,
         stop_llm_host,
     )
 
-    arch, tp = request.param
+    arch, tp, landing = request.param
     model_dir = str(build_tiny_model(TinyModelSpec(arch=arch)))
-    llm = ray.remote(num_cpus=0)(LLMHost).remote(model_dir, tp=tp)
+    config = WeightTransferConfig(
+        backend="sharded_rdt",
+        landing=landing,
+        cpu_linear="plain" if landing == "planned" else "packed",
+    )
+    llm = ray.remote(num_cpus=0)(LLMHost).remote(
+        model_dir, tp=tp, weight_transfer_config=config
+    )
     ray.get(llm.pids.remote())  # wait until the engine is up
     yield llm, model_dir, tp
     stop_llm_host(llm)
@@ -156,6 +175,57 @@ def test_a_trainer_failure_mid_sync_fails_both_sides_and_the_next_sync_recovers(
         assert "injected trainer failure" in error
         ray.get(llm.greedy.remote())  # the engine keeps serving
         _sync_and_check(llm, ranks, 105)
+
+
+def test_planned_landing_pulls_straight_into_the_served_tensors(engine, request):
+    """``landing="planned"``: on every TP rank each attention, dense, norm and
+    embedding tensor a worker pulls goes once from its receive buffer into
+    the served tensor, and only the MoE experts (which vLLM CPU repacks) are
+    materialized, loaded and processed, each for the reason it names. With
+    checksums on, every direct copy is read back before the receipt. Two
+    syncs with in-place trainer changes serve the fresh-load oracle; a worker
+    failing mid-sync, after bytes went straight into the served tensors, is
+    fenced until the next full sync, which serves the trainer's weights.
+    Reload engines keep no planned landing."""
+    llm, model_dir, tp = engine
+    if request.node.callspec.params["engine"][2] != "planned":
+        assert ray.get(llm.planned_landing_state.remote()) == [{}] * tp
+        return
+    with _trainers(model_dir, 1) as ranks:
+        ray.get(
+            ranks[0].init.remote(
+                llm, num_consumers=tp, verify_checksums=True, stall_timeout_s=20.0
+            )
+        )
+        states = ray.get(llm.planned_landing_state.remote())
+        for seed in (131, 132):
+            receipts = _sync_and_check(llm, ranks, seed)
+            for state, receipt in zip(states, receipts, strict=True):
+                assert receipt["checksums_verified"] == receipt["chunks"] > 1
+                # Only the experts were processed after landing.
+                assert receipt["modules_processed"] == len(state["reloaded"])
+        for state in ray.get(llm.planned_landing_state.remote()):
+            assert state["still_bound"]
+            direct = state["direct_names"]
+            for kept in ("q_proj.weight", "input_layernorm.weight", "embed_tokens"):
+                assert any(kept in n for n in direct), (kept, direct)
+            assert state["reloaded"] and not any(".experts." in n for n in direct)
+            for module, reason in state["reloaded"].items():
+                assert ".experts" in module, (module, reason)
+
+        ray.get(ranks[0].randomize.remote(133))
+        ray.get(llm.fail_on_chunk.remote(1))
+        error = ray.get(
+            ranks[0].send_expecting_failure.remote(weight_version="step-133"),
+            timeout=120,
+        )
+        assert "injected worker failure at chunk 1" in error
+        # Chunk 0 (the embedding) went straight into the served tensors.
+        assert _states(llm) == ["fenced"] * tp
+        ray.get(llm.greedy.remote())  # the engine keeps serving
+        ray.get(ranks[0].send.remote(weight_version="step-133"))
+        assert _states(llm) == ["committed"] * tp
+        _assert_serves_trainer(llm, ranks[0])
 
 
 def _dense_tp1_only(engine) -> None:

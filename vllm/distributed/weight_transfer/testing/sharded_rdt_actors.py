@@ -145,6 +145,11 @@ class LLMHost:
             backend="sharded_rdt",
             **engine_args,
         )
+        # MKL's float32 GEMM (plain CPU linear layers) is not batch-invariant:
+        # such an engine generates each oracle prompt alone, so every step
+        # has the same shapes every time.
+        config = engine_args.get("weight_transfer_config")
+        self.one_at_a_time = getattr(config, "cpu_linear", "packed") == "plain"
 
     # The RayVLLMWeightSyncClient surface.
     def init_weight_transfer_engine(self, request: Any) -> None:
@@ -184,7 +189,7 @@ class LLMHost:
     def greedy(self) -> Any:
         from vllm.distributed.weight_transfer.testing import vllm_greedy
 
-        return vllm_greedy(self.llm)
+        return vllm_greedy(self.llm, one_at_a_time=self.one_at_a_time)
 
     def fresh_load_greedy(self, checkpoint_dir: str) -> Any:
         """What this engine serves with a model loaded fresh from
@@ -214,6 +219,14 @@ class LLMHost:
     def version_seen_at_finish(self) -> str | None:
         """The served version right after the last finish_weight_update."""
         return getattr(self, "version_at_finish", None)
+
+    def planned_landing_state(self) -> list[dict[str, Any]]:
+        """Each worker's planned landing (``served_layers.planned_landing_state``)."""
+        from vllm.distributed.weight_transfer.testing.served_layers import (
+            planned_landing_state,
+        )
+
+        return self.llm.collective_rpc(planned_landing_state)
 
     def fence_status(self) -> list[dict[str, Any]]:
         """Each worker engine's update state (``FenceStatus.to_dict``)."""
