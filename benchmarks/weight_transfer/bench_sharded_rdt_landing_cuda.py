@@ -1,0 +1,181 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Benchmark: the ``sharded_rdt`` planned landing on one GPU, against one flat
+device copy of the same bytes.
+
+What a ``sharded_rdt`` worker with ``landing="planned"`` does once its chunks
+have arrived: ``ChunkLander.land`` copies each direct slice of each chunk from
+the receive buffer into a view of the served tensor. Here the chunks are
+already resident in device receive buffers (one per chunk, packed by the
+producer's ``pack_chunk`` from bf16 trainer tensors before the clock starts),
+so the time is the landing alone: no transport. The served tensors are
+allocated in vLLM's layout from the regions of a real plan, baked at TP 1 from
+vLLM's own loaders by ``bench_plan_scale.py --plans-dir`` (Qwen3-8B; the first
+``--moe-layers`` decoder layers of Qwen3-30B-A3B). Every copy is direct, as on
+an engine whose modules all keep their bytes.
+
+Reported per model: ``land_seconds`` (best and median of ``--reps`` full
+landings), ``flat_seconds`` (one ``copy_`` of the same byte count between two
+device buffers), ``fraction_of_device_copy`` (flat / land), the number of
+slices, and ``bit_exact`` (every served region equals the slice the loader
+would take of the trainer's tensor, checked after the last landing).
+
+Runs without vLLM through ``tools/fork/device``'s stand-ins::
+
+    PYTHONPATH=.device-carry/site:tools/fork/device/site:. python3 \\
+        benchmarks/weight_transfer/bench_sharded_rdt_landing_cuda.py \\
+        --plans-dir bench_plans --out result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from _bench_common import device_times, emit_json
+from bench_ipc_cuda import (
+    QWEN3_8B,
+    QWEN3_30B_A3B,
+    ModelShape,
+    make_tensors,
+    param_list,
+)
+
+
+def _load_plan(plans_dir: str, name: str):
+    from vllm.distributed.weight_transfer.sharded_rdt_plan import WorkerPlan
+
+    for suffix in (".json.gz", ".json"):
+        path = Path(plans_dir) / f"{name}_tp1_rank0{suffix}"
+        if path.exists():
+            opener = gzip.open if suffix.endswith(".gz") else open
+            with opener(path, "rt") as f:
+                return WorkerPlan.from_json(json.load(f))
+    raise FileNotFoundError(f"no plan {name}_tp1_rank0.json[.gz] in {plans_dir}")
+
+
+def _land(params, baked, args):
+    """Land every chunk of ``baked`` (restricted to ``params``) ``args.reps``
+    times; the seconds of each landing, the copies that came out wrong, and
+    the pull plan."""
+    from vllm.distributed.weight_transfer.copy_table import compile_copy_table
+    from vllm.distributed.weight_transfer.copy_table_exec import empty_dests
+    from vllm.distributed.weight_transfer.sharded_rdt_chunks import build_pull_plan
+    from vllm.distributed.weight_transfer.sharded_rdt_common import RdtRouter
+    from vllm.distributed.weight_transfer.sharded_rdt_ops import replay_slice
+    from vllm.distributed.weight_transfer.sharded_rdt_plan import build_plan
+    from vllm.distributed.weight_transfer.sharded_rdt_producer import pack_chunk
+    from vllm.distributed.weight_transfer.sharded_rdt_reload import (
+        IN_PLACE,
+        ChunkLander,
+    )
+
+    names = [n for n, _ in params]
+    sent = set(names)
+    plan = build_plan(
+        worker=baked.worker,
+        names=names,
+        copies=[c for c in baked.copies if c.slice.source in sent],
+    )
+    metas = {n: (s, "bfloat16") for n, s in params}
+    table = compile_copy_table(plan, metas, only_sources=metas)
+    served = {
+        spec.name: t
+        for spec, t in zip(table.dests, empty_dests(table, "cuda"), strict=True)
+    }
+    direct = {}
+    for copy in plan.copies:
+        region, tensor = copy.region, served[copy.region.qualname]
+        direct[copy] = tensor.as_strided(
+            region.shape, region.stride, tensor.storage_offset() + region.offset
+        )
+    trainer = make_tensors(params, seed=7)
+    pulls = build_pull_plan(plan, RdtRouter(1, 1), consumer_id=0)
+    buffers = []
+    for chunk in pulls.chunks:
+        buf = torch.empty(chunk.nbytes, dtype=torch.uint8, device="cuda")
+        pack_chunk(chunk, trainer, buf)
+        buffers.append(buf)
+    lander = ChunkLander(torch.nn.Module(), plan, pulls, IN_PLACE, direct=direct)
+
+    def land_all() -> None:
+        lander.begin()
+        for index, data in enumerate(buffers):
+            lander.land(index, data)
+
+    land_all()  # warm-up
+    land = device_times(land_all, args.reps)
+    bad = []
+    for c, view in direct.items():
+        want = replay_slice(trainer[c.slice.source], c.slice)
+        if not torch.equal(
+            view.contiguous().view(torch.int16), want.contiguous().view(torch.int16)
+        ):
+            bad.append(f"{c.slice.source} -> {c.region.qualname}")
+    return land, bad, pulls
+
+
+def _flat_copy_times(nbytes: int, reps: int) -> list[float]:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return device_times(lambda: dst.copy_(src), reps)
+
+
+def run_model(shape: ModelShape, layers: int | None, plan_name: str, args) -> dict:
+    params = param_list(shape, layers)
+    land, bad, pulls = _land(params, _load_plan(args.plans_dir, plan_name), args)
+    torch.cuda.empty_cache()
+    flat = _flat_copy_times(pulls.payload_bytes, args.reps)
+    torch.cuda.empty_cache()
+    best = min(land)
+    result = {
+        "model": shape.name,
+        "layers": layers or shape.layers,
+        "tensors": len(params),
+        "slices": sum(len(c.slices) for c in pulls.chunks),
+        "chunks": len(pulls.chunks),
+        "bytes": pulls.payload_bytes,
+        "land_seconds": land,
+        "land_best_s": best,
+        "land_median_s": statistics.median(land),
+        "flat_seconds": min(flat),
+        "fraction_of_device_copy": min(flat) / best,
+        "fraction_of_device_copy_median": min(flat) / statistics.median(land),
+        "bit_exact": not bad,
+        "first_bad": bad[:5],
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--plans-dir", required=True)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--moe-layers", type=int, default=24)
+    p.add_argument("--models", default="8b,30b")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    runs = []
+    if "8b" in args.models:
+        runs.append((QWEN3_8B, None, "qwen3-8b"))
+    if "30b" in args.models:
+        runs.append((QWEN3_30B_A3B, args.moe_layers, "qwen3-30b-a3b"))
+    doc = {
+        "benchmark": "sharded_rdt_planned_landing_cuda",
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "results": [run_model(s, layers, plan, args) for s, layers, plan in runs],
+    }
+    emit_json(doc, args.out)
+
+
+if __name__ == "__main__":
+    main()
