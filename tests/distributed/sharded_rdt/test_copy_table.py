@@ -10,7 +10,11 @@ import pytest
 import torch
 from test_bake_toy import CHECKPOINT, Toy, _metas
 
-from vllm.distributed.weight_transfer.copy_table import compile_copy_table
+from vllm.distributed.weight_transfer.copy_table import (
+    CHUNK_SOURCE,
+    compile_chunk_table,
+    compile_copy_table,
+)
 from vllm.distributed.weight_transfer.copy_table_exec import (
     CopyProgram,
     build_tasks,
@@ -24,6 +28,7 @@ from vllm.distributed.weight_transfer.sharded_rdt_ops import (
     SliceSpec,
     Span,
     ViewOp,
+    dtype_from_name,
     replay_slice,
 )
 from vllm.distributed.weight_transfer.sharded_rdt_plan import (
@@ -315,6 +320,126 @@ def test_random_view_chains_land_like_replay():
                 assert torch.equal(got[name], want[name]), (case, method)
         flat = table.flat_runs()
         assert int(flat["nbytes"].sum()) == plan.nbytes
+
+
+STRIDED = "region's innermost dimension is strided"
+
+
+def _packed_chunk(plan, sources, pad=8):
+    """The plan's slices replayed and packed one after another into one byte
+    buffer, each at a multiple of ``pad`` bytes (as a producer packs a
+    chunk); with the (offset, copy) pairs ``compile_chunk_table`` takes."""
+    landings, pieces, offset = [], [], 0
+    for copy in plan.copies:
+        value = replay_slice(sources[copy.slice.source], copy.slice)
+        raw = torch.empty(value.numel(), dtype=value.dtype)
+        raw.copy_(value.reshape(-1))
+        raw = raw.view(torch.uint8)
+        offset = -(-offset // pad) * pad
+        landings.append((offset, copy))
+        pieces.append((offset, raw))
+        offset += raw.numel()
+    chunk = torch.zeros(offset, dtype=torch.uint8)
+    for at, raw in pieces:
+        chunk[at : at + raw.numel()] = raw
+    return chunk, landings
+
+
+def _land_chunk_by_table(table, chunk, landings, method, dtype=torch.float32):
+    dests = [torch.zeros(d.numel, dtype=dtype) for d in table.dests]
+    if table.entries:
+        CopyProgram(table, [chunk], dests, method=method)()
+    by_name = {d.name: t for d, t in zip(table.dests, dests, strict=True)}
+    for fb in table.fallback:
+        offset, copy = landings[fb.index]
+        spec, r = copy.slice, copy.region
+        value = chunk[offset : offset + spec.nbytes]
+        value = value.view(dtype_from_name(spec.dtype)).view(spec.shape)
+        by_name[r.qualname].as_strided(r.shape, r.stride, r.offset).copy_(value)
+    return by_name
+
+
+def test_chunk_tables_land_packed_slices_like_replay():
+    """A chunk's table reads each slice from its packed bytes and writes its
+    region: random view chains, several slices per chunk, every method."""
+    rng = random.Random(1)
+    batched = 0
+    for case in range(100):
+        copies, sources = [], {}
+        offset = 0
+        for k in range(rng.randint(1, 4)):
+            shape, chain, out_shape, stride, gap = _random_case(rng)
+            name = f"s{k}"
+            sources[name] = torch.randn(shape)
+            copies.append(
+                _copy(
+                    name, chain, out_shape, out_shape, stride, offset + gap, module="d"
+                )
+            )
+            offset += gap + int(np.prod(out_shape))
+        plan = build_plan(worker="t", names=list(sources), copies=copies)
+        chunk, landings = _packed_chunk(plan, sources, pad=rng.choice([4, 16]))
+        table = compile_chunk_table(landings, chunk.numel())
+        assert [s.name for s in table.sources] == [CHUNK_SOURCE] * bool(table.copies)
+        # Permuted regions whose innermost dim is strided are copied one by one.
+        assert {f.reason for f in table.fallback} <= {STRIDED}, case
+        left = sum(plan.copies[f.index].slice.nbytes for f in table.fallback)
+        assert table.total_bytes + left == plan.nbytes
+        batched += table.copies
+        want = _land_by_replay(
+            plan, sources, compile_copy_table(plan, _source_metas(sources))
+        )
+        for method in ("loop", "foreach"):
+            got = _land_chunk_by_table(table, chunk, landings, method)
+            for name in want:
+                assert torch.equal(got[name], want[name]), (case, method)
+    assert batched > 100
+
+
+def test_chunk_table_leaves_casts_transposes_and_misaligned_slices_out():
+    sources = {
+        "h": torch.randn(3, 4).half(),
+        "t": torch.randn(4, 6),
+        "ok": torch.randn(6),
+    }
+    plan = build_plan(
+        worker="t",
+        names=list(sources),
+        copies=[
+            _copy(
+                "h",
+                [],
+                (3, 4),
+                (3, 4),
+                (4, 1),
+                dtype="float16",
+                region_dtype="float32",
+                module="cast",
+            ),
+            # A transposed region: column-major writes, one element per run.
+            _copy("t", [], (4, 6), (4, 6), (1, 4), module="tr"),
+            _copy("ok", [], (6,), (6,), (1,), module="plain"),
+        ],
+    )
+    chunk, landings = _packed_chunk(plan, sources, pad=4)
+    table = compile_chunk_table(landings, chunk.numel())
+    assert [(f.index, f.reason) for f in table.fallback] == [
+        (0, "cast float16 -> float32"),
+        (1, STRIDED),
+    ]
+    assert table.entries == 1 and table.copies == 1
+    got = _land_chunk_by_table(table, chunk, landings, "loop")
+    want = _land_by_replay(
+        plan, sources, compile_copy_table(plan, _source_metas(sources))
+    )
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    # A float32 slice 2 bytes into the chunk cannot be read as words there.
+    shifted = [(2, landings[2][1])]
+    table = compile_chunk_table(shifted, chunk.numel())
+    assert table.entries == 0 and "not 4-aligned" in table.fallback[0].reason
+    with pytest.raises(ValueError, match="ends past the chunk"):
+        compile_chunk_table([(chunk.numel() - 4, landings[2][1])], chunk.numel())
 
 
 def test_tasks_cover_every_byte_once():

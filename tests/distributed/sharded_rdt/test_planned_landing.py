@@ -276,3 +276,46 @@ def test_a_sync_whose_every_module_lands_straight_never_opens_the_reload():
     pack_chunk(pulls.chunks[-1], checkpoint, data)
     index = len(pulls.chunks) - 1
     assert lander.has_direct(index) and bool(lander.direct_differs(index, data))
+
+
+@pytest.mark.parametrize("batch_method", ["loop", "foreach", None])
+def test_direct_copies_land_batched_from_reused_receive_buffers(batch_method):
+    """Each chunk's direct copies run as one program bound to the receive
+    buffer it arrives in, kept for the next sync (the engine's buffers are
+    reused); a buffer that is not reused is bound again. Every sync lands the
+    trainer's values of that sync, bit for bit."""
+    checkpoint = {n: t for n, t in MIXED.items() if n.startswith("toy.")}
+    checkpoint["kept.weight"] = MIXED["kept.weight"]
+    model = Mixed()
+    landing = _bake(model, checkpoint)
+    plan = leaving_unprocessed(landing.plan, landing.writers)
+    pulls = build_pull_plan(plan, RdtRouter(1, 1), consumer_id=0)
+    lander = ChunkLander(
+        model,
+        plan,
+        pulls,
+        RecordingSteps(model),
+        direct=landing.bound_copies(),
+        batch_method=batch_method,
+    )
+    with_direct = [i for i in range(len(pulls.chunks)) if lander.has_direct(i)]
+    assert with_direct
+    buffers = [torch.empty(c.nbytes, dtype=torch.uint8) for c in pulls.chunks]
+    for step in range(3):
+        values = {n: t * (step + 2) - step for n, t in checkpoint.items()}
+        reference = Mixed()
+        reference.load_weights(values.items())
+        lander.begin()
+        for index, chunk in enumerate(pulls.chunks):
+            pack_chunk(chunk, values, buffers[index])
+            # The last sync lands from fresh buffers that are not reused.
+            data = buffers[index] if step < 2 else buffers[index].clone()
+            lander.land(index, data, reused=step < 2)
+            assert not lander.direct_differs(index, data)
+        for name in ("toy.fused.weight", "toy.norm.weight", "kept.weight"):
+            got = model.get_parameter(name)
+            assert torch.equal(got, reference.get_parameter(name)), (step, name)
+        direct = sum(len(lander._direct[i]) for i in with_direct)
+        assert lander.batched == (direct if batch_method else 0)
+        # Bound once for the reused buffers, then once per chunk again.
+        assert lander.binds == len(with_direct) * (1 if step < 2 else 2)

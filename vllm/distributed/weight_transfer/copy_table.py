@@ -56,7 +56,11 @@ from vllm.distributed.weight_transfer.sharded_rdt_ops import (
     dtype_from_name,
     dtype_name,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_plan import Region, WorkerPlan
+from vllm.distributed.weight_transfer.sharded_rdt_plan import (
+    Region,
+    SliceCopy,
+    WorkerPlan,
+)
 
 
 @dataclass(frozen=True)
@@ -516,12 +520,25 @@ def compile_copy_table(
         if reason is not None:
             fallback[ci] = FallbackCopy(ci, spec.source, region.qualname, reason)
 
+    return _assemble(
+        {ci: copies[ci] for ci in kept}, dests, planned, fallback, source_specs
+    )
+
+
+def _assemble(
+    copies: Mapping[int, SliceCopy],
+    dests: _Destinations,
+    planned: list[_Planned],
+    fallback: dict[int, FallbackCopy],
+    source_specs: Mapping[str, TensorSpec],
+) -> CopyTable:
+    """The table of the ``planned`` copies, after moving to ``fallback`` every
+    copy into a destination where two copies write the same bytes (a batched
+    copy has no order; those land the ordinary way, in plan order).
+    ``copies`` are all the copies compiled, by fallback index."""
     overlapped = _overlapping_dests(dests, planned, set(fallback))
     if overlapped:
-        # A batched copy has no order, so every copy into such a tensor lands
-        # the ordinary way, in plan order.
-        for ci in kept:
-            copy = copies[ci]
+        for ci, copy in copies.items():
             if dests.index[copy.region.qualname] in overlapped and ci not in fallback:
                 fallback[ci] = FallbackCopy(
                     ci,
@@ -545,4 +562,77 @@ def compile_copy_table(
         fallback=tuple(fallback[ci] for ci in sorted(fallback)),
         copies=len(planned),
         **arrays,
+    )
+
+
+CHUNK_SOURCE = "chunk"
+"""The one source of a `compile_chunk_table` table: the chunk's bytes."""
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def compile_chunk_table(
+    landings: Sequence[tuple[int, SliceCopy]], chunk_nbytes: int
+) -> CopyTable:
+    """Compile the copies of one pulled ``sharded_rdt`` chunk into a `CopyTable`
+    whose one source is the chunk itself (``CHUNK_SOURCE``, ``chunk_nbytes``
+    bytes of uint8): ``landings`` pairs each copy with the byte offset where
+    its slice sits in the chunk, already cut and packed contiguously in the
+    slice's shape (the producer's packing). Fallback indices count positions
+    in ``landings``.
+
+    Besides the reasons `compile_copy_table` gives (a cast, shapes that differ
+    other than by size-1 dims, overlapping destinations), a copy falls back
+    when its slice does not start on a multiple of its dtype's size in the
+    chunk, or when its region's innermost dimension is strided (a transposed
+    view): the table would hold one run per element there, and ``copy_``
+    moves such a view faster."""
+    dests = _Destinations({}, [], [], {})
+    source = TensorSpec(CHUNK_SOURCE, (chunk_nbytes,), "uint8")
+    fallback: dict[int, FallbackCopy] = {}
+    planned: list[_Planned] = []
+    for i, (offset, copy) in enumerate(landings):
+        spec, region = copy.slice, copy.region
+        di = dests.add(i, region)
+        itemsize = dtype_from_name(region.dtype).itemsize
+        inner = [b for n, b in zip(region.shape, region.stride, strict=True) if n != 1]
+        reason: str | None = None
+        if spec.dtype != region.dtype:
+            reason = f"cast {spec.dtype} -> {region.dtype}"
+        elif _squeezed(spec.shape) != _squeezed(region.shape):
+            reason = f"slice shape {spec.shape} lands in region shape {region.shape}"
+        elif offset % itemsize:
+            reason = f"slice at byte {offset} of the chunk is not {itemsize}-aligned"
+        elif inner and inner[-1] != 1:
+            reason = "region's innermost dimension is strided"
+        elif offset + spec.nbytes > chunk_nbytes:
+            raise ValueError(
+                f"{spec.describe()} at byte {offset} ends past the chunk's "
+                f"{chunk_nbytes} bytes"
+            )
+        if reason is not None:
+            fallback[i] = FallbackCopy(i, spec.source, region.qualname, reason)
+            continue
+        shape = [n for n in spec.shape if n != 1]
+        runs = _runs_of(
+            offset // itemsize,
+            _contiguous_strides(shape),
+            region.offset,
+            inner,
+            shape,
+            itemsize,
+        )
+        planned.append(_Planned(i, CHUNK_SOURCE, di, runs))
+    return _assemble(
+        {i: copy for i, (_, copy) in enumerate(landings)},
+        dests,
+        planned,
+        fallback,
+        {CHUNK_SOURCE: source},
     )

@@ -596,6 +596,8 @@ class ShardedRDTWeightTransferEngine(
             "bytes_by_producer": {str(p): n for p, n in sorted(pulled.items())},
             "planned_bytes": self.pulls.payload_bytes,
             "modules_processed": len(lander.processed),
+            # Direct copies moved by each chunk's one batched copy.
+            "direct_copies_batched": lander.batched,
             "checksums_verified": (
                 self.pub.checker.checksums_verified if self.pub.checker else 0
             ),
@@ -736,9 +738,9 @@ class ShardedRDTWeightTransferEngine(
             session.defer(lambda _landing: lander.land(index, staged))
         elif pub.record is not None:
             with pub.record.phase("load"):
-                lander.land(index, data)
+                lander.land(index, data, reused=True)
         else:
-            lander.land(index, data)
+            lander.land(index, data, reused=True)
         if (
             checksum is not None
             and not isinstance(session, StagedUpdate)

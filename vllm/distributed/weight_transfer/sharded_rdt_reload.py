@@ -35,6 +35,18 @@ arrive, and their modules are never materialized or processed. The engine
 opens the layerwise reload only when the first module must be materialized
 (``begin(before_first_module=...)``), so a sync whose copies are all direct
 never moves a layer aside.
+
+A chunk's direct copies run as one batched copy: at the first landing of a
+chunk the lander compiles them into a copy table whose source is the chunk's
+bytes (``copy_table.compile_chunk_table``, kept per chunk) and binds it to the
+buffer the chunk arrived in and to the served tensors (a ``CopyProgram``: one
+Triton launch per row-width class on CUDA). The engine's receive buffers are
+reused (``land(..., reused=True)``): the program bound to one is kept for the
+next sync, whose chunk arrives in the same buffer. The copies the
+table cannot move as bytes (a cast, a transposed view) are copied one by one,
+as are all of a chunk's copies when its buffer is on another device than the
+served tensors. A buffer that is not reused (a staged copy, landed at the
+commit) is bound for that landing only.
 """
 
 from __future__ import annotations
@@ -45,6 +57,8 @@ from typing import Protocol
 
 import torch
 
+from vllm.distributed.weight_transfer.copy_table import CopyTable, compile_chunk_table
+from vllm.distributed.weight_transfer.copy_table_exec import CopyProgram
 from vllm.distributed.weight_transfer.sharded_rdt_chunks import PullPlan
 from vllm.distributed.weight_transfer.sharded_rdt_ops import (
     bit_pattern,
@@ -153,6 +167,14 @@ class _Landing:
     offset: int  # byte offset of the copy's slice in its chunk
 
 
+@dataclass(frozen=True)
+class _DirectBatch:
+    """A chunk's direct copies, bound to the buffer it arrived in."""
+
+    program: CopyProgram | None  # the copies the table moves; None: none
+    one_by_one: tuple[_Landing, ...]  # the rest, copied one ``copy_`` each
+
+
 def deferred_modules(model: torch.nn.Module, plan: WorkerPlan) -> list[str]:
     """Planned modules that layerwise reload only processes at finalize
     (attention layers with loadable scales); landing cannot process them early."""
@@ -175,6 +197,8 @@ class ChunkLander:
         pulls: PullPlan,
         steps: ModuleSteps | None = None,
         direct: Mapping[SliceCopy, torch.Tensor] | None = None,
+        *,
+        batch_method: str | None = "auto",
     ) -> None:
         self.model = model
         self.plan = plan
@@ -183,6 +207,11 @@ class ChunkLander:
         # Copies that land straight in a served tensor, bound to its view
         # (``sharded_rdt_plan.with_direct_copies``): no module step around them.
         self.direct: Mapping[SliceCopy, torch.Tensor] = dict(direct or {})
+        # ``batch_method``: the ``CopyProgram`` method of the batched direct
+        # copies ("auto" picks per device), or None to copy them one by one.
+        self.batch_method = batch_method
+        self._tables: dict[int, CopyTable] = {}
+        self._batches: dict[tuple[int, int, torch.device], _DirectBatch] = {}
         self._landings: list[list[_Landing]] = []
         self._completes_after: dict[int, tuple[str, ...]] = {}
         groups = {g.index: g for g in plan.groups}
@@ -200,6 +229,16 @@ class ChunkLander:
             last_chunk_of_group[chunk.group] = i
         for gi, i in last_chunk_of_group.items():
             self._completes_after[i] = groups[gi].completes
+        self._direct: list[list[_Landing]] = [
+            [x for x in chunk if x.copy in self.direct] for chunk in self._landings
+        ]
+        self._reloaded: list[list[_Landing]] = [
+            [x for x in chunk if x.copy not in self.direct] for chunk in self._landings
+        ]
+        # Batched direct copies bound so far (a kept one counts once), and
+        # direct copies the bound programs moved in this sync.
+        self.binds = 0
+        self.batched = 0
         self._materialized: set[str] = set()
         self._before_first_module: Callable[[], None] | None = None
         self.processed: list[str] = []
@@ -211,6 +250,7 @@ class ChunkLander:
         self._materialized = set()
         self._before_first_module = before_first_module
         self.processed = []
+        self.batched = 0
 
     @staticmethod
     def _value(landing: _Landing, data: torch.Tensor) -> torch.Tensor:
@@ -220,13 +260,21 @@ class ChunkLander:
         return raw.view(dtype_from_name(spec.dtype)).view(spec.shape)
 
     @torch.no_grad()
-    def land(self, index: int, data: torch.Tensor) -> None:
-        """Land chunk ``index`` of the pull plan from its packed bytes."""
-        for landing in self._landings[index]:
-            served = self.direct.get(landing.copy)
-            if served is not None:
-                served.copy_(self._value(landing, data))
-                continue
+    def land(self, index: int, data: torch.Tensor, *, reused: bool = False) -> None:
+        """Land chunk ``index`` of the pull plan from its packed bytes.
+
+        ``reused``: ``data`` is a buffer this chunk arrives in again at later
+        syncs (a receive buffer that lives as long as the lander), so the
+        batched copy bound to it is kept, and keeps it alive; otherwise the
+        copy is bound for this landing only."""
+        if self._direct[index]:
+            batch = self._direct_batch(index, data, reused)
+            if batch.program is not None:
+                batch.program()
+                self.batched += batch.program.table.copies
+            for landing in batch.one_by_one:
+                self.direct[landing.copy].copy_(self._value(landing, data))
+        for landing in self._reloaded[index]:
             region = landing.copy.region
             if region.module not in self._materialized:
                 if self._before_first_module is not None:
@@ -239,9 +287,67 @@ class ChunkLander:
             self.steps.process(module_name)
             self.processed.append(module_name)
 
+    def _direct_batch(
+        self, index: int, data: torch.Tensor, reused: bool
+    ) -> _DirectBatch:
+        key = (index, data.data_ptr(), data.device)
+        batch = self._batches.get(key)
+        if batch is None:
+            batch = self._bind_direct(index, data)
+            self.binds += 1
+            if reused:
+                self._batches[key] = batch
+        return batch
+
+    def _bind_direct(self, index: int, data: torch.Tensor) -> _DirectBatch:
+        """Chunk ``index``'s direct copies bound to ``data`` and the served
+        tensors: a program for what the chunk's table moves, the rest one by
+        one."""
+        landings = self._direct[index]
+        served = [self.direct[x.copy] for x in landings]
+        if (
+            self.batch_method is None
+            or data.dtype != torch.uint8
+            or data.dim() != 1
+            or not data.is_contiguous()
+            or data.numel() != self.pulls.chunks[index].nbytes
+            or any(
+                view.device != data.device
+                or dtype_name(view.dtype) != x.copy.region.dtype
+                or view.storage_offset() < x.copy.region.offset
+                for x, view in zip(landings, served, strict=True)
+            )
+        ):
+            return _DirectBatch(None, tuple(landings))
+        table = self._tables.get(index)
+        if table is None:
+            table = self._tables[index] = compile_chunk_table(
+                [(x.offset, x.copy) for x in landings],
+                self.pulls.chunks[index].nbytes,
+            )
+        one_by_one = tuple(landings[f.index] for f in table.fallback)
+        if table.entries == 0:
+            return _DirectBatch(None, one_by_one)
+        # Each destination as a flat tensor from the served tensor's first
+        # element, where the regions' offsets count from.
+        firsts: dict[str, torch.Tensor] = {}
+        for x, view in zip(landings, served, strict=True):
+            region = x.copy.region
+            if region.qualname not in firsts:
+                firsts[region.qualname] = view.as_strided(
+                    (1,), (1,), view.storage_offset() - region.offset
+                )
+        program = CopyProgram(
+            table,
+            [data],
+            [firsts[spec.name] for spec in table.dests],
+            method=self.batch_method,
+        )
+        return _DirectBatch(program, one_by_one)
+
     def has_direct(self, index: int) -> bool:
         """Whether chunk ``index`` holds a direct copy."""
-        return any(landing.copy in self.direct for landing in self._landings[index])
+        return bool(self._direct[index])
 
     @torch.no_grad()
     def direct_differs(self, index: int, data: torch.Tensor) -> torch.Tensor:
@@ -250,10 +356,8 @@ class ChunkLander:
         bit for bit from the chunk's bytes for it, cast as the landing casts
         (the landing read back). False for a chunk without direct copies."""
         flags = []
-        for landing in self._landings[index]:
-            served = self.direct.get(landing.copy)
-            if served is None:
-                continue
+        for landing in self._direct[index]:
+            served = self.direct[landing.copy]
             want = self._value(landing, data)
             if want.dtype != served.dtype:
                 want = want.to(served.dtype)

@@ -202,8 +202,10 @@ def test_planned_landing_pulls_straight_into_the_served_tensors(engine, request)
             receipts = _sync_and_check(llm, ranks, seed)
             for state, receipt in zip(states, receipts, strict=True):
                 assert receipt["checksums_verified"] == receipt["chunks"] > 1
-                # Only the experts were processed after landing.
+                # Only the experts were processed after landing; each chunk's
+                # direct copies ran as one batched copy.
                 assert receipt["modules_processed"] == len(state["reloaded"])
+                assert receipt["direct_copies_batched"] > 0
         for state in ray.get(llm.planned_landing_state.remote()):
             assert state["still_bound"]
             direct = state["direct_names"]
