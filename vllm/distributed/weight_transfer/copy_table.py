@@ -36,9 +36,15 @@ position in ``plan.copies`` and by name, when
 The table knows source tensors by checkpoint name (geometry from the caller's
 metadata: the plan records slice shapes, not source shapes) and destination
 tensors by region qualname, sized to cover every region that lands in them.
-Sources are taken to be contiguous in their recorded shape. Executing the table
-on real tensors is `copy_table_exec`'s job; this module does no I/O and touches
-no tensor data (chains are replayed on meta tensors).
+Sources are taken to be contiguous in their recorded shape.
+
+`compile_chunk_table` compiles the copies of one pulled ``sharded_rdt`` chunk
+the same way, with the chunk as the table's one source: each slice is already
+cut and packed contiguously in the chunk, at a known byte offset, so no chain
+is replayed.
+
+Executing a table on real tensors is `copy_table_exec`'s job; this module does
+no I/O and touches no tensor data (chains are replayed on meta tensors).
 """
 
 from __future__ import annotations
