@@ -641,6 +641,10 @@ class ShardedRDTWeightTransferEngine(
                 following[last_of[chunk.producer]] = chunk
             last_of[chunk.producer] = i
         free = threading.Semaphore(len(self._buffers))
+        # A device buffer's landing is queued on the device: before a pull
+        # writes into the buffer again (RDMA does not wait for queued device
+        # work), the puller waits for the event recorded after that landing.
+        landed: list[Any] = [None] * len(self._buffers)
         ready: queue.Queue[tuple[int, torch.Tensor, str | None] | _Failed] = (
             queue.Queue()
         )
@@ -654,7 +658,11 @@ class ShardedRDTWeightTransferEngine(
                             return
                     if stop.is_set():
                         return
-                    into = self._buffers[i % len(self._buffers)][: chunk.nbytes]
+                    slot = i % len(self._buffers)
+                    if landed[slot] is not None:
+                        landed[slot].synchronize()
+                        landed[slot] = None
+                    into = self._buffers[slot][: chunk.nbytes]
                     t0 = time.perf_counter()
                     checksum = self._links[chunk.producer].pull(
                         chunk, into, following[i]
@@ -676,6 +684,10 @@ class ShardedRDTWeightTransferEngine(
                 pulled[chunks[i].producer] = (
                     pulled.get(chunks[i].producer, 0) + chunks[i].payload_bytes
                 )
+                if data.is_cuda:
+                    event = torch.cuda.Event()
+                    event.record(torch.cuda.current_stream(data.device))
+                    landed[i % len(self._buffers)] = event
                 free.release()
         finally:
             stop.set()

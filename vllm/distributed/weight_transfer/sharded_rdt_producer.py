@@ -403,6 +403,10 @@ class Producer:
         view = buffer[: chunk.nbytes]
         try:
             pack_chunk(chunk, tensors, buffer)
+            if buffer.is_cuda:
+                # The copies are queued on the device; a consumer's RDMA read
+                # of the buffer does not wait for them.
+                torch.cuda.current_stream(buffer.device).synchronize()
             checksum = payload_checksum(view) if self.checksums else None
         except BaseException as e:
             self.fail(f"packing group {chunk.group} for consumer {consumer_id}: {e}")

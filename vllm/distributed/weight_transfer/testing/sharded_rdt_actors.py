@@ -273,11 +273,11 @@ def _fail_on_chunk(worker: Any, index: int) -> None:
     lander = worker.weight_transfer_engine._lander
     land = lander.land
 
-    def failing_land(i: int, data: torch.Tensor) -> None:
+    def failing_land(i: int, data: torch.Tensor, **kwargs: Any) -> None:
         if i == index:
             lander.land = land  # one failure only
             raise RuntimeError(f"injected worker failure at chunk {i}")
-        land(i, data)
+        land(i, data, **kwargs)
 
     lander.land = failing_land
 
