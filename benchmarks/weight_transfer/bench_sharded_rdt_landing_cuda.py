@@ -8,10 +8,12 @@ have arrived: ``ChunkLander.land`` copies each direct slice of each chunk from
 the receive buffer into a view of the served tensor, as one batched copy per
 chunk (the chunk's copy table bound to its receive buffer once, Triton on
 CUDA; ``batched``) and, measured side by side, one ``copy_`` per slice
-(``one_by_one``, the lander without batching). Here the chunks are
-already resident in device receive buffers (one per chunk, packed by the
-producer's ``pack_chunk`` from bf16 trainer tensors before the clock starts),
-so the time is the landing alone: no transport. The served tensors are
+(``one_by_one``, the lander without batching), and the batched copy bound
+anew at every landing from the kept tables (``batched_bound_each_sync``: what
+a staged commit does, whose staging copies are fresh at every sync). Here
+the chunks are already resident in device receive buffers (one per chunk,
+packed by the producer's ``pack_chunk`` from bf16 trainer tensors before the
+clock starts), so the time is the landing alone: no transport. The served tensors are
 allocated in vLLM's layout from the regions of a real plan, baked at TP 1 from
 vLLM's own loaders by ``bench_plan_scale.py --plans-dir`` (Qwen3-8B; the first
 ``--moe-layers`` decoder layers of Qwen3-30B-A3B). Every copy is direct, as on
@@ -121,15 +123,20 @@ def _land(params, baked, args):
         return bad
 
     out = {}
-    for mode, method in (("one_by_one", None), ("batched", "auto")):
+    modes = (
+        ("one_by_one", None, True),
+        ("batched", "auto", True),
+        ("batched_bound_each_sync", "auto", False),
+    )
+    for mode, method, reused in modes:
         lander = ChunkLander(
             torch.nn.Module(), plan, pulls, IN_PLACE, direct=direct, batch_method=method
         )
 
-        def land_all(lander=lander) -> None:
+        def land_all(lander=lander, reused=reused) -> None:
             lander.begin()
             for index, data in enumerate(buffers):
-                lander.land(index, data, reused=True)
+                lander.land(index, data, reused=reused)
 
         for view in direct.values():
             view.zero_()
