@@ -9,8 +9,9 @@ the receive buffer into a view of the served tensor, as one batched copy per
 chunk (the chunk's copy table bound to its receive buffer once, Triton on
 CUDA; ``batched``) and, measured side by side, one ``copy_`` per slice
 (``one_by_one``, the lander without batching), and the batched copy bound
-anew at every landing from the kept tables (``batched_bound_each_sync``: what
-a staged commit does, whose staging copies are fresh at every sync). Here
+anew at every landing from the kept tables (``batched_bound_each_sync``,
+``bind_fresh_buffers=True``: what a staged commit, whose staging copies are
+fresh at every sync, would pay; the lander copies those one by one). Here
 the chunks are already resident in device receive buffers (one per chunk,
 packed by the producer's ``pack_chunk`` from bf16 trainer tensors before the
 clock starts), so the time is the landing alone: no transport. The served tensors are
@@ -130,7 +131,13 @@ def _land(params, baked, args):
     )
     for mode, method, reused in modes:
         lander = ChunkLander(
-            torch.nn.Module(), plan, pulls, IN_PLACE, direct=direct, batch_method=method
+            torch.nn.Module(),
+            plan,
+            pulls,
+            IN_PLACE,
+            direct=direct,
+            batch_method=method,
+            bind_fresh_buffers=not reused,
         )
 
         def land_all(lander=lander, reused=reused) -> None:

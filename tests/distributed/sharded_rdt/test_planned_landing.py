@@ -279,11 +279,15 @@ def test_a_sync_whose_every_module_lands_straight_never_opens_the_reload():
 
 
 @pytest.mark.parametrize("batch_method", ["loop", "foreach", None])
-def test_direct_copies_land_batched_from_reused_receive_buffers(batch_method):
+@pytest.mark.parametrize("bind_fresh", [False, True])
+def test_direct_copies_land_batched_from_reused_receive_buffers(
+    batch_method, bind_fresh
+):
     """Each chunk's direct copies run as one program bound to the receive
     buffer it arrives in, kept for the next sync (the engine's buffers are
-    reused); a buffer that is not reused is bound again. Every sync lands the
-    trainer's values of that sync, bit for bit."""
+    reused); from a buffer that is not reused they are copied one by one, or
+    bound again with ``bind_fresh_buffers``. Every sync lands the trainer's
+    values of that sync, bit for bit."""
     checkpoint = {n: t for n, t in MIXED.items() if n.startswith("toy.")}
     checkpoint["kept.weight"] = MIXED["kept.weight"]
     model = Mixed()
@@ -297,6 +301,7 @@ def test_direct_copies_land_batched_from_reused_receive_buffers(batch_method):
         RecordingSteps(model),
         direct=landing.bound_copies(),
         batch_method=batch_method,
+        bind_fresh_buffers=bind_fresh,
     )
     with_direct = [i for i in range(len(pulls.chunks)) if lander.has_direct(i)]
     assert with_direct
@@ -316,6 +321,8 @@ def test_direct_copies_land_batched_from_reused_receive_buffers(batch_method):
             got = model.get_parameter(name)
             assert torch.equal(got, reference.get_parameter(name)), (step, name)
         direct = sum(len(lander._direct[i]) for i in with_direct)
-        assert lander.batched == (direct if batch_method else 0)
+        batched = batch_method is not None and (step < 2 or bind_fresh)
+        assert lander.batched == (direct if batched else 0)
         # Bound once for the reused buffers, then once per chunk again.
-        assert lander.binds == len(with_direct) * (1 if step < 2 else 2)
+        again = step == 2 and bind_fresh
+        assert lander.binds == len(with_direct) * (2 if again else 1)

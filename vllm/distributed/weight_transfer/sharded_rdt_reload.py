@@ -45,8 +45,11 @@ reused (``land(..., reused=True)``): the program bound to one is kept for the
 next sync, whose chunk arrives in the same buffer. The copies the
 table cannot move as bytes (a cast, a transposed view) are copied one by one,
 as are all of a chunk's copies when its buffer is on another device than the
-served tensors. A buffer that is not reused (a staged copy, landed at the
-commit) is bound for that landing only.
+served tensors. So are the copies from a buffer that is not reused (a staged
+copy, landed at the commit): binding a program for one landing costs more
+than it saves on dense shapes (on an H200, Qwen3-8B: 63 ms bound anew against
+11 ms one by one and 8.7 ms bound once; `bench_sharded_rdt_landing_cuda.py`).
+``bind_fresh_buffers=True`` binds for those too.
 """
 
 from __future__ import annotations
@@ -199,6 +202,7 @@ class ChunkLander:
         direct: Mapping[SliceCopy, torch.Tensor] | None = None,
         *,
         batch_method: str | None = "auto",
+        bind_fresh_buffers: bool = False,
     ) -> None:
         self.model = model
         self.plan = plan
@@ -208,8 +212,10 @@ class ChunkLander:
         # (``sharded_rdt_plan.with_direct_copies``): no module step around them.
         self.direct: Mapping[SliceCopy, torch.Tensor] = dict(direct or {})
         # ``batch_method``: the ``CopyProgram`` method of the batched direct
-        # copies ("auto" picks per device), or None to copy them one by one.
+        # copies ("auto" picks per device), or None to copy them one by one;
+        # ``bind_fresh_buffers``: batch them from buffers not reused too.
         self.batch_method = batch_method
+        self.bind_fresh_buffers = bind_fresh_buffers
         self._tables: dict[int, CopyTable] = {}
         self._batches: dict[tuple[int, int, torch.device], _DirectBatch] = {}
         self._landings: list[list[_Landing]] = []
@@ -266,9 +272,13 @@ class ChunkLander:
         ``reused``: ``data`` is a buffer this chunk arrives in again at later
         syncs (a receive buffer that lives as long as the lander), so the
         batched copy bound to it is kept, and keeps it alive; otherwise the
-        copy is bound for this landing only."""
+        direct copies are copied one by one (or, with ``bind_fresh_buffers``,
+        bound for this landing only)."""
         if self._direct[index]:
-            batch = self._direct_batch(index, data, reused)
+            if reused or self.bind_fresh_buffers:
+                batch = self._direct_batch(index, data, reused)
+            else:
+                batch = _DirectBatch(None, tuple(self._direct[index]))
             if batch.program is not None:
                 batch.program()
                 self.batched += batch.program.table.copies
