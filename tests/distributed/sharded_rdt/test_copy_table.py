@@ -547,3 +547,55 @@ def test_triton_kernel_in_the_interpreter(rank, monkeypatch):
         want = _land_by_replay(plan, sources, table)
         for spec, got in zip(table.dests, dests, strict=True):
             assert torch.equal(got.view(torch.int16), want[spec.name].view(torch.int16))
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_a_released_program_runs_from_another_chunk_buffer(monkeypatch):
+    """The kernel in Triton's CPU interpreter: a chunk table bound to one
+    buffer, released from it, and run from other buffers holding other
+    values (only the source offsets shift); a buffer that breaks the
+    table's alignment is not taken."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rng = random.Random(2)
+    for case in range(10):
+        copies, sources = [], {}
+        offset = 0
+        for k in range(rng.randint(1, 3)):
+            shape, chain, out_shape, stride, gap = _random_case(rng)
+            name = f"s{k}"
+            sources[name] = torch.randn(shape)
+            stride = [int(np.prod(out_shape[i + 1 :])) for i in range(len(out_shape))]
+            copies.append(
+                _copy(
+                    name, chain, out_shape, out_shape, stride, offset + gap, module="d"
+                )
+            )
+            offset += gap + int(np.prod(out_shape))
+        plan = build_plan(worker="t", names=list(sources), copies=copies)
+        chunk, landings = _packed_chunk(plan, sources, pad=16)
+        table = compile_chunk_table(landings, chunk.numel())
+        dests = [torch.zeros(d.numel, dtype=torch.float32) for d in table.dests]
+        program = CopyProgram(table, [chunk.clone()], dests, method="triton")
+        assert program.can_run_from()
+        program.release_sources()
+        with pytest.raises(RuntimeError, match="released its sources"):
+            program()
+        for scale in (2.0, -3.0):
+            scaled = {n: t * scale for n, t in sources.items()}
+            other, _ = _packed_chunk(plan, scaled, pad=16)
+            spare = torch.zeros(other.numel() + 64, dtype=torch.uint8)
+            moved = spare[16 : 16 + other.numel()]
+            moved.copy_(other)
+            assert program.fits_source(moved)
+            program.run_from(moved)
+            want = _land_by_replay(
+                plan, scaled, compile_copy_table(plan, _source_metas(sources))
+            )
+            got = {d.name: t for d, t in zip(table.dests, dests, strict=True)}
+            for name in want:
+                assert torch.equal(got[name], want[name]), (case, scale)
+        if program.word * program.vec > 1:
+            misaligned = spare[1 : 1 + other.numel()]
+            assert not program.fits_source(misaligned)
+            with pytest.raises(ValueError, match="aligned"):
+                program.run_from(misaligned)

@@ -169,19 +169,24 @@ def _triton_kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # ``shift`` varies with the source's address: not specialized on, so a
+    # new address never compiles the kernel again.
+    @triton.jit(do_not_specialize=["shift"])
     def copy_tasks(
         base,
         tasks,
+        shift,
         COLS: tl.constexpr,
         ROWS: tl.constexpr,
         VEC: tl.constexpr,
     ):
         # One task per program: 6 int64 words (source offset, destination
         # offset, words per row, rows, source pitch, destination pitch), all
-        # counted in words from ``base``.
+        # counted in words from ``base``; ``shift`` words are added to every
+        # source offset (a source read from another address than the one
+        # the tasks were built for).
         task = tasks + tl.program_id(0).to(tl.int64) * 6
-        src = tl.multiple_of(tl.load(task), VEC)
+        src = tl.multiple_of(tl.load(task) + shift, VEC)
         dst = tl.multiple_of(tl.load(task + 1), VEC)
         width = tl.multiple_of(tl.load(task + 2), VEC)
         rows = tl.load(task + 3)
@@ -322,6 +327,7 @@ class CopyProgram:
         self.table = table
         self._keep = (list(sources), list(dests))
         self._run: Callable[[], None]
+        self._bound_source: int | None = None
         if method == "triton":
             self._bind_triton(sources, dests, task_bytes)
         else:
@@ -388,16 +394,70 @@ class CopyProgram:
         self.launches = [(c, r, n) for c, r, n, _ in launches]
         kernel = _triton_kernel()
         base = self._base
+        self._bound_source = src_addr[0] if len(src_addr) == 1 else None
 
-        def run() -> None:
+        def run_shifted(shift: int) -> None:
             for c, r, n, t in launches:
-                kernel[(n,)](base, t, COLS=c, ROWS=r, VEC=vec, num_warps=8)
+                kernel[(n,)](base, t, shift, COLS=c, ROWS=r, VEC=vec, num_warps=8)
 
-        self._run = run
+        self._run_shifted = run_shifted
+        self._run = lambda: run_shifted(0)
 
     def __call__(self) -> None:
         with torch.no_grad():
             self._run()
+
+    def can_run_from(self) -> bool:
+        """Whether `run_from` applies: the Triton method over one source."""
+        return self.method == "triton" and self._bound_source is not None
+
+    def release_sources(self) -> None:
+        """Stop keeping the source tensors alive (a program kept only to be
+        run with `run_from`, whose bound source may be freed); calling the
+        program itself is refused from then on."""
+        self._keep = ([], self._keep[1])
+
+        def refused() -> None:
+            raise RuntimeError(
+                "this copy program released its sources; run it with run_from"
+            )
+
+        self._run = refused
+
+    def fits_source(self, source: torch.Tensor) -> bool:
+        """Whether `run_from` can read ``source``: its dtype, shape and
+        device are the bound source's, and its address keeps the table's
+        alignment."""
+        if not self.can_run_from() or source.device != self.device:
+            return False
+        spec = self.table.sources[0]
+        assert self._bound_source is not None
+        return (
+            dtype_name(source.dtype) == spec.dtype
+            and tuple(source.shape) == spec.shape
+            and source.is_contiguous()
+            and (source.data_ptr() - self._bound_source) % (self.word * self.vec) == 0
+        )
+
+    def run_from(self, source: torch.Tensor) -> None:
+        """Run the table reading its one source from ``source`` instead of
+        the tensor it was bound to (same dtype and shape, same device, an
+        address that keeps the table's alignment): the tasks stay as they
+        are on the device, and only their source offsets shift."""
+        if not self.can_run_from():
+            raise ValueError("run_from needs the triton method and one source")
+        _check(self.table.sources, [source], "source")
+        if source.device != self.device:
+            raise ValueError(f"source is on {source.device}, not {self.device}")
+        assert self._bound_source is not None
+        delta = source.data_ptr() - self._bound_source
+        if delta % (self.word * self.vec):
+            raise ValueError(
+                f"source address is not {self.word * self.vec}-byte aligned "
+                "like the one the program was bound to"
+            )
+        with torch.no_grad():
+            self._run_shifted(delta // self.word)
 
 
 def execute(

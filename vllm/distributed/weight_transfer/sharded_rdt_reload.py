@@ -45,11 +45,14 @@ reused (``land(..., reused=True)``): the program bound to one is kept for the
 next sync, whose chunk arrives in the same buffer. The copies the
 table cannot move as bytes (a cast, a transposed view) are copied one by one,
 as are all of a chunk's copies when its buffer is on another device than the
-served tensors. So are the copies from a buffer that is not reused (a staged
-copy, landed at the commit): binding a program for one landing costs more
-than it saves on dense shapes (on an H200, Qwen3-8B: 63 ms bound anew against
-11 ms one by one and 8.7 ms bound once; `bench_sharded_rdt_landing_cuda.py`).
-``bind_fresh_buffers=True`` binds for those too.
+served tensors. A buffer that is not reused (a staged copy, landed at the
+commit) is not bound anew at every landing: that costs more than it saves on
+dense shapes (on an H200, Qwen3-8B: 63 ms bound anew against 11 ms one by one
+and 8.7 ms bound once; `bench_sharded_rdt_landing_cuda.py`;
+``bind_fresh_buffers=True`` does it). On CUDA the program bound at the first
+such landing is kept without its source and run from each later buffer
+(``CopyProgram.run_from``: the task table stays on the device and only the
+source offsets shift); elsewhere those copies go one by one.
 """
 
 from __future__ import annotations
@@ -172,10 +175,12 @@ class _Landing:
 
 @dataclass(frozen=True)
 class _DirectBatch:
-    """A chunk's direct copies, bound to the buffer it arrived in."""
+    """A chunk's direct copies, bound to the buffer it arrived in (or, with
+    ``any_buffer``, run from whichever buffer holds the chunk)."""
 
     program: CopyProgram | None  # the copies the table moves; None: none
     one_by_one: tuple[_Landing, ...]  # the rest, copied one ``copy_`` each
+    any_buffer: bool = False  # the program released its source: ``run_from``
 
 
 def deferred_modules(model: torch.nn.Module, plan: WorkerPlan) -> list[str]:
@@ -218,6 +223,7 @@ class ChunkLander:
         self.bind_fresh_buffers = bind_fresh_buffers
         self._tables: dict[int, CopyTable] = {}
         self._batches: dict[tuple[int, int, torch.device], _DirectBatch] = {}
+        self._any_buffer: dict[int, _DirectBatch] = {}
         self._landings: list[list[_Landing]] = []
         self._completes_after: dict[int, tuple[str, ...]] = {}
         groups = {g.index: g for g in plan.groups}
@@ -272,14 +278,18 @@ class ChunkLander:
         ``reused``: ``data`` is a buffer this chunk arrives in again at later
         syncs (a receive buffer that lives as long as the lander), so the
         batched copy bound to it is kept, and keeps it alive; otherwise the
-        direct copies are copied one by one (or, with ``bind_fresh_buffers``,
+        direct copies run from a program kept without its source on CUDA, one
+        by one elsewhere (or, with ``bind_fresh_buffers``, from a program
         bound for this landing only)."""
         if self._direct[index]:
             if reused or self.bind_fresh_buffers:
                 batch = self._direct_batch(index, data, reused)
             else:
-                batch = _DirectBatch(None, tuple(self._direct[index]))
-            if batch.program is not None:
+                batch = self._any_buffer_batch(index, data)
+            if batch.program is not None and batch.any_buffer:
+                batch.program.run_from(data)
+                self.batched += batch.program.table.copies
+            elif batch.program is not None:
                 batch.program()
                 self.batched += batch.program.table.copies
             for landing in batch.one_by_one:
@@ -307,6 +317,27 @@ class ChunkLander:
             self.binds += 1
             if reused:
                 self._batches[key] = batch
+        return batch
+
+    def _any_buffer_batch(self, index: int, data: torch.Tensor) -> _DirectBatch:
+        """Chunk ``index``'s direct copies from a buffer that is not reused:
+        a Triton program bound at the first such landing, kept without its
+        source and run from each later buffer (``CopyProgram.run_from``:
+        only the source offsets shift); one by one where that does not apply
+        (not CUDA, or a buffer aligned differently from the first)."""
+        one_by_one = _DirectBatch(None, tuple(self._direct[index]))
+        batch = self._any_buffer.get(index)
+        if batch is None:
+            bound = self._bind_direct(index, data)
+            self.binds += 1
+            if bound.program is not None and bound.program.can_run_from():
+                bound.program.release_sources()
+                batch = _DirectBatch(bound.program, bound.one_by_one, True)
+            else:
+                batch = one_by_one
+            self._any_buffer[index] = batch
+        if batch.program is not None and not batch.program.fits_source(data):
+            return one_by_one
         return batch
 
     def _bind_direct(self, index: int, data: torch.Tensor) -> _DirectBatch:
