@@ -53,6 +53,12 @@ into the worker's. Measured, per model:
                     above the model's size, so one message carries every
                     tensor (nothing is packed, so the cap allocates nothing):
                     the cost of the per-chunk round trips;
+* ``fork_packed_planned`` (with ``--plans-dir``): the same trainer packing
+                    into a buffer it frees after each sync (the default); the
+                    worker maps it anew every sync and runs each layout's
+                    program, bound at the first sync and kept without its
+                    sources, from the new mapping (``ChunkPrograms.anywhere``);
+                    verified the same way;
 * ``fork_packed_planned_kept`` (with ``--plans-dir``; last): the trainer's
                     tensors outside any shared allocation (as a trainer whose
                     tensors are new at every sync, FSDP's ``full_tensor()``,
@@ -322,7 +328,14 @@ def _worker(conn, params) -> None:
                     planned_sources.update(found)
                     return found
 
-                bound = programs.bound(key, buf.data_ptr(), info.names, sources)
+                if handles[0].persistent:
+                    bound = programs.bound(key, buf.data_ptr(), info.names, sources)
+                else:
+                    # A buffer mapped anew every sync: the layout's program
+                    # run from it, as the worker engine does on a GPU.
+                    found = programs.anywhere(key[2], buf, info.names, sources)
+                    assert found is not None, "the buffer broke the alignment"
+                    bound = found
                 bound()
                 if verify_each:
                     torch.cuda.synchronize()
@@ -674,12 +687,21 @@ def bench_shared_params(
 
 
 def bench_packed_planned_kept(
-    tensors, conn, reps: int, buffer_bytes: int, plan_path: str, sent: list
+    tensors,
+    conn,
+    reps: int,
+    buffer_bytes: int,
+    plan_path: str,
+    sent: list,
+    keep: bool = True,
 ) -> dict:
     """The planned landing bound over a packed buffer the trainer keeps: the
     placements of the shared modes are closed first, so the trainer finds
     no tensor in a shared allocation and packs every one (one copy), into
-    the same buffer at every sync, which the worker keeps mapped."""
+    the same buffer at every sync, which the worker keeps mapped. With
+    ``keep=False`` the trainer frees its buffer after each sync (the
+    default), the worker maps it anew every sync and runs each layout's
+    program from it (``ChunkPrograms.anywhere``)."""
     for placed, _ in _PLACED:
         placed.close()
     result: dict = {"copy_table": _call(conn, "planned_setup", (plan_path, sent))}
@@ -692,7 +714,7 @@ def bench_packed_planned_kept(
             buffer_bytes,
             land="planned",
             verify_each=True,
-            keep_packed_buffer=True,
+            keep_packed_buffer=keep,
         )
     )
     result["first_sync_seconds"] = result["all_seconds"][0]
@@ -839,7 +861,13 @@ def run_model(
             (tensors, parent, reps, 2 * nbytes),
             {"land": "planned", "plan_path": plan_path, "sent": params},
         )
-        # last: it closes the shared placement, so the trainer packs
+        # last: they close the shared placement, so the trainer packs; the
+        # default (a buffer freed after each sync), then a kept buffer
+        modes["fork_packed_planned"] = (
+            bench_packed_planned_kept,
+            (tensors, parent, reps, buffer_bytes),
+            {"plan_path": plan_path, "sent": params, "keep": False},
+        )
         modes["fork_packed_planned_kept"] = (
             bench_packed_planned_kept,
             (tensors, parent, reps, buffer_bytes),

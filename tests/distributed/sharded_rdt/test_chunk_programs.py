@@ -10,10 +10,12 @@ whose copies are not byte moves to the ordinary path. The engine path
 ``test_ipc_llm.test_trainer_parameters_in_shared_memory_are_read_in_place``.
 """
 
+import pytest
 import torch
 from test_planned_landing import MIXED, Mixed, _bake
 
 from vllm.distributed.weight_transfer.chunk_programs import ChunkPrograms
+from vllm.distributed.weight_transfer.copy_table_exec import triton_available
 
 
 def _flat(tensors: dict[str, torch.Tensor], gap: int = 0):
@@ -162,3 +164,36 @@ def test_a_chunk_layout_key_is_equal_only_for_the_same_fields():
         [view()],
     ):
         assert ChunkLayout(other) != layout
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_a_layout_read_from_a_new_buffer_each_sync_runs_one_program(monkeypatch):
+    """A packed buffer mapped anew every sync (the CUDA default), here with
+    the Triton kernel in its CPU interpreter: the program bound at the first
+    chunk of a layout is kept without its sources and run from each later
+    buffer of that layout, its sources shifted by the buffers' distance; a
+    buffer that breaks the table's alignment lands the ordinary way."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = Mixed()
+    plan = _bake(model, MIXED)
+    programs = ChunkPrograms(plan.plan, plan.served, plan.direct_names, method="triton")
+    names = list(MIXED)
+    for step in range(3):
+        values = {n: t * (step + 2) - step for n, t in MIXED.items()}
+        packed, offsets = _flat(values)
+        # Each sync's buffer at another address (and its first one released).
+        spare = torch.zeros(packed.numel() + 64 * (step + 1), dtype=torch.uint8)
+        buffer = spare[64 * step : 64 * step + packed.numel()]
+        buffer.copy_(packed)
+        del packed
+        sources = _sources(buffer, offsets, values)
+        bound = programs.anywhere("layout", buffer, names, sources)
+        assert bound is not None and bound.names == plan.direct_names
+        bound()
+        reference = Mixed()
+        reference.load_weights(values.items())
+        for name, got in _direct_params(model).items():
+            assert torch.equal(got, dict(reference.named_parameters())[name]), name
+    assert programs.binds == 1 and programs.reused == 2
+    shifted = spare[1 : 1 + buffer.numel()]
+    assert programs.anywhere("layout", shifted, names, sources) is None

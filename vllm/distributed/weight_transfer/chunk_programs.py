@@ -46,15 +46,21 @@ DEFAULT_MAX_PROGRAMS = 256
 
 @dataclass(frozen=True)
 class BoundChunk:
-    """One chunk's planned landing, bound to its mapping."""
+    """One chunk's planned landing, bound to its mapping (or, with ``shift``,
+    run from a buffer ``shift`` bytes from the one it was bound to)."""
 
     program: CopyProgram | None  # None when no copy of the chunk is a byte move
     names: frozenset[str]  # checkpoint names the program lands in full
-    mapping: int  # address of the mapping the sources lie in
+    mapping: int  # address of the mapping the sources lie in; -1: none kept
+    shift: int | None = None
 
     def __call__(self) -> None:
-        if self.program is not None:
+        if self.program is None:
+            return
+        if self.shift is None:
             self.program()
+        else:
+            self.program.run_shifted(self.shift)
 
 
 class ChunkLayout:
@@ -80,13 +86,17 @@ class ChunkLayout:
 
 def chunk_in_mapping(
     handle_key: Hashable, buffer: torch.Tensor, info: Any
-) -> tuple[Hashable, Callable[[Sequence[str]], dict[str, torch.Tensor]]]:
+) -> tuple[
+    tuple[Hashable, int, ChunkLayout],
+    Callable[[Sequence[str]], dict[str, torch.Tensor]],
+]:
     """For a packed ``ipc`` message ``info`` (``IPCWeightTransferUpdateInfo``)
     read from ``buffer`` (its mapping; ``handle_key`` names the buffer): the
     key ``ChunkPrograms.bound`` takes (the mapping and the message's layout
     in it, a ``ChunkLayout`` made once per layout), and the ``sources``
     callback that views the named tensors in the mapping (tensors at offsets
-    their dtype cannot start at are left out)."""
+    their dtype cannot start at are left out). ``ChunkPrograms.anywhere``
+    takes the key's last element, the layout alone."""
     layout = info.layout_fact(ChunkLayout, ChunkLayout)
     key = (handle_key, buffer.data_ptr(), layout)
 
@@ -126,6 +136,10 @@ class ChunkPrograms:
         self.method = method
         self.max_programs = max_programs
         self._bound: dict[Hashable, BoundChunk] = {}
+        # Per layout: a program released from its sources and the buffer
+        # address it was bound at (``anywhere``); (None, 0) where that
+        # cannot apply.
+        self._anywhere: dict[Hashable, tuple[BoundChunk | None, int]] = {}
         # Programs bound in this object's lifetime (a reused one counts once),
         # and the times a bound one was handed out again.
         self.binds = 0
@@ -158,6 +172,44 @@ class ChunkPrograms:
         self._bound[key] = chunk
         self.binds += 1
         return chunk
+
+    def anywhere(
+        self,
+        layout: Hashable,
+        buffer: torch.Tensor,
+        names: Sequence[str],
+        sources: Callable[[Sequence[str]], Mapping[str, torch.Tensor]],
+    ) -> BoundChunk | None:
+        """The program for a chunk of ``layout`` read from ``buffer``, a
+        mapping that is not kept (a packed buffer the trainer frees after the
+        sync): bound at the first such chunk, kept without its sources, and
+        run from each later buffer of the same layout with its sources
+        shifted by the buffers' distance (``CopyProgram.run_shifted``; the
+        tasks stay on the device). None where that does not apply (not the
+        Triton method, or a buffer aligned differently): the chunk lands the
+        ordinary way."""
+        found = self._anywhere.get(layout)
+        if found is None:
+            chunk = self._bind(-1, names, sources)
+            self.binds += 1
+            program = chunk.program
+            if program is not None and program.can_shift(0):
+                program.release_sources()
+                found = (chunk, buffer.data_ptr())
+            else:
+                found = (None, 0)
+            if len(self._anywhere) >= self.max_programs:
+                self._anywhere.pop(next(iter(self._anywhere)))
+            self._anywhere[layout] = found
+        else:
+            self.reused += 1
+        chunk_or_none, origin = found
+        if chunk_or_none is None or chunk_or_none.program is None:
+            return None
+        delta = buffer.data_ptr() - origin
+        if not chunk_or_none.program.can_shift(delta):
+            return None
+        return BoundChunk(chunk_or_none.program, chunk_or_none.names, -1, delta)
 
     def _bind(
         self,
@@ -201,3 +253,4 @@ class ChunkPrograms:
 
     def clear(self) -> None:
         self._bound.clear()
+        self._anywhere.clear()

@@ -328,6 +328,7 @@ class CopyProgram:
         self._keep = (list(sources), list(dests))
         self._run: Callable[[], None]
         self._bound_source: int | None = None
+        self._shiftable = False  # the triton method: sources may move together
         if method == "triton":
             self._bind_triton(sources, dests, task_bytes)
         else:
@@ -395,6 +396,7 @@ class CopyProgram:
         kernel = _triton_kernel()
         base = self._base
         self._bound_source = src_addr[0] if len(src_addr) == 1 else None
+        self._shiftable = True
 
         def run_shifted(shift: int) -> None:
             for c, r, n, t in launches:
@@ -409,7 +411,25 @@ class CopyProgram:
 
     def can_run_from(self) -> bool:
         """Whether `run_from` applies: the Triton method over one source."""
-        return self.method == "triton" and self._bound_source is not None
+        return self._shiftable and self._bound_source is not None
+
+    def can_shift(self, delta: int) -> bool:
+        """Whether `run_shifted(delta)` applies: the Triton method, and
+        ``delta`` keeps the table's alignment."""
+        return self._shiftable and delta % (self.word * self.vec) == 0
+
+    def run_shifted(self, delta: int) -> None:
+        """Run the table with every source ``delta`` bytes from the address
+        it was bound at: for sources that all lie in one buffer, read from a
+        copy of that buffer elsewhere with the same layout (the caller
+        vouches for the layout; the dests are the bound ones)."""
+        if not self.can_shift(delta):
+            raise ValueError(
+                f"cannot shift the sources by {delta} bytes: needs the triton "
+                f"method and a multiple of {self.word * self.vec} bytes"
+            )
+        with torch.no_grad():
+            self._run_shifted(delta // self.word)
 
     def release_sources(self) -> None:
         """Stop keeping the source tensors alive (a program kept only to be
@@ -451,13 +471,12 @@ class CopyProgram:
             raise ValueError(f"source is on {source.device}, not {self.device}")
         assert self._bound_source is not None
         delta = source.data_ptr() - self._bound_source
-        if delta % (self.word * self.vec):
+        if not self.can_shift(delta):
             raise ValueError(
                 f"source address is not {self.word * self.vec}-byte aligned "
                 "like the one the program was bound to"
             )
-        with torch.no_grad():
-            self._run_shifted(delta // self.word)
+        self.run_shifted(delta)
 
 
 def execute(

@@ -426,10 +426,12 @@ class IPCWeightTransferEngine(
     ) -> BoundChunk | None:
         """The chunk's planned landing as a program bound once, when it can
         be: planned landing on, an update landing live (not staged), and one
-        packed buffer that stays mapped across syncs (a trainer's
-        ``SharedParameters``, or the packed buffer it keeps). The program is
+        packed buffer. A buffer that stays mapped across syncs (a trainer's
+        ``SharedParameters``, or the packed buffer it keeps) has its program
         reused while the mapping and the chunk's layout in it are the ones it
-        was bound to."""
+        was bound to. A packed buffer mapped anew every sync (the trainer
+        frees it) on a GPU runs the program bound for the layout at its first
+        chunk, from the new buffer (``ChunkPrograms.anywhere``)."""
         planned = self._planned
         if (
             planned is None
@@ -437,16 +439,20 @@ class IPCWeightTransferEngine(
             or not update_info.packed
             or update_info.upstream_wire
             or len(handles) != 1
-            or not handles[0].persistent
         ):
+            return None
+        buffer = buffers[0]
+        if not handles[0].persistent and not buffer.is_cuda:
             return None
         programs = self.chunk_programs
         if programs is None or programs.plan is not planned.plan:
             programs = self.chunk_programs = ChunkPrograms(
                 planned.plan, planned.served, planned.direct_names
             )
-        buffer = buffers[0]
         key, sources = chunk_in_mapping(mapping_key(handles[0]), buffer, update_info)
+        if not handles[0].persistent:
+            layout = key[2]
+            return programs.anywhere(layout, buffer, update_info.names, sources)
         return programs.bound(key, buffer.data_ptr(), update_info.names, sources)
 
     def _landing_plan_for(self, manifest: Any) -> LandingPlan | None:
