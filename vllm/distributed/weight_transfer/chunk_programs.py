@@ -21,6 +21,12 @@ owner drops the programs bound to a mapping before it unmaps it
 (``forget``), and drops them all when a served tensor was replaced (the
 landing plan is baked again then, and its programs go with it).
 
+A packed buffer mapped anew at every sync (a trainer that frees it after the
+sync, the CUDA default) has the same layout each time at another address.
+``anywhere`` binds the layout's program at its first chunk, keeps it without
+its sources, and runs it from each later buffer with the sources shifted by
+the distance (Triton only: the task table stays on the device).
+
 Copies the table cannot take as a pure byte move (a cast, a view that had to
 copy) are left out, together with every other copy of the same checkpoint
 name: those names land the ordinary way (``LandingPlan.land``), so a name is
