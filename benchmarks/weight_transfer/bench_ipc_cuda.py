@@ -124,6 +124,20 @@ QWEN3_30B_A3B = ModelShape(
 )
 
 
+def model_runs(
+    models: str, moe_layers: int
+) -> list[tuple[ModelShape, int | None, str]]:
+    """The shapes ``--models`` names ("8b", "30b", comma-separated), each with
+    its layer count (None: all; ``moe_layers`` for Qwen3-30B-A3B) and the
+    name its baked plan has under ``--plans-dir``."""
+    runs: list[tuple[ModelShape, int | None, str]] = []
+    if "8b" in models:
+        runs.append((QWEN3_8B, None, "qwen3-8b"))
+    if "30b" in models:
+        runs.append((QWEN3_30B_A3B, moe_layers, "qwen3-30b-a3b"))
+    return runs
+
+
 def param_list(m: ModelShape, layers: int | None = None) -> list[tuple[str, tuple]]:
     """Checkpoint names and shapes, in checkpoint order."""
     out: list[tuple[str, tuple]] = [("model.embed_tokens.weight", (m.vocab, m.hidden))]
@@ -961,11 +975,7 @@ def main() -> None:
     args = parser.parse_args()
     buffer_bytes = int(args.buffer_gib * 2**30)
     only = set(args.modes.split(",")) if args.modes else None
-    runs = []
-    if "8b" in args.models:
-        runs.append((QWEN3_8B, None, "qwen3-8b"))
-    if "30b" in args.models:
-        runs.append((QWEN3_30B_A3B, args.moe_layers, "qwen3-30b-a3b"))
+    runs = model_runs(args.models, args.moe_layers)
     doc = {
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,

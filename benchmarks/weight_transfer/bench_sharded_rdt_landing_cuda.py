@@ -13,7 +13,7 @@ staging copies that are fresh at every sync; two modes land from two buffer
 sets in turn (the same chunks at other addresses):
 ``batched_fresh_buffers``, the lander's path for them (a program bound at the
 first landing, kept without its source, run from each buffer with
-``CopyProgram.run_from``), and ``batched_bound_each_sync``
+``CopyProgram.run_shifted``), and ``batched_bound_each_sync``
 (``bind_fresh_buffers=True``: bound anew at every landing). Here
 the chunks are already resident in device receive buffers (one per chunk,
 packed by the producer's ``pack_chunk`` from bf16 trainer tensors before the
@@ -52,10 +52,9 @@ from pathlib import Path
 import torch
 from _bench_common import device_times, emit_json
 from bench_ipc_cuda import (
-    QWEN3_8B,
-    QWEN3_30B_A3B,
     ModelShape,
     make_tensors,
+    model_runs,
     param_list,
 )
 
@@ -229,11 +228,7 @@ def main() -> None:
     p.add_argument("--models", default="8b,30b")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    runs = []
-    if "8b" in args.models:
-        runs.append((QWEN3_8B, None, "qwen3-8b"))
-    if "30b" in args.models:
-        runs.append((QWEN3_30B_A3B, args.moe_layers, "qwen3-30b-a3b"))
+    runs = model_runs(args.models, args.moe_layers)
     doc = {
         "benchmark": "sharded_rdt_planned_landing_cuda",
         "device": torch.cuda.get_device_name(0),

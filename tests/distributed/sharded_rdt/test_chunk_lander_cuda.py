@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The ``sharded_rdt`` lander's batched direct copies on a GPU (Triton): a
 program bound to one buffer and released from it runs from any other buffer
-holding the chunk (``CopyProgram.run_from``), and ``ChunkLander`` lands
+holding the chunk (``CopyProgram.run_shifted``), and ``ChunkLander`` lands
 chunks from receive buffers it keeps and from fresh buffers (a staged
 commit's) bit for bit, binding each chunk once.
 
@@ -115,7 +115,8 @@ def test_a_released_program_runs_from_any_buffer_with_the_chunk():
         for name in [c.region.qualname]
     }
     program = CopyProgram(table, [first], [dests[d.name] for d in table.dests])
-    assert program.method == "triton" and program.can_run_from()
+    origin = first.data_ptr()
+    assert program.method == "triton" and program.can_shift(0)
     program()
     _assert_landed(direct, _sources(1))
     program.release_sources()
@@ -127,14 +128,14 @@ def test_a_released_program_runs_from_any_buffer_with_the_chunk():
         spare = torch.empty(chunk.nbytes + 4096, dtype=torch.uint8, device="cuda")
         other = spare[512 : 512 + chunk.nbytes]
         pack_chunk(chunk, _sources(seed), other)
-        assert program.fits_source(other)
-        program.run_from(other)
+        assert program.can_shift(other.data_ptr() - origin)
+        program.run_shifted(other.data_ptr() - origin)
         _assert_landed(direct, _sources(seed))
     # A buffer that breaks the table's alignment is not taken.
     shifted = spare[2 : 2 + chunk.nbytes]
-    assert not program.fits_source(shifted)
-    with pytest.raises(ValueError, match="aligned"):
-        program.run_from(shifted)
+    assert not program.can_shift(shifted.data_ptr() - origin)
+    with pytest.raises(ValueError, match="multiple of"):
+        program.run_shifted(shifted.data_ptr() - origin)
 
 
 @pytest.mark.parametrize("fresh", [False, True])

@@ -289,28 +289,30 @@ def _random_case(rng: random.Random):
     return tuple(shape), chain, out_shape, tuple(stride), offset
 
 
+def _random_plan(rng: random.Random, most: int, row_major: bool = False):
+    """A plan of 1 to ``most`` random view chains (``_random_case``) landing
+    one after another, with gaps, in one destination ``d.w``, and its
+    sources. ``row_major``: each region laid out row-major instead of in
+    the case's permuted layout."""
+    copies, sources = [], {}
+    offset = 0
+    for k in range(rng.randint(1, most)):
+        shape, chain, out_shape, stride, gap = _random_case(rng)
+        name = f"s{k}"
+        sources[name] = torch.randn(shape)
+        if row_major:
+            stride = [int(np.prod(out_shape[i + 1 :])) for i in range(len(out_shape))]
+        copies.append(
+            _copy(name, chain, out_shape, out_shape, stride, offset + gap, module="d")
+        )
+        offset += gap + int(np.prod(out_shape))
+    return build_plan(worker="t", names=list(sources), copies=copies), sources
+
+
 def test_random_view_chains_land_like_replay():
     rng = random.Random(0)
     for case in range(200):
-        copies, sources = [], {}
-        offset = 0
-        for k in range(rng.randint(1, 3)):
-            shape, chain, out_shape, stride, gap = _random_case(rng)
-            name = f"s{k}"
-            sources[name] = torch.randn(shape)
-            copies.append(
-                _copy(
-                    name,
-                    chain,
-                    out_shape,
-                    out_shape,
-                    stride,
-                    offset=offset + gap,
-                    module="d",
-                )
-            )
-            offset += gap + int(np.prod(out_shape))
-        plan = build_plan(worker="t", names=list(sources), copies=copies)
+        plan, sources = _random_plan(rng, 3)
         table = compile_copy_table(plan, _source_metas(sources))
         assert table.fallback == (), case
         for method in ("loop", "foreach"):
@@ -365,19 +367,7 @@ def test_chunk_tables_land_packed_slices_like_replay():
     rng = random.Random(1)
     batched = 0
     for case in range(100):
-        copies, sources = [], {}
-        offset = 0
-        for k in range(rng.randint(1, 4)):
-            shape, chain, out_shape, stride, gap = _random_case(rng)
-            name = f"s{k}"
-            sources[name] = torch.randn(shape)
-            copies.append(
-                _copy(
-                    name, chain, out_shape, out_shape, stride, offset + gap, module="d"
-                )
-            )
-            offset += gap + int(np.prod(out_shape))
-        plan = build_plan(worker="t", names=list(sources), copies=copies)
+        plan, sources = _random_plan(rng, 4)
         chunk, landings = _packed_chunk(plan, sources, pad=rng.choice([4, 16]))
         table = compile_chunk_table(landings, chunk.numel())
         assert [s.name for s in table.sources] == [CHUNK_SOURCE] * bool(table.copies)
@@ -558,25 +548,14 @@ def test_a_released_program_runs_from_another_chunk_buffer(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     rng = random.Random(2)
     for case in range(10):
-        copies, sources = [], {}
-        offset = 0
-        for k in range(rng.randint(1, 3)):
-            shape, chain, out_shape, stride, gap = _random_case(rng)
-            name = f"s{k}"
-            sources[name] = torch.randn(shape)
-            stride = [int(np.prod(out_shape[i + 1 :])) for i in range(len(out_shape))]
-            copies.append(
-                _copy(
-                    name, chain, out_shape, out_shape, stride, offset + gap, module="d"
-                )
-            )
-            offset += gap + int(np.prod(out_shape))
-        plan = build_plan(worker="t", names=list(sources), copies=copies)
+        plan, sources = _random_plan(rng, 3, row_major=True)
         chunk, landings = _packed_chunk(plan, sources, pad=16)
         table = compile_chunk_table(landings, chunk.numel())
         dests = [torch.zeros(d.numel, dtype=torch.float32) for d in table.dests]
-        program = CopyProgram(table, [chunk.clone()], dests, method="triton")
-        assert program.can_run_from()
+        bound_at = chunk.clone()
+        program = CopyProgram(table, [bound_at], dests, method="triton")
+        origin = bound_at.data_ptr()
+        assert program.can_shift(0)
         program.release_sources()
         with pytest.raises(RuntimeError, match="released its sources"):
             program()
@@ -586,8 +565,8 @@ def test_a_released_program_runs_from_another_chunk_buffer(monkeypatch):
             spare = torch.zeros(other.numel() + 64, dtype=torch.uint8)
             moved = spare[16 : 16 + other.numel()]
             moved.copy_(other)
-            assert program.fits_source(moved)
-            program.run_from(moved)
+            assert program.can_shift(moved.data_ptr() - origin)
+            program.run_shifted(moved.data_ptr() - origin)
             want = _land_by_replay(
                 plan, scaled, compile_copy_table(plan, _source_metas(sources))
             )
@@ -596,6 +575,6 @@ def test_a_released_program_runs_from_another_chunk_buffer(monkeypatch):
                 assert torch.equal(got[name], want[name]), (case, scale)
         if program.word * program.vec > 1:
             misaligned = spare[1 : 1 + other.numel()]
-            assert not program.fits_source(misaligned)
-            with pytest.raises(ValueError, match="aligned"):
-                program.run_from(misaligned)
+            assert not program.can_shift(misaligned.data_ptr() - origin)
+            with pytest.raises(ValueError, match="multiple of"):
+                program.run_shifted(misaligned.data_ptr() - origin)

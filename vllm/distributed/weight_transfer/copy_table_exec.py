@@ -327,7 +327,6 @@ class CopyProgram:
         self.table = table
         self._keep = (list(sources), list(dests))
         self._run: Callable[[], None]
-        self._bound_source: int | None = None
         self._shiftable = False  # the triton method: sources may move together
         if method == "triton":
             self._bind_triton(sources, dests, task_bytes)
@@ -395,7 +394,6 @@ class CopyProgram:
         self.launches = [(c, r, n) for c, r, n, _ in launches]
         kernel = _triton_kernel()
         base = self._base
-        self._bound_source = src_addr[0] if len(src_addr) == 1 else None
         self._shiftable = True
 
         def run_shifted(shift: int) -> None:
@@ -408,10 +406,6 @@ class CopyProgram:
     def __call__(self) -> None:
         with torch.no_grad():
             self._run()
-
-    def can_run_from(self) -> bool:
-        """Whether `run_from` applies: the Triton method over one source."""
-        return self._shiftable and self._bound_source is not None
 
     def can_shift(self, delta: int) -> bool:
         """Whether `run_shifted(delta)` applies: the Triton method, and
@@ -433,50 +427,17 @@ class CopyProgram:
 
     def release_sources(self) -> None:
         """Stop keeping the source tensors alive (a program kept only to be
-        run with `run_from`, whose bound source may be freed); calling the
-        program itself is refused from then on."""
+        run with `run_shifted` from other buffers, while the one it was bound
+        to may be freed); calling the program itself is refused from then
+        on."""
         self._keep = ([], self._keep[1])
 
         def refused() -> None:
             raise RuntimeError(
-                "this copy program released its sources; run it with run_from"
+                "this copy program released its sources; run it with run_shifted"
             )
 
         self._run = refused
-
-    def fits_source(self, source: torch.Tensor) -> bool:
-        """Whether `run_from` can read ``source``: its dtype, shape and
-        device are the bound source's, and its address keeps the table's
-        alignment."""
-        if not self.can_run_from() or source.device != self.device:
-            return False
-        spec = self.table.sources[0]
-        assert self._bound_source is not None
-        return (
-            dtype_name(source.dtype) == spec.dtype
-            and tuple(source.shape) == spec.shape
-            and source.is_contiguous()
-            and (source.data_ptr() - self._bound_source) % (self.word * self.vec) == 0
-        )
-
-    def run_from(self, source: torch.Tensor) -> None:
-        """Run the table reading its one source from ``source`` instead of
-        the tensor it was bound to (same dtype and shape, same device, an
-        address that keeps the table's alignment): the tasks stay as they
-        are on the device, and only their source offsets shift."""
-        if not self.can_run_from():
-            raise ValueError("run_from needs the triton method and one source")
-        _check(self.table.sources, [source], "source")
-        if source.device != self.device:
-            raise ValueError(f"source is on {source.device}, not {self.device}")
-        assert self._bound_source is not None
-        delta = source.data_ptr() - self._bound_source
-        if not self.can_shift(delta):
-            raise ValueError(
-                f"source address is not {self.word * self.vec}-byte aligned "
-                "like the one the program was bound to"
-            )
-        self.run_shifted(delta)
 
 
 def execute(

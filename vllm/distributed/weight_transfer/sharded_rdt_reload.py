@@ -51,7 +51,7 @@ dense shapes (on an H200, Qwen3-8B: 63 ms bound anew against 11 ms one by one
 and 8.7 ms bound once; `bench_sharded_rdt_landing_cuda.py`;
 ``bind_fresh_buffers=True`` does it). On CUDA the program bound at the first
 such landing is kept without its source and run from each later buffer
-(``CopyProgram.run_from``: the task table stays on the device and only the
+(``CopyProgram.run_shifted``: the task table stays on the device and only the
 source offsets shift); elsewhere those copies go one by one.
 """
 
@@ -176,11 +176,13 @@ class _Landing:
 @dataclass(frozen=True)
 class _DirectBatch:
     """A chunk's direct copies, bound to the buffer it arrived in (or, with
-    ``any_buffer``, run from whichever buffer holds the chunk)."""
+    ``origin``, run from whichever buffer holds the chunk)."""
 
     program: CopyProgram | None  # the copies the table moves; None: none
     one_by_one: tuple[_Landing, ...]  # the rest, copied one ``copy_`` each
-    any_buffer: bool = False  # the program released its source: ``run_from``
+    # With ``any_buffer``: the address the program was bound at (it released
+    # that buffer, and runs shifted to the buffer that holds the chunk now).
+    origin: int | None = None
 
 
 def deferred_modules(model: torch.nn.Module, plan: WorkerPlan) -> list[str]:
@@ -286,11 +288,11 @@ class ChunkLander:
                 batch = self._direct_batch(index, data, reused)
             else:
                 batch = self._any_buffer_batch(index, data)
-            if batch.program is not None and batch.any_buffer:
-                batch.program.run_from(data)
-                self.batched += batch.program.table.copies
-            elif batch.program is not None:
-                batch.program()
+            if batch.program is not None:
+                if batch.origin is None:
+                    batch.program()
+                else:
+                    batch.program.run_shifted(data.data_ptr() - batch.origin)
                 self.batched += batch.program.table.copies
             for landing in batch.one_by_one:
                 self.direct[landing.copy].copy_(self._value(landing, data))
@@ -322,7 +324,7 @@ class ChunkLander:
     def _any_buffer_batch(self, index: int, data: torch.Tensor) -> _DirectBatch:
         """Chunk ``index``'s direct copies from a buffer that is not reused:
         a Triton program bound at the first such landing, kept without its
-        source and run from each later buffer (``CopyProgram.run_from``:
+        source and run from each later buffer (``CopyProgram.run_shifted``:
         only the source offsets shift); one by one where that does not apply
         (not CUDA, or a buffer aligned differently from the first)."""
         one_by_one = _DirectBatch(None, tuple(self._direct[index]))
@@ -330,15 +332,30 @@ class ChunkLander:
         if batch is None:
             bound = self._bind_direct(index, data)
             self.binds += 1
-            if bound.program is not None and bound.program.can_run_from():
+            batch = one_by_one
+            if bound.program is not None and bound.program.can_shift(0):
                 bound.program.release_sources()
-                batch = _DirectBatch(bound.program, bound.one_by_one, True)
-            else:
-                batch = one_by_one
+                batch = _DirectBatch(
+                    bound.program, bound.one_by_one, origin=data.data_ptr()
+                )
             self._any_buffer[index] = batch
-        if batch.program is not None and not batch.program.fits_source(data):
+        if batch.program is None or batch.origin is None:
+            return batch
+        if not self._holds_chunk(index, data) or not batch.program.can_shift(
+            data.data_ptr() - batch.origin
+        ):
             return one_by_one
         return batch
+
+    def _holds_chunk(self, index: int, data: torch.Tensor) -> bool:
+        """Whether ``data`` can be a batched copy's source for chunk
+        ``index``: the chunk's bytes, flat and contiguous."""
+        return (
+            data.dtype == torch.uint8
+            and data.dim() == 1
+            and data.is_contiguous()
+            and data.numel() == self.pulls.chunks[index].nbytes
+        )
 
     def _bind_direct(self, index: int, data: torch.Tensor) -> _DirectBatch:
         """Chunk ``index``'s direct copies bound to ``data`` and the served
@@ -348,10 +365,7 @@ class ChunkLander:
         served = [self.direct[x.copy] for x in landings]
         if (
             self.batch_method is None
-            or data.dtype != torch.uint8
-            or data.dim() != 1
-            or not data.is_contiguous()
-            or data.numel() != self.pulls.chunks[index].nbytes
+            or not self._holds_chunk(index, data)
             or any(
                 view.device != data.device
                 or dtype_name(view.dtype) != x.copy.region.dtype

@@ -215,19 +215,25 @@ def test_planned_landing_pulls_straight_into_the_served_tensors(engine, request)
             for module, reason in state["reloaded"].items():
                 assert ".experts" in module, (module, reason)
 
-        ray.get(ranks[0].randomize.remote(133))
-        ray.get(llm.fail_on_chunk.remote(1))
-        error = ray.get(
-            ranks[0].send_expecting_failure.remote(weight_version="step-133"),
-            timeout=120,
-        )
-        assert "injected worker failure at chunk 1" in error
+        _fail_a_sync_at_chunk_1(llm, ranks[0], 133)
         # Chunk 0 (the embedding) went straight into the served tensors.
         assert _states(llm) == ["fenced"] * tp
         ray.get(llm.greedy.remote())  # the engine keeps serving
         ray.get(ranks[0].send.remote(weight_version="step-133"))
         assert _states(llm) == ["committed"] * tp
         _assert_serves_trainer(llm, ranks[0])
+
+
+def _fail_a_sync_at_chunk_1(llm, rank, seed: int) -> None:
+    """A sync of the trainer stepped to ``seed`` whose workers fail when
+    landing chunk 1; the trainer's error names that failure."""
+    ray.get(rank.randomize.remote(seed))
+    ray.get(llm.fail_on_chunk.remote(1))
+    error = ray.get(
+        rank.send_expecting_failure.remote(weight_version=f"step-{seed}"),
+        timeout=120,
+    )
+    assert "injected worker failure at chunk 1" in error
 
 
 def _dense_tp1_only(engine) -> None:
@@ -317,13 +323,7 @@ def test_a_worker_failing_mid_update_is_fenced_until_a_full_resync(engine):
     llm, model_dir, tp = engine
     with _trainers(model_dir, 1) as ranks:
         ray.get(ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=20.0))
-        ray.get(ranks[0].randomize.remote(116))
-        ray.get(llm.fail_on_chunk.remote(1))
-        error = ray.get(
-            ranks[0].send_expecting_failure.remote(weight_version="step-116"),
-            timeout=120,
-        )
-        assert "injected worker failure at chunk 1" in error
+        _fail_a_sync_at_chunk_1(llm, ranks[0], 116)
         assert ray.get(llm.weight_version.remote()).startswith("fenced:")
         status = ray.get(llm.fence_status.remote())[0]
         assert status["state"] == "fenced"
