@@ -333,9 +333,9 @@ def _worker(conn, params) -> None:
             if land == "planned":
                 # As the worker engine does for a chunk in a kept mapping:
                 # the chunk's bound program, reused while its layout holds.
-                assert programs is not None and len(bufs) == 1
-                buf = bufs[0]
-                key, mapped = chunk_in_mapping(mapping_key(handles[0]), buf, info)
+                assert programs is not None
+                keys = tuple(mapping_key(h) for h in handles)
+                key, mapped = chunk_in_mapping(keys, bufs, info)
 
                 def sources(names, mapped=mapped):
                     found = mapped(names)
@@ -343,11 +343,13 @@ def _worker(conn, params) -> None:
                     return found
 
                 if handles[0].persistent:
-                    bound = programs.bound(key, buf.data_ptr(), info.names, sources)
+                    ptrs = frozenset(b.data_ptr() for b in bufs)
+                    bound = programs.bound(key, ptrs, info.names, sources)
                 else:
                     # A buffer mapped anew every sync: the layout's program
                     # run from it, as the worker engine does on a GPU.
-                    found = programs.anywhere(key[2], buf, info.names, sources)
+                    assert len(bufs) == 1
+                    found = programs.anywhere(key[2], bufs[0], info.names, sources)
                     assert found is not None, "the buffer broke the alignment"
                     bound = found
                 bound()
@@ -363,7 +365,7 @@ def _worker(conn, params) -> None:
                     ("left out", bound.names), partial(_left_out, bound.names)
                 )
                 torch.cuda.synchronize()
-                del bufs, buf
+                del bufs
                 conn.send("ok")
                 continue
             srcs, dsts = [], []
@@ -665,13 +667,25 @@ def bench_shared_params(
     result: dict = {}
     if shared_place(next(iter(tensors.values()))) is None:
         holder = _holder_of(tensors)
+        # The holder's parameters alone keep the originals, so each goes
+        # once placed (the dict gets the placed tensors back below).
+        names = list(tensors)
+        tensors.clear()
         torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
-        _PLACED.append((SharedParameters.place(holder), holder))
+        shared = SharedParameters.place(holder)
         torch.cuda.synchronize()
         result["place_seconds"] = time.perf_counter() - t
+        # Placing fills one segment at a time and frees each original once
+        # copied: what it needs beyond the tensors themselves.
+        result["place_extra_peak_bytes"] = torch.cuda.max_memory_allocated() - before
+        result["segments"] = shared.num_segments
+        _PLACED.append((shared, holder))
+        del shared
         placed = dict(holder.named_parameters())
-        for name in tensors:
+        for name in names:
             tensors[name] = placed[name].data
         del placed
         torch.cuda.empty_cache()

@@ -465,6 +465,69 @@ def test_a_pinned_source_sends_its_layout_once_then_only_its_id(reader):
     shared2.close()
 
 
+def test_parameters_placed_in_several_segments_travel_as_one_message(reader):
+    """``SharedParameters.place(..., max_segment_bytes=...)`` on CUDA: each
+    segment is filled before the next is allocated and the parameters' old
+    memory goes as they are copied, so placing needs about one segment more
+    than the parameters, not twice them. Every sync is one message naming
+    all segments, each mapped once and kept; the short form names them
+    again; after a failed sync every segment is exported anew."""
+    from vllm.distributed.weight_transfer.shared_params import SharedParameters
+
+    torch.manual_seed(2)
+    # Eight 256 KiB matrices, two to a segment.
+    model = torch.nn.Sequential(
+        *(torch.nn.Linear(256, 256, bias=False) for _ in range(8))
+    ).cuda()
+    limit = 512 << 10
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    shared = SharedParameters.place(model, max_segment_bytes=limit)
+    extra_peak = torch.cuda.max_memory_allocated() - before
+    assert shared.num_segments == 4
+    # One segment beyond the parameters at most (placing all 2 MiB in one
+    # allocation would add 2 MiB), and nothing beyond them afterwards.
+    assert extra_peak <= limit, extra_peak
+    assert torch.cuda.memory_allocated() == before
+    client = PipeWorker(reader)
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed=True, verify_checksums=True),
+        client=client,
+        source=shared.source(model),
+    )
+
+    def sync_and_check() -> None:
+        engine.send_weights()
+        for name, p in model.named_parameters():
+            assert torch.equal(client.received[name], p.detach().cpu()), name
+
+    opened_before, _ = _stats(reader)
+    n = shared.num_segments
+    sync_and_check()
+    assert client.checksums_verified == n, "one checksum per segment"
+    assert _stats(reader) == (opened_before + n, n), "each segment mapped once"
+    exports = [shared.segment_handle(i) for i in range(n)]
+    for _ in range(2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(-2).add_(0.5)
+        del p
+        client.received.clear()
+        sync_and_check()
+    assert _stats(reader) == (opened_before + n, n), "no new mapping"
+    assert [shared.segment_handle(i) for i in range(n)] == exports
+    reader.send("short_messages")
+    assert _answer(reader, "short_messages")[1] >= 2, "the short form"
+    client.fail_next = True
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.send_weights()
+    sync_and_check()
+    assert all(shared.segment_handle(i) is not exports[i] for i in range(n))
+    assert _stats(reader) == (opened_before + 2 * n, n)
+    shared.close()
+
+
 def test_a_kept_packed_buffer_is_mapped_once_and_exported_anew_after_a_failure(
     reader,
 ):

@@ -146,16 +146,23 @@ class ShortFormClient(RecordingClient):
         super().update_weights(update_info)
 
 
+# ``max_segment_bytes`` for TinyNet's parameters (128, 64, 128 and 64 bytes
+# as placed): all in one segment, or in two of 192 bytes.
+ONE_SEGMENT = 1 << 20
+TWO_SEGMENTS = 192
+
+
 @contextlib.contextmanager
-def pinned_rig(**kwargs):
+def pinned_rig(max_segment_bytes: int = ONE_SEGMENT, **kwargs):
     """A planned worker engine over ``planned_ready(0)`` (``target``), a
-    trainer ``model`` placed in shared memory (``shared``, closed at exit)
-    and its ``trainer`` sending with ``shared.source(model)`` through a
-    ``ShortFormClient`` (``client``); ``kwargs`` go to the trainer's init."""
+    trainer ``model`` placed in shared memory (``shared``, closed at exit;
+    ``max_segment_bytes`` goes to ``place``) and its ``trainer`` sending
+    with ``shared.source(model)`` through a ``ShortFormClient``
+    (``client``); ``kwargs`` go to the trainer's init."""
     target = planned_ready(0)
     engine = make_engine(target, landing="planned")
     model = TinyNet(1)
-    shared = SharedParameters.place(model)
+    shared = SharedParameters.place(model, max_segment_bytes=max_segment_bytes)
     client = ShortFormClient(engine)
     kwargs.setdefault("packed_buffer_size_bytes", 64)
     trainer = IPCTrainerWeightTransferEngine.trainer_init(
@@ -187,13 +194,19 @@ def assert_served(target, model) -> None:
         assert torch.equal(dict(target.named_parameters())[name], want), name
 
 
+@pytest.mark.parametrize(
+    "max_segment_bytes", [ONE_SEGMENT, TWO_SEGMENTS], ids=["one", "two_segments"]
+)
 @pytest.mark.parametrize("checksums", [False, True], ids=["plain", "checksums"])
-def test_a_source_that_knows_nothing_moved_resends_its_layout_by_id(checksums):
+def test_a_source_that_knows_nothing_moved_resends_its_layout_by_id(
+    checksums, max_segment_bytes
+):
     """``SharedParameters.source``: the first sync sends the whole layout
     once, with an id; while every parameter stays where it was, each later
-    sync sends only that id and the handle, walks no tensor, and the worker
-    reuses the parsed layout and the bound program."""
-    with pinned_rig(verify_checksums=checksums) as rig:
+    sync sends only that id and the handles, walks no tensor, and the worker
+    reuses the parsed layout and the bound program. The same over two
+    segments: one message names both, each mapped once."""
+    with pinned_rig(max_segment_bytes, verify_checksums=checksums) as rig:
         rig.trainer.send_weights()
         assert_served(rig.target, rig.model)
         ((form, layout),) = rig.client.forms
@@ -207,8 +220,62 @@ def test_a_source_that_knows_nothing_moved_resends_its_layout_by_id(checksums):
         assert engine.layouts.compact == 2
         programs = engine.chunk_programs
         assert programs is not None and programs.binds == 1
-        assert engine._importer is not None and engine._importer.mappings_opened == 1
+        assert engine._importer is not None
+        segments = rig.shared.num_segments
+        assert segments == (1 if max_segment_bytes == ONE_SEGMENT else 2)
+        assert engine._importer.mappings_opened == segments
         assert engine.fence_status["state"] == "committed"
+
+
+def test_parameters_are_placed_in_segments_of_at_most_the_size_asked():
+    """Each segment is filled before the next is allocated, and a parameter
+    larger than the limit gets one of its own; offsets run end to end
+    across the segments, and every parameter is found where it was put."""
+    model = TinyNet(1)
+    before = state(model)
+    shared = SharedParameters.place(model, max_segment_bytes=128)
+    try:
+        # a.weight (128 B as placed) | a.bias (64) | b.weight (128) | b.bias (64)
+        assert shared.num_segments == 4
+        assert len(set(shared.shm_names)) == 4 and shared.shm_name is None
+        assert shared.offsets == {
+            "a.weight": 0,
+            "a.bias": 128,
+            "b.weight": 192,
+            "b.bias": 320,
+        }
+        for name, p in model.named_parameters():
+            assert shared.locate(p) == shared.offsets[name], name
+            assert torch.equal(p, before[name]), name
+        part = shared.message_part([(128, 24), (192, 72), (320, 12)])
+        assert part.segments == (1, 2, 3) and part.indexes == [0, 1, 2]
+        assert part.offsets == [0, 0, 0]
+        assert part.spans == ((0, 24), (0, 72), (0, 12))
+        with pytest.raises(ValueError, match="segment_handle"):
+            _ = shared.handle
+    finally:
+        shared.close()
+    with pytest.raises(ValueError, match="at least 64"):
+        SharedParameters.place(TinyNet(1), max_segment_bytes=8)
+
+
+def test_a_parameter_moved_out_of_one_of_several_segments_is_packed_alone():
+    """With the parameters in two segments, a re-allocated one is packed
+    and the others, in both segments, still go unpacked around it."""
+    with pinned_rig(TWO_SEGMENTS) as rig:
+        trainer, model = rig.trainer, rig.model
+        trainer.send_weights()
+        model.b.weight.data = model.b.weight.data.clone() - 1
+        step(model)
+        trainer.send_weights()
+        assert_served(rig.target, model)
+        assert trainer._kept_buffer is not None, "the moved parameter was packed"
+        assert rig.client.messages[-3:] == [
+            ["a.weight", "a.bias"],
+            ["b.weight"],
+            ["b.bias"],
+        ]
+        assert rig.engine.fence_status["state"] == "committed"
 
 
 def _reallocate(model):

@@ -138,6 +138,77 @@ def test_a_short_message_names_a_layout_parsed_before():
     ]
 
 
+def several(**overrides):
+    """A packed message over two buffers (a ``SharedParameters`` placed in
+    two segments): a.weight in the first, b.weight and c.bias in the second."""
+    seg = [
+        {"kind": "shm", "name": "vllm-wt-1-s0", "nbytes": 64, "persistent": True},
+        {"kind": "shm", "name": "vllm-wt-1-s1", "nbytes": 128, "persistent": True},
+    ]
+    msg = {
+        "names": ["a.weight", "b.weight", "c.bias"],
+        "dtype_names": ["float32", "bfloat16", "float32"],
+        "shapes": [[2, 3], [4], [2]],
+        "tensor_sizes": [24, 8, 8],
+        "offsets": [0, 0, 64],
+        "buffer_indexes": [0, 1, 1],
+        "ipc_handles": {KEY: seg},
+    }
+    msg.update(overrides)
+    return msg
+
+
+def test_a_packed_message_over_several_buffers_places_each_tensor_in_its_own():
+    info = IPCWeightTransferUpdateInfo.from_dict(json.loads(json.dumps(several())))
+    assert info.packed
+    assert [(v.name, v.buffer, v.offset) for v in info.views()] == [
+        ("a.weight", 0, 0),
+        ("b.weight", 1, 0),
+        ("c.bias", 1, 64),
+    ]
+    buffers = info.buffers()
+    assert [getattr(b[KEY], "name", None) for b in buffers] == [
+        "vllm-wt-1-s0",
+        "vllm-wt-1-s1",
+    ]
+    assert info.to_dict() == several()
+    # The short form names the same number of buffers.
+    memo = LayoutMemo()
+    memo.parse(several(layout="multi"))
+    short = memo.parse({"layout": "multi", "ipc_handles": several()["ipc_handles"]})
+    assert len(short.buffers()) == 2 and memo.compact == 1
+    with pytest.raises(ValueError, match="must list 2 buffers per device key"):
+        memo.parse({"layout": "multi", "ipc_handles": {KEY: dict(SHM)}})
+
+
+SEGS = several()["ipc_handles"][KEY]
+
+
+@pytest.mark.parametrize(
+    "message, match",
+    [
+        (several(buffer_indexes=None), "buffer_indexes is required"),
+        (several(buffer_indexes=[0, 2, 1]), r"buffer_indexes\[1\] .* is 2"),
+        (several(buffer_indexes=[0, 1]), "buffer_indexes has 2 entries"),
+        (several(offsets=[0, 0, 4]), "inside the previous tensor of its buffer"),
+        (packed(buffer_indexes=[0, 0]), "only valid when ipc_handles lists"),
+        (unpacked(buffer_indexes=[0, 0]), "only valid for a packed update"),
+        (
+            several(ipc_handles={KEY: [SEGS[0], {**SEGS[1], "nbytes": 70}]}),
+            r"ipc_handles\['cpu:.*'\]\[1\] covers 70 bytes but the tensors need 72",
+        ),
+        (
+            several(ipc_handles={KEY: SEGS, "cpu:h:1": SEGS[:1]}),
+            "every key must list the same buffers",
+        ),
+        (several(ipc_handles={KEY: []}), "non-empty list of handles"),
+    ],
+)
+def test_a_malformed_message_over_several_buffers_is_refused(message, match):
+    with pytest.raises(ValueError, match=match):
+        IPCWeightTransferUpdateInfo.from_dict(message)
+
+
 def test_unpacked_message_round_trips_through_json():
     info = IPCWeightTransferUpdateInfo.from_dict(unpacked())
     assert not info.packed

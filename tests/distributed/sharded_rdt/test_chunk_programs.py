@@ -57,7 +57,7 @@ def _land(programs, plan, buffer, offsets, key="chunk", checkpoint=MIXED):
     program for what it covers, ``plan.land`` for the other direct names."""
     names = list(checkpoint)
     sources = _sources(buffer, offsets, checkpoint)
-    bound = programs.bound(key, buffer.data_ptr(), names, sources)
+    bound = programs.bound(key, frozenset({buffer.data_ptr()}), names, sources)
     bound()
     views = sources(names)
     for name in plan.direct_names - bound.names:
@@ -120,7 +120,10 @@ def test_a_chunk_without_direct_names_binds_no_program():
     buffer, offsets = _flat(MIXED)
     reloaded_only = ["handled.weight", "shared.w"]
     bound = programs.bound(
-        "reloaded", buffer.data_ptr(), reloaded_only, _sources(buffer, offsets, MIXED)
+        "reloaded",
+        frozenset({buffer.data_ptr()}),
+        reloaded_only,
+        _sources(buffer, offsets, MIXED),
     )
     assert bound.program is None and bound.names == frozenset()
     bound()  # nothing to run
@@ -149,8 +152,10 @@ def test_a_chunk_layout_key_is_equal_only_for_the_same_fields():
 
     from vllm.distributed.weight_transfer.chunk_programs import ChunkLayout
 
-    def view(name="a", dtype=torch.float32, shape=(2, 2), offset=0):
-        return SimpleNamespace(name=name, dtype=dtype, shape=shape, offset=offset)
+    def view(name="a", dtype=torch.float32, shape=(2, 2), offset=0, buffer=0):
+        return SimpleNamespace(
+            name=name, dtype=dtype, shape=shape, buffer=buffer, offset=offset
+        )
 
     layout = ChunkLayout([view(), view("b", offset=16)])
     same = ChunkLayout([view(), view("b", offset=16)])
@@ -161,6 +166,7 @@ def test_a_chunk_layout_key_is_equal_only_for_the_same_fields():
         [view(), view("c", offset=16)],
         [view(), view("b", dtype=torch.int32, offset=16)],
         [view(), view("b", shape=(4,), offset=16)],
+        [view(), view("b", offset=16, buffer=1)],
         [view()],
     ):
         assert ChunkLayout(other) != layout

@@ -7,15 +7,17 @@ With ``landing="planned"`` a worker lands each direct checkpoint tensor by
 replaying the slices its plan recorded: a few Python calls and one device copy
 per slice, tens of microseconds per tensor, which dominates a sync of
 thousands of small tensors (MoE experts). When the trainer's parameters live
-in one buffer the worker keeps mapped (``SharedParameters``), a chunk's bytes
+in buffers the worker keeps mapped (``SharedParameters``: one segment or
+several), a chunk's bytes
 sit at the same addresses at every sync, and so do the served tensors they
 land in. Then the chunk's whole planned landing is one copy table
 (``copy_table``), compiled from the plan for the chunk's names and bound to
 the mapped bytes and the served tensors once (``copy_table_exec``).
 
 `ChunkPrograms` keeps those bound programs. ``land`` is given a key that
-names everything a program was bound to: the mapping (which buffer, at which
-address) and the chunk's layout in it (names, dtypes, shapes and offsets).
+names everything a program was bound to: the mappings (which buffers, at
+which addresses) and the chunk's layout in them (names, dtypes, shapes,
+buffers and offsets).
 The same key runs the program bound before; another key binds a new one. The
 owner drops the programs bound to a mapping before it unmaps it
 (``forget``), and drops them all when a served tensor was replaced (the
@@ -52,12 +54,14 @@ DEFAULT_MAX_PROGRAMS = 256
 
 @dataclass(frozen=True)
 class BoundChunk:
-    """One chunk's planned landing, bound to its mapping (or, with ``shift``,
-    run from a buffer ``shift`` bytes from the one it was bound to)."""
+    """One chunk's planned landing, bound to its mappings (or, with
+    ``shift``, run from a buffer ``shift`` bytes from the one it was bound
+    to)."""
 
     program: CopyProgram | None  # None when no copy of the chunk is a byte move
     names: frozenset[str]  # checkpoint names the program lands in full
-    mapping: int  # address of the mapping the sources lie in; -1: none kept
+    # Addresses of the mappings the sources lie in; empty: none kept.
+    mappings: frozenset[int]
     shift: int | None = None
 
     def __call__(self) -> None:
@@ -70,13 +74,16 @@ class BoundChunk:
 
 
 class ChunkLayout:
-    """A chunk's layout in its buffer (names, dtypes, shapes, offsets) as a
+    """A chunk's layout in its buffers (names, dtypes, shapes, buffers,
+    offsets) as a
     dict key: hashed once, and equal to another only when every field is."""
 
     __slots__ = ("fields", "_hash")
 
     def __init__(self, views: Sequence[Any]) -> None:
-        self.fields = tuple((v.name, v.dtype, v.shape, v.offset) for v in views)
+        self.fields = tuple(
+            (v.name, v.dtype, v.shape, v.buffer, v.offset) for v in views
+        )
         self._hash = hash(self.fields)
 
     def __hash__(self) -> int:
@@ -91,25 +98,28 @@ class ChunkLayout:
 
 
 def chunk_in_mapping(
-    handle_key: Hashable, buffer: torch.Tensor, info: Any
+    handle_keys: tuple[Hashable, ...], buffers: Sequence[torch.Tensor], info: Any
 ) -> tuple[
-    tuple[Hashable, int, ChunkLayout],
+    tuple[tuple[Hashable, ...], tuple[int, ...], ChunkLayout],
     Callable[[Sequence[str]], dict[str, torch.Tensor]],
 ]:
     """For a packed ``ipc`` message ``info`` (``IPCWeightTransferUpdateInfo``)
-    read from ``buffer`` (its mapping; ``handle_key`` names the buffer): the
-    key ``ChunkPrograms.bound`` takes (the mapping and the message's layout
-    in it, a ``ChunkLayout`` made once per layout), and the ``sources``
-    callback that views the named tensors in the mapping (tensors at offsets
-    their dtype cannot start at are left out). ``ChunkPrograms.anywhere``
-    takes the key's last element, the layout alone."""
+    read from ``buffers`` (its mappings, in the message's buffer order;
+    ``handle_keys`` name them): the key ``ChunkPrograms.bound`` takes (the
+    mappings and the message's layout in them, a ``ChunkLayout`` made once
+    per layout), and the ``sources`` callback that views the named tensors
+    in the mappings (tensors at offsets their dtype cannot start at are left
+    out). ``ChunkPrograms.anywhere`` takes the key's last element, the layout
+    alone."""
     layout = info.layout_fact(ChunkLayout, ChunkLayout)
-    key = (handle_key, buffer.data_ptr(), layout)
+    key = (handle_keys, tuple(b.data_ptr() for b in buffers), layout)
 
     def sources(names: Sequence[str]) -> dict[str, torch.Tensor]:
         wanted = set(names)
         return {
-            v.name: buffer[v.offset : v.offset + v.nbytes].view(v.dtype).view(v.shape)
+            v.name: buffers[v.buffer][v.offset : v.offset + v.nbytes]
+            .view(v.dtype)
+            .view(v.shape)
             for v in info.views()
             if v.name in wanted and v.offset % v.dtype.itemsize == 0
         }
@@ -157,21 +167,21 @@ class ChunkPrograms:
     def bound(
         self,
         key: Hashable,
-        mapping: int,
+        mappings: frozenset[int],
         names: Sequence[str],
         sources: Callable[[Sequence[str]], Mapping[str, torch.Tensor]],
     ) -> BoundChunk:
         """The program for the chunk ``key`` names, bound now if it was not.
 
-        ``mapping`` is the address of the buffer the chunk lies in,
+        ``mappings`` are the addresses of the buffers the chunk lies in,
         ``names`` the chunk's names, and ``sources(names)`` the tensors of
-        those it is given in the mapping (called only when binding; a name it
-        leaves out lands the ordinary way)."""
+        those it is given in the mappings (called only when binding; a name
+        it leaves out lands the ordinary way)."""
         found = self._bound.get(key)
         if found is not None:
             self.reused += 1
             return found
-        chunk = self._bind(mapping, names, sources)
+        chunk = self._bind(mappings, names, sources)
         if len(self._bound) >= self.max_programs:
             # A trainer whose layout keeps changing: drop the oldest.
             self._bound.pop(next(iter(self._bound)))
@@ -196,7 +206,7 @@ class ChunkPrograms:
         ordinary way."""
         found = self._anywhere.get(layout)
         if found is None:
-            chunk = self._bind(-1, names, sources)
+            chunk = self._bind(frozenset(), names, sources)
             self.binds += 1
             program = chunk.program
             if program is not None and program.can_shift(0):
@@ -215,11 +225,13 @@ class ChunkPrograms:
         delta = buffer.data_ptr() - origin
         if not chunk_or_none.program.can_shift(delta):
             return None
-        return BoundChunk(chunk_or_none.program, chunk_or_none.names, -1, delta)
+        return BoundChunk(
+            chunk_or_none.program, chunk_or_none.names, frozenset(), delta
+        )
 
     def _bind(
         self,
-        mapping: int,
+        mappings: frozenset[int],
         names: Sequence[str],
         sources: Callable[[Sequence[str]], Mapping[str, torch.Tensor]],
     ) -> BoundChunk:
@@ -235,14 +247,14 @@ class ChunkPrograms:
             table = compile_copy_table(self.plan, metas, only_sources=wanted)
             assert not table.fallback, table.fallback
         if table.entries == 0:
-            return BoundChunk(None, frozenset(wanted), mapping)
+            return BoundChunk(None, frozenset(wanted), mappings)
         program = CopyProgram(
             table,
             [tensors[spec.name] for spec in table.sources],
             [self.served[spec.name] for spec in table.dests],
             method=self.method,
         )
-        return BoundChunk(program, frozenset(wanted), mapping)
+        return BoundChunk(program, frozenset(wanted), mappings)
 
     def names_bound(self) -> int:
         """Checkpoint names the kept programs land."""
@@ -254,7 +266,7 @@ class ChunkPrograms:
         if not mappings:
             return
         self._bound = {
-            k: c for k, c in self._bound.items() if c.mapping not in mappings
+            k: c for k, c in self._bound.items() if c.mappings.isdisjoint(mappings)
         }
 
     def clear(self) -> None:

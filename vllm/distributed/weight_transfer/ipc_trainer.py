@@ -93,6 +93,7 @@ from vllm.distributed.weight_transfer.sharded_gather import (
     is_sharded,
 )
 from vllm.distributed.weight_transfer.shared_params import (
+    SegmentPart,
     SharedParameters,
     SharedParametersSource,
     SharedPlace,
@@ -715,8 +716,11 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         bytes (single-rank trainers, CPU or CUDA)."""
         error: str | None = None
         device: torch.device | None = None
-        checksum: str | None = None
+        # Per buffer the message names, its checksum (None: checksums off).
+        checksums: list[str | None] = [None]
         buffer: ExportedBuffer | None = None
+        # What the message names of a ``SharedParameters``, when it reads one.
+        part: SegmentPart | None = None
         # Copies from resident tensors are batched into one fused copy per dtype;
         # any other tensor is copied at once and dropped before the next one is
         # materialized.
@@ -808,38 +812,44 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                 return
             # A chunk not held goes after the chunks held before it.
             self._send_held(in_flight)
-            if segment is not None and self.verify_checksums:
-                start, end = _segment_span(in_segment)
-                checksum = self._checksum(segment.owner.segment_bytes()[start:end])
+            if segment is not None:
+                part = _part_of(segment.owner, in_segment)
+                if self.verify_checksums:
+                    checksums = [self._checksum(b) for b in part.payloads()]
+                else:
+                    checksums = [None] * len(part.segments)
             elif buffer is not None and buffer.tensor is not None:
                 start, end = chunk.span
-                checksum = self._checksum(buffer.tensor[start:end])
+                checksums = [self._checksum(buffer.tensor[start:end])]
         except Exception as e:
             error = describe_error(e)
             if self.group.world_size == 1:
                 raise
         fields = self._chunk_fields[chunk.index]
-        handle: dict[str, Any] | None = None
-        if segment is not None:
-            device = segment.owner.device
-            fields = {**fields, "offsets": [offset for _, _, offset in in_segment]}
-            self._shared_now.use(segment.owner)
-            handle = segment.owner.handle.to_dict()
+        handle: Any = None
+        if part is not None:
+            device = part.owner.device
+            fields = {**fields, **part.fields()}
+            self._shared_now.use(part.owner)
+            handle = part.handles()
         elif buffer is not None:
             handle = buffer.handle.to_dict()
         in_segment.clear()
         key = device_key(device, self.rank) if device is not None else None
-        payload = (key, handle, checksum) if handle is not None else None
+        payload = (key, handle, checksums) if handle is not None else None
         handles = self.group.exchange(payload, error, f"chunk {chunk.index}")
         self._settle(in_flight)
         what = f"update_weights of chunk {chunk.index}"
         if self.is_sender:
             given = [p for p in handles.values() if p is not None]
-            merged = {k: self._wire_handle(h, k) for k, h, _ in given}
+            merged = {
+                k: h if isinstance(h, list) else self._wire_handle(h, k)
+                for k, h, _ in given
+            }
             message = self._attach(
                 {**fields, "ipc_handles": merged},
                 f"chunk {chunk.index}",
-                [[c] for _, _, c in given],
+                [c for _, _, c in given],
             )
             in_flight.start(what, lambda: self.client.update_weights(message))
         else:
@@ -874,12 +884,12 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         held, self._held = self._held, None
         if held is None:
             return
-        span = _segment_span(held.found)
-        checksum = self._checksum(held.owner.segment_bytes()[span[0] : span[1]])
+        part = _part_of(held.owner, held.found)
+        checksums = [self._checksum(b) for b in part.payloads()]
         self._shared_now.use(held.owner)
         key = device_key(held.owner.device, self.rank)
         what = f"chunks {held.first}-{held.last}"
-        fields: dict[str, Any] = held.fields
+        fields: dict[str, Any] = {**held.fields, **part.fields()}
         plan = self.last_plan
         if (
             held.owner is self._pinned_owner
@@ -890,13 +900,11 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
             # The whole sync in one message from a source that knows when
             # nothing moved: its layout gets an id, which the next syncs
             # name instead of repeating it (``_resend_whole``).
-            whole = _WholeMessage(plan, self.source, held.owner, uuid.uuid4().hex, span)
+            whole = _WholeMessage(plan, self.source, held.owner, uuid.uuid4().hex, part)
             fields = {**fields, "layout": whole.layout}
             self._whole_now = whole
         message = self._attach(
-            {**fields, "ipc_handles": {key: held.owner.handle.to_dict()}},
-            what,
-            [[checksum]],
+            {**fields, "ipc_handles": {key: part.handles()}}, what, [checksums]
         )
         self._settle(in_flight)
         in_flight.start(
@@ -914,13 +922,13 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         # The trainer's last writes may still be queued on the device.
         sync_device(owner.device)
         self._shared_now.use(owner)
-        start, end = whole.span
-        checksum = self._checksum(owner.segment_bytes()[start:end])
+        part = whole.part
+        checksums = [self._checksum(b) for b in part.payloads()]
         key = device_key(owner.device, self.rank)
         message = self._attach(
-            {"layout": whole.layout, "ipc_handles": {key: owner.handle.to_dict()}},
+            {"layout": whole.layout, "ipc_handles": {key: part.handles()}},
             "the whole sync",
-            [[checksum]],
+            [checksums],
         )
         self._whole_now = whole
         self._on_sender(
@@ -1063,13 +1071,13 @@ class _SharedInSync:
 class _WholeMessage:
     """A sync that went whole as one message out of one ``SharedParameters``
     buffer: the plan and the source it was for, the buffer, the layout id the
-    message carried, and the bytes it spans in the buffer."""
+    message carried, and what the message named of the buffer's segments."""
 
     plan: TransferPlan
     source: WeightSource | None
     owner: SharedParameters
     layout: str
-    span: tuple[int, int]
+    part: SegmentPart
 
 
 def _pinned(source: WeightSource) -> tuple[SharedParameters, list[ParamMeta]] | None:
@@ -1110,9 +1118,8 @@ class _HeldChunks:
     ) -> None:
         self.last = index
         for name, values in fields.items():
-            if name != "offsets":
+            if name != "offsets":  # each tensor's place: ``_send_held``
                 self.fields.setdefault(name, []).extend(values)
-        self.fields.setdefault("offsets", []).extend(o for _, _, o in found)
         self.found.extend(found)
 
 
@@ -1194,14 +1201,12 @@ def _is_resident(tensor: torch.Tensor) -> bool:
     )
 
 
-def _segment_span(
-    found: list[tuple[TensorSlot, torch.Tensor, int]],
-) -> tuple[int, int]:
-    """Where in a shared segment a message's bytes lie, from the first
-    tensor to the end of the last: what the worker checksums."""
-    start = min(offset for _, _, offset in found)
-    end = max(offset + slot.nbytes for slot, _, offset in found)
-    return start, end
+def _part_of(
+    owner: SharedParameters, found: list[tuple[TensorSlot, torch.Tensor, int]]
+) -> SegmentPart:
+    """What a message of the tensors ``found`` in ``owner`` names: segments,
+    offsets in them, and the bytes each checksum covers."""
+    return owner.message_part([(offset, slot.nbytes) for slot, _, offset in found])
 
 
 def _packed_chunk_fields(chunk: Chunk, offsets: bool = True) -> dict[str, Any]:

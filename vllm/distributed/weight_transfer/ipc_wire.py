@@ -23,9 +23,19 @@ Update message (``/update_weights``), one per chunk::
       "offsets":     [int, ...] | null,     # byte offset per tensor in the packed
                                             # buffer; null = back to back
       "ipc_handles": {device_key: handle}          # packed: one buffer
+                   | {device_key: [handle, ...]}   # packed: several buffers
                    | [{device_key: handle}, ...]   # unpacked: one per tensor
+      "buffer_indexes": [int, ...] | null,  # packed, several buffers only: the
+                                            # buffer each tensor lies in
       "layout":      str | null,            # packed only: names this layout
     }
+
+A packed message over several buffers (a trainer's ``SharedParameters``
+placed in several segments) lists, per device key, the same number of
+handles; ``buffer_indexes[i]`` is the position, in those lists, of the
+buffer holding tensor ``i``, and ``offsets[i]`` is the tensor's offset in
+that buffer. Tensors in one buffer come in increasing, non-overlapping
+order, as in a single buffer.
 
 A packed message that carries ``layout`` (an id the trainer chose) lets a
 later message send only ``{"layout": id, "ipc_handles": {...}}``: the worker
@@ -290,6 +300,66 @@ def handle_from_dict(d: object, where: str) -> BufferHandle:
         return cls(**body)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from e
+
+
+def _packed_handles(d: object, where: str, n_buffers: int | None) -> dict[str, Any]:
+    """A packed message's handles: ``{key: handle}`` (one buffer) or
+    ``{key: [handle, ...]}`` (several; every key lists as many). With
+    ``n_buffers`` (a layout parsed before) the form must match it."""
+    if not isinstance(d, dict) or not any(isinstance(v, list) for v in d.values()):
+        if n_buffers is not None and n_buffers != 1:
+            raise ValueError(
+                f"{where} must list {n_buffers} buffers per device key, as the "
+                "message that set this layout did"
+            )
+        return _handle_map(d, where)
+    if not d:
+        raise ValueError(f"{where} must be a non-empty object")
+    out: dict[str, Any] = {}
+    for key, handles in d.items():
+        if not isinstance(key, str):
+            raise ValueError(f"{where} has a non-string device key {key!r}")
+        if not isinstance(handles, list) or not handles:
+            raise ValueError(
+                f"{where}[{key!r}] must be a non-empty list of handles, as the "
+                "other device keys' are"
+            )
+        out[key] = [
+            handle_from_dict(h, f"{where}[{key!r}][{i}]") for i, h in enumerate(handles)
+        ]
+    counts = {len(v) for v in out.values()}
+    if len(counts) > 1:
+        raise ValueError(
+            f"{where} lists {sorted(counts)} buffers under different device "
+            "keys; every key must list the same buffers"
+        )
+    if n_buffers is not None and counts != {n_buffers}:
+        raise ValueError(
+            f"{where} lists {counts.pop()} buffers per device key, but the "
+            f"message that set this layout listed {n_buffers}"
+        )
+    return out
+
+
+def _lists_buffers(handles: object) -> bool:
+    """Whether a packed message's handles come as lists (several buffers)."""
+    assert isinstance(handles, dict)
+    return isinstance(next(iter(handles.values())), list)
+
+
+def _count_buffers(handles: object) -> int:
+    """How many buffers a packed message's handles name."""
+    assert isinstance(handles, dict)
+    first = next(iter(handles.values()))
+    return len(first) if isinstance(first, list) else 1
+
+
+def _buffer_maps(handles: dict[str, Any]) -> list[dict[str, BufferHandle]]:
+    """A packed message's handles as one ``{device key: handle}`` per buffer."""
+    first = next(iter(handles.values()))
+    if not isinstance(first, list):
+        return [handles]
+    return [{k: v[i] for k, v in handles.items()} for i in range(len(first))]
 
 
 def _handle_map(d: object, where: str) -> dict[str, BufferHandle]:
@@ -630,6 +700,7 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     ipc_handles_pickled: str | None = None
     tensor_sizes: list[int] | None = None
     offsets: list[int] | None = None
+    buffer_indexes: list[int] | None = None
     layout: str | None = None
 
     @classmethod
@@ -664,6 +735,7 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             and d["shapes"] == self.shapes
             and d.get("tensor_sizes") == self.tensor_sizes
             and d.get("offsets") == self.offsets
+            and d.get("buffer_indexes") == self.buffer_indexes
             and d.get("layout") == self.layout
         )
 
@@ -671,7 +743,9 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         """This message with other buffer handles, checked as ``__init__``
         checks them (each must cover the tensors' bytes)."""
         other = copy.copy(self)
-        other.ipc_handles = _handle_map(handles, "update_info.ipc_handles")
+        other.ipc_handles = _packed_handles(
+            handles, "update_info.ipc_handles", self._n_buffers
+        )
         other._buffers = None
         other.buffers()
         return other
@@ -689,6 +763,7 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         # ``ipc_handles``; ``buffers()`` turns them into CudaIpcHandles.
         self.upstream_wire = _is_upstream_form(self.ipc_handles)
         self._buffers: list[dict[str, BufferHandle]] | None = None
+        self._n_buffers = 1  # buffers named per device key (packed)
         # Where each buffer's tensors end (``_check_cover``).
         self._ends: list[int] | None = None
         # ``layout_fact``'s values; messages parsed from one layout share it.
@@ -715,7 +790,13 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             if name in seen:
                 raise ValueError(f"update_info.names lists {name!r} more than once")
             seen.add(name)
-        for attr in ("dtype_names", "shapes", "tensor_sizes", "offsets"):
+        for attr in (
+            "dtype_names",
+            "shapes",
+            "tensor_sizes",
+            "offsets",
+            "buffer_indexes",
+        ):
             value = getattr(self, attr)
             if value is None:
                 continue
@@ -771,7 +852,12 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                 )
             _raw_map(self.ipc_handles, "update_info.ipc_handles")
         else:
-            self.ipc_handles = _handle_map(self.ipc_handles, "update_info.ipc_handles")
+            self.ipc_handles = _packed_handles(
+                self.ipc_handles, "update_info.ipc_handles", None
+            )
+        n_buffers = self._n_buffers = _count_buffers(self.ipc_handles)
+        several = _lists_buffers(self.ipc_handles)
+        indexes = self._buffer_indexes(names, n_buffers, several)
         if self.offsets is None:
             offsets, cursor = [], 0
             for size in sizes:
@@ -782,35 +868,66 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                 check_int(o, f"update_info.offsets[{i}] ({names[i]!r})")
                 for i, o in enumerate(self.offsets)
             ]
-        end = 0
-        for i, (off, size, dtype) in enumerate(
-            zip(offsets, sizes, dtypes, strict=True)
+        # Where the last tensor seen in each buffer ends.
+        ends = [0] * n_buffers
+        for i, (off, size, dtype, b) in enumerate(
+            zip(offsets, sizes, dtypes, indexes, strict=True)
         ):
-            if off < end:
+            if off < ends[b]:
                 raise ValueError(
                     f"update_info.offsets[{i}] ({names[i]!r}) is {off}, inside the "
-                    f"previous tensor (which ends at byte {end})"
+                    f"previous tensor of its buffer (which ends at byte {ends[b]})"
                 )
             if off % dtype.itemsize and not self.upstream_wire:
                 raise ValueError(
                     f"update_info.offsets[{i}] ({names[i]!r}) is {off}, not a "
                     f"multiple of the {dtype_name(dtype)} item size {dtype.itemsize}"
                 )
-            end = off + size
+            ends[b] = off + size
         self._views = [
-            TensorView(nm, dt, sh, 0, off, size)
-            for nm, dt, sh, off, size in zip(
-                names, dtypes, shapes, offsets, sizes, strict=True
+            TensorView(nm, dt, sh, b, off, size)
+            for nm, dt, sh, b, off, size in zip(
+                names, dtypes, shapes, indexes, offsets, sizes, strict=True
             )
         ]
 
+    def _buffer_indexes(
+        self, names: list[str], n_buffers: int, several: bool
+    ) -> list[int]:
+        """Each tensor's buffer: ``buffer_indexes``, checked, when the handles
+        come as lists (``several``); all 0 for one buffer, where the field
+        must be absent."""
+        if self.buffer_indexes is None:
+            if several:
+                raise ValueError(
+                    "update_info.buffer_indexes is required when ipc_handles "
+                    "lists the buffers per device key"
+                )
+            return [0] * len(names)
+        if not several:
+            raise ValueError(
+                "update_info.buffer_indexes is only valid when ipc_handles lists "
+                "the buffers per device key ({device_key: [handle, ...]})"
+            )
+        indexes = []
+        for i, b in enumerate(self.buffer_indexes):
+            b = check_int(b, f"update_info.buffer_indexes[{i}] ({names[i]!r})")
+            if b >= n_buffers:
+                raise ValueError(
+                    f"update_info.buffer_indexes[{i}] ({names[i]!r}) is {b}, but "
+                    f"ipc_handles lists {n_buffers} buffer(s) per device key"
+                )
+            indexes.append(b)
+        return indexes
+
     def _init_unpacked(self, names, dtypes, shapes, sizes) -> None:
         assert isinstance(self.ipc_handles, list)
-        if self.offsets is not None:
-            raise ValueError(
-                "update_info.offsets is only valid for a packed update "
-                "(ipc_handles as one object)"
-            )
+        for attr in ("offsets", "buffer_indexes"):
+            if getattr(self, attr) is not None:
+                raise ValueError(
+                    f"update_info.{attr} is only valid for a packed update "
+                    "(ipc_handles as one object)"
+                )
         if len(self.ipc_handles) != len(names):
             raise ValueError(
                 f"update_info.ipc_handles has {len(self.ipc_handles)} entries but "
@@ -856,12 +973,10 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                     {k: upstream_handle(v, f"{w}[{k!r}]") for k, v in m.items()}
                     for w, m in zip(where, maps, strict=True)
                 ]
+            elif isinstance(self.ipc_handles, dict):
+                buffers = _buffer_maps(self.ipc_handles)
             else:
-                buffers = (
-                    [self.ipc_handles]
-                    if isinstance(self.ipc_handles, dict)
-                    else self.ipc_handles  # type: ignore[assignment]
-                )
+                buffers = self.ipc_handles  # type: ignore[assignment]
             self._check_cover(buffers)
             self._buffers = buffers
         return self._buffers
@@ -873,13 +988,17 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             ends = self._ends = [0] * len(buffers)
             for view in self._views:
                 ends[view.buffer] = max(ends[view.buffer], view.offset + view.nbytes)
+        several = self.packed and self.buffer_indexes is not None
         for i, (hmap, end) in enumerate(zip(buffers, ends, strict=True)):
-            suffix = "" if self.packed else f"[{i}]"
             for key, handle in hmap.items():
                 if handle.nbytes < end:
+                    if several:
+                        where = f"[{key!r}][{i}]"
+                    else:
+                        where = f"[{key!r}]" if self.packed else f"[{i}][{key!r}]"
                     what = "the tensors need" if self.packed else "the tensor needs"
                     raise ValueError(
-                        f"update_info.ipc_handles{suffix}[{key!r}] covers "
+                        f"update_info.ipc_handles{where} covers "
                         f"{handle.nbytes} bytes but {what} {end}"
                     )
 
@@ -919,7 +1038,10 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         if self.upstream_wire:
             handles = self.ipc_handles
         elif isinstance(self.ipc_handles, dict):
-            handles = {k: h.to_dict() for k, h in self.ipc_handles.items()}
+            handles = {
+                k: [h.to_dict() for h in v] if isinstance(v, list) else v.to_dict()
+                for k, v in self.ipc_handles.items()
+            }
         else:
             assert isinstance(self.ipc_handles, list)
             handles = [
@@ -935,6 +1057,8 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             out["tensor_sizes"] = list(self.tensor_sizes)
         if self.offsets is not None:
             out["offsets"] = list(self.offsets)
+        if self.buffer_indexes is not None:
+            out["buffer_indexes"] = list(self.buffer_indexes)
         if self.layout is not None:
             out["layout"] = self.layout
         return out

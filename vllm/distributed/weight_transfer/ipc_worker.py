@@ -425,35 +425,37 @@ class IPCWeightTransferEngine(
         buffers: list[torch.Tensor],
     ) -> BoundChunk | None:
         """The chunk's planned landing as a program bound once, when it can
-        be: planned landing on, an update landing live (not staged), and one
-        packed buffer. A buffer that stays mapped across syncs (a trainer's
-        ``SharedParameters``, or the packed buffer it keeps) has its program
-        reused while the mapping and the chunk's layout in it are the ones it
-        was bound to. A packed buffer mapped anew every sync (the trainer
-        frees it) on a GPU runs the program bound for the layout at its first
-        chunk, from the new buffer (``ChunkPrograms.anywhere``)."""
+        be: planned landing on, an update landing live (not staged), and a
+        packed message. Buffers that stay mapped across syncs (a trainer's
+        ``SharedParameters``, in one segment or several, or the packed buffer
+        it keeps) have their program reused while the mappings and the
+        chunk's layout in them are the ones it was bound to. A packed buffer
+        mapped anew every sync (the trainer frees it) on a GPU runs the
+        program bound for the layout at its first chunk, from the new buffer
+        (``ChunkPrograms.anywhere``)."""
         planned = self._planned
         if (
             planned is None
             or not isinstance(session, LayerwiseReloadSession)
             or not update_info.packed
             or update_info.upstream_wire
-            or len(handles) != 1
         ):
             return None
-        buffer = buffers[0]
-        if not handles[0].persistent and not buffer.is_cuda:
+        kept = all(h.persistent for h in handles)
+        if not kept and (len(handles) != 1 or not buffers[0].is_cuda):
             return None
         programs = self.chunk_programs
         if programs is None or programs.plan is not planned.plan:
             programs = self.chunk_programs = ChunkPrograms(
                 planned.plan, planned.served, planned.direct_names
             )
-        key, sources = chunk_in_mapping(mapping_key(handles[0]), buffer, update_info)
-        if not handles[0].persistent:
+        keys = tuple(mapping_key(h) for h in handles)
+        key, sources = chunk_in_mapping(keys, buffers, update_info)
+        if not kept:
             layout = key[2]
-            return programs.anywhere(layout, buffer, update_info.names, sources)
-        return programs.bound(key, buffer.data_ptr(), update_info.names, sources)
+            return programs.anywhere(layout, buffers[0], update_info.names, sources)
+        mappings = frozenset(b.data_ptr() for b in buffers)
+        return programs.bound(key, mappings, update_info.names, sources)
 
     def _landing_plan_for(self, manifest: Any) -> LandingPlan | None:
         """The planned landing for the trainer layout ``manifest`` lists,
@@ -622,7 +624,7 @@ def _typed_views(
 def _indexed(info: IPCWeightTransferUpdateInfo) -> list[tuple[str, dict]]:
     """``(field suffix, handles)`` per buffer, for error messages."""
     buffers = info.buffers()
-    if info.packed:
+    if info.packed and len(buffers) == 1:
         return [("", buffers[0])]
     return [(f"[{i}]", b) for i, b in enumerate(buffers)]
 

@@ -1,19 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""A trainer's parameters in one shared allocation, so that an ``ipc`` sync
+"""A trainer's parameters in shared allocations, so that an ``ipc`` sync
 moves each byte once: from the trainer's own tensor into the served one.
 
-``SharedParameters.place(model)`` allocates one buffer on the parameters'
-device (CPU: a POSIX shared-memory segment from ``shm_buffer``; CUDA: one
-device allocation, exported by CUDA IPC), copies every parameter into it
-(each at a 64-byte aligned offset) and points the parameter at its place
-there (``param.data``). The module keeps training as before: the optimizer's
-in-place updates now write into the buffer.
+``SharedParameters.place(model)`` allocates buffers on the parameters'
+device (CPU: POSIX shared-memory segments from ``shm_buffer``; CUDA: device
+allocations, exported by CUDA IPC), copies every parameter into them (each
+at a 64-byte aligned offset) and points the parameter at its place there
+(``param.data``). The module keeps training as before: the optimizer's
+in-place updates now write into the buffers.
 
-``ipc``'s trainer engine then sends a chunk whose tensors all lie in one such
-buffer without packing it: the message names the buffer (a handle marked
-``persistent``) and each tensor's offset in it, and the worker reads the
-trainer's bytes where they are. A worker keeps a persistent buffer mapped
+The parameters go into segments of at most ``max_segment_bytes`` (default
+1 GiB; a larger parameter gets a segment of its own), one after the other,
+each filled before the next is allocated. A parameter's old memory is freed
+once it is copied (unless something else still holds it), so placing needs
+the parameters' memory plus about one segment, not twice the parameters.
+Seen from the trainer engine, the segments are one buffer: ``locate`` gives
+a tensor's offset in the segments laid end to end, and ``message_part``
+turns a message's offsets into per-segment offsets and handles.
+
+``ipc``'s trainer engine then sends a chunk whose tensors all lie in such
+segments without packing it: the message names the segments (handles marked
+``persistent``) and each tensor's segment and offset, and the worker reads
+the trainer's bytes where they are. A worker keeps a persistent buffer mapped
 from one update to the next, so the mapping (page faults on CPU,
 ``cudaIpcOpenMemHandle`` on CUDA) is paid once, and one allocation is one
 mapping however many tensors it holds.
@@ -47,10 +56,11 @@ its tensors (make a new source after changing the module's structure).
 
 from __future__ import annotations
 
+import bisect
 import operator
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +75,9 @@ from vllm.distributed.weight_transfer.ipc_wire import BufferHandle, ShmHandle
 from vllm.distributed.weight_transfer.shm_buffer import SharedMemoryBuffer
 
 ALIGN = 64
+# Placing fills one segment of at most this many bytes before allocating the
+# next, which bounds the extra memory placing needs.
+DEFAULT_MAX_SEGMENT_BYTES = 1 << 30
 
 _live: weakref.WeakSet[SharedParameters] = weakref.WeakSet()
 _live_lock = threading.Lock()
@@ -78,39 +91,91 @@ class SharedPlace:
     offset: int
 
 
+@dataclass(frozen=True)
+class SegmentPart:
+    """What one ``ipc`` message over a ``SharedParameters`` names: the
+    segments its tensors lie in (``segments``, positions in the owner), and
+    per tensor its offset in its segment and, for an owner of several
+    segments, the position of that segment in ``segments``; per named
+    segment, the bytes its tensors cover (what the checksums read)."""
+
+    owner: SharedParameters
+    segments: tuple[int, ...]
+    offsets: list[int]
+    indexes: list[int] | None  # None: the owner has one segment
+    spans: tuple[tuple[int, int], ...]
+
+    def fields(self) -> dict[str, list[int]]:
+        """The message's ``offsets`` and, over several segments,
+        ``buffer_indexes``."""
+        if self.indexes is None:
+            return {"offsets": self.offsets}
+        return {"offsets": self.offsets, "buffer_indexes": self.indexes}
+
+    def handles(self) -> Any:
+        """The handle JSON for the message's device key: one handle, or one
+        per named segment (each the segment's current export)."""
+        found = [self.owner.segment_handle(i).to_dict() for i in self.segments]
+        return found if self.indexes is not None else found[0]
+
+    def payloads(self) -> list[torch.Tensor]:
+        """Per named segment, its bytes the message's tensors cover."""
+        return [
+            self.owner.segment_bytes(i)[start:end]
+            for i, (start, end) in zip(self.segments, self.spans, strict=True)
+        ]
+
+
 class SharedParameters:
-    """One shared buffer holding a module's parameters; see the module
+    """Shared segments holding a module's parameters; see the module
     docstring."""
 
     def __init__(
-        self, buffer: SharedMemoryBuffer | torch.Tensor, names: dict[str, int]
+        self,
+        segments: Sequence[SharedMemoryBuffer | torch.Tensor],
+        names: dict[str, int],
     ) -> None:
-        # A shared-memory segment (CPU) or one device allocation (CUDA).
-        self._buffer: SharedMemoryBuffer | torch.Tensor | None = buffer
-        # parameter name -> its offset in the segment
+        # Shared-memory segments (CPU) or device allocations (CUDA), in the
+        # order they are laid end to end.
+        self._segments: list[SharedMemoryBuffer | torch.Tensor] | None = list(segments)
+        # parameter name -> its offset in the segments laid end to end
         self.offsets = names
         self._params: dict[str, torch.nn.Parameter] = {}
-        # The CUDA export every message names, until ``export_anew``.
-        self._export: BufferHandle | None = None
-        flat = buffer if isinstance(buffer, torch.Tensor) else buffer.tensor
-        assert flat is not None
-        self._base, self._nbytes, self._device = (
-            flat.data_ptr(),
-            flat.numel(),
-            flat.device,
-        )
+        # The CUDA export of each segment every message names, until
+        # ``export_anew``.
+        self._exports: dict[int, BufferHandle] = {}
+        flats = [_flat(segment) for segment in segments]
+        # Per segment: its address, size and where it starts end to end.
+        self._bases = [f.data_ptr() for f in flats]
+        self._sizes = [f.numel() for f in flats]
+        self._starts = [0]
+        for size in self._sizes[:-1]:
+            self._starts.append(self._starts[-1] + size)
+        self._nbytes = sum(self._sizes)
+        # Segments by address, for ``locate``.
+        self._by_address = sorted(range(len(flats)), key=self._bases.__getitem__)
+        self._sorted_bases = [self._bases[i] for i in self._by_address]
+        self._device = flats[0].device
         # What ``Tensor.get_device()`` answers for a tensor on that device
         # (-1 on CPU): cheaper to compare than device objects.
-        self._device_index = flat.get_device()
+        self._device_index = flats[0].get_device()
         with _live_lock:
             _live.add(self)
 
     @classmethod
     def place(
-        cls, module: torch.nn.Module, device: torch.device | str | None = None
+        cls,
+        module: torch.nn.Module,
+        device: torch.device | str | None = None,
+        max_segment_bytes: int = DEFAULT_MAX_SEGMENT_BYTES,
     ) -> SharedParameters:
         """Move every parameter of ``module`` on ``device`` (default: the
-        device of its first parameter) into a new shared buffer there."""
+        device of its first parameter) into new shared segments there, of at
+        most ``max_segment_bytes`` each (a larger parameter gets its own)."""
+        if max_segment_bytes < ALIGN:
+            raise ValueError(
+                f"max_segment_bytes must be at least {ALIGN}, got {max_segment_bytes}"
+            )
         first = next(module.parameters(), None)
         where = torch.device(device) if device is not None else None
         if where is None:
@@ -124,52 +189,119 @@ class SharedParameters:
             for name, p in module.named_parameters()
             if p.device == where and p.numel()
         }
-        offsets: dict[str, int] = {}
-        end = 0
+        # Parameters in segment order, cut into segments: (name, offset in
+        # its segment) per parameter and the segment's size.
+        groups: list[tuple[list[tuple[str, int]], int]] = []
         for name, p in params.items():
-            offsets[name] = end
-            end += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
-        shared = cls(_allocate(end, where), offsets)
-        flat = shared.segment_bytes()
+            size = -(-p.numel() * p.element_size() // ALIGN) * ALIGN
+            if not groups or groups[-1][1] + size > max_segment_bytes:
+                groups.append(([], 0))
+            members, end = groups[-1]
+            members.append((name, end))
+            groups[-1] = (members, end + size)
+        segments: list[SharedMemoryBuffer | torch.Tensor] = []
+        offsets: dict[str, int] = {}
+        placed: dict[str, torch.nn.Parameter] = {}
+        start = 0
         with torch.no_grad():
-            for name, p in params.items():
-                nbytes = p.numel() * p.element_size()
-                start = offsets[name]
-                place = flat[start : start + nbytes].view(p.dtype).view(p.shape)
-                place.copy_(p.detach())
-                p.data = place
-                shared._params[name] = p
+            for members, nbytes in groups or [([], 0)]:
+                segment = _allocate(nbytes, where)
+                segments.append(segment)
+                flat = _flat(segment)
+                for name, offset in members:
+                    p = params[name]
+                    size = p.numel() * p.element_size()
+                    place = flat[offset : offset + size].view(p.dtype).view(p.shape)
+                    place.copy_(p.detach())
+                    # The old memory goes now unless something else holds it,
+                    # which the next segment may reuse.
+                    p.data = place
+                    placed[name] = p
+                    offsets[name] = start + offset
+                start += flat.numel()
+        shared = cls(segments, offsets)
+        shared._params = placed
         return shared
 
     @property
     def device(self) -> torch.device:
-        return self.segment_bytes().device
+        return self._device
+
+    @property
+    def num_segments(self) -> int:
+        return len(self._sizes)
 
     @property
     def handle(self) -> BufferHandle:
-        """The buffer's handle for a worker. On CUDA the buffer is exported
-        once and the export reused (see ``export_anew``)."""
-        buffer = self._buffer
-        if buffer is None:
-            raise ValueError("this SharedParameters buffer was closed")
-        if isinstance(buffer, torch.Tensor):
-            if self._export is None:
+        """The handle of a one-segment buffer (``segment_handle(0)``)."""
+        if self.num_segments != 1:
+            raise ValueError(
+                f"these parameters lie in {self.num_segments} segments; use "
+                "segment_handle(i)"
+            )
+        return self.segment_handle(0)
+
+    def segment_handle(self, index: int) -> BufferHandle:
+        """Segment ``index``'s handle for a worker. On CUDA each segment is
+        exported once and the export reused (see ``export_anew``)."""
+        segment = self._segment(index)
+        if isinstance(segment, torch.Tensor):
+            export = self._exports.get(index)
+            if export is None:
                 from vllm.distributed.weight_transfer.cuda_ipc_buffer import (
                     export_cuda_bytes,
                 )
 
-                self._export = export_cuda_bytes(buffer, persistent=True)
-            return self._export
-        base = buffer.handle
+                export = self._exports[index] = export_cuda_bytes(
+                    segment, persistent=True
+                )
+            return export
+        base = segment.handle
         return ShmHandle(name=base.name, nbytes=base.nbytes, persistent=True)
 
     @property
     def shm_name(self) -> str | None:
-        """The shared-memory segment's name (CPU); None on CUDA."""
-        buffer = self._buffer
-        if isinstance(buffer, SharedMemoryBuffer):
-            return buffer.handle.name
-        return None
+        """The shared-memory segment's name (CPU, one segment); None on CUDA."""
+        names = self.shm_names
+        return names[0] if len(names) == 1 else None
+
+    @property
+    def shm_names(self) -> list[str]:
+        """The shared-memory segments' names (CPU); empty on CUDA."""
+        return [
+            s.handle.name
+            for s in self._segments or ()
+            if isinstance(s, SharedMemoryBuffer)
+        ]
+
+    def message_part(self, found: Sequence[tuple[int, int]]) -> SegmentPart:
+        """A message's view of these segments, for tensors at ``found``
+        (``(offset, nbytes)`` each, offsets as ``locate`` gives them, in the
+        message's order): the segments it names and each tensor's offset
+        and segment there (see ``SegmentPart``)."""
+        if self.num_segments == 1:
+            offsets = [offset for offset, _ in found]
+            start = min(offsets, default=0)
+            end = max((o + n for o, n in found), default=0)
+            return SegmentPart(self, (0,), offsets, None, ((start, end),))
+        named: dict[int, list[int]] = {}  # segment -> [start, end] of its bytes
+        local, segment_of = [], []
+        for offset, nbytes in found:
+            i = bisect.bisect_right(self._starts, offset) - 1
+            at = offset - self._starts[i]
+            local.append(at)
+            segment_of.append(i)
+            span = named.setdefault(i, [at, at + nbytes])
+            span[0], span[1] = min(span[0], at), max(span[1], at + nbytes)
+        segments = tuple(sorted(named))
+        position = {s: k for k, s in enumerate(segments)}
+        return SegmentPart(
+            self,
+            segments,
+            local,
+            [position[i] for i in segment_of],
+            tuple((named[i][0], named[i][1]) for i in segments),
+        )
 
     def export_anew(self) -> None:
         """On CUDA, let the next ``handle`` export the buffer again.
@@ -183,27 +315,41 @@ class SharedParameters:
         follows such an update. Not every sync: each export wraps the
         storage's memory in one more reference-counting layer for as long as
         the storage lives."""
-        self._export = None
+        self._exports.clear()
 
-    def segment_bytes(self) -> torch.Tensor:
-        """The whole buffer as flat bytes (what a worker maps)."""
-        buffer = self._buffer
-        if isinstance(buffer, torch.Tensor):
-            return buffer
-        if buffer is None or buffer.tensor is None:
+    def _segment(self, index: int) -> SharedMemoryBuffer | torch.Tensor:
+        segments = self._segments
+        if segments is None:
             raise ValueError("this SharedParameters buffer was closed")
-        return buffer.tensor
+        return segments[index]
+
+    def segment_bytes(self, index: int = 0) -> torch.Tensor:
+        """Segment ``index`` as flat bytes (what a worker maps)."""
+        segment = self._segment(index)
+        flat = segment if isinstance(segment, torch.Tensor) else segment.tensor
+        if flat is None:
+            raise ValueError("this SharedParameters buffer was closed")
+        return flat
 
     def locate(self, tensor: torch.Tensor) -> int | None:
-        """``tensor``'s byte offset in the buffer, or None when its bytes are
-        not all there, contiguous. (Called for every tensor of every sync:
-        the buffer's address, size and device are read once, at placing.)"""
-        if self._buffer is None or tensor.get_device() != self._device_index:
+        """``tensor``'s byte offset in the segments laid end to end, or None
+        when its bytes are not all in one segment, contiguous. (Called for
+        every tensor of every sync: the segments' addresses, sizes and
+        device are read once, at placing.)"""
+        if self._segments is None or tensor.get_device() != self._device_index:
             return None
-        start = tensor.data_ptr() - self._base
-        if start < 0 or start + tensor.nbytes > self._nbytes:
+        address = tensor.data_ptr()
+        if len(self._bases) == 1:
+            i = 0
+        else:
+            k = bisect.bisect_right(self._sorted_bases, address) - 1
+            if k < 0:
+                return None
+            i = self._by_address[k]
+        start = address - self._bases[i]
+        if start < 0 or start + tensor.nbytes > self._sizes[i]:
             return None
-        return start if tensor.is_contiguous() else None
+        return self._starts[i] + start if tensor.is_contiguous() else None
 
     def source(self, module: torch.nn.Module) -> SharedParametersSource:
         """A ``WeightSource`` over ``module``'s parameters (``module`` is the
@@ -215,16 +361,17 @@ class SharedParameters:
         return [n for n, p in self._params.items() if self.locate(p) is None]
 
     def close(self) -> None:
-        """Stop sharing the buffer. The parameters keep working (their memory
-        stays with them while they exist) but later syncs pack them. On CPU
-        the segment's name is unlinked."""
-        buffer, self._buffer = self._buffer, None
-        self._export = None
+        """Stop sharing the segments. The parameters keep working (their
+        memory stays with them while they exist) but later syncs pack them.
+        On CPU the segments' names are unlinked."""
+        segments, self._segments = self._segments, None
+        self._exports.clear()
         with _live_lock:
             _live.discard(self)
-        if isinstance(buffer, SharedMemoryBuffer):
-            # Only the name goes: the parameters keep their memory.
-            buffer.close()
+        for segment in segments or ():
+            if isinstance(segment, SharedMemoryBuffer):
+                # Only the name goes: the parameters keep their memory.
+                segment.close()
 
 
 # What ``SharedParametersSource.pinned`` reads of each parameter, each a
@@ -285,7 +432,7 @@ class SharedParametersSource(WeightSource):
         the last look) when nothing changed since and every parameter lies in
         the buffer; None otherwise (and the next ``metadata()`` looks
         again)."""
-        if not self._in_buffer or self._shared._buffer is None:
+        if not self._in_buffer or self._shared._segments is None:
             return None
         holders, keys, params, *attributes = self._found
         if not all(map(operator.is_, map(dict.get, holders, keys), params)):
@@ -303,6 +450,13 @@ class SharedParametersSource(WeightSource):
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self._module.named_parameters():
             yield name, materialize_full_tensor(param)
+
+
+def _flat(segment: SharedMemoryBuffer | torch.Tensor) -> torch.Tensor:
+    """A segment's bytes as a flat uint8 tensor."""
+    flat = segment if isinstance(segment, torch.Tensor) else segment.tensor
+    assert flat is not None
+    return flat
 
 
 def _allocate(nbytes: int, device: torch.device) -> SharedMemoryBuffer | torch.Tensor:
