@@ -1,13 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Measurements shared by the CPU weight-transfer benchmarks: the machine's
-copy and NIXL floors, process memory, per-call timing of a weight-sync client,
-and the run's provenance. Scripts in this folder import it by its bare name
+"""Measurements shared by the CPU weight-transfer benchmarks: the generated
+model they sync, the machine's copy and NIXL floors, process memory, per-call
+timing of a weight-sync client, the run's provenance and the rounding of what
+goes into a result JSON. Scripts in this folder import it by its bare name
 (the folder is on ``sys.path`` when a script runs)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -17,7 +19,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -37,6 +39,79 @@ QWEN3_BENCH_SHAPE: dict[str, Any] = dict(
     vocab_size=32000,
     init_std=0.02,
 )
+
+
+@dataclasses.dataclass
+class BenchModel:
+    """The generated Qwen3 of a benchmark: its spec, the folder it is written
+    to (what vLLM serves) and the trainer's copy loaded from that folder."""
+
+    spec: Any  # TinyModelSpec
+    dir: Path
+    model: Any  # the Hugging Face model
+    dtype: str
+    build_s: float  # writing the folder, or finding it already written
+    params: int
+    nbytes: int
+
+    def describe(self) -> str:
+        """``model <folder>: <GB> GB <dtype>``, the line scripts print."""
+        return f"model {self.dir.name}: {self.nbytes / 1e9:.2f} GB {self.dtype}"
+
+
+def bench_model(
+    num_layers: int,
+    dtype: Literal["float32", "bfloat16"] = "float32",
+    touch: bool = False,
+) -> BenchModel:
+    """Write (once per spec; later calls find the folder) the ``QWEN3_BENCH_SHAPE``
+    model with ``num_layers`` decoder layers in ``dtype`` and load the trainer's
+    copy in the same dtype. With ``touch`` every weight is redrawn once (seed
+    99), as training would touch it, so that a memory baseline taken afterwards
+    already holds the whole model and its temporaries."""
+    from vllm.distributed.weight_transfer.testing import (
+        TinyModelSpec,
+        build_tiny_model,
+        load_hf_model,
+        randomize_weights_,
+    )
+
+    spec = TinyModelSpec(**QWEN3_BENCH_SHAPE, num_layers=num_layers, dtype=dtype)
+    t0 = time.perf_counter()
+    model_dir = build_tiny_model(spec)
+    build_s = time.perf_counter() - t0
+    model = load_hf_model(model_dir, dtype)
+    if touch:
+        randomize_weights_(model, seed=99, std=0.02)
+    params = list(model.parameters())
+    return BenchModel(
+        spec=spec,
+        dir=model_dir,
+        model=model,
+        dtype=dtype,
+        build_s=build_s,
+        params=sum(p.numel() for p in params),
+        nbytes=sum(p.numel() * p.element_size() for p in params),
+    )
+
+
+def rounded(value: Any, ndigits: int = 4) -> Any:
+    """``value`` with every float in it rounded to ``ndigits`` digits, through
+    dicts, lists and tuples (a tuple comes back as a list, as JSON writes it);
+    ints, bools, strings and None stay as they are."""
+    if isinstance(value, float):
+        return round(value, ndigits)
+    if isinstance(value, dict):
+        return {k: rounded(v, ndigits) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [rounded(v, ndigits) for v in value]
+    return value
+
+
+def sync_times_s(times: list[float]) -> dict[str, Any]:
+    """The first of ``times`` as the warm-up sync and the rest as the measured
+    syncs, in seconds rounded for a result JSON."""
+    return {"warmup_sync_s": round(times[0], 4), "sync_s": rounded(times[1:])}
 
 
 def max_rss_bytes() -> int:
@@ -118,6 +193,13 @@ class TimedClient:
     def reset(self) -> None:
         self.seconds = {}
 
+    def split_s(self, total_s: float) -> dict[str, float]:
+        """``total_s``, one sync's wall time, split into the seconds inside
+        each client call and ``trainer_side``, the rest; rounded."""
+        split = {k: round(v, 4) for k, v in self.seconds.items()}
+        split["trainer_side"] = round(total_s - sum(self.seconds.values()), 4)
+        return split
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)  # other client methods, untimed
 
@@ -165,8 +247,10 @@ def git_commit() -> str | None:
         return None
 
 
-def machine_info() -> dict[str, Any]:
-    return {
+def machine_info(*only: str) -> dict[str, Any]:
+    """This machine and its load now; only the keys in ``only`` when given
+    (some results were first written with fewer fields)."""
+    info = {
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -175,13 +259,36 @@ def machine_info() -> dict[str, Any]:
         "mem_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         "load_avg_1m": os.getloadavg()[0],
     }
+    return {k: v for k, v in info.items() if not only or k in only}
 
 
-def emit_json(doc: dict[str, Any], out: str | None) -> None:
+def utc_now() -> str:
+    """The time now in UTC, as result files write it."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def run_record(
+    benchmark: str, commit: str | None, *machine_keys: str
+) -> dict[str, Any]:
+    """The fields a result JSON opens with: the benchmark's name, the checkout
+    it ran (``git_commit()``), when, and ``machine_info(*machine_keys)``."""
+    return {
+        "benchmark": benchmark,
+        "commit": commit,
+        "time_utc": utc_now(),
+        "machine": machine_info(*machine_keys),
+    }
+
+
+def write_json(doc: dict[str, Any], out: str | os.PathLike[str]) -> None:
+    """Write ``doc`` to ``out`` as indented JSON, creating its folder."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        f.write(json.dumps(doc, indent=2) + "\n")
+
+
+def emit_json(doc: dict[str, Any], out: str | os.PathLike[str] | None) -> None:
     """Print ``doc`` and, when ``out`` is given, write it there."""
-    text = json.dumps(doc, indent=2)
-    print(text)
+    print(json.dumps(doc, indent=2))
     if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            f.write(text + "\n")
+        write_json(doc, out)

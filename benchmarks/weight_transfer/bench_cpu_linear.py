@@ -43,22 +43,22 @@ from pathlib import Path
 from typing import Any, Literal
 
 from _bench_common import (
-    QWEN3_BENCH_SHAPE,
     REPO,
+    bench_model,
     emit_json,
     git_commit,
-    machine_info,
     median_memcpy_s,
+    rounded,
+    run_record,
+    sync_times_s,
 )
-
-# 292 M parameters, 1.17 GB of float32 weights.
-BENCH_SPEC = {**QWEN3_BENCH_SHAPE, "num_layers": 18}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--num-layers", type=int, default=BENCH_SPEC["num_layers"])
+    # 18 layers: 292 M parameters, 1.17 GB of float32 weights.
+    p.add_argument("--num-layers", type=int, default=18)
     p.add_argument("--batch", type=int, default=8, help="prompts per generate")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument(
@@ -164,12 +164,14 @@ def measure(setting: str, model_dir: Path, model: Any, args: argparse.Namespace)
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+    generation = {
+        "llm_start_s": start_s,
+        "decode_tokens_per_s": decode,
+        "decode_tokens_per_s_median": statistics.median(decode),
+    }
     result = {
-        "llm_start_s": round(start_s, 2),
-        "decode_tokens_per_s": [round(x, 2) for x in decode],
-        "decode_tokens_per_s_median": round(statistics.median(decode), 2),
-        "warmup_sync_s": round(syncs[0], 4),
-        "sync_s": [round(x, 4) for x in syncs[1:]],
+        **rounded(generation, 2),
+        **sync_times_s(syncs),
         "sync_s_median": round(statistics.median(syncs[1:]), 4),
         "oracle_match": oracle_match,
     }
@@ -181,22 +183,11 @@ def main() -> int:
     args = parse_args()
     commit = git_commit()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm.distributed.weight_transfer.testing import (
-        TinyModelSpec,
-        build_tiny_model,
-        load_hf_model,
-        randomize_weights_,
-    )
+    bench = bench_model(args.num_layers, touch=True)
+    print(bench.describe())
 
-    spec = TinyModelSpec(**{**BENCH_SPEC, "num_layers": args.num_layers})
-    model_dir = build_tiny_model(spec)
-    model = load_hf_model(model_dir, "float32")
-    randomize_weights_(model, seed=99, std=0.02)
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(f"model {model_dir.name}: {nbytes / 1e9:.2f} GB float32")
-
-    settings = {s: measure(s, model_dir, model, args) for s in args.settings}
-    memcpy_s = median_memcpy_s(nbytes)
+    settings = {s: measure(s, bench.dir, bench.model, args) for s in args.settings}
+    memcpy_s = median_memcpy_s(bench.nbytes)
     for result in settings.values():
         result["sync_over_memcpy"] = round(result["sync_s_median"] / memcpy_s, 2)
 
@@ -213,11 +204,8 @@ def main() -> int:
     ratio("shared_over_planned_sync", "plain_planned_shared", "plain_planned")
     print(f"memcpy {memcpy_s:.3f} s; {ratios}")
     doc = {
-        "benchmark": "cpu_linear_packed_vs_plain",
-        "commit": commit,
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine_info(),
-        "model": {"dir": model_dir.name, "bytes": nbytes, "dtype": "float32"},
+        **run_record("cpu_linear_packed_vs_plain", commit),
+        "model": {"dir": bench.dir.name, "bytes": bench.nbytes, "dtype": "float32"},
         "generation": {"batch": args.batch, "max_tokens": args.max_tokens},
         "memcpy_s": round(memcpy_s, 4),
         **settings,

@@ -49,12 +49,15 @@ from _bench_common import (
     QWEN3_BENCH_SHAPE,
     RESULTS,
     TimedClient,
+    bench_model,
     child_rss_bytes,
     git_commit,
     machine_info,
     max_rss_bytes,
     memcpy_times_s,
     raw_nixl_read_s,
+    utc_now,
+    write_json,
 )
 
 GIB = 2**30
@@ -91,21 +94,10 @@ def layers_for(size_gib: float) -> int:
 
 
 def _load_trainer_model(num_layers: int) -> tuple[Any, Path, int]:
-    from vllm.distributed.weight_transfer.testing import (
-        TinyModelSpec,
-        build_tiny_model,
-        load_hf_model,
-        randomize_weights_,
-    )
-
-    spec = TinyModelSpec(**BASE_SPEC, num_layers=num_layers)
-    model_dir = build_tiny_model(spec)
-    model = load_hf_model(model_dir, "float32")
-    # Touch every weight once (as training would), so the RSS baseline holds
-    # the whole model and its temporaries.
-    randomize_weights_(model, seed=99, std=0.02)
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return model, model_dir, nbytes
+    """The trainer's model, its folder and its bytes; every weight touched once,
+    so the RSS baseline holds the whole model and its temporaries."""
+    bench = bench_model(num_layers, touch=True)
+    return bench.model, bench.dir, bench.nbytes
 
 
 def _start_llm(model_dir: Path, backend: str | None) -> tuple[Any, float]:
@@ -226,10 +218,7 @@ def step_ipc(num_layers: int, rounds: int) -> dict[str, Any]:
         client.reset()
         t0 = time.perf_counter()
         trainer.send_weights()
-        total = time.perf_counter() - t0
-        phases = {k: round(v, 4) for k, v in client.seconds.items()}
-        phases["trainer_side"] = round(total - sum(client.seconds.values()), 4)
-        return {"phases_s": phases}
+        return {"phases_s": client.split_s(time.perf_counter() - t0)}
 
     measured = _measure(llm, model, rounds, rss_before, sync)
     plan = getattr(trainer, "last_plan", None)
@@ -333,7 +322,7 @@ def run_step_here(step: str, num_layers: int, rounds: int, out: Path) -> int:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     result = STEP_FUNCS[step](num_layers, rounds)
     result["load_avg_1m_end"] = os.getloadavg()[0]
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(result, out)
     return 0
 
 
@@ -499,7 +488,7 @@ def main() -> int:
         return run_step_here(args.step, args.num_layers, args.rounds, args.step_out)
 
     commit = git_commit()
-    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    started = utc_now()
     sizes = []
     for target in args.sizes:
         num_layers = layers_for(target)
@@ -553,7 +542,7 @@ def write_result(
         "benchmark": "cpu_sweep",
         "commit": commit,
         "time_utc_start": started,
-        "time_utc_end": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "time_utc_end": utc_now(),
         "machine": machine_info(),
         "model": {"base_spec": BASE_SPEC, "dtype": "float32"},
         "vllm": {
@@ -565,8 +554,7 @@ def write_result(
         "growth": growth(summaries),
         "sizes": sizes,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(result, path)
     return result
 
 

@@ -41,34 +41,42 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
 from _bench_common import (
-    QWEN3_BENCH_SHAPE,
     REPO,
     TimedClient,
+    bench_model,
     child_rss_bytes,
+    emit_json,
     git_commit,
     max_rss_bytes,
     median_memcpy_s,
+    run_record,
+    sync_times_s,
 )
 
-# 292 M parameters, 1.17 GB (1.09 GiB) of float32 weights.
-BENCH_SPEC = {**QWEN3_BENCH_SHAPE, "num_layers": 18}
+# The machine fields of this benchmark's results (no ``mem_total_bytes``).
+MACHINE_KEYS = (
+    "cpu_count",
+    "platform",
+    "python",
+    "torch",
+    "omp_num_threads",
+    "load_avg_1m",
+)
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3, help="measured syncs")
-    p.add_argument("--num-layers", type=int, default=BENCH_SPEC["num_layers"])
+    # 18 layers: 292 M parameters, 1.17 GB (1.09 GiB) of float32 weights.
+    p.add_argument("--num-layers", type=int, default=18)
     p.add_argument(
         "--buffer-mib",
         type=int,
@@ -98,30 +106,20 @@ def main() -> int:
         IPCTrainerWeightTransferEngine,
     )
     from vllm.distributed.weight_transfer.testing import (
-        TinyModelSpec,
         assert_same_greedy,
-        build_tiny_model,
         hf_greedy,
-        load_hf_model,
         logprob_atol,
         randomize_weights_,
         vllm_greedy,
     )
     from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 
-    spec = TinyModelSpec(**{**BENCH_SPEC, "num_layers": args.num_layers})
-    t0 = time.perf_counter()
-    model_dir = build_tiny_model(spec)
-    build_s = time.perf_counter() - t0
-    model = load_hf_model(model_dir, "float32")
-    # Touch every weight once (as training would) so that the RSS baseline below
-    # already holds the whole model and its temporaries.
-    randomize_weights_(model, seed=99, std=0.02)
-    n_params = sum(p.numel() for p in model.parameters())
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # Every weight touched once, so the RSS baseline below holds the model.
+    bench = bench_model(args.num_layers, touch=True)
+    model_dir, model, nbytes = bench.dir, bench.model, bench.nbytes
     print(
-        f"model {model_dir.name}: {n_params / 1e6:.0f} M params, "
-        f"{nbytes / 2**30:.2f} GiB float32 (ready in {build_s:.1f} s)"
+        f"model {model_dir.name}: {bench.params / 1e6:.0f} M params, "
+        f"{nbytes / 2**30:.2f} GiB float32 (ready in {bench.build_s:.1f} s)"
     )
 
     t0 = time.perf_counter()
@@ -148,8 +146,7 @@ def main() -> int:
             t0 = time.perf_counter()
             trainer.send_weights()
             times.append(time.perf_counter() - t0)
-            split = {k: round(v, 4) for k, v in client.seconds.items()}
-            split["trainer_side"] = round(times[-1] - sum(client.seconds.values()), 4)
+            split = client.split_s(times[-1])
             phases.append(split)
             label = " (warm-up)" if round_ == 0 else ""
             print(f"sync {round_}{label}: {times[-1]:.3f} s {split}")
@@ -172,21 +169,11 @@ def main() -> int:
     measured = times[1:]
     sync_median = statistics.median(measured)
     result = {
-        "benchmark": "ipc_cpu_full_sync",
-        "commit": commit,
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "omp_num_threads": torch.get_num_threads(),
-            "load_avg_1m": os.getloadavg()[0],
-        },
+        **run_record("ipc_cpu_full_sync", commit, *MACHINE_KEYS),
         "model": {
             "dir": model_dir.name,
-            "spec": dataclasses.asdict(spec),
-            "params": n_params,
+            "spec": dataclasses.asdict(bench.spec),
+            "params": bench.params,
             "bytes": nbytes,
             "tensors": len(list(model.parameters())),
         },
@@ -197,8 +184,7 @@ def main() -> int:
             "chunks": len(plan.chunks) if plan else None,
         },
         "llm_start_s": round(llm_start_s, 2),
-        "warmup_sync_s": round(times[0], 4),
-        "sync_s": [round(t, 4) for t in measured],
+        **sync_times_s(times),
         "sync_phases_s": phases[1:],
         "sync_median_s": round(sync_median, 4),
         "sync_min_s": round(min(measured), 4),
@@ -213,10 +199,8 @@ def main() -> int:
         "child_rss_bytes": workers_rss,
         "oracle_match": oracle_match,
     }
-    print(json.dumps(result, indent=2))
-    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"ipc_cpu_{model_dir.name}_tp{args.tp}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    emit_json(result, path)
     print(f"wrote {path}")
     return 0 if oracle_match else 1
 

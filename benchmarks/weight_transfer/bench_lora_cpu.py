@@ -46,9 +46,8 @@ import time
 from pathlib import Path
 
 import torch
-from _bench_common import QWEN3_BENCH_SHAPE, REPO, emit_json, git_commit, machine_info
+from _bench_common import REPO, bench_model, emit_json, git_commit, rounded, run_record
 
-BENCH_SPEC = {**QWEN3_BENCH_SHAPE, "num_layers": 18}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -69,19 +68,14 @@ def main() -> int:
         LoRAPusher,
         memory_path,
     )
-    from vllm.distributed.weight_transfer.testing import (
-        TinyModelSpec,
-        build_tiny_model,
-        load_hf_model,
-        vllm_greedy,
-    )
+    from vllm.distributed.weight_transfer.testing import vllm_greedy
     from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
     from vllm.lora.request import LoRARequest
 
     args = parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    model_dir = build_tiny_model(TinyModelSpec(**BENCH_SPEC))
-    base = load_hf_model(model_dir, "float32")
+    bench = bench_model(num_layers=18)
+    model_dir, base = bench.dir, bench.model
     llm = tiny_llm(
         model_dir, enable_lora=True, max_lora_rank=max(args.ranks), max_cpu_loras=8
     )
@@ -152,16 +146,24 @@ def main() -> int:
                 push_median = statistics.median(push_s[1:])
                 nixl_median = statistics.median(nixl_s[1:])
                 disk_median = statistics.median(disk_s[1:])
+                seconds = {
+                    "push_s": push_s[1:],
+                    "push_s_median": push_median,
+                    "nixl_s": nixl_s[1:],
+                    "nixl_s_median": nixl_median,
+                    "nixl_first_s": nixl_s[0],
+                    "disk_s": disk_s[1:],
+                    "disk_s_median": disk_median,
+                }
+                ratios = {
+                    "push_over_disk": push_median / disk_median,
+                    "nixl_over_disk": nixl_median / disk_median,
+                    "nixl_over_push": nixl_median / push_median,
+                }
                 result = {
                     "adapter_bytes": nbytes,
                     "adapter_tensors": len(lora),
-                    "push_s": [round(x, 4) for x in push_s[1:]],
-                    "push_s_median": round(push_median, 4),
-                    "nixl_s": [round(x, 4) for x in nixl_s[1:]],
-                    "nixl_s_median": round(nixl_median, 4),
-                    "nixl_first_s": round(nixl_s[0], 4),
-                    "disk_s": [round(x, 4) for x in disk_s[1:]],
-                    "disk_s_median": round(disk_median, 4),
+                    **rounded(seconds),
                     "same_output": pushed == from_disk,
                     "same_output_nixl": pulled_out == from_disk,
                     "same_tokens": pushed.tokens == from_disk.tokens,
@@ -172,9 +174,7 @@ def main() -> int:
                         )
                         for x, y in zip(a, b, strict=True)
                     ),
-                    "push_over_disk": round(push_median / disk_median, 3),
-                    "nixl_over_disk": round(nixl_median / disk_median, 3),
-                    "nixl_over_push": round(nixl_median / push_median, 3),
+                    **rounded(ratios, 3),
                 }
                 print(f"rank {rank}: {result}", flush=True)
                 results[f"rank_{rank}"] = result
@@ -183,10 +183,7 @@ def main() -> int:
         puller.close()
         llm.llm_engine.engine_core.shutdown()
     doc = {
-        "benchmark": "lora_push_vs_save_and_load",
-        "commit": git_commit(),
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine_info(),
+        **run_record("lora_push_vs_save_and_load", git_commit()),
         "model": {"dir": model_dir.name, "dtype": "float32"},
         "targets": TARGETS,
         **results,

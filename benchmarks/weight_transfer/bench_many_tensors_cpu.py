@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 import torch
-from _bench_common import RESULTS, emit_json, git_commit, machine_info
+from _bench_common import RESULTS, emit_json, git_commit, rounded, run_record
 
 from vllm.distributed.weight_transfer import ModuleSource
 from vllm.distributed.weight_transfer.ipc_engine import (
@@ -99,14 +99,16 @@ def run_mode(mode: str, layers: int, syncs: int) -> dict[str, Any]:
         if shared is not None:
             shared.close()
     warm = times[1:]
-    return {
-        "first_sync_s": round(times[0], 4),
-        "median_s": round(statistics.median(warm), 4),
-        "best_s": round(min(warm), 4),
-        "all_s": [round(t, 4) for t in warm],
-        "short_messages": engine.layouts.compact,
-        "served_equals_trainer": True,
-    }
+    return rounded(
+        {
+            "first_sync_s": times[0],
+            "median_s": statistics.median(warm),
+            "best_s": min(warm),
+            "all_s": warm,
+            "short_messages": engine.layouts.compact,
+            "served_equals_trainer": True,
+        }
+    )
 
 
 def main() -> int:
@@ -125,10 +127,7 @@ def main() -> int:
         print(mode, results[mode], flush=True)
     best = results["shared_source"]["median_s"]
     doc = {
-        "benchmark": "ipc_many_small_tensors_cpu",
-        "commit": git_commit(),
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine_info(),
+        **run_record("ipc_many_small_tensors_cpu", git_commit()),
         "tensors": 2 * layers,
         "bytes": layers * (8 * 8 + 8) * 4,
         "landing": "planned",

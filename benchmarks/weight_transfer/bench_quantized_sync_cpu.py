@@ -47,13 +47,15 @@ from typing import Any
 
 import torch
 from _bench_common import (
-    QWEN3_BENCH_SHAPE,
     RESULTS,
     TimedClient,
+    bench_model,
     emit_json,
     git_commit,
-    machine_info,
     median_memcpy_s,
+    rounded,
+    run_record,
+    sync_times_s,
 )
 
 MODES = ("worker_side_fp32", "worker_side_bf16", "trainer_side_codes")
@@ -84,10 +86,7 @@ def main() -> int:
     from vllm.distributed.weight_transfer.fp8_codes import Fp8ChannelCodes
     from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
     from vllm.distributed.weight_transfer.testing import (
-        TinyModelSpec,
         assert_bit_identical,
-        build_tiny_model,
-        load_hf_model,
         randomize_weights_,
         vllm_greedy,
     )
@@ -109,12 +108,9 @@ def main() -> int:
             for name, tensor in self.inner:
                 yield name, tensor.to(torch.bfloat16)
 
-    spec = TinyModelSpec(**{**QWEN3_BENCH_SHAPE, "num_layers": args.num_layers})
-    model_dir = build_tiny_model(spec)
-    model = load_hf_model(model_dir, "float32")
-    randomize_weights_(model, seed=99, std=0.02)
-    fp32_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(f"model {model_dir.name}: {fp32_bytes / 1e9:.2f} GB float32")
+    bench = bench_model(args.num_layers, touch=True)
+    model_dir, model, fp32_bytes = bench.dir, bench.model, bench.nbytes
+    print(bench.describe())
 
     t0 = time.perf_counter()
     llm = tiny_llm(
@@ -156,7 +152,7 @@ def main() -> int:
                 workers = sum(client.seconds.values())
                 times[mode].append(took)
                 phases[mode].append(
-                    {"workers": round(workers, 4), "trainer": round(took - workers, 4)}
+                    rounded({"workers": workers, "trainer": took - workers})
                 )
                 label = " (warm-up)" if round_ == 0 else ""
                 print(f"{mode} round {round_}{label}: {took:.3f} s {phases[mode][-1]}")
@@ -185,8 +181,7 @@ def main() -> int:
         measured = times[mode][1:]
         modes[mode] = {
             "bytes_moved": moved[mode],
-            "warmup_sync_s": round(times[mode][0], 4),
-            "sync_s": [round(t, 4) for t in measured],
+            **sync_times_s(times[mode]),
             "sync_median_s": round(statistics.median(measured), 4),
             "sync_min_s": round(min(measured), 4),
             "phases_s": phases[mode][1:],
@@ -198,13 +193,10 @@ def main() -> int:
                 modes[mode]["sync_median_s"] / modes[peer]["sync_median_s"], 3
             )
     doc = {
-        "benchmark": "quantized_sync_cpu",
-        "commit": commit,
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine_info(),
+        **run_record("quantized_sync_cpu", commit),
         "model": {
             "dir": model_dir.name,
-            "spec": dataclasses.asdict(spec),
+            "spec": dataclasses.asdict(bench.spec),
             "float32_bytes": fp32_bytes,
         },
         "vllm": {"dtype": "bfloat16", "quantization": "fp8_per_channel", "tp": 1},

@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from _bench_common import RESULTS, emit_json, git_commit, machine_info
+from _bench_common import RESULTS, emit_json, git_commit, rounded, run_record
 
 from vllm.distributed.weight_transfer.testing.multirank import free_port
 
@@ -142,10 +142,14 @@ def run_mode(mode: str, layers: int, syncs: int) -> dict[str, Any]:
     _, times, in_slots, rss_growth, nbytes, _ = got[0]
     warm = times[1:]
     return {
-        "median_s": round(statistics.median(warm), 4),
-        "best_s": round(min(warm), 4),
-        "all_s": [round(t, 4) for t in warm],
-        "first_sync_s": round(times[0], 4),
+        **rounded(
+            {
+                "median_s": statistics.median(warm),
+                "best_s": min(warm),
+                "all_s": warm,
+                "first_sync_s": times[0],
+            }
+        ),
         "gathered_into_slots_rank0": in_slots,
         "peak_rss_growth_bytes_rank0": rss_growth,
         "full_bytes": nbytes,
@@ -163,10 +167,7 @@ def main() -> int:
         for mode in ("full_tensor", "in_slot")
     }
     doc = {
-        "benchmark": "bench_sharded_gather_cpu",
-        "commit": git_commit(),
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine_info(),
+        **run_record("bench_sharded_gather_cpu", git_commit()),
         "ranks": WORLD,
         "layers": args.layers,
         **modes,

@@ -18,15 +18,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import platform
 import statistics
 import time
 from typing import Any
 
-import torch
-from _bench_common import QWEN3_BENCH_SHAPE, RESULTS, git_commit, raw_nixl_read_s
+from _bench_common import (
+    RESULTS,
+    bench_model,
+    git_commit,
+    raw_nixl_read_s,
+    run_record,
+    write_json,
+)
 
 from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -35,23 +39,21 @@ from vllm.distributed.weight_transfer.sharded_rdt_trainer import (
 )
 from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
 from vllm.distributed.weight_transfer.testing import (
-    TinyModelSpec,
     assert_same_greedy,
-    build_tiny_model,
     hf_greedy,
-    load_hf_model,
     logprob_atol,
     randomize_weights_,
     vllm_greedy,
 )
 
-BENCH_SPEC = {**QWEN3_BENCH_SHAPE, "num_layers": 8}
+# The machine fields of this benchmark's results.
+MACHINE_KEYS = ("cpu_count", "platform", "torch", "load_avg_1m")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--num-layers", type=int, default=BENCH_SPEC["num_layers"])
+    p.add_argument("--num-layers", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3, help="measured syncs")
     args = p.parse_args()
     if args.tp > 1:
@@ -62,10 +64,8 @@ def main() -> None:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # receipts via RPC
     from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 
-    spec = TinyModelSpec(**{**BENCH_SPEC, "num_layers": args.num_layers})
-    model_dir = build_tiny_model(spec)
-    model = load_hf_model(model_dir, "float32")
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bench = bench_model(args.num_layers)
+    model_dir, model, nbytes = bench.dir, bench.model, bench.nbytes
     print(f"model {model_dir.name}: {nbytes / 2**30:.2f} GiB float32")
 
     llm = tiny_llm(model_dir, tensor_parallel_size=args.tp, backend="sharded_rdt")
@@ -128,18 +128,10 @@ def main() -> None:
     raw_bytes = per_worker[0]["bytes"]
     raw = raw_nixl_read_s(raw_bytes)
     result = {
-        "benchmark": "sharded_rdt_cpu_pull",
-        "commit": git_commit(),
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "torch": torch.__version__,
-            "load_avg_1m": os.getloadavg()[0],
-        },
+        **run_record("sharded_rdt_cpu_pull", git_commit(), *MACHINE_KEYS),
         "model": {
             "dir": model_dir.name,
-            "spec": dataclasses.asdict(spec),
+            "spec": dataclasses.asdict(bench.spec),
             "bytes": nbytes,
         },
         "vllm": {
@@ -159,9 +151,8 @@ def main() -> None:
         },
         "oracle_match": oracle_match,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"sharded_rdt_cpu_{model_dir.name}_tp{args.tp}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(result, out)
     update = [round(w["update_weights_gib_s"], 3) for w in per_worker]
     pulls_only = [round(w["pull_only_gib_s"], 3) for w in per_worker]
     raw_gib_s = result["raw_nixl_read"]["best_gib_s"]

@@ -44,17 +44,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from _bench_common import (
-    QWEN3_BENCH_SHAPE,
     REPO,
+    bench_model,
     emit_json,
     git_commit,
-    machine_info,
     median_memcpy_s,
     raw_nixl_read_s,
+    run_record,
+    sync_times_s,
 )
-
-# 292 M parameters, 1.17 GB of float32 weights.
-BENCH_SPEC = {**QWEN3_BENCH_SHAPE, "num_layers": 18}
 
 # name: (WeightTransferConfig.cpu_linear, WeightTransferConfig.landing)
 SETTINGS: dict[str, tuple[Literal["packed", "plain"], Literal["reload", "planned"]]] = {
@@ -66,7 +64,8 @@ SETTINGS: dict[str, tuple[Literal["packed", "plain"], Literal["reload", "planned
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--num-layers", type=int, default=BENCH_SPEC["num_layers"])
+    # 18 layers: 292 M parameters, 1.17 GB of float32 weights.
+    p.add_argument("--num-layers", type=int, default=18)
     p.add_argument(
         "--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS)
     )
@@ -140,8 +139,7 @@ def measure(setting: str, model_dir: Path, model: Any, rounds: int) -> dict:
         "bytes_pulled": measured[0]["bytes"],
         "chunks": measured[0]["chunks"],
         "modules_processed": measured[0]["modules_processed"],
-        "warmup_sync_s": round(syncs[0], 4),
-        "sync_s": [round(x, 4) for x in syncs[1:]],
+        **sync_times_s(syncs),
         "sync_s_median": _median(syncs[1:]),
         "pull_s_median": _median([r["pull_seconds"] for r in measured]),
         "land_s_median": _median([r["land_seconds"] for r in measured]),
@@ -156,19 +154,13 @@ def main() -> int:
     commit = git_commit()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # receipts via RPC
-    from vllm.distributed.weight_transfer.testing import (
-        TinyModelSpec,
-        build_tiny_model,
-        load_hf_model,
-    )
+    bench = bench_model(args.num_layers)
+    nbytes = bench.nbytes
+    print(bench.describe())
 
-    spec = TinyModelSpec(**{**BENCH_SPEC, "num_layers": args.num_layers})
-    model_dir = build_tiny_model(spec)
-    model = load_hf_model(model_dir, "float32")
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(f"model {model_dir.name}: {nbytes / 1e9:.2f} GB float32")
-
-    settings = {s: measure(s, model_dir, model, args.rounds) for s in args.settings}
+    settings = {
+        s: measure(s, bench.dir, bench.model, args.rounds) for s in args.settings
+    }
     memcpy_s = median_memcpy_s(nbytes)
     raw_read_s = statistics.median(raw_nixl_read_s(nbytes))
     for result in settings.values():
@@ -183,11 +175,8 @@ def main() -> int:
         )
     print(f"memcpy {memcpy_s:.3f} s, raw NIXL read {raw_read_s:.3f} s; {ratios}")
     doc = {
-        "benchmark": "sharded_rdt_landing_cpu",
-        "commit": commit,
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine_info(),
-        "model": {"dir": model_dir.name, "bytes": nbytes, "dtype": "float32"},
+        **run_record("sharded_rdt_landing_cpu", commit),
+        "model": {"dir": bench.dir.name, "bytes": nbytes, "dtype": "float32"},
         "vllm": {"tensor_parallel_size": 1, "transport": "nixl (direct agents)"},
         "memcpy_s": round(memcpy_s, 4),
         "raw_nixl_read_s": round(raw_read_s, 4),

@@ -58,17 +58,17 @@ from itertools import pairwise
 from typing import Any
 
 from _bench_common import (
-    QWEN3_BENCH_SHAPE,
     RESULTS,
+    bench_model,
     child_rss_bytes,
     emit_json,
     git_commit,
-    machine_info,
+    rounded,
+    run_record,
 )
 
 from vllm.distributed.weight_transfer.testing.streams import StreamingClients
 
-BENCH_SPEC = {**QWEN3_BENCH_SHAPE, "num_layers": 18}
 CHUNK_BYTES = 64 * 2**20
 STREAM_TOKENS = 48
 
@@ -199,19 +199,22 @@ def run_mode(
                 t2 = time.perf_counter()
                 during = load.tokens_between(t0, t1) / sync_s
                 idle = load.tokens_between(t1 + 0.1 * sync_s, t2) / (0.9 * sync_s)
-                row = {
-                    "sync_s": round(sync_s, 4),
-                    "held_s": round(client.held_s, 4),
-                    "max_gap_s": round(load.max_gap(t0, t1), 4),
+                gaps = {
+                    "sync_s": sync_s,
+                    "held_s": client.held_s,
+                    "max_gap_s": load.max_gap(t0, t1),
                     # The same streams' longest gap with no sync at all: the
                     # floor any gap during a sync stands on (a decode step, a
                     # new stream's prefill, the API server's own delays).
-                    "max_gap_idle_s": round(
-                        load.max_gap(t1 + 0.1 * sync_s, t2, spanning=False), 4
+                    "max_gap_idle_s": load.max_gap(
+                        t1 + 0.1 * sync_s, t2, spanning=False
                     ),
-                    "tokens_per_s_during_sync": round(during, 2),
-                    "tokens_per_s_idle": round(idle, 2),
                 }
+                tokens = {
+                    "tokens_per_s_during_sync": during,
+                    "tokens_per_s_idle": idle,
+                }
+                row = {**rounded(gaps), **rounded(tokens, 2)}
                 label = " (warm-up)" if round_ == 0 else ""
                 print(
                     f"[staging={staging} {options or ''}] round {round_}{label}: {row}"
@@ -247,7 +250,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--streams", type=int, default=2)
-    p.add_argument("--num-layers", type=int, default=BENCH_SPEC["num_layers"])
+    p.add_argument("--num-layers", type=int, default=18)
     p.add_argument(
         "--settings",
         choices=["defaults", "one-copy"],
@@ -263,17 +266,9 @@ def main() -> int:
         name = "staged_one_copy_cpu.json" if one_copy else "staged_cpu.json"
         args.out = str(RESULTS / name)
     commit = git_commit()
-    from vllm.distributed.weight_transfer.testing import (
-        TinyModelSpec,
-        build_tiny_model,
-        load_hf_model,
-    )
-
-    spec = TinyModelSpec(**{**BENCH_SPEC, "num_layers": args.num_layers})
-    model_dir = build_tiny_model(spec)
-    model = load_hf_model(model_dir, "float32")
-    nbytes = sum(t.numel() * t.element_size() for t in model.parameters())
-    print(f"model {model_dir.name}: {nbytes / 1e9:.2f} GB float32")
+    bench = bench_model(args.num_layers)
+    model_dir, model = bench.dir, bench.model
+    print(bench.describe())
 
     options = ONE_COPY if one_copy else None
     staged = run_mode("host", model_dir, model, args, options)
@@ -301,14 +296,11 @@ def main() -> int:
     )
     emit_json(
         {
-            "benchmark": "staged_vs_stop_the_world_cpu",
-            "commit": commit,
-            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "machine": machine_info(),
+            **run_record("staged_vs_stop_the_world_cpu", commit),
             "model": {
                 "dir": model_dir.name,
-                "spec": dataclasses.asdict(spec),
-                "bytes": nbytes,
+                "spec": dataclasses.asdict(bench.spec),
+                "bytes": bench.nbytes,
             },
             "streams": args.streams,
             "stream_tokens": STREAM_TOKENS,
