@@ -619,6 +619,9 @@ def bench_fork(
 # SharedParameters placed by the shared-params modes, with the module holding
 # the placed parameters under the tensors' names (closed after the model).
 _PLACED: list = []
+# ``SharedParameters.place``'s segment size (``--max-segment-gib``); None:
+# its default.
+_MAX_SEGMENT_BYTES: int | None = None
 
 
 def _holder_of(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -675,7 +678,11 @@ def bench_shared_params(
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
-        shared = SharedParameters.place(holder)
+        shared = (
+            SharedParameters.place(holder)
+            if _MAX_SEGMENT_BYTES is None
+            else SharedParameters.place(holder, max_segment_bytes=_MAX_SEGMENT_BYTES)
+        )
         torch.cuda.synchronize()
         result["place_seconds"] = time.perf_counter() - t
         # Placing fills one segment at a time and frees each original once
@@ -986,9 +993,19 @@ def main() -> None:
         "this large (for models whose two extra copies do not fit: "
         "Qwen3-30B-A3B's 48 layers); skips the per-tensor copy",
     )
+    parser.add_argument(
+        "--max-segment-gib",
+        type=float,
+        default=None,
+        help="the shared modes place the trainer's tensors in segments of at "
+        "most this size (default: SharedParameters' own)",
+    )
     args = parser.parse_args()
     buffer_bytes = int(args.buffer_gib * 2**30)
     only = set(args.modes.split(",")) if args.modes else None
+    if args.max_segment_gib is not None:
+        global _MAX_SEGMENT_BYTES
+        _MAX_SEGMENT_BYTES = int(args.max_segment_gib * 2**30)
     runs = model_runs(args.models, args.moe_layers)
     doc = {
         "device": torch.cuda.get_device_name(0),
