@@ -270,7 +270,7 @@ def _worker(conn, params) -> None:
     from vllm.distributed.weight_transfer.chunk_programs import chunk_in_mapping
     from vllm.distributed.weight_transfer.ipc_dataplane import (
         BufferImporter,
-        mapping_key,
+        read_message,
     )
     from vllm.distributed.weight_transfer.ipc_wire import (
         IPCWeightTransferUpdateInfo,
@@ -278,6 +278,7 @@ def _worker(conn, params) -> None:
     )
 
     importer = BufferImporter(torch.device("cuda", 0), local_rank=0)
+    last_reads = None
     layouts = LayoutMemo()
     programs = None
     names_left = 0
@@ -325,17 +326,16 @@ def _worker(conn, params) -> None:
                 info = layouts.parse(json.loads(message))
             else:
                 info = IPCWeightTransferUpdateInfo.from_dict(json.loads(message))
-            bufs, handles = [], []
-            for hmap in info.buffers():
-                _, handle = importer.select(hmap, "ipc_handles")
-                handles.append(handle)
-                bufs.append(importer.open(handle))
+            # As the worker engine maps a message (a short one over kept
+            # buffers reuses the last reads).
+            reads = read_message(info, importer, last_reads)
+            last_reads = reads if reads.kept else None
+            bufs, handles = reads.buffers, reads.handles
             if land == "planned":
                 # As the worker engine does for a chunk in a kept mapping:
                 # the chunk's bound program, reused while its layout holds.
                 assert programs is not None
-                keys = tuple(mapping_key(h) for h in handles)
-                key, mapped = chunk_in_mapping(keys, bufs, info)
+                key, mapped = chunk_in_mapping(reads.mapped, bufs, info)
 
                 def sources(names, mapped=mapped):
                     found = mapped(names)
@@ -343,13 +343,13 @@ def _worker(conn, params) -> None:
                     return found
 
                 if handles[0].persistent:
-                    ptrs = frozenset(b.data_ptr() for b in bufs)
-                    bound = programs.bound(key, ptrs, info.names, sources)
+                    addresses = reads.mapped.addresses
+                    bound = programs.bound(key, addresses, info.names, sources)
                 else:
                     # A buffer mapped anew every sync: the layout's program
                     # run from it, as the worker engine does on a GPU.
                     assert len(bufs) == 1
-                    found = programs.anywhere(key[2], bufs[0], info.names, sources)
+                    found = programs.anywhere(key[1], bufs[0], info.names, sources)
                     assert found is not None, "the buffer broke the alignment"
                     bound = found
                 bound()
@@ -387,6 +387,8 @@ def _worker(conn, params) -> None:
             # As the worker engine does: a trainer's SharedParameters buffer
             # stays mapped for the next sync, everything else is released.
             importer.close(keep_persistent=True)
+            if last_reads is not None and last_reads.generation != importer.generation:
+                last_reads = None
             conn.send("ok")
         elif kind == "mappings":
             conn.send(importer.mappings_opened)
@@ -651,6 +653,7 @@ def bench_shared_params(
     sent: list | None = None,
     pinned: bool = False,
     after_step: bool = False,
+    adopt: bool = False,
 ) -> dict:
     """The trainer's tensors placed in one CUDA allocation
     (``SharedParameters``): each chunk names it, nothing is packed, and the
@@ -661,14 +664,30 @@ def bench_shared_params(
     through chunk programs (``land="planned"``). ``pinned``: the trainer sends
     with ``SharedParameters.source``, not a dict source. ``after_step``: each
     sync follows an update of every trainer tensor left queued on the device
-    (``bench_fork``), and the time reported is what the sync adds to it."""
+    (``bench_fork``), and the time reported is what the sync adds to it.
+    ``adopt``: the tensors are shared where they are instead
+    (``SharedParameters.adopt``: each storage a segment, nothing copied),
+    sent with the pinned source, and stop being shared after the mode; run
+    these modes before any that place."""
     from vllm.distributed.weight_transfer.shared_params import (
         SharedParameters,
         shared_place,
     )
 
     result: dict = {}
-    if shared_place(next(iter(tensors.values()))) is None:
+    adopted = None
+    if adopt:
+        if shared_place(next(iter(tensors.values()))) is not None:
+            raise RuntimeError("the adopt modes must run before the modes that place")
+        holder = _holder_of(tensors)  # its parameters alias the tensors
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        t = time.perf_counter()
+        adopted = SharedParameters.adopt(holder)
+        result["adopt_seconds"] = time.perf_counter() - t
+        result["adopt_extra_bytes"] = torch.cuda.memory_allocated() - before
+        result["segments"] = adopted.num_segments
+    elif shared_place(next(iter(tensors.values()))) is None:
         holder = _holder_of(tensors)
         # The holder's parameters alone keep the originals, so each goes
         # once placed (the dict gets the placed tensors back below).
@@ -699,7 +718,9 @@ def bench_shared_params(
     if plan_path is not None:
         result["copy_table"] = _call(conn, "planned_setup", (plan_path, sent))
     source = None
-    if pinned:
+    if adopted is not None:
+        source = adopted.source(holder)
+    elif pinned:
         shared, holder = _PLACED[-1]
         source = shared.source(holder)
     result.update(
@@ -718,6 +739,8 @@ def bench_shared_params(
     if plan_path is not None:
         result.update(_call(conn, "programs"))
         result.update(_call(conn, "planned_verify"))
+    if adopted is not None:
+        adopted.close()
     return result
 
 
@@ -867,6 +890,19 @@ def run_model(
     if plan_path is not None:
         # last of all: the worker's destinations become the served layout
         planned = {"land": "planned", "plan_path": plan_path, "sent": params}
+        # the trainer's own storages shared where they are, nothing placed
+        # (first: the shared modes below move the tensors)
+        adopted = {**planned, "adopt": True}
+        modes["fork_adopted_planned_pinned"] = (
+            bench_shared_params,
+            (tensors, parent, reps, buffer_bytes),
+            adopted,
+        )
+        modes["fork_adopted_planned_pinned_after_step"] = (
+            bench_shared_params,
+            (tensors, parent, reps, buffer_bytes),
+            {**adopted, "after_step": True},
+        )
         modes["fork_shared_params_planned"] = (
             bench_shared_params,
             (tensors, parent, reps, buffer_bytes),

@@ -528,6 +528,70 @@ def test_parameters_placed_in_several_segments_travel_as_one_message(reader):
     shared.close()
 
 
+def test_adopted_parameters_are_read_where_they_are(reader):
+    """``SharedParameters.adopt`` on CUDA: nothing is copied or allocated;
+    each parameter storage is a segment, exported once, and the first sync
+    names them all in one message; each later sync is the layout's id
+    alone, read through the kept mappings, bit-exact. A re-allocated
+    parameter is packed, never read from its old storage; after a failed
+    sync every storage is exported anew and mapped again."""
+    from vllm.distributed.weight_transfer.shared_params import SharedParameters
+
+    torch.manual_seed(3)
+    model = Net().cuda()
+    where = {n: p.data_ptr() for n, p in model.named_parameters()}
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    shared = SharedParameters.adopt(model)
+    assert torch.cuda.memory_allocated() == before, "nothing allocated"
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == where
+    n = shared.num_segments
+    assert n == len(where), "one segment per parameter storage"
+    client = PipeWorker(reader)
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed=True, verify_checksums=True),
+        client=client,
+        source=shared.source(model),
+    )
+
+    def sync_and_check() -> None:
+        engine.send_weights()
+        for name, p in model.named_parameters():
+            assert torch.equal(client.received[name], p.detach().cpu()), name
+
+    def short_messages() -> int:
+        reader.send("short_messages")
+        return _answer(reader, "short_messages")[1]
+
+    opened, _ = _stats(reader)
+    shorts = short_messages()
+    sync_and_check()
+    assert engine._kept_buffer is None, "nothing was packed"
+    assert _stats(reader) == (opened + n, n)
+    exports = [shared.segment_handle(i) for i in range(n)]
+    for _ in range(2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(-2).add_(0.5)
+        del p
+        client.received.clear()
+        sync_and_check()
+    assert short_messages() == shorts + 2
+    assert _stats(reader) == (opened + n, n), "no new mapping"
+    assert [shared.segment_handle(i) for i in range(n)] == exports
+
+    model.norm.data = model.norm.data * 3  # re-allocated: packed, the full way
+    assert shared.moved() == ["norm"]
+    sync_and_check()
+    assert short_messages() == shorts + 2, "the full way"
+    client.fail_next = True
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.send_weights()
+    sync_and_check()
+    assert all(shared.segment_handle(i) is not exports[i] for i in range(n))
+    shared.close()
+
+
 def test_a_kept_packed_buffer_is_mapped_once_and_exported_anew_after_a_failure(
     reader,
 ):

@@ -133,16 +133,22 @@ def test_chunks_in_one_segment_travel_as_one_message_landed_by_one_program():
 
 class ShortFormClient(RecordingClient):
     """Also records each message's form: "full" (names, with the layout id
-    when it carries one) or "short" (only a layout id and the handle)."""
+    when it carries one) or "short" (only a layout id and the handles, or
+    the id alone over several segments); ``handles`` records whether each
+    message carried handles."""
 
     def __init__(self, engine) -> None:
         super().__init__(engine)
         self.forms: list[tuple[str, str | None]] = []
+        self.handles: list[bool] = []
 
     def update_weights(self, update_info):
-        if "ipc_handles" in update_info:  # not the receipts' prepare message
+        # (Not the receipts' prepare message; over several segments the
+        # short form carries no handles.)
+        if "ipc_handles" in update_info or "layout" in update_info:
             form = "full" if "names" in update_info else "short"
             self.forms.append((form, update_info.get("layout")))
+            self.handles.append("ipc_handles" in update_info)
         super().update_weights(update_info)
 
 
@@ -205,18 +211,25 @@ def test_a_source_that_knows_nothing_moved_resends_its_layout_by_id(
     once, with an id; while every parameter stays where it was, each later
     sync sends only that id and the handles, walks no tensor, and the worker
     reuses the parsed layout and the bound program. The same over two
-    segments: one message names both, each mapped once."""
+    segments: one message names both, each mapped once, and the short form
+    names no handles."""
     with pinned_rig(max_segment_bytes, verify_checksums=checksums) as rig:
         rig.trainer.send_weights()
         assert_served(rig.target, rig.model)
         ((form, layout),) = rig.client.forms
         assert form == "full" and layout is not None
+        reads = []
         for scale in (3.0, -0.5):
             step(rig.model, scale)
             rig.trainer.send_weights()
             assert_served(rig.target, rig.model)
+            reads.append(rig.engine._last_reads)
         assert rig.client.forms[1:] == [("short", layout), ("short", layout)]
         engine = rig.engine
+        # The short form without handles reads the kept mappings as the
+        # sync before did, selecting and checking no handle again.
+        assert reads[0] is not None
+        assert (reads[1] is reads[0]) == (max_segment_bytes == TWO_SEGMENTS)
         assert engine.layouts.compact == 2
         programs = engine.chunk_programs
         assert programs is not None and programs.binds == 1
@@ -224,6 +237,8 @@ def test_a_source_that_knows_nothing_moved_resends_its_layout_by_id(
         segments = rig.shared.num_segments
         assert segments == (1 if max_segment_bytes == ONE_SEGMENT else 2)
         assert engine._importer.mappings_opened == segments
+        # Over several segments the short form names no handles.
+        assert rig.client.handles == [True] + [segments == 1] * 2
         assert engine.fence_status["state"] == "committed"
 
 
@@ -276,6 +291,36 @@ def test_a_parameter_moved_out_of_one_of_several_segments_is_packed_alone():
             ["b.bias"],
         ]
         assert rig.engine.fence_status["state"] == "committed"
+
+
+def test_a_worker_that_let_go_of_the_segments_refuses_a_short_form_without_handles():
+    """Over several segments the short form names no handles: the worker
+    reads the exports the layout's message named, which it must still map.
+    A worker that released them (another trainer's update read other
+    buffers) refuses the message before anything lands, never mapping an
+    old export again; what it served stays, unfenced, and the trainer's
+    next sync is whole."""
+    with pinned_rig(TWO_SEGMENTS) as rig:
+        trainer, client, model, target = rig.trainer, rig.client, rig.model, rig.target
+        trainer.send_weights()
+        other = TinyNet(2)  # packed into a buffer that trainer keeps
+        packing = trainer_for(rig.engine, other)
+        packing.send_weights()
+        assert kept_segments(rig.engine) == [packing._kept_buffer.handle]
+        step(model)
+        with pytest.raises(Exception, match="no longer maps every buffer"):
+            trainer.send_weights()
+        assert_served(target, other)
+        assert rig.engine.fence_status["state"] != "fenced"
+        trainer.send_weights()
+        assert_served(target, model)
+        assert [form for form, _ in client.forms] == ["full", "short", "full"]
+        packing.shutdown()
+
+
+def test_adopting_is_for_cuda_parameters_only():
+    with pytest.raises(ValueError, match="adopt shares CUDA parameters in place"):
+        SharedParameters.adopt(TinyNet(1))
 
 
 def _reallocate(model):

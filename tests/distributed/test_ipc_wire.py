@@ -179,6 +179,14 @@ def test_a_packed_message_over_several_buffers_places_each_tensor_in_its_own():
     assert len(short.buffers()) == 2 and memo.compact == 1
     with pytest.raises(ValueError, match="must list 2 buffers per device key"):
         memo.parse({"layout": "multi", "ipc_handles": {KEY: dict(SHM)}})
+    # ... or no handles at all: those of the message that set the layout,
+    # which the worker must still map (checked where the mappings are).
+    bare = memo.parse({"layout": "multi"})
+    assert bare.reuses_handles and not short.reuses_handles
+    assert bare._views is short._views and bare.buffers() == short.buffers()
+    memo.parse(packed(layout="single"))
+    with pytest.raises(ValueError, match="a layout of one buffer without ipc_handles"):
+        memo.parse({"layout": "single"})
 
 
 SEGS = several()["ipc_handles"][KEY]

@@ -98,21 +98,22 @@ class ChunkLayout:
 
 
 def chunk_in_mapping(
-    handle_keys: tuple[Hashable, ...], buffers: Sequence[torch.Tensor], info: Any
+    mapped: Hashable, buffers: Sequence[torch.Tensor], info: Any
 ) -> tuple[
-    tuple[tuple[Hashable, ...], tuple[int, ...], ChunkLayout],
+    tuple[Hashable, ChunkLayout],
     Callable[[Sequence[str]], dict[str, torch.Tensor]],
 ]:
     """For a packed ``ipc`` message ``info`` (``IPCWeightTransferUpdateInfo``)
     read from ``buffers`` (its mappings, in the message's buffer order;
-    ``handle_keys`` name them): the key ``ChunkPrograms.bound`` takes (the
+    ``mapped`` names them and their addresses, e.g.
+    ``ipc_dataplane.MappedBuffers``): the key ``ChunkPrograms.bound`` takes (the
     mappings and the message's layout in them, a ``ChunkLayout`` made once
     per layout), and the ``sources`` callback that views the named tensors
     in the mappings (tensors at offsets their dtype cannot start at are left
     out). ``ChunkPrograms.anywhere`` takes the key's last element, the layout
     alone."""
     layout = info.layout_fact(ChunkLayout, ChunkLayout)
-    key = (handle_keys, tuple(b.data_ptr() for b in buffers), layout)
+    key = (mapped, layout)
 
     def sources(names: Sequence[str]) -> dict[str, torch.Tensor]:
         wanted = set(names)

@@ -22,6 +22,7 @@ counter back to torch (``CudaMapping.check``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,9 @@ from vllm.distributed.weight_transfer.ipc_wire import (
 )
 
 if TYPE_CHECKING:
+    from vllm.distributed.weight_transfer.ipc_wire import (
+        IPCWeightTransferUpdateInfo,
+    )
     from vllm.distributed.weight_transfer.shm_buffer import MappedSegment
 
 
@@ -162,6 +166,9 @@ class BufferImporter:
         self._used: set[tuple] = set()
         # Buffers mapped in this importer's lifetime (a kept one counts once).
         self.mappings_opened = 0
+        # Changes whenever a mapping is opened or released: equal values mean
+        # the same mappings, at the same addresses.
+        self.generation = 0
         self._gpu_uuid: str | None = None
 
     def select(
@@ -213,6 +220,7 @@ class BufferImporter:
             entry = self._map(handle)
             self._open[key] = entry
             self.mappings_opened += 1
+            self.generation += 1
         else:
             entry.check(handle)
         self._used.add(key)
@@ -227,6 +235,22 @@ class BufferImporter:
             return MappedSegment(handle, writable=self.writable)
         index = self.device.index if self.device.index is not None else 0
         return CudaMapping(handle, index)
+
+    def use(self, keys: frozenset[tuple]) -> None:
+        """Count the mappings under ``keys`` (``mapping_key``s, all mapped
+        now) as read by this update, as ``open`` does for a handle it was
+        given again unchanged: a shared-memory segment is checked again
+        (``MappedSegment.check``), a CUDA mapping needs nothing (same
+        export, same counter)."""
+        for key in keys:
+            if key[0] == "shm":
+                entry = self._open[key]
+                entry.check(entry.handle)
+        self._used |= keys
+
+    def holds(self, handle: BufferHandle) -> bool:
+        """Whether the buffer ``handle`` names is mapped now."""
+        return mapping_key(handle) in self._open
 
     def storage_ptrs(self) -> set[int]:
         """Data pointers of every mapped buffer (to find views into them)."""
@@ -256,6 +280,8 @@ class BufferImporter:
                 self._open[key] = entry
             else:
                 entry.close()
+        if len(self._open) != len(entries):
+            self.generation += 1
         self._used = set()
         del entries
 
@@ -329,3 +355,105 @@ class CudaMapping:
 
     def close(self) -> None:
         self.tensor = None
+
+
+class MappedBuffers:
+    """The buffers a chunk is read from, as a dict key: each one's mapping
+    key (which export) and address, hashed once (a message may name
+    thousands of buffers: a trainer's adopted parameter storages)."""
+
+    __slots__ = ("fields", "_hash")
+
+    def __init__(
+        self, handle_keys: Sequence[Hashable], buffers: Sequence[torch.Tensor]
+    ) -> None:
+        self.fields = (tuple(handle_keys), tuple(b.data_ptr() for b in buffers))
+        self._hash = hash(self.fields)
+
+    @property
+    def addresses(self) -> frozenset[int]:
+        return frozenset(self.fields[1])
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            isinstance(other, MappedBuffers)
+            and self._hash == other._hash
+            and self.fields == other.fields
+        )
+
+
+@dataclass(frozen=True)
+class MessageReads:
+    """The buffers one update message reads, mapped (``read_message``), for
+    the message layout ``views`` while the importer's mappings are at
+    ``generation``."""
+
+    views: object  # IPCWeightTransferUpdateInfo.layout_views
+    generation: int
+    device_keys: frozenset[str]  # the trainer's keys this worker read
+    handles: list[BufferHandle]
+    buffers: list[torch.Tensor]
+    mapping_keys: frozenset[tuple]
+    mapped: MappedBuffers
+    kept: bool  # every buffer persistent, in a packed message
+
+
+def read_message(
+    info: IPCWeightTransferUpdateInfo,
+    importer: BufferImporter,
+    last: MessageReads | None = None,
+) -> MessageReads:
+    """Map what ``info`` reads: this worker's handle of each buffer,
+    selected and opened through ``importer`` (once per update, kept across
+    updates for persistent ones).
+
+    A short message that names no handles (``info.reuses_handles``) reads
+    the buffers of the message that set its layout, which must all still be
+    mapped: the importer never maps an old export again. While no mapping
+    changed since ``last`` (the reads of the previous message) read the same
+    layout, those reads are reused as they are (``BufferImporter.use``), so
+    a layout of thousands of a trainer's adopted storages costs nothing per
+    buffer."""
+    if (
+        info.reuses_handles
+        and last is not None
+        and last.views is info.layout_views
+        and last.generation == importer.generation
+    ):
+        importer.use(last.mapping_keys)
+        return last
+    selected = [
+        importer.select(hmap, f"update_info.ipc_handles{suffix}")
+        for suffix, hmap in indexed_buffers(info)
+    ]
+    handles = [handle for _, handle in selected]
+    if info.reuses_handles and not all(map(importer.holds, handles)):
+        raise ValueError(
+            "update_info names a layout without ipc_handles, but this worker "
+            "no longer maps every buffer that layout's message named (an "
+            "update failed or read other buffers since); send the full message"
+        )
+    buffers = [importer.open(h) for h in handles]
+    keys = [mapping_key(h) for h in handles]
+    return MessageReads(
+        views=info.layout_views,
+        generation=importer.generation,
+        device_keys=frozenset(key for key, _ in selected),
+        handles=handles,
+        buffers=buffers,
+        mapping_keys=frozenset(keys),
+        mapped=MappedBuffers(keys, buffers),
+        kept=info.packed and all(h.persistent for h in handles),
+    )
+
+
+def indexed_buffers(info: IPCWeightTransferUpdateInfo) -> list[tuple[str, dict]]:
+    """``(field suffix, handles by device key)`` per buffer ``info`` names,
+    the suffix for error messages."""
+    buffers = info.buffers()
+    if info.packed and len(buffers) == 1:
+        return [("", buffers[0])]
+    return [(f"[{i}]", b) for i, b in enumerate(buffers)]

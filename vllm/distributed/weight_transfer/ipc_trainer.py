@@ -915,21 +915,22 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
 
     def _resend_whole(self, whole: _WholeMessage) -> None:
         """Send the last sync's one message again in its short form: the
-        layout's id and the buffer's handle (the workers parsed the layout
-        then and keep the buffer mapped). Nothing is walked: the source
-        said every tensor is where it was (``_pinned``)."""
+        layout's id and the buffer's handle, or the id alone over several
+        segments (the workers parsed the layout then and keep the segments
+        mapped). Nothing is walked: the source said every tensor is where it
+        was (``_pinned``)."""
         owner = whole.owner
         # The trainer's last writes may still be queued on the device.
         sync_device(owner.device)
         self._shared_now.use(owner)
         part = whole.part
         checksums = [self._checksum(b) for b in part.payloads()]
-        key = device_key(owner.device, self.rank)
-        message = self._attach(
-            {"layout": whole.layout, "ipc_handles": {key: part.handles()}},
-            "the whole sync",
-            [checksums],
-        )
+        short: dict[str, Any] = {"layout": whole.layout}
+        if part.indexes is None:
+            short["ipc_handles"] = {device_key(owner.device, self.rank): part.handles()}
+        # Over several segments the handles are left out: the workers read
+        # the exports the layout's message named, which they still map.
+        message = self._attach(short, "the whole sync", [checksums])
         self._whole_now = whole
         self._on_sender(
             "update_weights of the whole sync",

@@ -41,9 +41,13 @@ A packed message that carries ``layout`` (an id the trainer chose) lets a
 later message send only ``{"layout": id, "ipc_handles": {...}}``: the worker
 reads the names, dtypes, shapes, sizes and offsets from the full message it
 parsed under that id (``LayoutMemo``), and checks the new handles against
-them. A worker that does not know the id refuses the message before anything
-lands. The trainer sends the short form only for a whole sync out of its own
-``SharedParameters`` whose layout every worker parsed at the sync before.
+them. A layout over several buffers may leave ``ipc_handles`` out too
+(``{"layout": id}``): the buffers are then those the full message named,
+and the worker must still hold every one of them mapped, or it refuses the
+message (it never maps an old export again). A worker that does not know
+the id refuses the message before anything lands. The trainer sends the
+short form only for a whole sync out of its own ``SharedParameters`` whose
+layout every worker parsed, and kept mapped, at the sync before.
 
 A *handle* names one exported byte buffer and is one of::
 
@@ -653,8 +657,10 @@ class LayoutMemo:
 
     def _parse_compact(self, d: dict[str, Any]) -> IPCWeightTransferUpdateInfo:
         """A short message: the layout of the full message parsed under its
-        id, with the new handles (checked to cover every tensor)."""
-        check_fields(d, _COMPACT_FIELDS, _COMPACT_FIELDS, "update_info")
+        id, with the new handles (checked to cover every tensor), or, over
+        several buffers and without handles, that message's own (marked
+        ``reuses_handles``: the worker must hold them all mapped)."""
+        check_fields(d, _COMPACT_FIELDS, {"layout"}, "update_info")
         layout = d["layout"]
         known = self._by_layout.get(layout) if isinstance(layout, str) else None
         if known is None:
@@ -664,6 +670,16 @@ class LayoutMemo:
                 f"last {self.max_layouts}); send the full message, with names, "
                 "dtype_names, shapes, tensor_sizes and offsets"
             )
+        if "ipc_handles" not in d:
+            if known._n_buffers == 1 and not _lists_buffers(known.ipc_handles):
+                raise ValueError(
+                    "update_info names a layout of one buffer without "
+                    "ipc_handles; only a layout over several buffers may reuse "
+                    "the handles of the message that set it"
+                )
+            self.reused += 1
+            self.compact += 1
+            return known._reusing_handles()
         handles = d["ipc_handles"]
         if not isinstance(handles, dict) or _is_upstream_form(handles):
             raise ValueError(
@@ -739,6 +755,14 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             and d.get("layout") == self.layout
         )
 
+    def _reusing_handles(self) -> IPCWeightTransferUpdateInfo:
+        """This message as a short message that names no handles of its own
+        (``reuses_handles``): the same buffers, which the worker must still
+        hold mapped."""
+        other = copy.copy(self)
+        other.reuses_handles = True
+        return other
+
     def _with_handles(self, handles: dict[str, Any]) -> IPCWeightTransferUpdateInfo:
         """This message with other buffer handles, checked as ``__init__``
         checks them (each must cover the tensors' bytes)."""
@@ -764,6 +788,9 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         self.upstream_wire = _is_upstream_form(self.ipc_handles)
         self._buffers: list[dict[str, BufferHandle]] | None = None
         self._n_buffers = 1  # buffers named per device key (packed)
+        # A short message that named no handles: these are those of the
+        # message that set its layout, which the worker must hold mapped.
+        self.reuses_handles = False
         # Where each buffer's tensors end (``_check_cover``).
         self._ends: list[int] | None = None
         # ``layout_fact``'s values; messages parsed from one layout share it.

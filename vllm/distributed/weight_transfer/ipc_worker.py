@@ -45,7 +45,9 @@ from vllm.distributed.weight_transfer.chunk_programs import (
 from vllm.distributed.weight_transfer.codes_landing import CodesLanding
 from vllm.distributed.weight_transfer.ipc_dataplane import (
     BufferImporter,
-    mapping_key,
+    MessageReads,
+    indexed_buffers,
+    read_message,
     sync_device,
 )
 from vllm.distributed.weight_transfer.ipc_wire import (
@@ -123,6 +125,9 @@ class IPCWeightTransferEngine(
         # Earlier messages whose checked views a message with the same
         # layout reuses (``parse_update_info``).
         self.layouts = LayoutMemo()
+        # The buffers the last message read (``read_message``); dropped as
+        # soon as any mapping is released, which it would hold.
+        self._last_reads: MessageReads | None = None
         # The last manifest that passed the checkpoint's shape and dtype
         # checks, the last manifest with the trainer layout read from it
         # (``_layout_of``), and the last message views that passed the dtype
@@ -222,6 +227,9 @@ class IPCWeightTransferEngine(
         if self.chunk_programs is not None:
             self.chunk_programs.forget(importer.releasing(keep_persistent))
         importer.close(keep_persistent=keep_persistent)
+        last = self._last_reads
+        if last is not None and last.generation != importer.generation:
+            self._last_reads = None
 
     # -- receiving ---------------------------------------------------------------
 
@@ -256,19 +264,17 @@ class IPCWeightTransferEngine(
         whole = self._whole_tensors(update_info)
         self.pub.admit_whole(whole)
         importer = self._get_importer()
-        selected = [
-            importer.select(hmap, f"update_info.ipc_handles{suffix}")
-            for suffix, hmap in _indexed(update_info)
-        ]
-        handles = [handle for _, handle in selected]
-        self.last_update_keys.update(key for key, _ in selected)
-        buffers = [importer.open(h) for h in handles]
+        reads = read_message(update_info, importer, self._last_reads)
+        # Kept for the next message when it reads kept buffers only.
+        self._last_reads = reads if reads.kept else None
+        self.last_update_keys.update(reads.device_keys)
+        buffers = reads.buffers
         if self.pub.checks_payloads:
             n = len(buffers)
             spans = update_info.layout_fact(("spans", n), lambda vs: _spans(vs, n))
             for i, (start, end) in enumerate(spans):
                 self.pub.check_buffer(i, buffers[i][start:end])
-        bound = self._bound_chunk(session, update_info, handles, buffers)
+        bound = self._bound_chunk(session, update_info, reads)
         if bound is not None:
             covered = bound.names
             views = update_info.layout_fact(
@@ -421,8 +427,7 @@ class IPCWeightTransferEngine(
         self,
         session: Any,
         update_info: IPCWeightTransferUpdateInfo,
-        handles: list[Any],
-        buffers: list[torch.Tensor],
+        reads: MessageReads,
     ) -> BoundChunk | None:
         """The chunk's planned landing as a program bound once, when it can
         be: planned landing on, an update landing live (not staged), and a
@@ -441,6 +446,7 @@ class IPCWeightTransferEngine(
             or update_info.upstream_wire
         ):
             return None
+        handles, buffers = reads.handles, reads.buffers
         kept = all(h.persistent for h in handles)
         if not kept and (len(handles) != 1 or not buffers[0].is_cuda):
             return None
@@ -449,13 +455,11 @@ class IPCWeightTransferEngine(
             programs = self.chunk_programs = ChunkPrograms(
                 planned.plan, planned.served, planned.direct_names
             )
-        keys = tuple(mapping_key(h) for h in handles)
-        key, sources = chunk_in_mapping(keys, buffers, update_info)
+        key, sources = chunk_in_mapping(reads.mapped, buffers, update_info)
         if not kept:
-            layout = key[2]
+            layout = key[1]
             return programs.anywhere(layout, buffers[0], update_info.names, sources)
-        mappings = frozenset(b.data_ptr() for b in buffers)
-        return programs.bound(key, mappings, update_info.names, sources)
+        return programs.bound(key, reads.mapped.addresses, update_info.names, sources)
 
     def _landing_plan_for(self, manifest: Any) -> LandingPlan | None:
         """The planned landing for the trainer layout ``manifest`` lists,
@@ -565,7 +569,7 @@ class IPCWeightTransferEngine(
         try:
             buffers = [
                 importer.open(importer.select(hmap, f"adapter ipc_handles{suffix}")[1])
-                for suffix, hmap in _indexed(info)
+                for suffix, hmap in indexed_buffers(info)
             ]
             views = info.views()
             expected = self.adapters.expected_checksum(header)
@@ -619,14 +623,6 @@ def _typed_views(
             raw = raw.clone()
         out.append((view.name, raw.view(view.dtype).view(view.shape)))
     return out
-
-
-def _indexed(info: IPCWeightTransferUpdateInfo) -> list[tuple[str, dict]]:
-    """``(field suffix, handles)`` per buffer, for error messages."""
-    buffers = info.buffers()
-    if info.packed and len(buffers) == 1:
-        return [("", buffers[0])]
-    return [(f"[{i}]", b) for i, b in enumerate(buffers)]
 
 
 def _local_rank() -> int:

@@ -223,6 +223,54 @@ class SharedParameters:
         shared._params = placed
         return shared
 
+    @classmethod
+    def adopt(
+        cls, module: torch.nn.Module, device: torch.device | str | None = None
+    ) -> SharedParameters:
+        """Share ``module``'s CUDA parameters where they are: each storage
+        they lie in becomes a segment, exported by CUDA IPC once, and
+        nothing is copied or allocated (CUDA only; on CPU, ``place``).
+
+        The segments hold their storages until ``close()``: a parameter the
+        trainer re-allocates afterwards is packed at each sync (``moved()``
+        lists it) and its old storage stays allocated until ``close()``, so
+        adopt again (a new object) after re-allocating parameters."""
+        first = next(module.parameters(), None)
+        where = torch.device(device) if device is not None else None
+        if where is None:
+            where = first.device if first is not None else torch.device("cpu")
+        if where.type != "cuda":
+            raise ValueError(
+                f"adopt shares CUDA parameters in place; these are on {where}. "
+                "On CPU, SharedParameters.place(module) moves them into shared "
+                "memory"
+            )
+        if where.index is None:
+            where = torch.device("cuda", torch.cuda.current_device())
+        segments: list[SharedMemoryBuffer | torch.Tensor] = []
+        starts: dict[int, int] = {}  # storage address -> its segment's start
+        offsets: dict[str, int] = {}
+        adopted: dict[str, torch.nn.Parameter] = {}
+        end = 0
+        for name, p in module.named_parameters():
+            if p.device != where or not p.numel():
+                continue
+            storage = p.untyped_storage()
+            address = storage.data_ptr()
+            if address not in starts:
+                # The whole storage as flat bytes (it holds the storage).
+                flat = torch.empty(0, dtype=torch.uint8, device=where).set_(storage)
+                segments.append(flat)
+                starts[address] = end
+                end += flat.numel()
+            offsets[name] = starts[address] + int(p.storage_offset()) * p.element_size()
+            adopted[name] = p
+        if not segments:
+            raise ValueError(f"the module has no parameters on {where} to share")
+        shared = cls(segments, offsets)
+        shared._params = adopted
+        return shared
+
     @property
     def device(self) -> torch.device:
         return self._device
@@ -318,6 +366,7 @@ class SharedParameters:
         self._exports.clear()
 
     def _segment(self, index: int) -> SharedMemoryBuffer | torch.Tensor:
+        """Segment ``index`` (``ValueError`` once closed)."""
         segments = self._segments
         if segments is None:
             raise ValueError("this SharedParameters buffer was closed")
