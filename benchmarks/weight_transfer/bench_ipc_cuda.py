@@ -740,7 +740,12 @@ def bench_shared_params(
         result.update(_call(conn, "programs"))
         result.update(_call(conn, "planned_verify"))
     if adopted is not None:
+        # Stop sharing and let the next modes find the tensors unshared
+        # (the trainer engine and the source hold the object in cycles).
         adopted.close()
+        del adopted, source
+        gc.collect()
+        torch.cuda.empty_cache()
     return result
 
 

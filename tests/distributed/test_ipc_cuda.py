@@ -580,15 +580,19 @@ def test_adopted_parameters_are_read_where_they_are(reader):
     assert _stats(reader) == (opened + n, n), "no new mapping"
     assert [shared.segment_handle(i) for i in range(n)] == exports
 
-    model.norm.data = model.norm.data * 3  # re-allocated: packed, the full way
-    assert shared.moved() == ["norm"]
-    sync_and_check()
-    assert short_messages() == shorts + 2, "the full way"
     client.fail_next = True
     with pytest.raises(RuntimeError, match="injected"):
         engine.send_weights()
-    sync_and_check()
+    assert _stats(reader)[1] == 0, "the reader dropped every mapping"
+    sync_and_check()  # whole, every storage exported anew and mapped again
     assert all(shared.segment_handle(i) is not exports[i] for i in range(n))
+    assert _stats(reader) == (opened + 2 * n, n)
+
+    # Re-allocated: its chunk (here the whole model) is packed, the full way.
+    model.norm.data = model.norm.data * 3
+    assert shared.moved() == ["norm"]
+    sync_and_check()
+    assert short_messages() == shorts + 2, "the full way"
     shared.close()
 
 

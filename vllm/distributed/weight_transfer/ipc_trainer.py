@@ -596,6 +596,14 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
             return self._pub.checksum(buf)
         return payload_checksum(buf)
 
+    def _part_checksums(self, part: SegmentPart) -> list[str | None]:
+        """One checksum per segment a message names (None each when
+        checksums are off: the segments' bytes are not even sliced, which
+        costs per segment, and an adopted trainer has one per tensor)."""
+        if not self.verify_checksums:
+            return [None] * len(part.segments)
+        return [self._checksum(b) for b in part.payloads()]
+
     def _attach(
         self, message: dict[str, Any], what: str, per_rank: list[list[str | None]]
     ) -> dict[str, Any]:
@@ -814,10 +822,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
             self._send_held(in_flight)
             if segment is not None:
                 part = _part_of(segment.owner, in_segment)
-                if self.verify_checksums:
-                    checksums = [self._checksum(b) for b in part.payloads()]
-                else:
-                    checksums = [None] * len(part.segments)
+                checksums = self._part_checksums(part)
             elif buffer is not None and buffer.tensor is not None:
                 start, end = chunk.span
                 checksums = [self._checksum(buffer.tensor[start:end])]
@@ -885,7 +890,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         if held is None:
             return
         part = _part_of(held.owner, held.found)
-        checksums = [self._checksum(b) for b in part.payloads()]
+        checksums = self._part_checksums(part)
         self._shared_now.use(held.owner)
         key = device_key(held.owner.device, self.rank)
         what = f"chunks {held.first}-{held.last}"
@@ -924,7 +929,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         sync_device(owner.device)
         self._shared_now.use(owner)
         part = whole.part
-        checksums = [self._checksum(b) for b in part.payloads()]
+        checksums = self._part_checksums(part)
         short: dict[str, Any] = {"layout": whole.layout}
         if part.indexes is None:
             short["ipc_handles"] = {device_key(owner.device, self.rank): part.handles()}
