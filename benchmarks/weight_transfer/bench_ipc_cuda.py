@@ -743,7 +743,7 @@ def bench_shared_params(
         # Stop sharing and let the next modes find the tensors unshared
         # (the trainer engine and the source hold the object in cycles).
         adopted.close()
-        del adopted, source
+        del adopted, source, holder
         gc.collect()
         torch.cuda.empty_cache()
     return result

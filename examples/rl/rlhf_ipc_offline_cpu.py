@@ -25,11 +25,14 @@ each sync, at some generation speed), and with ``--landing planned`` it copies
 the tensors of such layers straight into the served tensors
 (``WeightTransferConfig.landing``). With ``--shared-params`` the trainer's
 parameters live in shared memory (``SharedParameters``), so nothing is packed
-and, planned, each byte is copied once. See docs/training/weight_transfer/
+and, planned, each byte is copied once; ``--segment-mib`` sets the size of
+the segments they are placed in (on a GPU, ``SharedParameters.adopt`` shares
+CUDA parameters where they are instead). See docs/training/weight_transfer/
 one_copy.md. The checks are the same.
 Run: ``python examples/rl/rlhf_ipc_offline_cpu.py [--arch qwen3_moe] [--tp 2]
 [--steps 3] [--model-dir DIR] [--quantization fp8_per_channel
-[--trainer-codes]] [--cpu-linear plain] [--landing planned] [--shared-params]``.
+[--trainer-codes]] [--cpu-linear plain] [--landing planned] [--shared-params
+[--segment-mib N]]]``.
 """
 
 from __future__ import annotations
@@ -92,6 +95,13 @@ def parse_args() -> argparse.Namespace:
         "--shared-params",
         action="store_true",
         help="place the trainer's parameters in shared memory (SharedParameters)",
+    )
+    p.add_argument(
+        "--segment-mib",
+        type=int,
+        default=None,
+        help="with --shared-params: segments of at most this many MiB "
+        "(default: SharedParameters' own, 1 GiB)",
     )
     return p.parse_args()
 
@@ -163,9 +173,19 @@ def main() -> int:
             )
 
             # Kept for as long as the trainer trains; the optimizer's
-            # in-place updates write into the segment the workers read.
-            shared = SharedParameters.place(model)
-            print(f"trainer parameters in shared memory: {shared.shm_name}")
+            # in-place updates write into the segments the workers read.
+            # (CUDA parameters: SharedParameters.adopt(model), nothing moved.)
+            shared = (
+                SharedParameters.place(model)
+                if args.segment_mib is None
+                else SharedParameters.place(
+                    model, max_segment_bytes=args.segment_mib << 20
+                )
+            )
+            print(
+                f"trainer parameters in {shared.num_segments} shared-memory "
+                f"segment(s): {', '.join(shared.shm_names)}"
+            )
         source = weight_source(model)
         if args.trainer_codes:
             from vllm.distributed.weight_transfer.fp8_codes import Fp8ChannelCodes
