@@ -236,16 +236,15 @@ class BufferImporter:
         index = self.device.index if self.device.index is not None else 0
         return CudaMapping(handle, index)
 
-    def use(self, keys: frozenset[tuple]) -> None:
+    def use(self, keys: frozenset[tuple], segments: Sequence[tuple] = ()) -> None:
         """Count the mappings under ``keys`` (``mapping_key``s, all mapped
         now) as read by this update, as ``open`` does for a handle it was
-        given again unchanged: a shared-memory segment is checked again
-        (``MappedSegment.check``), a CUDA mapping needs nothing (same
-        export, same counter)."""
-        for key in keys:
-            if key[0] == "shm":
-                entry = self._open[key]
-                entry.check(entry.handle)
+        given again unchanged: the shared-memory ``segments`` among them are
+        checked again (``MappedSegment.check``); a CUDA mapping needs
+        nothing (same export, same counter)."""
+        for key in segments:
+            entry = self._open[key]
+            entry.check(entry.handle)
         self._used |= keys
 
     def holds(self, handle: BufferHandle) -> bool:
@@ -397,6 +396,7 @@ class MessageReads:
     handles: list[BufferHandle]
     buffers: list[torch.Tensor]
     mapping_keys: frozenset[tuple]
+    shm_keys: tuple[tuple, ...]  # those of shared-memory segments
     mapped: MappedBuffers
     kept: bool  # every buffer persistent, in a packed message
 
@@ -423,7 +423,7 @@ def read_message(
         and last.views is info.layout_views
         and last.generation == importer.generation
     ):
-        importer.use(last.mapping_keys)
+        importer.use(last.mapping_keys, last.shm_keys)
         return last
     selected = [
         importer.select(hmap, f"update_info.ipc_handles{suffix}")
@@ -445,6 +445,7 @@ def read_message(
         handles=handles,
         buffers=buffers,
         mapping_keys=frozenset(keys),
+        shm_keys=tuple(k for k in keys if k[0] == "shm"),
         mapped=MappedBuffers(keys, buffers),
         kept=info.packed and all(h.persistent for h in handles),
     )

@@ -611,6 +611,10 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         one checksum per buffer; every rank must have exported equal bytes."""
         if self._pub is None:
             return message
+        if not self._pub.checksums:
+            # (No per-buffer work: an adopted trainer names one buffer per
+            # tensor.)
+            return self._pub.attach(message, checksums=())
         sums: list[str | None] = []
         for i, rank_sums in enumerate(zip(*per_rank, strict=True)):
             if len(set(rank_sums)) > 1:
@@ -620,7 +624,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                     "the same weights"
                 )
             sums.append(rank_sums[0])
-        return self._pub.attach(message, checksums=sums if self._pub.checksums else ())
+        return self._pub.attach(message, checksums=sums)
 
     def _check_wire_device(self, tensor: torch.Tensor) -> None:
         """The upstream wire carries CUDA IPC handles only."""
