@@ -532,9 +532,11 @@ def test_adopted_parameters_are_read_where_they_are(reader):
     """``SharedParameters.adopt`` on CUDA: nothing is copied or allocated;
     each parameter storage is a segment, exported once, and the first sync
     names them all in one message; each later sync is the layout's id
-    alone, read through the kept mappings, bit-exact. A re-allocated
-    parameter is packed, never read from its old storage; after a failed
-    sync every storage is exported anew and mapped again."""
+    alone, read through the kept mappings, bit-exact. After a failed sync
+    every storage is exported anew and mapped again. A re-allocated
+    parameter's new storage is adopted before the next sync, which goes
+    whole (nothing packed, never the old storage), and the old one is let
+    go; the sync after is short again."""
     from vllm.distributed.weight_transfer.shared_params import SharedParameters
 
     torch.manual_seed(3)
@@ -588,11 +590,18 @@ def test_adopted_parameters_are_read_where_they_are(reader):
     assert all(shared.segment_handle(i) is not exports[i] for i in range(n))
     assert _stats(reader) == (opened + 2 * n, n)
 
-    # Re-allocated: its chunk (here the whole model) is packed, the full way.
-    model.norm.data = model.norm.data * 3
+    model.norm.data = model.norm.data * 3  # re-allocated
     assert shared.moved() == ["norm"]
+    opened, _ = _stats(reader)
     sync_and_check()
+    assert shared.moved() == [] and shared.num_segments == n, "adopted anew"
+    assert engine._kept_buffer is None, "nothing was packed"
     assert short_messages() == shorts + 2, "the full way"
+    assert _stats(reader) == (opened + 1, n), "the new storage mapped, the old let go"
+    with torch.no_grad():
+        model.norm.add_(1)
+    sync_and_check()
+    assert short_messages() == shorts + 3, "short again"
     shared.close()
 
 

@@ -323,6 +323,50 @@ def test_adopting_is_for_cuda_parameters_only():
         SharedParameters.adopt(TinyNet(1))
 
 
+def test_adopted_storages_follow_a_reallocated_parameter():
+    """``adopt``'s bookkeeping (run here on CPU tensors, which no worker
+    could map; test_ipc_cuda.py syncs it on a GPU): each parameter storage is
+    a segment where it lies, nothing copied; the source adopts the new
+    storage of a re-allocated or replaced parameter when it next looks, lets
+    go of the storage nothing lies in any more, and keeps every other
+    segment and offset as they were."""
+    model = TinyNet(1)
+    where = {n: p.data_ptr() for n, p in model.named_parameters()}
+    shared = SharedParameters._of_storages(model, torch.device("cpu"))
+    shared.adopted = True
+    try:
+        assert {n: p.data_ptr() for n, p in model.named_parameters()} == where
+        assert shared.num_segments == 4
+        before = dict(shared.offsets)
+        source = shared.source(model)
+        assert source.pinned() is not None
+        old = model.a.weight.data
+        model.a.weight.data = old.clone() + 1
+        model.b.bias = torch.nn.Parameter(model.b.bias.detach() * 2)
+        assert source.pinned() is None
+        assert shared.moved() == ["a.weight"]  # (b.bias: a new object)
+        source.metadata()  # looks again: adopts both new storages
+        assert shared.moved() == [] and shared.num_segments == 4
+        for name, p in model.named_parameters():
+            assert shared.locate(p) == shared.offsets[name], name
+        assert shared.offsets["a.bias"] == before["a.bias"]
+        assert shared.offsets["b.weight"] == before["b.weight"]
+        assert shared.offsets["a.weight"] > max(before.values())
+        assert shared.locate(old) is None, "the old storage was let go"
+        with pytest.raises(ValueError, match="was let go"):
+            shared.segment_bytes(0)
+        assert source.pinned() is not None
+        # A placed buffer is never adopted anew: its moved parameters pack.
+        placed_model = TinyNet(2)
+        placed = SharedParameters.place(placed_model)
+        placed_model.a.weight.data = placed_model.a.weight.data.clone()
+        assert placed.readopt(placed_model.named_parameters()) == []
+        assert placed.moved() == ["a.weight"]
+        placed.close()
+    finally:
+        shared.close()
+
+
 def _reallocate(model):
     model.a.weight.data = model.a.weight.data.clone() + 3
 

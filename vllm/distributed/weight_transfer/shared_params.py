@@ -32,7 +32,9 @@ every sync, from the tensor's own data pointer. A parameter the trainer has
 re-allocated since (``param.data = ...``, a dtype change) is no longer inside
 the buffer, so its chunk is packed as before; the sync stays correct and only
 that chunk costs the extra copy. ``SharedParameters.moved()`` lists such
-parameters; ``place`` again to bring them back.
+parameters; ``place`` again to bring them back. Adopted parameters
+(``adopt``) come back by themselves: ``shared.source(module)`` adopts the
+new storage when it next looks at the module (``readopt``).
 
 The buffer lives as long as the ``SharedParameters`` object or any parameter
 viewing it (keep the object, e.g. on the trainer). ``close()`` stops sharing
@@ -60,7 +62,7 @@ import bisect
 import operator
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,31 +138,51 @@ class SharedParameters:
         names: dict[str, int],
     ) -> None:
         # Shared-memory segments (CPU) or device allocations (CUDA), in the
-        # order they are laid end to end.
-        self._segments: list[SharedMemoryBuffer | torch.Tensor] | None = list(segments)
+        # order they are laid end to end; None where one was let go
+        # (``readopt``). Positions never change.
+        self._segments: list[SharedMemoryBuffer | torch.Tensor | None] | None = []
         # parameter name -> its offset in the segments laid end to end
         self.offsets = names
         self._params: dict[str, torch.nn.Parameter] = {}
         # The CUDA export of each segment every message names, until
         # ``export_anew``.
         self._exports: dict[int, BufferHandle] = {}
-        flats = [_flat(segment) for segment in segments]
         # Per segment: its address, size and where it starts end to end.
-        self._bases = [f.data_ptr() for f in flats]
-        self._sizes = [f.numel() for f in flats]
-        self._starts = [0]
-        for size in self._sizes[:-1]:
-            self._starts.append(self._starts[-1] + size)
-        self._nbytes = sum(self._sizes)
-        # Segments by address, for ``locate``.
-        self._by_address = sorted(range(len(flats)), key=self._bases.__getitem__)
-        self._sorted_bases = [self._bases[i] for i in self._by_address]
-        self._device = flats[0].device
+        self._bases: list[int] = []
+        self._sizes: list[int] = []
+        self._starts: list[int] = []
+        # True for a buffer of the trainer's own storages (``adopt``).
+        self.adopted = False
+        first = _flat(segments[0])
+        self._device = first.device
         # What ``Tensor.get_device()`` answers for a tensor on that device
         # (-1 on CPU): cheaper to compare than device objects.
-        self._device_index = flats[0].get_device()
+        self._device_index = first.get_device()
+        for segment in segments:
+            self._append(segment)
+        self._index()
         with _live_lock:
             _live.add(self)
+
+    def _append(self, segment: SharedMemoryBuffer | torch.Tensor) -> int:
+        """Lay ``segment`` after the others; its position. (``_index``
+        after the last one.)"""
+        assert self._segments is not None
+        flat = _flat(segment)
+        start = self._starts[-1] + self._sizes[-1] if self._starts else 0
+        self._segments.append(segment)
+        self._bases.append(flat.data_ptr())
+        self._sizes.append(flat.numel())
+        self._starts.append(start)
+        return len(self._segments) - 1
+
+    def _index(self) -> None:
+        """The live segments by address, for ``locate``."""
+        segments = self._segments or []
+        live = [i for i, s in enumerate(segments) if s is not None]
+        self._by_address = sorted(live, key=self._bases.__getitem__)
+        self._sorted_bases = [self._bases[i] for i in self._by_address]
+        self._only = live[0] if len(live) == 1 else None
 
     @classmethod
     def place(
@@ -231,10 +253,10 @@ class SharedParameters:
         they lie in becomes a segment, exported by CUDA IPC once, and
         nothing is copied or allocated (CUDA only; on CPU, ``place``).
 
-        The segments hold their storages until ``close()``: a parameter the
-        trainer re-allocates afterwards is packed at each sync (``moved()``
-        lists it) and its old storage stays allocated until ``close()``, so
-        adopt again (a new object) after re-allocating parameters."""
+        A parameter the trainer re-allocates afterwards is adopted anew by
+        ``shared.source(module)`` before the next sync (``readopt``), and the
+        storage no parameter lies in any more is let go; sent with another
+        source it is packed (``moved()`` lists it)."""
         first = next(module.parameters(), None)
         where = torch.device(device) if device is not None else None
         if where is None:
@@ -247,6 +269,14 @@ class SharedParameters:
             )
         if where.index is None:
             where = torch.device("cuda", torch.cuda.current_device())
+        return cls._of_storages(module, where)
+
+    @classmethod
+    def _of_storages(
+        cls, module: torch.nn.Module, where: torch.device
+    ) -> SharedParameters:
+        """``adopt`` without its device check: the bookkeeping alone (tests
+        run it on CPU tensors, which no worker could map)."""
         segments: list[SharedMemoryBuffer | torch.Tensor] = []
         starts: dict[int, int] = {}  # storage address -> its segment's start
         offsets: dict[str, int] = {}
@@ -269,7 +299,52 @@ class SharedParameters:
             raise ValueError(f"the module has no parameters on {where} to share")
         shared = cls(segments, offsets)
         shared._params = adopted
+        shared.adopted = True
         return shared
+
+    def readopt(self, named: Iterable[tuple[str, torch.nn.Parameter]]) -> list[str]:
+        """For adopted parameters (``adopt``): adopt the storages of the
+        ``named`` parameters that lie in none of the segments (re-allocated
+        or replaced since; each new storage is exported at its first use),
+        and let go of the segments no parameter lies in any more. The names
+        adopted anew; nothing for placed parameters, which pack instead."""
+        if not self.adopted or self._segments is None:
+            return []
+        found: dict[int, int] = {}  # new storage address -> its segment
+        again = []
+        for name, p in named:
+            if p.device != self._device or not p.numel():
+                continue
+            if self.locate(p) is not None or not p.is_contiguous():
+                continue
+            storage = p.untyped_storage()
+            address = storage.data_ptr()
+            if address not in found:
+                flat = torch.empty(0, dtype=torch.uint8, device=p.device).set_(storage)
+                found[address] = self._append(flat)
+                self._index()
+            start = self._starts[found[address]]
+            self.offsets[name] = start + int(p.storage_offset()) * p.element_size()
+            self._params[name] = p
+            again.append(name)
+        if again:
+            self._let_go_of_unused()
+        return again
+
+    def _let_go_of_unused(self) -> None:
+        """Release the segments none of the parameters lies in (their
+        storages, unless something else holds them, and their exports)."""
+        assert self._segments is not None
+        used = set()
+        for p in self._params.values():
+            offset = self.locate(p)
+            if offset is not None:
+                used.add(bisect.bisect_right(self._starts, offset) - 1)
+        for i, segment in enumerate(self._segments):
+            if segment is not None and i not in used:
+                self._segments[i] = None
+                self._exports.pop(i, None)
+        self._index()
 
     @property
     def device(self) -> torch.device:
@@ -277,7 +352,8 @@ class SharedParameters:
 
     @property
     def num_segments(self) -> int:
-        return len(self._sizes)
+        """Segments in use (released ones do not count)."""
+        return sum(s is not None for s in self._segments or ())
 
     @property
     def handle(self) -> BufferHandle:
@@ -327,7 +403,7 @@ class SharedParameters:
         (``(offset, nbytes)`` each, offsets as ``locate`` gives them, in the
         message's order): the segments it names and each tensor's offset
         and segment there (see ``SegmentPart``)."""
-        if self.num_segments == 1:
+        if len(self._sizes) == 1:
             offsets = [offset for offset, _ in found]
             start = min(offsets, default=0)
             end = max((o + n for o, n in found), default=0)
@@ -366,11 +442,14 @@ class SharedParameters:
         self._exports.clear()
 
     def _segment(self, index: int) -> SharedMemoryBuffer | torch.Tensor:
-        """Segment ``index`` (``ValueError`` once closed)."""
+        """Segment ``index`` (``ValueError`` once closed or let go)."""
         segments = self._segments
         if segments is None:
             raise ValueError("this SharedParameters buffer was closed")
-        return segments[index]
+        segment = segments[index]
+        if segment is None:
+            raise ValueError(f"segment {index} was let go (readopt)")
+        return segment
 
     def segment_bytes(self, index: int = 0) -> torch.Tensor:
         """Segment ``index`` as flat bytes (what a worker maps)."""
@@ -388,8 +467,9 @@ class SharedParameters:
         if self._segments is None or tensor.get_device() != self._device_index:
             return None
         address = tensor.data_ptr()
-        if len(self._bases) == 1:
-            i = 0
+        only = self._only
+        if only is not None:
+            i = only
         else:
             k = bisect.bisect_right(self._sorted_bases, address) - 1
             if k < 0:
@@ -417,6 +497,7 @@ class SharedParameters:
         self._exports.clear()
         with _live_lock:
             _live.discard(self)
+        self._only, self._by_address, self._sorted_bases = None, [], []
         for segment in segments or ():
             if isinstance(segment, SharedMemoryBuffer):
                 # Only the name goes: the parameters keep their memory.
@@ -461,6 +542,9 @@ class SharedParametersSource(WeightSource):
     def _look(self) -> None:
         holders, keys, params, metas = [], [], [], []
         in_buffer = True
+        # Adopted parameters re-allocated or replaced since: their new
+        # storages become segments (the sync then goes whole, naming them).
+        self._shared.readopt(self._module.named_parameters())
         for name, p in self._module.named_parameters():
             holder, _, key = name.rpartition(".")
             holders.append(self._module.get_submodule(holder)._parameters)
