@@ -528,6 +528,46 @@ def test_tensors_out_of_segment_order_are_packed():
     shared.close()
 
 
+class LayerBFirst(ModuleSource):
+    """The module's tensors with layer ``b``'s before layer ``a``'s: out of
+    order across two segments, in order within each."""
+
+    def _order(self, items):
+        return sorted(items, key=lambda item: not _name(item).startswith("b."))
+
+    def metadata(self):
+        return self._order(super().metadata())
+
+    def __iter__(self):
+        return iter(self._order(list(super().__iter__())))
+
+
+def _name(item) -> str:
+    return item.name if hasattr(item, "name") else item[0]
+
+
+def test_segments_may_come_in_any_order_with_their_tensors_in_order_within_each():
+    """The wire's order rule holds per buffer: a source that yields the
+    second segment's tensors first still sends nothing packed, as one
+    message (an adopted parameter re-allocated lands in a segment laid
+    after all others, whatever its place in the source)."""
+    target = planned_ready(0)
+    engine = make_engine(target, landing="planned")
+    model = TinyNet(1)
+    shared = SharedParameters.place(model, max_segment_bytes=TWO_SEGMENTS)
+    client = RecordingClient(engine)
+    trainer = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=64),
+        client=client,
+        source=LayerBFirst(model),
+    )
+    trainer.send_weights()
+    assert_served(target, model)
+    assert trainer._kept_buffer is None, "nothing was packed"
+    assert client.messages == [["b.weight", "b.bias", "a.weight", "a.bias"]]
+    shared.close()
+
+
 def _with_empty(net):
     """``net`` with an empty parameter between its layers' tensors."""
     net.a.register_parameter(

@@ -93,6 +93,7 @@ from vllm.distributed.weight_transfer.sharded_gather import (
     is_sharded,
 )
 from vllm.distributed.weight_transfer.shared_params import (
+    SegmentOrder,
     SegmentPart,
     SharedParameters,
     SharedParametersSource,
@@ -779,9 +780,9 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                 else:
                     dst.copy_(tensor)
 
-        # The end of the last tensor found in ``segment``: the wire lists a
-        # buffer's tensors in increasing, non-overlapping order.
-        after = 0
+        # Where the tensors found in ``segment`` end, per segment: the wire
+        # lists a buffer's tensors in increasing, non-overlapping order.
+        order: SegmentOrder | None = None
         try:
             for slot in chunk.slots:
                 tensor = cursor.next_unmaterialized()
@@ -793,23 +794,24 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                     # (Runs for every tensor of every sync: kept lean.)
                     offset: int | None = None
                     if not slot.nbytes:
-                        offset = after if segment is not None else None
+                        offset = order.last_end if order is not None else None
                     elif segment is not None:
-                        # Most tensors lie in the segment of the one before.
+                        # Most tensors lie in the segments of the one before.
                         offset = segment.owner.locate(tensor)
                     else:
                         segment = shared_place(tensor)
                         if segment is not None:
                             offset = segment.offset
+                            order = SegmentOrder(segment.owner)
                             # Synced below before the handle goes out: the
                             # trainer's last writes may still be queued.
                             device = segment.owner.device
-                    if offset is not None and offset >= after:
+                    if offset is not None and order is not None and order.fits(offset):
                         in_segment.append((slot, tensor, offset))
-                        after = offset + slot.nbytes
+                        order.add(offset, slot.nbytes)
                         continue
-                    # Not all in one segment: pack the chunk as usual.
-                    may_share, segment = False, None
+                    # Not all in the segments, in order: pack the chunk.
+                    may_share, segment, order = False, None, None
                     for kept_slot, kept, _ in in_segment:
                         pack(kept_slot, kept)
                     in_segment.clear()
@@ -1100,7 +1102,7 @@ def _pinned(source: WeightSource) -> tuple[SharedParameters, list[ParamMeta]] | 
 
 class _HeldChunks:
     """Chunks held to travel as one message: all their tensors lie in
-    ``owner``'s segment, at increasing offsets
+    ``owner``'s segments, at increasing offsets within each
     (``IPCTrainerWeightTransferEngine._hold``)."""
 
     def __init__(self, owner: SharedParameters, first: int) -> None:
@@ -1108,17 +1110,18 @@ class _HeldChunks:
         self.first = self.last = first
         self.fields: dict[str, list[Any]] = {}
         self.found: list[tuple[TensorSlot, torch.Tensor, int]] = []
+        self.order = SegmentOrder(owner)
 
     def takes(
         self, place: SharedPlace, found: list[tuple[TensorSlot, torch.Tensor, int]]
     ) -> bool:
-        """Whether a chunk in ``place`` can join: the same segment, and its
-        tensors after the last one held (the wire lists a buffer's tensors
-        in increasing, non-overlapping order)."""
-        if place.owner is not self.owner or not self.found:
-            return place.owner is self.owner
-        slot, _, offset = self.found[-1]
-        return found[0][2] >= offset + slot.nbytes if found else True
+        """Whether a chunk in ``place`` can join: the same segments, and in
+        each its tensors after the ones held there (the wire lists a
+        buffer's tensors in increasing, non-overlapping order); they are
+        checked without adding them (``add``)."""
+        if place.owner is not self.owner:
+            return False
+        return self.order.fits_all([(offset, slot.nbytes) for slot, _, offset in found])
 
     def add(
         self,
@@ -1131,6 +1134,8 @@ class _HeldChunks:
             if name != "offsets":  # each tensor's place: ``_send_held``
                 self.fields.setdefault(name, []).extend(values)
         self.found.extend(found)
+        for slot, _, offset in found:
+            self.order.add(offset, slot.nbytes)
 
 
 class _UpdateInFlight:

@@ -128,6 +128,38 @@ class SegmentPart:
         ]
 
 
+class SegmentOrder:
+    """The order one message over ``owner``'s segments must keep: within
+    each segment its tensors come at increasing offsets, none overlapping
+    (the wire's rule, per buffer); across segments any order goes (an
+    adopted parameter re-allocated lies in a segment laid after all
+    others, whatever its place in the source)."""
+
+    def __init__(self, owner: SharedParameters) -> None:
+        self.owner = owner
+        self._ends: dict[int, int] = {}  # segment -> end of its last tensor
+        self.last_end = 0  # end of the last tensor added
+
+    def fits(self, offset: int) -> bool:
+        """Whether a tensor at ``offset`` (as ``locate`` gives it) can come
+        next."""
+        return offset >= self._ends.get(self.owner.segment_at(offset), 0)
+
+    def add(self, offset: int, nbytes: int) -> None:
+        self._ends[self.owner.segment_at(offset)] = self.last_end = offset + nbytes
+
+    def fits_all(self, found: Sequence[tuple[int, int]]) -> bool:
+        """Whether tensors at ``found`` (``(offset, nbytes)`` each, in
+        order) can all come next."""
+        ends = dict(self._ends)
+        for offset, nbytes in found:
+            i = self.owner.segment_at(offset)
+            if offset < ends.get(i, 0):
+                return False
+            ends[i] = offset + nbytes
+        return True
+
+
 class SharedParameters:
     """Shared segments holding a module's parameters; see the module
     docstring."""
@@ -397,6 +429,12 @@ class SharedParameters:
             for s in self._segments or ()
             if isinstance(s, SharedMemoryBuffer)
         ]
+
+    def segment_at(self, offset: int) -> int:
+        """The segment an offset ``locate`` gave lies in."""
+        if len(self._starts) == 1:
+            return 0
+        return bisect.bisect_right(self._starts, offset) - 1
 
     def message_part(self, found: Sequence[tuple[int, int]]) -> SegmentPart:
         """A message's view of these segments, for tensors at ``found``
