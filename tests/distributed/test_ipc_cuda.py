@@ -596,7 +596,7 @@ def test_adopted_parameters_are_read_where_they_are(reader):
     sync_and_check()
     assert shared.moved() == [] and shared.num_segments == n, "adopted anew"
     assert engine._kept_buffer is None, "nothing was packed"
-    assert short_messages() == shorts + 2, "the full way"
+    assert short_messages() == shorts + 2, "whole, with a new layout id"
     assert _stats(reader) == (opened + 1, n), "the new storage mapped, the old let go"
     with torch.no_grad():
         model.norm.add_(1)

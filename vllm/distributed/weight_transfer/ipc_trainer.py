@@ -458,8 +458,12 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
             # list, so the same plan without comparing it name by name.
             self._pinned_owner, metas = pinned
         else:
-            self._pinned_owner = None
             metas = list(self.source.metadata())
+            # The look just taken may have found everything in place (an
+            # adopted parameter's new storage adopted, say): this sync's
+            # message can then carry a layout id the next one names.
+            again = _pinned(self.source)
+            self._pinned_owner = again[0] if again is not None else None
         plan = self._plan_for(metas, unchanged=pinned is not None)
         self.last_plan = plan
         pub = self._open_publication(metas)
