@@ -459,9 +459,11 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
             self._pinned_owner, metas = pinned
         else:
             metas = list(self.source.metadata())
+            # Something moved: the last layout sent is never named again.
             # The look just taken may have found everything in place (an
             # adopted parameter's new storage adopted, say): this sync's
-            # message can then carry a layout id the next one names.
+            # message can then carry a new layout id the next one names.
+            self._whole = None
             again = _pinned(self.source)
             self._pinned_owner = again[0] if again is not None else None
         plan = self._plan_for(metas, unchanged=pinned is not None)
