@@ -169,6 +169,8 @@ class BufferImporter:
         # Changes whenever a mapping is opened or released: equal values mean
         # the same mappings, at the same addresses.
         self.generation = 0
+        # Open mappings of buffers not marked persistent.
+        self._transient = 0
         self._gpu_uuid: str | None = None
 
     def select(
@@ -221,6 +223,7 @@ class BufferImporter:
             self._open[key] = entry
             self.mappings_opened += 1
             self.generation += 1
+            self._transient += not handle.persistent
         else:
             entry.check(handle)
         self._used.add(key)
@@ -272,6 +275,11 @@ class BufferImporter:
         unless buffers were opened since the last ``close`` and they were not
         among them (a trainer that moved on, or died); a kept mapping is
         checked again before each reuse."""
+        if keep_persistent and self._keeps_all():
+            # Nothing to release: no look at each of (maybe thousands of)
+            # mappings.
+            self._used = set()
+            return
         entries = self._open
         self._open = {}
         for key, entry in entries.items():
@@ -281,17 +289,26 @@ class BufferImporter:
                 entry.close()
         if len(self._open) != len(entries):
             self.generation += 1
+        self._transient = sum(not e.handle.persistent for e in self._open.values())
         self._used = set()
         del entries
 
     def releasing(self, keep_persistent: bool = False) -> set[int]:
         """Addresses of the mappings ``close(keep_persistent)`` would release
         now (so what was bound to them can be dropped first)."""
+        if keep_persistent and self._keeps_all():
+            return set()
         return {
             entry.tensor.data_ptr()
             for key, entry in self._open.items()
             if entry.tensor is not None and not self._keeps(key, entry, keep_persistent)
         }
+
+    def _keeps_all(self) -> bool:
+        """Whether ``close(keep_persistent=True)`` would keep every mapping:
+        all persistent, and all read since the last ``close`` (the keys read
+        are a subset of those open)."""
+        return self._transient == 0 and len(self._used) == len(self._open)
 
     def _keeps(
         self, key: tuple, entry: MappedSegment | CudaMapping, keep_persistent: bool

@@ -287,7 +287,7 @@ class IPCWeightTransferEngine(
             landed_check += [w for w in weights if w[0] in check_direct]
         self._mark_landed()
         with self._phase("load"):
-            self._land(session, weights, importer.storage_ptrs(), bound)
+            self._land(session, weights, importer, bound)
         del weights
         sync_device(self.device)
         if landed_check:
@@ -390,7 +390,7 @@ class IPCWeightTransferEngine(
         self,
         session: Any,
         weights: list[tuple[str, torch.Tensor]],
-        foreign_storages: set[int],
+        importer: BufferImporter,
         bound: BoundChunk | None = None,
     ) -> None:
         """The chunk's bound program (``bound``: the planned names it covers,
@@ -421,7 +421,9 @@ class IPCWeightTransferEngine(
                 session.land_planned(planned, mine)
             weights = [w for w in weights if w[0] not in direct]
         if weights:
-            session.load(weights, foreign_storages=foreign_storages)
+            # (The mappings' addresses only then: an adopted trainer's
+            # thousands of storages would cost a look each, every sync.)
+            session.load(weights, foreign_storages=importer.storage_ptrs())
 
     def _bound_chunk(
         self,
