@@ -378,17 +378,14 @@ class MappedBuffers:
     key (which export) and address, hashed once (a message may name
     thousands of buffers: a trainer's adopted parameter storages)."""
 
-    __slots__ = ("fields", "_hash")
+    __slots__ = ("fields", "addresses", "_hash")
 
     def __init__(
         self, handle_keys: Sequence[Hashable], buffers: Sequence[torch.Tensor]
     ) -> None:
         self.fields = (tuple(handle_keys), tuple(b.data_ptr() for b in buffers))
+        self.addresses = frozenset(self.fields[1])
         self._hash = hash(self.fields)
-
-    @property
-    def addresses(self) -> frozenset[int]:
-        return frozenset(self.fields[1])
 
     def __hash__(self) -> int:
         return self._hash
