@@ -1123,8 +1123,8 @@ class _HeldChunks:
     ) -> bool:
         """Whether a chunk in ``place`` can join: the same segments, and in
         each its tensors after the ones held there (the wire lists a
-        buffer's tensors in increasing, non-overlapping order); they are
-        checked without adding them (``add``)."""
+        buffer's tensors in increasing, non-overlapping order). Nothing is
+        counted in here; ``add`` does that."""
         if place.owner is not self.owner:
             return False
         return self.order.fits_all([(offset, slot.nbytes) for slot, _, offset in found])
