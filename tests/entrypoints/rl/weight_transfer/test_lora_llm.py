@@ -3,7 +3,8 @@
 """LoRA adapters pushed from a trainer's memory (``lora_trainer``) into a real
 vLLM engine on CPU through the ``ipc`` backend: an offline ``LLM`` (dense
 Qwen3, fp32, ``enable_lora=True``) at TP 1 and one at TP 2, each shared by
-every scenario.
+every scenario; and a ``sharded_rdt``-configured engine (TP 1), which takes
+adapters only as pulls.
 
 Oracles, for every adapter version served:
 
@@ -408,3 +409,62 @@ def test_base_weights_with_an_adapter_folded_in_serve_base_plus_adapter(rig):
         atol=logprob_atol("float32"),
         what="folded base",
     )
+
+
+@pytest.fixture(scope="module")
+def rdt_rig(tmp_path_factory):
+    """A ``sharded_rdt``-configured engine (TP 1) with LoRA: the engine a
+    trainer on another machine drives. Its workers map no trainer buffer, so
+    adapters reach it only as pulls."""
+    model_dir = build_tiny_model(TinyModelSpec(arch="qwen3"))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        llm = tiny_llm(
+            model_dir,
+            backend="sharded_rdt",
+            enable_lora=True,
+            max_lora_rank=MAX_RANK,
+            max_loras=2,
+            max_cpu_loras=8,
+        )
+        try:
+            yield Rig(llm, model_dir, tmp_path_factory.mktemp("rdt-adapters"))
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+
+
+def test_a_sharded_rdt_engine_serves_pulled_adapters_and_refuses_handles(rdt_rig):
+    """Two verified pulls (the second after an in-place step) serve what the
+    same adapter from disk serves; a colocated push, whose buffer such a
+    worker does not map, is refused with the transport to use, and the
+    pulled version keeps serving on unfenced base weights."""
+    rig = rdt_rig
+    model = rig.peft_model(seed=21)
+    pusher = LoRAPusher(rig.client, transport="nixl", verify_checksums=True)
+    try:
+        verified = pusher.push(
+            LoRAAdapter.from_peft_model(model, "remote", 5), version="r1"
+        )
+        assert verified is not None and verified.checksums_verified == 1
+        first = rig.assert_serves(model, "remote", 5)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(-1.5)
+        pusher.push(LoRAAdapter.from_peft_model(model, "remote", 5), version="r2")
+        second = rig.assert_serves(model, "remote", 5)
+        assert second != first
+    finally:
+        pusher.close()
+    base = rig.greedy()
+    with pytest.raises(Exception, match=r"LoRAPusher\(transport='nixl'\)"):
+        push_lora_adapter(
+            rig.client,
+            LoRAAdapter.from_peft_model(rig.peft_model(seed=22), "remote", 5),
+        )
+    assert_bit_identical(
+        rig.greedy(rig.lora("remote", 5)), second, what="after the refused push"
+    )
+    assert_bit_identical(rig.greedy(), base, what="base after the refused push")
+    status = rig.llm.collective_rpc(worker_fence_status)
+    assert all(s["state"] != "fenced" for s in status), status
