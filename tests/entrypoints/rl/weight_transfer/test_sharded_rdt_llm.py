@@ -18,6 +18,10 @@ linear layers): every pulled byte of a layer whose processing keeps it goes
 straight from the receive buffer into the served tensor, and only the MoE
 experts are rebuilt by the layerwise reload, in the same sync.
 
+Staged updates (``staging="host"``) run on two more engines: dense TP=1
+committing through the layerwise reload, and MoE TP=2 landing planned, whose
+commit copies the planned slices from staging and reloads only the experts.
+
 One engine per (model, TP) combination, shared by the tests of that
 combination; each test pushes the state it checks.
 """
@@ -508,18 +512,21 @@ def test_an_init_declaring_a_float_tensor_int32_is_refused_and_init_recovers(eng
 
 
 # ---------------------------------------------------------------------------
-# Staged updates (WeightTransferConfig(staging="host")) on a dense TP=1 engine
-# of their own: the pulls run in the background while the engine serves the
-# old weights, and a failure before the commit leaves them serving unfenced.
+# Staged updates (WeightTransferConfig(staging="host")) on engines of their
+# own: the pulls run in the background while the engine serves the old
+# weights, and a failure before the commit leaves them serving unfenced. The
+# dense TP=1 engine commits through the layerwise reload; the MoE TP=2 engine
+# lands planned, so its commit copies each staged chunk's planned slices
+# straight into the served tensors and reloads only the experts.
 
 
-STAGED_COMBOS = [("qwen3", 1), ("qwen3_moe", 2)]
+STAGED_COMBOS = [("qwen3", 1, "reload"), ("qwen3_moe", 2, "planned")]
 
 
 @pytest.fixture(
     scope="module",
     params=STAGED_COMBOS,
-    ids=[f"{a}-tp{tp}" for a, tp in STAGED_COMBOS],
+    ids=[f"{a}-tp{tp}-{landing}" for a, tp, landing in STAGED_COMBOS],
 )
 def staged_engine(request, ray_cluster):
     from vllm.config import WeightTransferConfig
@@ -528,13 +535,16 @@ def staged_engine(request, ray_cluster):
         stop_llm_host,
     )
 
-    arch, tp = request.param
+    arch, tp, landing = request.param
     model_dir = str(build_tiny_model(TinyModelSpec(arch=arch)))
     llm = ray.remote(num_cpus=0)(LLMHost).remote(
         model_dir,
         tp=tp,
         weight_transfer_config=WeightTransferConfig(
-            backend="sharded_rdt", staging="host"
+            backend="sharded_rdt",
+            staging="host",
+            landing=landing,
+            cpu_linear="plain" if landing == "planned" else "packed",
         ),
     )
     ray.get(llm.pids.remote())  # wait until the engine is up
@@ -542,7 +552,7 @@ def staged_engine(request, ray_cluster):
     stop_llm_host(llm)
 
 
-def test_a_staged_sync_serves_the_old_weights_while_it_pulls(staged_engine):
+def test_a_staged_sync_serves_the_old_weights_while_it_pulls(staged_engine, request):
     llm, model_dir, tp = staged_engine
     with _trainers(model_dir, 1) as ranks:
         ray.get(ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=20.0))
@@ -569,6 +579,19 @@ def test_a_staged_sync_serves_the_old_weights_while_it_pulls(staged_engine):
         assert switched.count(False) >= 2, "the sync should outlast a few requests"
         assert _states(llm) == ["committed"] * tp
         assert ray.get(llm.weight_version.remote()) == "step-202"
+    if request.node.callspec.params["staged_engine"][2] == "planned":
+        # The commit copied the attention, norms and embeddings from staging
+        # straight into the served tensors; only the experts were reloaded.
+        states = ray.get(llm.planned_landing_state.remote())
+        receipts = ray.get(llm.receipts.remote())
+        for state, receipt in zip(states, receipts, strict=True):
+            assert state["still_bound"]
+            direct = state["direct_names"]
+            for kept in ("q_proj.weight", "input_layernorm.weight", "embed_tokens"):
+                assert any(kept in n for n in direct), (kept, direct)
+            assert state["reloaded"] and not any(".experts." in n for n in direct)
+            assert receipt is not None
+            assert receipt["modules_processed"] == len(state["reloaded"])
 
 
 def test_a_staged_pull_that_fails_keeps_the_old_weights_and_version(staged_engine):

@@ -23,6 +23,8 @@ Qwen3, fp32, TP=1) shared by every scenario.
   trainer failing mid-sync changes nothing, and the commit serves the
   trainer's weights on both workers, copying every planned tensor straight
   from staging and reloading only the experts.
+* A dense model at TP=2 (its own engine, the default layerwise reload at the
+  commit, ``staging="device"``): the same three checks on both workers.
 
 Each test first pushes the state it starts from.
 """
@@ -55,6 +57,7 @@ from vllm.distributed.weight_transfer.testing.ipc_faults import (
     INJECTED_FAILURE,
     ByteFlippingClient,
     fail_stage_once,
+    worker_fence_status,
     worker_staging,
 )
 from vllm.distributed.weight_transfer.testing.oracle import DEFAULT_PROMPTS
@@ -368,3 +371,69 @@ def test_moe_tp2_serves_the_old_weights_until_the_commit_and_survives_a_failure(
         assert any(n.endswith("input_layernorm.weight") for n in direct), direct
         assert not any(".experts." in n for n in direct)
         assert state["reloaded"] and all(".experts" in m for m in state["reloaded"])
+
+
+# ---------------------------------------------------------------------------
+# A dense model at TP=2 with the default landing (vLLM's layerwise reload at
+# the commit) and ``staging="device"``: each worker stages the tensors it
+# receives in the model's own memory and reloads its own shard from them.
+
+
+@pytest.fixture(scope="module")
+def dense_tp2(tiny_model_dir: Path) -> Iterator[Rig]:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        llm = tiny_llm(
+            tiny_model_dir,
+            tensor_parallel_size=2,
+            weight_transfer_config=WeightTransferConfig(
+                backend="ipc", staging="device"
+            ),
+        )
+        try:
+            yield Rig(llm, load_hf_model(tiny_model_dir, "float32"))
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+
+
+def test_dense_tp2_serves_the_old_weights_until_the_commit_and_survives_a_failure(
+    dense_tp2: Rig,
+):
+    rig = dense_tp2
+    rig.push(seed=31, version="d1")
+    before = rig.greedy()
+
+    # A trainer failing mid-sync: both workers drop their staging, unfenced.
+    randomize_weights_(rig.model, seed=32)
+    with pytest.raises(RuntimeError, match="the trainer failed after"):
+        rig.trainer(source=FailsAfter(ModuleSource(rig.model), 20)).send_weights(
+            weight_version="never"
+        )
+    assert_bit_identical(rig.greedy(), before, what="after the failure")
+    assert rig.llm.get_weight_version() == "d1"
+    for status in rig.llm.collective_rpc(worker_fence_status):
+        assert status["state"] != "fenced", status
+    for staging in rig.llm.collective_rpc(worker_staging):
+        assert staging["staged_bytes"] == 0 and not staging["open"], staging
+
+    # Generation between every message serves the old weights while both
+    # workers stage; the commit switches both to the trainer's weights.
+    during: list[GreedyResult] = []
+    staged: list[int] = []
+
+    def between_messages() -> None:
+        during.append(rig.greedy())
+        staged.extend(s["staged_bytes"] for s in rig.llm.collective_rpc(worker_staging))
+
+    client = AfterEachMessage(rig.client(), between_messages)
+    rig.trainer(client=client).send_weights(weight_version="d2")
+    assert client.messages >= 3
+    for result in during:
+        assert_bit_identical(result, before, what="generation during the transfer")
+    assert min(staged) >= 0 and max(staged) > 0, staged
+    assert rig.llm.get_weight_version() == "d2"
+    rig.assert_serves_trainer()
+    for status in rig.llm.collective_rpc(worker_fence_status):
+        assert status["state"] == "committed", status
