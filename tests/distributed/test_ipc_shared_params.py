@@ -366,6 +366,105 @@ def test_adopted_storages_follow_a_reallocated_parameter():
         shared.close()
 
 
+class _Flat(torch.nn.Module):
+    """Parameters in the order w1, an empty one, w2, w3; each its own
+    storage unless built over one flat tensor."""
+
+    def __init__(self, flat: torch.Tensor | None = None) -> None:
+        super().__init__()
+        parts = flat.split(16) if flat is not None else torch.randn(48).split(16)
+        self.w1 = torch.nn.Parameter(parts[0] if flat is not None else parts[0].clone())
+        self.e = torch.nn.Parameter(torch.empty(0))
+        self.w2 = torch.nn.Parameter(parts[1] if flat is not None else parts[1].clone())
+        self.w3 = torch.nn.Parameter(parts[2] if flat is not None else parts[2].clone())
+
+
+def _message_part(shared: SharedParameters, model: torch.nn.Module):
+    """What the trainer's send makes of ``model``'s tensors over ``shared``:
+    an empty tensor at the end of the one before it, the order checked per
+    segment."""
+    from vllm.distributed.weight_transfer.shared_params import SegmentOrder
+
+    order, found = SegmentOrder(shared), []
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        offset = shared.locate(p) if nbytes else order.last_end
+        assert offset is not None and order.fits(offset, nbytes), name
+        order.add(offset, nbytes)
+        found.append((offset, nbytes))
+    return shared.message_part(found)
+
+
+def test_an_empty_tensor_at_a_segments_end_stays_in_that_segment():
+    """An empty parameter after one that ends its segment belongs to that
+    segment, not to the next: once the next was let go (its parameter
+    re-allocated), every sync would otherwise name a released segment."""
+    model = _Flat()
+    shared = SharedParameters._of_storages(model, torch.device("cpu"))
+    source = shared.source(model)
+    try:
+        assert _message_part(shared, model).segments == (0, 1, 2)
+        model.w2.data = model.w2.data.clone()  # segment 1 is let go
+        source.metadata()
+        assert shared._segments is not None and shared._segments[1] is None
+        part = _message_part(shared, model)
+        assert part.segments == (0, 2, 3)
+        assert part.indexes is not None and part.indexes[1] == 0  # the empty one
+        assert len(part.payloads()) == 3
+    finally:
+        shared.close()
+
+
+def test_readopt_keeps_the_place_of_every_parameter_current():
+    """Parameters re-created over one new storage: the first is adopted anew
+    and the others are found in its segment; each one's recorded offset is
+    where it lies now, and nothing keeps the old storage's segment."""
+    model = _Flat(torch.randn(48))
+    shared = SharedParameters._of_storages(model, torch.device("cpu"))
+    source = shared.source(model)
+    try:
+        assert shared.num_segments == 1
+        fresh = _Flat(torch.randn(48))
+        for name in ("w1", "w2", "w3"):
+            setattr(model, name, getattr(fresh, name))
+        source.metadata()
+        assert shared.num_segments == 1
+        for name, p in model.named_parameters():
+            if p.numel():
+                assert shared._params[name] is p, name
+                assert shared.offsets[name] == shared.locate(p), name
+        assert shared._segments is not None and shared._segments[0] is None
+        # ``handle`` is the one live segment's (exports faked: CPU tensors).
+        shared.segment_handle = lambda i: ("export of", i)  # type: ignore[method-assign, assignment, return-value]
+        assert shared.handle == ("export of", 1)
+    finally:
+        shared.close()
+
+
+def test_a_storage_resized_in_place_is_let_go_before_anything_is_read():
+    """An adopted storage freed and re-allocated in place (FSDP2 frees its
+    unsharded storages between steps): its segment refuses to be sent until
+    the source looks again, which lets it go and adopts the new memory."""
+    model = _Flat()
+    shared = SharedParameters._of_storages(model, torch.device("cpu"))
+    source = shared.source(model)
+    try:
+        storage = model.w2.untyped_storage()
+        nbytes = storage.nbytes()
+        storage.resize_(0)
+        with pytest.raises(ValueError, match="resized or freed in place"):
+            shared.segment_bytes(1)
+        storage.resize_(nbytes)
+        assert source.pinned() is None
+        source.metadata()
+        assert shared._segments is not None and shared._segments[1] is None
+        assert shared.locate(model.w2) == shared.offsets["w2"]
+        assert shared.segment_at(shared.offsets["w2"]) == 3
+        assert source.pinned() is not None
+    finally:
+        shared.close()
+
+
 def _reallocate(model):
     model.a.weight.data = model.a.weight.data.clone() + 3
 
@@ -657,24 +756,38 @@ def test_a_kept_cuda_mapping_hands_each_new_counter_to_torch(monkeypatch):
 
 
 def test_the_trainer_exports_anew_only_what_workers_did_not_keep():
-    """``_SharedInSync``: a buffer named by the last successful sync keeps
-    its export; any other is exported anew once, at its first use."""
+    """``_SharedInSync``, per segment: a segment the last successful sync
+    named keeps its export; any other is exported anew once, at its first
+    use, also when other segments of its buffer were kept (workers keep
+    mappings per segment)."""
+    import weakref
+
     from vllm.distributed.weight_transfer.ipc_trainer import _SharedInSync
 
     class Owner:
         def __init__(self) -> None:
-            self.exports = 0
+            self.exports: list[int | None] = []
 
-        def export_anew(self) -> None:
-            self.exports += 1
+        def export_anew(self, index: int | None = None) -> None:
+            self.exports.append(index)
+
+    def part(owner: Owner, *segments: int) -> SimpleNamespace:
+        return SimpleNamespace(owner=owner, segments=segments)
 
     kept_one, new_one = Owner(), Owner()
-    import weakref
-
-    kept: weakref.WeakSet = weakref.WeakSet([kept_one])
+    kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary({kept_one: {0, 1}})
     sync = _SharedInSync(kept)
     for _ in range(3):  # three chunks name each buffer
-        sync.use(kept_one)  # type: ignore[arg-type]
-        sync.use(new_one)  # type: ignore[arg-type]
-    assert (kept_one.exports, new_one.exports) == (0, 1)
-    assert set(sync.used) == {kept_one, new_one}
+        sync.use(part(kept_one, 0, 1))  # type: ignore[arg-type]
+        sync.use(part(new_one, 0))  # type: ignore[arg-type]
+    assert (kept_one.exports, new_one.exports) == ([], [0])
+    assert sync.kept(part(kept_one, 0, 1)) and not sync.kept(part(new_one, 0))  # type: ignore[arg-type]
+    # The next sync named only segment 1 of kept_one (segment 0's chunks
+    # packed): the workers let go of segment 0, so the sync after that
+    # exports it anew and keeps segment 1's export.
+    sync = _SharedInSync(weakref.WeakKeyDictionary({kept_one: {1}}))  # type: ignore[arg-type]
+    sync.use(part(kept_one, 0, 1))  # type: ignore[arg-type]
+    sync.use(part(kept_one, 0))  # type: ignore[arg-type]
+    assert kept_one.exports == [0]
+    assert not sync.kept(part(kept_one, 0, 1))  # type: ignore[arg-type]
+    assert sync.used[kept_one] == {0, 1}  # type: ignore[index]

@@ -217,6 +217,43 @@ def test_a_malformed_message_over_several_buffers_is_refused(message, match):
         IPCWeightTransferUpdateInfo.from_dict(message)
 
 
+def _block_handle(start: int) -> dict:
+    """A CUDA handle of 80 bytes at ``start`` of one allocation."""
+    return {
+        "kind": "cuda",
+        "nbytes": 80,
+        "device": 0,
+        "storage_handle": "AAEC",
+        "storage_size_bytes": 256,
+        "storage_offset_bytes": start,
+        "tensor_offset": 0,
+        "ref_counter_handle": "AwQ=",
+        "ref_counter_offset": 0,
+        "event_handle": None,
+        "event_sync_required": True,
+    }
+
+
+def test_buffers_of_one_message_must_not_share_bytes():
+    """Each buffer's tensors are kept apart by the per-buffer order rule,
+    which holds only if the buffers are apart: a segment listed twice, or two
+    CUDA handles over overlapping bytes of one allocation, are refused;
+    neighbours in one allocation are fine."""
+    with pytest.raises(ValueError, match="buffers 0 and 1 share bytes"):
+        IPCWeightTransferUpdateInfo.from_dict(
+            several(ipc_handles={KEY: [SEGS[0], SEGS[0]]})
+        )
+    for second, ok in ((80, True), (40, False)):
+        message = several(
+            ipc_handles={"GPU-1": [_block_handle(0), _block_handle(second)]}
+        )
+        if ok:
+            assert len(IPCWeightTransferUpdateInfo.from_dict(message).buffers()) == 2
+        else:
+            with pytest.raises(ValueError, match="buffers 0 and 1 share bytes"):
+                IPCWeightTransferUpdateInfo.from_dict(message)
+
+
 def test_unpacked_message_round_trips_through_json():
     info = IPCWeightTransferUpdateInfo.from_dict(unpacked())
     assert not info.packed

@@ -43,7 +43,7 @@ import dataclasses
 import itertools
 import uuid
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Self
@@ -363,7 +363,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         self._views: dict[int, dict[int, torch.Tensor]] = {}
         # SharedParameters buffers the last successful sync named (workers
         # keep those mapped), and those the sync under way names.
-        self._shared_kept: weakref.WeakSet[SharedParameters] = weakref.WeakSet()
+        self._shared_kept: _SegmentsByOwner = weakref.WeakKeyDictionary()
         self._shared_now = _SharedInSync(self._shared_kept)
         # Chunks in one shared segment waiting to go as one message.
         self._held: _HeldChunks | None = None
@@ -492,7 +492,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         # Shared buffers the workers may still hold mapped from the last sync
         # keep their export; any other is exported anew at its first use.
         self._shared_now = _SharedInSync(self._shared_kept)
-        self._shared_kept = weakref.WeakSet()
+        self._shared_kept = weakref.WeakKeyDictionary()
         self._kept_used = False
         self._whole_now = None
         try:
@@ -680,7 +680,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
             and whole.plan is plan
             and whole.source is self.source
             and whole.owner is self._pinned_owner
-            and self._shared_now.kept(whole.owner)
+            and self._shared_now.kept(whole.part)
         ):
             self._resend_whole(whole)
             return
@@ -812,7 +812,11 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                             # Synced below before the handle goes out: the
                             # trainer's last writes may still be queued.
                             device = segment.owner.device
-                    if offset is not None and order is not None and order.fits(offset):
+                    if (
+                        offset is not None
+                        and order is not None
+                        and order.fits(offset, slot.nbytes)
+                    ):
                         in_segment.append((slot, tensor, offset))
                         order.add(offset, slot.nbytes)
                         continue
@@ -847,7 +851,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         if part is not None:
             device = part.owner.device
             fields = {**fields, **part.fields()}
-            self._shared_now.use(part.owner)
+            self._shared_now.use(part)
             handle = part.handles()
         elif buffer is not None:
             handle = buffer.handle.to_dict()
@@ -903,7 +907,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
             return
         part = _part_of(held.owner, held.found)
         checksums = self._part_checksums(part)
-        self._shared_now.use(held.owner)
+        self._shared_now.use(part)
         key = device_key(held.owner.device, self.rank)
         what = f"chunks {held.first}-{held.last}"
         fields: dict[str, Any] = {**held.fields, **part.fields()}
@@ -939,8 +943,8 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         owner = whole.owner
         # The trainer's last writes may still be queued on the device.
         sync_device(owner.device)
-        self._shared_now.use(owner)
         part = whole.part
+        self._shared_now.use(part)
         checksums = self._part_checksums(part)
         short: dict[str, Any] = {"layout": whole.layout}
         if part.indexes is None:
@@ -1062,27 +1066,41 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                 buf.close()
 
 
+# Per ``SharedParameters`` buffer, the indexes of its segments.
+_SegmentsByOwner = weakref.WeakKeyDictionary[SharedParameters, set[int]]
+
+
 class _SharedInSync:
-    """The ``SharedParameters`` buffers one sync's messages name. A buffer
-    the workers did not keep mapped from the previous sync (``kept``: the
-    buffers that sync named, empty after a failed one) is exported anew
-    before its first message, so the worker that maps it again gets a CUDA
-    reference counter of its own (``SharedParameters.export_anew``)."""
+    """The ``SharedParameters`` segments one sync's messages name, per
+    buffer. A segment the workers did not keep mapped from the previous sync
+    (``kept``: the segments that sync named, none after a failed one) is
+    exported anew before its first message, so the worker that maps it again
+    gets a CUDA reference counter of its own (``SharedParameters.export_anew``).
+    Workers keep mappings per segment, so this is tracked per segment: a
+    segment left out of one sync (its chunks packed) is exported anew when a
+    later sync names it again, even if other segments of its buffer stayed."""
 
-    def __init__(self, kept: weakref.WeakSet[SharedParameters]) -> None:
+    def __init__(self, kept: _SegmentsByOwner) -> None:
         self._kept = kept
-        self.used: weakref.WeakSet[SharedParameters] = weakref.WeakSet()
+        self.used: _SegmentsByOwner = weakref.WeakKeyDictionary()
 
-    def kept(self, owner: SharedParameters) -> bool:
-        """Whether the workers ended the last sync holding ``owner`` mapped."""
-        return owner in self._kept
+    def kept(self, part: SegmentPart) -> bool:
+        """Whether the workers ended the last sync holding every segment
+        ``part`` names mapped."""
+        kept = self._kept.get(part.owner)
+        return kept is not None and kept.issuperset(part.segments)
 
-    def use(self, owner: SharedParameters) -> None:
-        if owner in self.used:
-            return
-        if owner not in self._kept:
-            owner.export_anew()
-        self.used.add(owner)
+    def use(self, part: SegmentPart) -> None:
+        owner = part.owner
+        used = self.used.get(owner)
+        if used is None:
+            used = self.used[owner] = set()
+        kept: Collection[int] = self._kept.get(owner, ())
+        for i in part.segments:
+            if i not in used:
+                if i not in kept:
+                    owner.export_anew(i)
+                used.add(i)
 
 
 @dataclass(frozen=True)

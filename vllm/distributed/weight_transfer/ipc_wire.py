@@ -83,6 +83,7 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+import itertools
 import math
 import pickle
 import re
@@ -331,6 +332,7 @@ def _packed_handles(d: object, where: str, n_buffers: int | None) -> dict[str, A
         out[key] = [
             handle_from_dict(h, f"{where}[{key!r}][{i}]") for i, h in enumerate(handles)
         ]
+        _check_buffers_apart(out[key], f"{where}[{key!r}]")
     counts = {len(v) for v in out.values()}
     if len(counts) > 1:
         raise ValueError(
@@ -343,6 +345,27 @@ def _packed_handles(d: object, where: str, n_buffers: int | None) -> dict[str, A
             f"message that set this layout listed {n_buffers}"
         )
     return out
+
+
+def _check_buffers_apart(handles: list[Any], where: str) -> None:
+    """The buffers one message lists share no byte: the per-buffer order rule
+    keeps its tensors apart only if the buffers are apart too."""
+    spans: dict[tuple[str, str], list[tuple[int, int, int]]] = {}
+    for i, h in enumerate(handles):
+        if isinstance(h, ShmHandle):
+            memory, start = ("shm", h.name), 0
+        else:
+            memory = ("cuda", h.storage_handle)
+            start = h.storage_offset_bytes + h.tensor_offset
+        spans.setdefault(memory, []).append((start, start + h.nbytes, i))
+    for same in spans.values():
+        same.sort()
+        for (_, end, i), (start, _, j) in itertools.pairwise(same):
+            if start < end:
+                raise ValueError(
+                    f"{where}: buffers {min(i, j)} and {max(i, j)} share bytes of "
+                    "one allocation; a message lists each buffer once"
+                )
 
 
 def _lists_buffers(handles: object) -> bool:

@@ -567,11 +567,18 @@ class IPCWeightTransferEngine(
             raise ValueError(
                 f"adapter {header.name!r}: adapters travel on the fork's wire only"
             )
+        buffered = indexed_buffers(info)
+        if len(buffered) != 1:
+            # (Its one checksum covers one buffer's bytes.)
+            raise ValueError(
+                f"adapter {header.name!r}: an adapter travels packed in one "
+                f"buffer; this message names {len(buffered)}"
+            )
         importer = BufferImporter(self.device, _local_rank(), writable=False)
         try:
             buffers = [
                 importer.open(importer.select(hmap, f"adapter ipc_handles{suffix}")[1])
-                for suffix, hmap in indexed_buffers(info)
+                for suffix, hmap in buffered
             ]
             views = info.views()
             expected = self.adapters.expected_checksum(header)

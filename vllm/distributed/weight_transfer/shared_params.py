@@ -140,20 +140,21 @@ class SegmentOrder:
         self._ends: dict[int, int] = {}  # segment -> end of its last tensor
         self.last_end = 0  # end of the last tensor added
 
-    def fits(self, offset: int) -> bool:
-        """Whether a tensor at ``offset`` (as ``locate`` gives it) can come
-        next."""
-        return offset >= self._ends.get(self.owner.segment_at(offset), 0)
+    def fits(self, offset: int, nbytes: int) -> bool:
+        """Whether a tensor of ``nbytes`` at ``offset`` (as ``locate`` gives
+        it) can come next."""
+        return offset >= self._ends.get(self.owner.segment_at(offset, nbytes), 0)
 
     def add(self, offset: int, nbytes: int) -> None:
-        self._ends[self.owner.segment_at(offset)] = self.last_end = offset + nbytes
+        segment = self.owner.segment_at(offset, nbytes)
+        self._ends[segment] = self.last_end = offset + nbytes
 
     def fits_all(self, found: Sequence[tuple[int, int]]) -> bool:
         """Whether tensors at ``found`` (``(offset, nbytes)`` each, in
         order) can all come next."""
         ends = dict(self._ends)
         for offset, nbytes in found:
-            i = self.owner.segment_at(offset)
+            i = self.owner.segment_at(offset, nbytes)
             if offset < ends.get(i, 0):
                 return False
             ends[i] = offset + nbytes
@@ -342,24 +343,43 @@ class SharedParameters:
         adopted anew; nothing for placed parameters, which pack instead."""
         if not self.adopted or self._segments is None:
             return []
+        # A storage resized or freed in place is not where it was shared:
+        # its segment goes before anything is located in it.
+        moved = [i for i, seg in enumerate(self._segments) if seg is not None]
+        moved = [i for i in moved if self._moved(i)]
+        for i in moved:
+            self._segments[i] = None
+            self._exports.pop(i, None)
+        if moved:
+            self._index()
         found: dict[int, int] = {}  # new storage address -> its segment
         again = []
+        params: dict[str, torch.nn.Parameter] = {}
+        offsets: dict[str, int] = {}
         for name, p in named:
             if p.device != self._device or not p.numel():
                 continue
-            if self.locate(p) is not None or not p.is_contiguous():
-                continue
-            storage = p.untyped_storage()
-            address = storage.data_ptr()
-            if address not in found:
-                flat = torch.empty(0, dtype=torch.uint8, device=p.device).set_(storage)
-                found[address] = self._append(flat)
-                self._index()
-            start = self._starts[found[address]]
-            self.offsets[name] = start + int(p.storage_offset()) * p.element_size()
-            self._params[name] = p
-            again.append(name)
-        if again:
+            offset = self.locate(p)
+            if offset is None:
+                if not p.is_contiguous():
+                    continue  # packed at every sync
+                storage = p.untyped_storage()
+                address = storage.data_ptr()
+                if address not in found:
+                    flat = torch.empty(0, dtype=torch.uint8, device=p.device)
+                    found[address] = self._append(flat.set_(storage))
+                    self._index()
+                start = self._starts[found[address]]
+                offset = start + int(p.storage_offset()) * p.element_size()
+                again.append(name)
+            params[name], offsets[name] = p, offset
+        # What the module holds now, and nothing it let go of: a parameter
+        # removed or replaced no longer keeps its old storage's segment.
+        changed = params.keys() != self._params.keys() or any(
+            p is not self._params[n] for n, p in params.items()
+        )
+        self._params, self.offsets = params, offsets
+        if again or moved or changed:
             self._let_go_of_unused()
         return again
 
@@ -389,13 +409,13 @@ class SharedParameters:
 
     @property
     def handle(self) -> BufferHandle:
-        """The handle of a one-segment buffer (``segment_handle(0)``)."""
-        if self.num_segments != 1:
+        """The handle of a buffer with one segment in use."""
+        if self._only is None:
             raise ValueError(
                 f"these parameters lie in {self.num_segments} segments; use "
                 "segment_handle(i)"
             )
-        return self.segment_handle(0)
+        return self.segment_handle(self._only)
 
     def segment_handle(self, index: int) -> BufferHandle:
         """Segment ``index``'s handle for a worker. On CUDA each segment is
@@ -430,11 +450,16 @@ class SharedParameters:
             if isinstance(s, SharedMemoryBuffer)
         ]
 
-    def segment_at(self, offset: int) -> int:
-        """The segment an offset ``locate`` gave lies in."""
+    def segment_at(self, offset: int, nbytes: int = 1) -> int:
+        """The segment ``nbytes`` at ``offset`` (as ``locate`` gives it, or
+        for an empty tensor the end of the tensor before it) lie in. An empty
+        tensor at a segment's end belongs to that segment, not to the next
+        one, which may have been let go."""
         if len(self._starts) == 1:
             return 0
-        return bisect.bisect_right(self._starts, offset) - 1
+        if nbytes:
+            return bisect.bisect_right(self._starts, offset) - 1
+        return max(bisect.bisect_left(self._starts, offset) - 1, 0)
 
     def message_part(self, found: Sequence[tuple[int, int]]) -> SegmentPart:
         """A message's view of these segments, for tensors at ``found``
@@ -449,7 +474,7 @@ class SharedParameters:
         named: dict[int, list[int]] = {}  # segment -> [start, end] of its bytes
         local, segment_of = [], []
         for offset, nbytes in found:
-            i = bisect.bisect_right(self._starts, offset) - 1
+            i = self.segment_at(offset, nbytes)
             at = offset - self._starts[i]
             local.append(at)
             segment_of.append(i)
@@ -465,8 +490,9 @@ class SharedParameters:
             tuple((named[i][0], named[i][1]) for i in segments),
         )
 
-    def export_anew(self) -> None:
-        """On CUDA, let the next ``handle`` export the buffer again.
+    def export_anew(self, index: int | None = None) -> None:
+        """On CUDA, let the next ``segment_handle(index)`` (every segment's,
+        without ``index``) export the segment again.
 
         torch counts one reader per export: the worker that maps an export
         releases its counter when it drops the mapping, and the buffer's
@@ -477,17 +503,39 @@ class SharedParameters:
         follows such an update. Not every sync: each export wraps the
         storage's memory in one more reference-counting layer for as long as
         the storage lives."""
-        self._exports.clear()
+        if index is None:
+            self._exports.clear()
+        else:
+            self._exports.pop(index, None)
 
     def _segment(self, index: int) -> SharedMemoryBuffer | torch.Tensor:
-        """Segment ``index`` (``ValueError`` once closed or let go)."""
+        """Segment ``index`` (``ValueError`` once closed or let go, or when
+        its memory is no longer where it was shared from)."""
         segments = self._segments
         if segments is None:
             raise ValueError("this SharedParameters buffer was closed")
         segment = segments[index]
         if segment is None:
             raise ValueError(f"segment {index} was let go (readopt)")
+        if self._moved(index):
+            raise ValueError(
+                f"segment {index}'s storage was resized or freed in place since "
+                "it was shared; the source looks again before the next sync"
+            )
         return segment
+
+    def _moved(self, index: int) -> bool:
+        """Whether live segment ``index``'s memory is not the memory it was
+        shared with: an adopted storage resized (or freed, as FSDP does
+        between steps) in place keeps its tensor but not its address."""
+        segment = self._segments[index] if self._segments is not None else None
+        if not isinstance(segment, torch.Tensor):
+            return False  # shared memory this object owns
+        storage = segment.untyped_storage()
+        return (
+            storage.data_ptr() != self._bases[index]
+            or storage.nbytes() != self._sizes[index]
+        )
 
     def segment_bytes(self, index: int = 0) -> torch.Tensor:
         """Segment ``index`` as flat bytes (what a worker maps)."""
