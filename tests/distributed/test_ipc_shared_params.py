@@ -772,10 +772,14 @@ def test_the_trainer_exports_anew_only_what_workers_did_not_keep():
             self.exports.append(index)
 
     def part(owner: Owner, *segments: int) -> SimpleNamespace:
-        return SimpleNamespace(owner=owner, segments=segments)
+        return SimpleNamespace(
+            owner=owner, segments=segments, segment_set=frozenset(segments)
+        )
 
     kept_one, new_one = Owner(), Owner()
-    kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary({kept_one: {0, 1}})
+    kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary(
+        {kept_one: frozenset({0, 1})}
+    )
     sync = _SharedInSync(kept)
     for _ in range(3):  # three chunks name each buffer
         sync.use(part(kept_one, 0, 1))  # type: ignore[arg-type]
@@ -785,7 +789,7 @@ def test_the_trainer_exports_anew_only_what_workers_did_not_keep():
     # The next sync named only segment 1 of kept_one (segment 0's chunks
     # packed): the workers let go of segment 0, so the sync after that
     # exports it anew and keeps segment 1's export.
-    sync = _SharedInSync(weakref.WeakKeyDictionary({kept_one: {1}}))  # type: ignore[arg-type]
+    sync = _SharedInSync(weakref.WeakKeyDictionary({kept_one: frozenset({1})}))  # type: ignore[arg-type]
     sync.use(part(kept_one, 0, 1))  # type: ignore[arg-type]
     sync.use(part(kept_one, 0))  # type: ignore[arg-type]
     assert kept_one.exports == [0]

@@ -43,7 +43,7 @@ import dataclasses
 import itertools
 import uuid
 import weakref
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Self
@@ -1067,7 +1067,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
 
 
 # Per ``SharedParameters`` buffer, the indexes of its segments.
-_SegmentsByOwner = weakref.WeakKeyDictionary[SharedParameters, set[int]]
+_SegmentsByOwner = weakref.WeakKeyDictionary[SharedParameters, frozenset[int]]
 
 
 class _SharedInSync:
@@ -1088,19 +1088,22 @@ class _SharedInSync:
         """Whether the workers ended the last sync holding every segment
         ``part`` names mapped."""
         kept = self._kept.get(part.owner)
-        return kept is not None and kept.issuperset(part.segments)
+        segments = part.segment_set
+        return kept is not None and (kept is segments or segments <= kept)
 
     def use(self, part: SegmentPart) -> None:
-        owner = part.owner
+        # (Sets, compared by identity first: a whole sync resent by id names
+        # the same part, and so the same set, sync after sync.)
+        owner, segments = part.owner, part.segment_set
         used = self.used.get(owner)
-        if used is None:
-            used = self.used[owner] = set()
-        kept: Collection[int] = self._kept.get(owner, ())
-        for i in part.segments:
-            if i not in used:
-                if i not in kept:
-                    owner.export_anew(i)
-                used.add(i)
+        if used is not None and (used is segments or segments <= used):
+            return
+        kept = self._kept.get(owner)
+        if kept is not segments:
+            new = segments if used is None else segments - used
+            for i in new if kept is None else new - kept:
+                owner.export_anew(i)
+        self.used[owner] = segments if used is None else used | segments
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ its tensors (make a new source after changing the module's structure).
 from __future__ import annotations
 
 import bisect
+import functools
 import operator
 import threading
 import weakref
@@ -106,6 +107,12 @@ class SegmentPart:
     offsets: list[int]
     indexes: list[int] | None  # None: the owner has one segment
     spans: tuple[tuple[int, int], ...]
+
+    @functools.cached_property
+    def segment_set(self) -> frozenset[int]:
+        """``segments`` as a set (made once per part: a whole sync resent
+        by id names the same part every time)."""
+        return frozenset(self.segments)
 
     def fields(self) -> dict[str, list[int]]:
         """The message's ``offsets`` and, over several segments,
