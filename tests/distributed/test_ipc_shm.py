@@ -60,6 +60,26 @@ def test_close_unlinks_and_a_mapping_outlives_the_unlink():
     reader.close()
 
 
+def test_a_view_that_outlives_close_still_reads_its_memory():
+    """Closing either side lets go of its mapping but never unmaps it under a
+    view that is still alive (``torch.frombuffer`` does not pin the mapping,
+    so ``mmap.close`` would have succeeded and left the view dangling); the
+    memory goes with the last view."""
+    buf = SharedMemoryBuffer(4096)
+    assert buf.tensor is not None
+    written = buf.tensor[:8]
+    written.fill_(5)
+    reader = MappedSegment(buf.handle)
+    assert reader.tensor is not None
+    read = reader.tensor[:8]
+    reader.close()
+    buf.close()
+    assert not os.path.exists(os.path.join(SHM_DIR, buf.name))
+    assert read.tolist() == [5] * 8 and written.tolist() == [5] * 8
+    written.fill_(6)  # the same pages: both views see it
+    assert read.tolist() == [6] * 8
+
+
 def test_segments_are_private_to_the_owner():
     with SharedMemoryBuffer(8) as buf:
         mode = os.stat(os.path.join(SHM_DIR, buf.name)).st_mode & 0o777

@@ -20,7 +20,10 @@ Lifetime: the trainer owns the file. ``SharedMemoryBuffer.close()`` drops the
 mapping and unlinks the file (also on error, via ``with``, when the buffer is
 garbage collected, and at interpreter exit); a worker's mapping stays valid
 after the unlink until the worker closes it, so nothing is freed under a
-reader. Only a trainer killed with SIGKILL leaves a file behind; its name
+reader. Neither side calls ``mmap.close``: a tensor from ``torch.frombuffer``
+references the mapping without pinning it, so closing it under a live view
+would leave that view pointing at unmapped memory. Each mapping is unmapped
+when its last view goes. Only a trainer killed with SIGKILL leaves a file behind; its name
 starts with ``vllm-wt-`` and carries the trainer's pid.
 """
 
@@ -63,10 +66,12 @@ def _unlink(path: str) -> None:
 
 
 def _release(mapping: mmap.mmap, path: str) -> None:
-    # A view that still exports the buffer keeps the mapping alive until it
-    # goes; unlinking frees the file's name either way.
-    with contextlib.suppress(BufferError):
-        mapping.close()
+    # The mapping is never closed here: tensors made by ``torch.frombuffer``
+    # hold a reference to it but no buffer export, so ``mmap.close`` would
+    # succeed and leave any view still alive pointing at unmapped memory.
+    # Dropping this reference unmaps it once the last view is gone;
+    # unlinking frees the file's name now.
+    del mapping
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
 
@@ -99,16 +104,17 @@ class SharedMemoryBuffer:
         return ShmHandle(name=self.name, nbytes=self.nbytes)
 
     def close(self) -> None:
-        """Unmap and unlink (only unlink after ``outlive_views``). Idempotent.
-        Views of ``tensor`` must be gone."""
+        """Unlink the name and let go of the mapping, which is unmapped once
+        no view of ``tensor`` is left (a view kept by mistake stays valid
+        memory, never a dangling pointer). Idempotent."""
         self.tensor = None
         self._finalizer()
 
     def outlive_views(self) -> None:
-        """Hand the mapping to the views of ``tensor``: it is unmapped when the
-        last of them goes, and ``close()`` (or garbage collection of this
-        object) only unlinks the name. For memory that tensors keep using,
-        such as parameters placed in the segment."""
+        """Say that views of ``tensor`` are meant to outlive this object (the
+        parameters placed in the segment): ``close()`` (or garbage collection
+        of this object) only unlinks the name, and the mapping goes with the
+        last view, as it does in every case."""
         if self._finalizer.detach() is not None:
             self._finalizer = weakref.finalize(self, _unlink, _path(self.name))
 
@@ -206,11 +212,12 @@ class MappedSegment:
             )
 
     def close(self) -> None:
+        # The mapping is dropped, not closed: it is unmapped with the last
+        # view of ``tensor`` (a view that outlives this, say in a traceback,
+        # must never read unmapped memory or, worse, a segment mapped later
+        # at the same address).
         self.tensor = None
-        if self._mapping is not None:
-            mapping, self._mapping = self._mapping, None
-            with contextlib.suppress(BufferError):  # else released with its last view
-                mapping.close()
+        self._mapping = None
         if self._fd is not None:
             self._fd = None
             self._finalizer()
