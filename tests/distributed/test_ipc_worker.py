@@ -650,6 +650,30 @@ def _send_acting_midway(engine, trainer, act) -> None:
     ).send_weights()
 
 
+@pytest.mark.parametrize("keep", [False, None], ids=["per-tensor", "bound-kept"])
+def test_served_tensors_given_new_storage_are_planned_again_not_written_stale(keep):
+    """The served parameters keep their objects but get new storages
+    (``Module._apply``, as ``.to()`` or an offload and restore does): the
+    next planned sync plans again and writes the new memory; it never
+    writes the old storage through views (or a copy program) cut from it,
+    which the read-back would have agreed with."""
+    target = planned_ready(0)
+    engine = make_engine(target, landing="planned")
+    checked = dict(verify_checksums=True, keep_packed_buffer=keep)
+    push(engine, TinyNet(1), **checked)
+    push(engine, TinyNet(2), **checked)
+    first = engine.landing_plan
+    target._apply(lambda t: t.clone())
+    assert first is not None and not first.still_bound()
+    trainer = TinyNet(3)
+    push(engine, trainer, **checked)
+    assert engine.fence_status["state"] == "committed"
+    assert engine.landing_plan is not first
+    served = dict(target.named_parameters())
+    for name, want in state(trainer).items():
+        assert torch.equal(served[name], want), name
+
+
 def test_a_forward_pass_during_a_planned_landing_fences():
     """Bytes copied straight into served tensors cannot be put back: a
     forward pass while the update is open fences the engine, naming why."""

@@ -152,8 +152,19 @@ def test_an_update_with_part_of_a_direct_layer_is_refused():
         lambda m: m.kept.__dict__.__setitem__("weight", _param(4)),
         lambda m: delattr(m.kept, "weight"),
         lambda m: setattr(m.toy.norm, "weight", _param(4)),
+        # The same objects in new memory (``.to()``, an offload and restore).
+        lambda m: m._apply(lambda t: t.clone()),
+        lambda m: setattr(m.kept.weight, "data", m.kept.weight.data.clone()),
     ],
-    ids=["setattr", "parameters dict", "shadowed", "deleted", "another module"],
+    ids=[
+        "setattr",
+        "parameters dict",
+        "shadowed",
+        "deleted",
+        "another module",
+        "new storages",
+        "param.data",
+    ],
 )
 def test_a_replaced_served_tensor_unbinds_the_plan(replace):
     model = Mixed()

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -66,6 +66,7 @@ from vllm.distributed.weight_transfer.sharded_rdt_ops import (
     bit_pattern,
     dtype_name,
     replay,
+    tensor_place,
 )
 from vllm.distributed.weight_transfer.sharded_rdt_plan import Region, SliceCopy
 from vllm.distributed.weight_transfer.update_completeness import (
@@ -132,6 +133,10 @@ class CodesLanding:
     writers: dict[str, frozenset[str]]
     # (module, parameter name, tensor) of every served tensor written.
     targets: list[tuple[torch.nn.Module, str, torch.Tensor]]
+    # ``tensor_place`` of each target when the views were cut.
+    _bound_places: list[tuple] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
 
     @cached_property
     def names(self) -> frozenset[str]:
@@ -280,6 +285,7 @@ class CodesLanding:
             writers={m: frozenset(n) for m, n in writers.items()},
             targets=list(targets.values()),
         )
+        landing._bound_places = [tensor_place(t) for _, _, t in landing.targets]
         logger.info(
             "FP8 codes land straight in %d served layer(s) (%d bytes per sync)",
             len(writers),
@@ -335,8 +341,12 @@ class CodesLanding:
         return out
 
     def still_bound(self) -> bool:
-        """Whether every served tensor written is still the one its layer holds."""
-        return all(getattr(m, p, None) is t for m, p, t in self.targets)
+        """Whether every served tensor written is still the one its layer
+        holds, in the memory the views were cut from."""
+        return (
+            all(getattr(m, p, None) is t for m, p, t in self.targets)
+            and [tensor_place(t) for _, _, t in self.targets] == self._bound_places
+        )
 
     @torch.no_grad()
     def land(self, name: str, tensor: torch.Tensor) -> None:

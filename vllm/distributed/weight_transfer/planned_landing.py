@@ -56,6 +56,7 @@ from vllm.distributed.weight_transfer.sharded_rdt_ops import (
     SliceSpec,
     bit_pattern,
     replay_slice,
+    tensor_place,
 )
 from vllm.distributed.weight_transfer.sharded_rdt_plan import SliceCopy, WorkerPlan
 from vllm.distributed.weight_transfer.sharded_rdt_reload import region_view
@@ -104,6 +105,10 @@ class LandingPlan:
     # function of the names, and a sync usually sends the same ones).
     _passed_whole: set[str] | None = field(
         default=None, init=False, repr=False, compare=False
+    )
+    # ``tensor_place`` of each target when the views were cut.
+    _bound_places: list[tuple] = field(
+        default_factory=list, init=False, repr=False, compare=False
     )
 
     @cached_property
@@ -188,6 +193,7 @@ class LandingPlan:
             _targets=targets,
             served=served,
         )
+        landing._bound_places = [tensor_place(t) for _, _, t in targets]
         logger.info(
             "planned landing for %s: %d of %d checkpoint tensors (%d bytes) land "
             "straight in %d served module(s); %d module(s) go through the "
@@ -210,12 +216,15 @@ class LandingPlan:
 
     def still_bound(self) -> bool:
         """Whether every bound view still belongs to the tensor that serves:
-        each target is still what ``getattr(module, name)`` returns."""
+        each target is still what ``getattr(module, name)`` returns, and its
+        memory is still the memory the views were cut from (a tensor whose
+        storage was swapped keeps its identity, not its address)."""
         params, shadows, keys, tensors, others = self._held
         return (
             all(map(operator.is_, map(dict.get, params, keys), tensors))
             and not any(map(operator.contains, shadows, keys))
             and all(getattr(m, p, None) is t for m, p, t in others)
+            and [tensor_place(t) for _, _, t in self._targets] == self._bound_places
         )
 
     @cached_property

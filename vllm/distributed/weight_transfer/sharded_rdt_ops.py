@@ -306,3 +306,11 @@ def bit_pattern(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.is_floating_point() and tensor.element_size() in _BITS_OF_SIZE:
         return tensor.view(_BITS_OF_SIZE[tensor.element_size()])
     return tensor
+
+
+def tensor_place(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """Where ``tensor``'s elements are: its address, shape and strides. The
+    same tensor object after ``param.data = ...``, ``Module.to`` or
+    ``torch.utils.swap_tensors`` answers differently, so a binding that
+    recorded it can tell its views were cut from memory no longer served."""
+    return tensor.data_ptr(), tuple(tensor.shape), tensor.stride()

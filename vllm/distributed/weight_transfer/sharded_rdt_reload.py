@@ -341,8 +341,10 @@ class ChunkLander:
             self._any_buffer[index] = batch
         if batch.program is None or batch.origin is None:
             return batch
-        if not self._holds_chunk(index, data) or not batch.program.can_shift(
-            data.data_ptr() - batch.origin
+        if (
+            not self._holds_chunk(index, data)
+            or not self._same_device(batch, data)
+            or not batch.program.can_shift(data.data_ptr() - batch.origin)
         ):
             return one_by_one
         return batch
@@ -356,6 +358,12 @@ class ChunkLander:
             and data.is_contiguous()
             and data.numel() == self.pulls.chunks[index].nbytes
         )
+
+    @staticmethod
+    def _same_device(batch: _DirectBatch, data: torch.Tensor) -> bool:
+        """Whether ``data`` is on the device ``batch``'s program reads from
+        (a shift between addresses of two devices means nothing)."""
+        return batch.program is not None and data.device == batch.program.device
 
     def _bind_direct(self, index: int, data: torch.Tensor) -> _DirectBatch:
         """Chunk ``index``'s direct copies bound to ``data`` and the served

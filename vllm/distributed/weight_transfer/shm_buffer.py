@@ -23,8 +23,8 @@ after the unlink until the worker closes it, so nothing is freed under a
 reader. Neither side calls ``mmap.close``: a tensor from ``torch.frombuffer``
 references the mapping without pinning it, so closing it under a live view
 would leave that view pointing at unmapped memory. Each mapping is unmapped
-when its last view goes. Only a trainer killed with SIGKILL leaves a file behind; its name
-starts with ``vllm-wt-`` and carries the trainer's pid.
+when its last view goes. Only a trainer killed with SIGKILL leaves a file
+behind; its name starts with ``vllm-wt-`` and carries the trainer's pid.
 """
 
 from __future__ import annotations
