@@ -326,15 +326,49 @@ def test_a_name_sent_twice_is_refused_before_the_commit():
     assert_state(target, before)
 
 
+def test_a_layer_lacking_a_tensor_is_refused_before_the_commit():
+    """Layers load into their shadows while staging, so a layer the update
+    touches without all of its tensors is found at prepare: refused, the old
+    weights serving, nothing fenced."""
+    target, before, engine, session = open_update()
+    session.load(
+        [
+            ("a.bias", torch.ones(6)),
+            ("b.weight", torch.ones(3, 6)),
+            ("b.bias", torch.ones(3)),
+        ]
+    )
+    assert session.layers_processed_while_staging == 1  # b, not a
+    with pytest.raises(Exception, match="a.weight"):
+        engine.finish_weight_update()
+    assert engine.fence_status["state"] != "fenced"
+    assert_state(target, before)
+
+
 def test_a_failure_inside_the_commit_fences():
-    """The one failure staging cannot undo: the commit itself (here a layer
-    that lacks a parameter, which only the model's loader can tell)."""
+    """The one failure staging cannot undo: the commit itself. Through the
+    reload commit (no shadow layers), a layer that lacks a parameter is only
+    found by the model's loader, inside the commit."""
     _, _, engine, session = open_update()
+    session._shadow = None  # the commit vLLM's layerwise reload runs
     session.load([("a.bias", torch.ones(6)), ("b.weight", torch.ones(3, 6))])
     with pytest.raises(Exception, match="without all of their parameters"):
         engine.finish_weight_update()
     status = engine.fence_status
     assert status["state"] == "fenced", status
+
+
+def test_a_failure_while_swapping_in_the_shadow_layers_fences(monkeypatch):
+    _, _, engine, session = open_update()
+
+    def fail() -> None:
+        raise RuntimeError("injected at the swap")
+
+    session.load([(n, torch.ones_like(t)) for n, t in state(engine.model).items()])
+    monkeypatch.setattr(session._shadow, "commit", fail)
+    with pytest.raises(RuntimeError, match="injected at the swap"):
+        engine.finish_weight_update()
+    assert engine.fence_status["state"] == "fenced"
 
 
 def test_twenty_failed_syncs_leave_no_staging_behind():

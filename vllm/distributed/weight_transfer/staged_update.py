@@ -57,6 +57,7 @@ from vllm.distributed.weight_transfer.layerwise_session import (
     DirectLanding,
     LayerwiseReloadSession,
 )
+from vllm.distributed.weight_transfer.shadow_layers import ShadowLayers
 from vllm.distributed.weight_transfer.update_calls import UpdateCalls
 from vllm.distributed.weight_transfer.update_completeness import FusedGroups
 from vllm.logger import init_logger
@@ -122,6 +123,7 @@ class StagedUpdate:
         model_device: torch.device,
         timeout_s: float | None = None,
         free_memory: Callable[[torch.device], int] | None = None,
+        process_while_staging: bool | None = None,
     ) -> None:
         self.model = model
         self.model_config = model_config
@@ -144,6 +146,16 @@ class StagedUpdate:
         # Work running on a thread while the engine serves, and its stop flag.
         self._background: tuple[threading.Thread, threading.Event] | None = None
         self._background_error: BaseException | None = None
+        # Layers loaded and processed while staging (``shadow_layers``); by
+        # default on vLLM CPU, where staging and the model share host memory.
+        if process_while_staging is None:
+            process_while_staging = model_device.type == "cpu"
+        self._shadow = ShadowLayers(model) if process_while_staging else None
+        # Names staged whole for the reload at the commit (this update).
+        self._reload_names = 0
+        # What the last commit did: layers swapped in from their shadows and
+        # tensors landed through the reload (kept after the commit).
+        self.committed: dict[str, int] = {}
 
     # -- state the worker engine reads ----------------------------------------
 
@@ -232,11 +244,35 @@ class StagedUpdate:
         weights: Iterable[tuple[str, torch.Tensor]],
         foreign_storages: set[int] | None = None,
     ) -> None:
-        """Stage checkpoint-format tensors by name (the ``ipc`` path). The
-        copies are owned, so ``foreign_storages`` never needs copying later."""
-        del foreign_storages  # every staged tensor is a copy already
-        staged = self._stage_all(weights, "load()")
-        self.defer(lambda session: session.load(staged))
+        """Stage checkpoint-format tensors by name (the ``ipc`` path). Tensors
+        of layers that can be processed apart from the served ones load into
+        their shadow layers now (each layer is processed once all its tensors
+        arrived); the others are copied into staging and reload at the commit.
+        Nothing kept refers to ``foreign_storages``."""
+        del foreign_storages  # shadows and staging hold copies only
+        self._check_open("load()")
+        self.check_deadline("load()")
+        weights = list(weights)
+        self.receive_names(name for name, _ in weights)
+        shadow = self._shadow
+        if shadow is not None:
+            early = [w for w in weights if shadow.takes(w[0])]
+            if early:
+                weights = [w for w in weights if not shadow.takes(w[0])]
+                nbytes = sum(t.numel() * t.element_size() for _, t in early)
+                self.expect(nbytes, "the layers processed while staging")
+                shadow.load(early)
+                self.staged_bytes += nbytes
+        if weights:
+            staged = [(name, self.stage(tensor, name)) for name, tensor in weights]
+            self._reload_names += len(staged)
+            self.defer(lambda session: session.load(staged))
+
+    @property
+    def layers_processed_while_staging(self) -> int:
+        """Layers of this update already loaded and processed in their shadows,
+        which the commit only copies and swaps in."""
+        return 0 if self._shadow is None else self._shadow.layers_processed
 
     def load_planned(
         self, landing: StagedDirectLanding, weights: Iterable[tuple[str, torch.Tensor]]
@@ -265,15 +301,6 @@ class StagedUpdate:
                 landing, names, land_all, "the commit's planned landing"
             )
         )
-
-    def _stage_all(
-        self, weights: Iterable[tuple[str, torch.Tensor]], what: str
-    ) -> list[tuple[str, torch.Tensor]]:
-        self._check_open(what)
-        self.check_deadline(what)
-        weights = list(weights)
-        self.receive_names(name for name, _ in weights)
-        return [(name, self.stage(tensor, name)) for name, tensor in weights]
 
     def in_background(self, work: Callable[[threading.Event], None], name: str) -> None:
         """Run ``work(stop)`` on a thread while the engine keeps serving.
@@ -310,6 +337,8 @@ class StagedUpdate:
                 self.model, getattr(self.model_config, "hf_config", None)
             )
             groups.check(self._calls.received)
+        if self._shadow is not None:
+            self._shadow.check()
         self._prepared = True
 
     def finish(self) -> None:
@@ -318,6 +347,10 @@ class StagedUpdate:
         if not self._prepared:
             self.prepare()
         self._join_background(stop=False)
+        self.committed = {
+            "shadow_layers": self.layers_processed_while_staging,
+            "tensors_reloaded": self._reload_names,
+        }
         try:
             if self._lands:
                 session = LayerwiseReloadSession(self.model, self.model_config)
@@ -332,6 +365,9 @@ class StagedUpdate:
                 except BaseException as e:
                     session.abort(f"the commit failed: {type(e).__name__}: {e}")
                     raise
+            if self._shadow is not None:
+                # Checked at prepare: copies of equal shapes and attribute sets.
+                self._shadow.commit()
         finally:
             self._committing = None
             self._release()
@@ -384,6 +420,9 @@ class StagedUpdate:
 
     def _release(self) -> None:
         self._lands = []
+        self._reload_names = 0
+        if self._shadow is not None:
+            self._shadow.close()
         self._calls.received = set()
         self._prepared = False
         self.staged_bytes = 0

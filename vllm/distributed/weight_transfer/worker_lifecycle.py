@@ -113,6 +113,8 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._session: UpdateSession | None = None
+        # What the last staged commit did (``StagedUpdate.committed``).
+        self.last_staged_commit: dict[str, int] = {}
         # Created on first use (``_make_publication`` may query the device).
         self._pub: WorkerPublication | None = None
         # Set once a weight of the open update was handed to the model.
@@ -414,6 +416,7 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
                 session.finish()
         else:
             session.finish()
+        self.last_staged_commit = dict(session.committed)
 
     def _session_aborted(self, reason: str, landed: bool) -> None:
         """The session aborted itself (a forward pass during landing, or the

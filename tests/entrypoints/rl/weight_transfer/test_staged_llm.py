@@ -115,6 +115,13 @@ def test_generation_during_the_transfer_serves_the_old_weights(rig: Rig):
     assert rig.llm.get_weight_version() == "s2"
     rig.assert_serves_trainer()
     assert rig.fence()["state"] == "committed"
+    # Every layer was loaded and processed in its shadow while the engine
+    # served (the packed CPU GEMM handles built then); the commit only copied
+    # and swapped them in, reloading nothing.
+    (staging,) = rig.llm.collective_rpc(worker_staging)
+    committed = staging["committed"]
+    assert committed["tensors_reloaded"] == 0, committed
+    assert committed["shadow_layers"] >= 6, committed
 
 
 def test_requests_in_flight_switch_versions_at_the_commit(rig: Rig):
@@ -371,6 +378,11 @@ def test_moe_tp2_serves_the_old_weights_until_the_commit_and_survives_a_failure(
         assert any(n.endswith("input_layernorm.weight") for n in direct), direct
         assert not any(".experts." in n for n in direct)
         assert state["reloaded"] and all(".experts" in m for m in state["reloaded"])
+    # The experts are the commit's only reload: no layer qualifies for a shadow
+    # beyond those the plan lands directly.
+    for staging in rig.llm.collective_rpc(worker_staging):
+        assert staging["committed"]["tensors_reloaded"] > 0, staging
+        assert staging["committed"]["shadow_layers"] == 0, staging
 
 
 # ---------------------------------------------------------------------------
@@ -437,3 +449,7 @@ def test_dense_tp2_serves_the_old_weights_until_the_commit_and_survives_a_failur
     rig.assert_serves_trainer()
     for status in rig.llm.collective_rpc(worker_fence_status):
         assert status["state"] == "committed", status
+    # Each worker processed its shard of every layer while staging.
+    for staging in rig.llm.collective_rpc(worker_staging):
+        committed = staging["committed"]
+        assert committed["tensors_reloaded"] == 0 < committed["shadow_layers"]

@@ -114,14 +114,18 @@ def fail_stage_once(worker: Any, call: int) -> None:
 
 def worker_staging(worker: Any) -> dict[str, Any]:
     """For ``llm.collective_rpc``: the bytes the worker engine holds in
-    staging, whether an update is open, and the process's resident bytes."""
+    staging, whether an update is open, the process's resident bytes, and
+    what the last staged commit did (``StagedUpdate.committed``: layers
+    swapped in from their shadows, tensors landed through the reload)."""
     import psutil
 
-    session = worker.weight_transfer_engine._session
+    engine = worker.weight_transfer_engine
+    session = engine._session
     return {
         "staged_bytes": getattr(session, "staged_bytes", 0) if session else 0,
         "open": bool(session is not None and session.is_open),
         "rss": psutil.Process().memory_info().rss,
+        "committed": dict(getattr(engine, "last_staged_commit", {})),
     }
 
 
