@@ -18,19 +18,27 @@ changed (the CPU GEMM handle, ``cpu_linear``) on the served layer.
 
 Which layers qualify: those whose processing is known to touch nothing but the
 layer itself: no quantization method and no processing of their own (norms,
-parameterless modules), vLLM's unquantized linear and embedding methods, and
-attention layers with nothing to load. A checkpoint name is taken when the
+parameterless modules), and vLLM's unquantized linear and embedding methods,
+each with the checkpoint format vLLM recorded at load
+(``record_metadata_for_reloading``). A checkpoint name is taken when the
 module its dotted path reaches in the model, with everything below that
-module, qualifies (``takes``); the others (MoE experts, quantized layers) stay
-with the caller, which lands them through the reload at the commit. A loader
-routed to a module that does not qualify raises instead of writing: the shadow
-of such a module holds meta tensors only, so nothing of the served model can be
-written before the commit.
+module, qualifies (``takes``); attention layers below it do not disqualify it
+(they have no weights of their own, and names ending in ``scale`` are never
+taken). The other names (MoE experts, quantized layers, scales) stay with the
+caller, which lands them through the reload at the commit. A loader routed to
+a module that does not qualify raises instead of writing: the shadow of such a
+module holds meta tensors only. Every shadow tensor is the shadow's own (meta
+until its layer's first load, then allocated), so nothing of the served model
+can be written before the commit.
 
-What it holds: each shadow layer's tensors from its first loaded tensor until
-the commit (one copy of the layers it takes, in their processed form: about
-the bytes received). Nothing is shared with the served layers except the
-objects processing only reads (configs, the quantization method).
+What it holds: each shadow layer's tensors from its layer's first loaded
+tensor until the commit, in their processed form (``bytes_held``: the
+worker's shard of each layer it takes, since vLLM's loaders slice while they
+load). Nothing is shared with the served layers except objects processing
+only reads (configs, the quantization method). A layer processed in its
+shadow is checked against the served one before the commit (``check``: every
+tensor it received, the same names, shapes and dtypes), so the commit's copies
+cannot fail half way for a reason known in advance.
 """
 
 from __future__ import annotations
@@ -157,7 +165,8 @@ class ShadowLayers:
         self._qualifies: dict[int, bool] = {}  # id(live) -> whole subtree
         self._takes: dict[str, bool] = {}
         self._checked: list[Callable[[], None]] | None = None
-        self.bytes_loaded = 0
+        # Bytes of the shadow tensors allocated so far.
+        self.bytes_held = 0
 
     # -- routing --------------------------------------------------------------
 
@@ -208,7 +217,6 @@ class ShadowLayers:
         root = self._shadow_model()
         with torch.no_grad(), disable_mtp_completeness_check():
             root.load_weights(weights=weights)  # type: ignore[operator]
-        self.bytes_loaded += sum(t.numel() * t.element_size() for _, t in weights)
 
     def _shadow_model(self) -> torch.nn.Module:
         if self._root is None:
@@ -329,8 +337,7 @@ class ShadowLayers:
         shadow_loader.__name__ = "shadow_loader"
         return shadow_loader
 
-    @staticmethod
-    def _materialize(layer: _Layer) -> None:
+    def _materialize(self, layer: _Layer) -> None:
         from vllm.model_executor.model_loader.reload.meta import (
             materialize_meta_tensor,
         )
@@ -344,6 +351,7 @@ class ShadowLayers:
                 for name, tensor in list(table.items()):
                     if tensor is not None and tensor.is_meta:
                         table[name] = materialize_meta_tensor(tensor)
+                        self.bytes_held += table[name].nbytes
         layer.materialized = True
 
     @staticmethod
@@ -403,7 +411,7 @@ class ShadowLayers:
         self._root = None
         self._layers = {}
         self._checked = None
-        self.bytes_loaded = 0
+        self.bytes_held = 0
 
 
 def _set_loader(tensor: torch.Tensor, loader: Callable) -> None:

@@ -16,18 +16,26 @@ worker engine drives it through the same calls as the in-place session:
    so that the engine keeps stepping while the bytes arrive), any number of
    times: each tensor is copied into staging
    (``where``: the model's device, or host memory, pinned on CUDA) and the
-   step that will land it is remembered. A name received twice is refused.
+   step that will land it is remembered. On vLLM CPU (``process_while_staging``)
+   ``load`` first hands the tensors of layers that can be processed apart from
+   the served ones to ``shadow_layers.ShadowLayers``: they load into shadows
+   of their layers, and each layer is processed (its CPU GEMM handle built) in
+   the call that completes it, so the commit only copies and swaps it in.
+   A name received twice is refused.
    Staging is counted against the memory the worker has free; a transfer
    that would not fit is refused before it is copied (``StagingDoesNotFit``).
 3. ``prepare()`` (from the trainer's prepare message, or at the start of
    ``finish``): waits for the background work and re-raises its failure,
    then checks, by name only, that the update covers every fused group it
-   touches. A refusal here leaves the model untouched.
+   touches, and that every shadow layer received all its tensors and fits
+   the served layer (``ShadowLayers.check``). A refusal here leaves the model
+   untouched.
 4. ``finish()`` (from ``finish_weight_update``): the commit. A layerwise reload
    session lands every staged tensor in order (planned ones by one copy into
-   the served tensor) and processes each reloaded layer, all
-   inside this one call, so no engine step runs between the first and the
-   last layer. Staging is released afterwards, whatever happened.
+   the served tensor) and processes each reloaded layer, then the shadow
+   layers are copied and swapped in, all inside this one call, so no engine
+   step runs between the first and the last layer. Staging is released
+   afterwards, whatever happened.
    ``abort(reason)`` before the commit stops the background work and drops
    the staging: the served weights were never touched. A failure inside the
    commit is handled like an in-place failure (layers that did not complete
@@ -41,7 +49,8 @@ What staging costs: every byte this worker keeps of what it receives, in the
 dtype it arrives in, once (``staged_bytes``). For ``sharded_rdt`` that is
 exactly the bytes of this worker's pull plan. For ``ipc``, whose workers
 receive whole tensors, it is the planned slices of the names a planned
-landing copies directly (the worker's TP shard of them), and every other
+landing copies directly (the worker's TP shard of them), the worker's shard of
+each layer processed in a shadow (in its processed form), and every other
 tensor whole, since the layerwise reload slices those when it loads them.
 """
 
@@ -261,8 +270,9 @@ class StagedUpdate:
                 weights = [w for w in weights if not shadow.takes(w[0])]
                 nbytes = sum(t.numel() * t.element_size() for _, t in early)
                 self.expect(nbytes, "the layers processed while staging")
+                held = shadow.bytes_held
                 shadow.load(early)
-                self.staged_bytes += nbytes
+                self.staged_bytes += shadow.bytes_held - held
         if weights:
             staged = [(name, self.stage(tensor, name)) for name, tensor in weights]
             self._reload_names += len(staged)
