@@ -128,24 +128,32 @@ class Rig:
 def rig(request, tmp_path_factory):
     """TP 1 and TP 2: at TP 2 each worker maps the trainer's buffer itself and
     vLLM's LoRA layers take each worker's slice of the whole adapter."""
-    tp = request.param
+    yield from lora_rig(
+        tmp_path_factory, "adapters", tensor_parallel_size=request.param
+    )
+
+
+def lora_rig(tmp_path_factory, folder: str, tensor_parallel_size: int = 1, **engine):
+    """A ``Rig`` over a tiny Qwen3 engine with LoRA (``engine`` adds to
+    ``tiny_llm``'s arguments), shut down when the fixture ends."""
     model_dir = build_tiny_model(TinyModelSpec(arch="qwen3"))
     with pytest.MonkeyPatch.context() as env:
         # collective_rpc(fn) pickles fn (the fence status read by a test).
         env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        if tp > 1:
+        if tensor_parallel_size > 1:
             # One core per TP worker (vLLM CPU binds per NUMA node otherwise).
             env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
         llm = tiny_llm(
             model_dir,
-            tensor_parallel_size=tp,
+            tensor_parallel_size=tensor_parallel_size,
             enable_lora=True,
             max_lora_rank=MAX_RANK,
             max_loras=2,
             max_cpu_loras=8,
+            **engine,
         )
         try:
-            yield Rig(llm, model_dir, tmp_path_factory.mktemp("adapters"))
+            yield Rig(llm, model_dir, tmp_path_factory.mktemp(folder))
         finally:
             llm.llm_engine.engine_core.shutdown()
 
@@ -416,21 +424,7 @@ def rdt_rig(tmp_path_factory):
     """A ``sharded_rdt``-configured engine (TP 1) with LoRA: the engine a
     trainer on another machine drives. Its workers map no trainer buffer, so
     adapters reach it only as pulls."""
-    model_dir = build_tiny_model(TinyModelSpec(arch="qwen3"))
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        llm = tiny_llm(
-            model_dir,
-            backend="sharded_rdt",
-            enable_lora=True,
-            max_lora_rank=MAX_RANK,
-            max_loras=2,
-            max_cpu_loras=8,
-        )
-        try:
-            yield Rig(llm, model_dir, tmp_path_factory.mktemp("rdt-adapters"))
-        finally:
-            llm.llm_engine.engine_core.shutdown()
+    yield from lora_rig(tmp_path_factory, "rdt-adapters", backend="sharded_rdt")
 
 
 def test_a_sharded_rdt_engine_serves_pulled_adapters_and_refuses_handles(rdt_rig):

@@ -102,6 +102,28 @@ class AfterEachMessage:
         self.then()
 
 
+class StagingWatch:
+    """A sync client (``client``) that, after every update message it
+    forwards, generates (``during``) and reads each worker's staged bytes
+    (``staged``), as an engine that keeps serving would between messages."""
+
+    def __init__(self, rig: Rig) -> None:
+        self.rig = rig
+        self.during: list[GreedyResult] = []
+        self.staged: list[int] = []
+        self.client = AfterEachMessage(rig.client(), self._look)
+
+    def _look(self) -> None:
+        self.during.append(self.rig.greedy())
+        workers = self.rig.llm.collective_rpc(worker_staging)
+        self.staged.extend(s["staged_bytes"] for s in workers)
+
+    def assert_old_weights_served(self, before: GreedyResult) -> None:
+        assert self.client.messages >= 3, "the sync should span several messages"
+        for result in self.during:
+            assert_bit_identical(result, before, what="generation during the transfer")
+
+
 def test_generation_during_the_transfer_serves_the_old_weights(rig: Rig):
     rig.push(seed=1, version="s1")
     before = vllm_greedy(rig.llm)
@@ -350,24 +372,15 @@ def test_moe_tp2_serves_the_old_weights_until_the_commit_and_survives_a_failure(
 
     # Generation between every message serves the old weights; the commit
     # switches both workers to the trainer's.
-    during: list[GreedyResult] = []
-    staged: list[int] = []
-
-    def between_messages() -> None:
-        during.append(rig.greedy())
-        staged.extend(s["staged_bytes"] for s in rig.llm.collective_rpc(worker_staging))
-
-    client = AfterEachMessage(rig.client(), between_messages)
-    moe_trainer(rig, client=client).send_weights(weight_version="m2")
-    assert client.messages >= 3
-    for result in during:
-        assert_bit_identical(result, before, what="generation during the transfer")
+    watch = StagingWatch(rig)
+    moe_trainer(rig, client=watch.client).send_weights(weight_version="m2")
+    watch.assert_old_weights_served(before)
     assert rig.llm.get_weight_version() == "m2"
     rig.assert_serves_trainer()
     # Each worker staged its own shard of the planned tensors (and the
     # experts whole), never the whole model.
     whole = sum(p.numel() * p.element_size() for p in rig.model.parameters())
-    assert 0 < max(staged) < whole, (max(staged), whole)
+    assert 0 < max(watch.staged) < whole, (max(watch.staged), whole)
 
     # Each worker's commit copied the attention, norms and embeddings from
     # staging straight into its served tensors; only the experts reloaded.
@@ -432,19 +445,10 @@ def test_dense_tp2_serves_the_old_weights_until_the_commit_and_survives_a_failur
 
     # Generation between every message serves the old weights while both
     # workers stage; the commit switches both to the trainer's weights.
-    during: list[GreedyResult] = []
-    staged: list[int] = []
-
-    def between_messages() -> None:
-        during.append(rig.greedy())
-        staged.extend(s["staged_bytes"] for s in rig.llm.collective_rpc(worker_staging))
-
-    client = AfterEachMessage(rig.client(), between_messages)
-    rig.trainer(client=client).send_weights(weight_version="d2")
-    assert client.messages >= 3
-    for result in during:
-        assert_bit_identical(result, before, what="generation during the transfer")
-    assert min(staged) >= 0 and max(staged) > 0, staged
+    watch = StagingWatch(rig)
+    rig.trainer(client=watch.client).send_weights(weight_version="d2")
+    watch.assert_old_weights_served(before)
+    assert min(watch.staged) >= 0 and max(watch.staged) > 0, watch.staged
     assert rig.llm.get_weight_version() == "d2"
     rig.assert_serves_trainer()
     for status in rig.llm.collective_rpc(worker_fence_status):
