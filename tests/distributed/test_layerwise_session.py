@@ -84,3 +84,36 @@ def test_direct_writes_count_as_landed_and_forward_passes_abort_them():
     s.finish()  # the guard goes with the session
     s.model(torch.zeros(1, 2))
     assert not s.is_open and len(aborts) == 1
+
+
+def test_layers_outside_a_partial_update_keep_their_weights_without_warnings():
+    """vLLM warns "Failed to load weights" for every layer a reload did not
+    reach; in the fork's updates those layers are left out by design (landed
+    by a plan, in a shadow, or unchanged), so the warnings are dropped."""
+    import logging
+
+    from test_ipc_worker import reload_ready
+
+    model = reload_ready(0)
+    kept = model.b.weight.detach().clone()
+    records: list[logging.LogRecord] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    reload_logger = logging.getLogger(
+        "vllm.model_executor.model_loader.reload.layerwise"
+    )
+    handler = Collect(level=logging.DEBUG)
+    reload_logger.addHandler(handler)
+    try:
+        s = LayerwiseReloadSession(model, None)
+        s.start()
+        s.load([("a.weight", torch.ones(6, 4)), ("a.bias", torch.ones(6))])
+        s.finish()
+    finally:
+        reload_logger.removeHandler(handler)
+    assert torch.equal(model.a.weight, torch.ones(6, 4))
+    assert torch.equal(model.b.weight, kept)
+    assert not [r for r in records if "Failed to load weights" in r.getMessage()]

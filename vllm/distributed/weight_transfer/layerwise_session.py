@@ -27,7 +27,10 @@ Lifecycle, driven by the worker engine:
    layer's bias alone would leave its weight uninitialized); otherwise the
    session aborts and ``IncompleteUpdateError`` names what is missing. Then
    layers that got no weights go back to their kernel tensors, the rest are
-   processed (``finalize_layerwise_reload``).
+   processed (``finalize_layerwise_reload``). vLLM's "Failed to load weights"
+   warning for each layer left out is dropped (counted at debug level): the
+   fork's updates leave layers to a plan, a shadow or unchanged by design,
+   and check completeness themselves.
    ``abort(reason)`` (on any failure): every layer that did not complete goes
    back to its resident kernel tensors unchanged, so the model keeps serving;
    layers completed before the failure keep their new weights.
@@ -55,7 +58,9 @@ result is copied into the kernel tensors.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -79,6 +84,40 @@ class DirectLanding(Protocol):
 
 
 logger = init_logger(__name__)
+
+
+class _UntouchedLayers(logging.Filter):
+    """Drops vLLM's "<layer>: Failed to load weights" warnings and counts
+    them: in an update that lands only some layers through the reload (the
+    others planned, shadowed or unchanged), every other layer would warn,
+    though it keeps its weights by design and completeness is checked here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().endswith(": Failed to load weights"):
+            self.kept += 1
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def _quiet_untouched_layers() -> Iterator[None]:
+    reload_logger = logging.getLogger(
+        "vllm.model_executor.model_loader.reload.layerwise"
+    )
+    untouched = _UntouchedLayers()
+    reload_logger.addFilter(untouched)
+    try:
+        yield
+    finally:
+        reload_logger.removeFilter(untouched)
+        if untouched.kept:
+            logger.debug(
+                "%d layer(s) not in this update kept their weights", untouched.kept
+            )
 
 
 def _resetup_experts_classes() -> tuple[type, ...]:
@@ -274,7 +313,8 @@ class LayerwiseReloadSession:
                 direct.check_whole(self._calls.received)
             if self._landing:
                 self._check_layers_whole()
-                finalize_layerwise_reload(self.model, self.model_config)
+                with _quiet_untouched_layers():
+                    finalize_layerwise_reload(self.model, self.model_config)
         except BaseException as e:
             self.abort(f"{type(e).__name__}: {e}")
             raise
