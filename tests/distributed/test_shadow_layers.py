@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_ipc_worker import TinyNet
 
 from vllm.distributed.weight_transfer.shadow_layers import ShadowLayers
 from vllm.distributed.weight_transfer.update_completeness import (
@@ -53,15 +54,7 @@ class Net(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(self.b(self.a(x)))
 
-    def load_weights(self, weights):
-        params = dict(self.named_parameters())
-        for name, tensor in weights:
-            param = params[name]
-            loader = getattr(param, "weight_loader", None)
-            if loader is None:
-                param.data.copy_(tensor)
-            else:
-                loader(param, tensor)
+    load_weights = TinyNet.load_weights
 
 
 def served_net(seed: int) -> Net:

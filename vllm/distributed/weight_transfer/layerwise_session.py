@@ -68,8 +68,7 @@ import torch
 from vllm.distributed.weight_transfer.update_calls import UpdateCalls
 from vllm.distributed.weight_transfer.update_completeness import (
     FusedGroups,
-    IncompleteUpdateError,
-    first_few,
+    layers_lacking,
 )
 from vllm.logger import init_logger
 
@@ -84,6 +83,20 @@ class DirectLanding(Protocol):
 
 
 logger = init_logger(__name__)
+
+
+def load_with_model_loaders(
+    model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]
+) -> None:
+    """``model.load_weights(weights)`` as an update runs it: without autograd
+    and without vLLM's check that an MTP checkpoint is whole (an update may
+    carry part of a model)."""
+    from vllm.model_executor.model_loader.mtp_validation import (
+        disable_mtp_completeness_check,
+    )
+
+    with torch.no_grad(), disable_mtp_completeness_check():
+        model.load_weights(weights=weights)  # type: ignore[operator]
 
 
 class _UntouchedLayers(logging.Filter):
@@ -265,15 +278,10 @@ class LayerwiseReloadSession:
         weights: Iterable[tuple[str, torch.Tensor]],
         foreign_storages: set[int] | None = None,
     ) -> None:
-        from vllm.model_executor.model_loader.mtp_validation import (
-            disable_mtp_completeness_check,
-        )
-
         weights, fresh = self._admit(weights, "load()")
         self.begin_landing()
         self._calls.received |= fresh
-        with torch.no_grad(), disable_mtp_completeness_check():
-            self.model.load_weights(weights=weights)  # type: ignore[operator]
+        load_with_model_loaders(self.model, weights)
         if foreign_storages:
             self._copy_pending(foreign_storages)
 
@@ -412,13 +420,7 @@ class LayerwiseReloadSession:
             layers += bool(missing)
             lacking += missing
         if lacking:
-            raise IncompleteUpdateError(
-                f"the update touches {layers} layer(s) without all of their "
-                f"parameters; it lacks {first_few(lacking, 6)}. vLLM rebuilds a layer "
-                "from the tensors an update carries, so an update must carry "
-                "every tensor of each layer it touches (send them at their "
-                "current values where they did not change)"
-            )
+            raise layers_lacking(lacking, layers)
 
     def _hook_experts_resetup(self) -> None:
         classes = _resetup_experts_classes()

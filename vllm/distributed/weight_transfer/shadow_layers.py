@@ -52,8 +52,8 @@ from typing import Any
 import torch
 
 from vllm.distributed.weight_transfer.update_completeness import (
-    IncompleteUpdateError,
     first_few,
+    layers_lacking,
 )
 from vllm.logger import init_logger
 
@@ -208,15 +208,13 @@ class ShadowLayers:
         """Load ``weights`` (names ``takes`` accepts) into the shadows with the
         model's own ``load_weights``; every shadow layer they complete is
         processed before this returns. The tensors are not kept."""
-        from vllm.model_executor.model_loader.mtp_validation import (
-            disable_mtp_completeness_check,
+        from vllm.distributed.weight_transfer.layerwise_session import (
+            load_with_model_loaders,
         )
 
         if self._checked is not None:
             raise RuntimeError("the shadow layers were already checked for the commit")
-        root = self._shadow_model()
-        with torch.no_grad(), disable_mtp_completeness_check():
-            root.load_weights(weights=weights)  # type: ignore[operator]
+        load_with_model_loaders(self._shadow_model(), weights)
 
     def _shadow_model(self) -> torch.nn.Module:
         if self._root is None:
@@ -253,7 +251,10 @@ class ShadowLayers:
         for a qualifying module, each loading through ``_loader``; meta
         copies that refuse any load for the others."""
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-        from vllm.model_executor.model_loader.reload.meta import to_meta_tensor
+        from vllm.model_executor.model_loader.reload.meta import (
+            SKIP_TENSORS,
+            to_meta_tensor,
+        )
 
         tensors = _own_tensors(live)
         if not tensors:
@@ -265,8 +266,6 @@ class ShadowLayers:
                 _set_loader(meta, _refusing_loader(path or "the model"))
                 self._register(shadow, name, meta, name in live._buffers)
             return
-        from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
-
         layer = _Layer(live, shadow, path, torch.device(info.restore_device))
         self._layers[id(shadow)] = layer
         params, buffers = info.restore_metadata
@@ -285,11 +284,6 @@ class ShadowLayers:
                 continue
             meta = to_meta_tensor(recorded_tensor)
             original = _bound_to(shadow, _unwrapped(_loader_of(meta)), live)
-            if "param" not in inspect.signature(original).parameters:
-                raise RuntimeError(
-                    f"{path}.{name}: its weight loader takes no 'param' argument, "
-                    "so it cannot load into a shadow layer"
-                )
             _rebind(meta, live, shadow)
             _set_loader(meta, self._loader(layer, name, original))
             is_buffer = name in buffers or name in live._buffers
@@ -316,6 +310,11 @@ class ShadowLayers:
         from vllm.model_executor.model_loader.reload.meta import get_numel_loaded
 
         signature = inspect.signature(original)
+        if "param" not in signature.parameters:
+            raise RuntimeError(
+                f"{layer.path}.{name}: its weight loader takes no 'param' "
+                "argument, so it cannot load into a shadow layer"
+            )
 
         def shadow_loader(*args: Any, **kwargs: Any) -> Any:
             if layer.processed:
@@ -377,17 +376,14 @@ class ShadowLayers:
         one it will be copied into; otherwise raise with what is wrong (the
         served model is untouched either way)."""
         lacking: list[str] = []
+        layers = 0
         for layer in self._layers.values():
             if layer.loaded and not layer.processed:
                 names = _own_tensors(layer.shadow).keys() - layer.names
                 lacking += [f"{layer.path}.{n}" for n in sorted(names)] or [layer.path]
+                layers += 1
         if lacking:
-            raise IncompleteUpdateError(
-                f"the update touches layers without all of their tensors; it "
-                f"lacks {first_few(lacking, 6)}. Each layer is rebuilt from the "
-                "tensors an update carries, so an update must carry every tensor "
-                "of each layer it touches"
-            )
+            raise layers_lacking(lacking, layers)
         steps: list[Callable[[], None]] = []
         for layer in self._layers.values():
             if layer.processed:
@@ -446,8 +442,7 @@ def _rebind(tensor: torch.Tensor, live: torch.nn.Module, shadow: object) -> None
     """Point the methods ``tensor``'s attributes hold that are bound to the
     served layer at ``shadow`` instead."""
     for key, value in list(tensor.__dict__.items()):
-        if _owned_by(value, live):
-            tensor.__dict__[key] = value.__func__.__get__(shadow)
+        tensor.__dict__[key] = _bound_to(shadow, value, live)
 
 
 def _refusing_loader(path: str) -> Callable:

@@ -187,6 +187,18 @@ def partly_written(
     )
 
 
+def layers_lacking(lacking: Sequence[str], layers: int) -> IncompleteUpdateError:
+    """The error for an update that touches ``layers`` layer(s) without all
+    of their tensors (``lacking``: the tensors missing, by name)."""
+    return IncompleteUpdateError(
+        f"the update touches {layers} layer(s) without all of their "
+        f"parameters; it lacks {first_few(lacking, 6)}. vLLM rebuilds a layer "
+        "from the tensors an update carries, so an update must carry "
+        "every tensor of each layer it touches (send them at their "
+        "current values where they did not change)"
+    )
+
+
 def first_few(items: Sequence[str], n: int, sep: str = ", ") -> str:
     """The first ``n`` of ``items`` joined by ``sep``, and how many more."""
     more = f" and {len(items) - n} more" if len(items) > n else ""
