@@ -288,9 +288,13 @@ def _worker(conn, params) -> None:
     # bytes are rewritten by later chunks), summing into ``verified``.
     verify_each = False
     verified = {"copies_checked": 0, "bit_exact": True, "first_bad": []}
+    # Per planned message, when ``--phases`` asks: seconds from its arrival
+    # to parsed, mapped, bound, launched and landed (synchronized).
+    phases: list[dict[str, float]] = []
     conn.send("ready")
     while True:
         kind, payload = conn.recv()
+        arrived = time.perf_counter()
         if kind == "stop":
             return
         if kind == "zero":
@@ -326,9 +330,11 @@ def _worker(conn, params) -> None:
                 info = layouts.parse(json.loads(message))
             else:
                 info = IPCWeightTransferUpdateInfo.from_dict(json.loads(message))
+            parsed = time.perf_counter()
             # As the worker engine maps a message (a short one over kept
             # buffers reuses the last reads).
             reads = read_message(info, importer, last_reads)
+            read = time.perf_counter()
             last_reads = reads if reads.kept else None
             bufs, handles = reads.buffers, reads.handles
             if land == "planned":
@@ -352,7 +358,9 @@ def _worker(conn, params) -> None:
                     found = programs.anywhere(key[1], bufs[0], info.names, sources)
                     assert found is not None, "the buffer broke the alignment"
                     bound = found
+                launching = time.perf_counter()
                 bound()
+                launched = time.perf_counter()
                 if verify_each:
                     torch.cuda.synchronize()
                     now = _verify_planned(programs, mapped(sorted(bound.names)))
@@ -365,6 +373,17 @@ def _worker(conn, params) -> None:
                     ("left out", bound.names), partial(_left_out, bound.names)
                 )
                 torch.cuda.synchronize()
+                landed = time.perf_counter()
+                phases.append(
+                    {
+                        "parse": parsed - arrived,
+                        "map": read - parsed,
+                        "bind": launching - read,
+                        "launch": launched - launching,
+                        "after_launch_to_landed": landed - launched,
+                        "whole": landed - arrived,
+                    }
+                )
                 del bufs
                 conn.send("ok")
                 continue
@@ -390,6 +409,9 @@ def _worker(conn, params) -> None:
             if last_reads is not None and last_reads.generation != importer.generation:
                 last_reads = None
             conn.send("ok")
+        elif kind == "phases":
+            conn.send(list(phases))
+            phases.clear()
         elif kind == "mappings":
             conn.send(importer.mappings_opened)
         elif kind == "planned_verify":
@@ -437,6 +459,9 @@ class PipeClient:
         self.conn = conn
         self.land = land
         self.messages = 0  # update messages carrying tensors
+        # perf_counter at each update_weights call's send and reply, and
+        # each finish call's start and end (``--phases``)
+        self.marks: list[tuple[str, float]] = []
 
     def init_weight_transfer_engine(self, init_info) -> None:
         pass
@@ -446,13 +471,17 @@ class PipeClient:
 
     def update_weights(self, update_info) -> None:
         self.messages += 1
+        self.marks.append(("update_call", time.perf_counter()))
         self.conn.send(("fork_update", (json.dumps(update_info), self.land)))
         if _reply(self.conn) != "ok":
             raise RuntimeError("worker failed")
+        self.marks.append(("update_reply", time.perf_counter()))
 
     def finish_weight_update(self, weight_version=None) -> None:
+        self.marks.append(("finish_call", time.perf_counter()))
         self.conn.send(("fork_finish", None))
         _reply(self.conn)
+        self.marks.append(("finish_reply", time.perf_counter()))
 
 
 WORKER_TIMEOUT_S = 120.0
@@ -560,6 +589,7 @@ def bench_fork(
     )
     mapped_before = _call(conn, "mappings")
     times, peaks, steps, step_and_sync = [], [], [], []
+    timeline: list[dict[str, float]] = []
     trainer_tensors = list(tensors.values())
     for _ in range(reps):
         _call(conn, "zero")
@@ -573,6 +603,7 @@ def bench_fork(
             steps.append(time.perf_counter() - t)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+        client.marks.clear()
         t = time.perf_counter()
         if after_step:
             # The same step, left queued on the device as a trainer leaves it
@@ -580,8 +611,11 @@ def bench_fork(
             torch._foreach_add_(trainer_tensors, 1.0)
         engine.send_weights()
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+        end = time.perf_counter()
+        times.append(end - t)
         peaks.append(torch.cuda.max_memory_allocated() - base)
+        if _PHASES:
+            timeline.append(_trainer_phases(t, client.marks, end))
     if after_step:
         # What the sync adds to the step (each rep's pair; the step's time
         # is taken out).
@@ -596,6 +630,14 @@ def bench_fork(
         _call(conn, "verify_each", False)
     engine.shutdown()
     extra: dict = {}
+    if _PHASES:
+        pinned = getattr(source, "pinned", None)
+        extra["phases"] = {
+            "trainer": timeline,
+            "worker": _call(conn, "phases"),
+            # the trainer's check that no parameter moved, alone
+            "pinned_check_seconds": _time_each(pinned, 20) if pinned else None,
+        }
     if after_step:
         extra = {
             "step_seconds": steps,
@@ -616,6 +658,43 @@ def bench_fork(
         "trainer_extra_peak_bytes": max(peaks),
         "checksum": _call(conn, "checksum"),
     }
+
+
+# ``--phases``: record where each sync's time goes, trainer and worker.
+_PHASES = False
+
+
+def _trainer_phases(start: float, marks: list[tuple[str, float]], end: float) -> dict:
+    """One sync's trainer-side timeline (seconds): until the first update
+    call, in update calls (send to reply, the worker's landing included),
+    between them, in the finish call, and after it until the device is idle."""
+    out = {"before_first_update": 0.0, "in_updates": 0.0, "between": 0.0}
+    out.update(finish=0.0, after_finish=0.0, whole=end - start)
+    last = start
+    for what, at in marks:
+        if what == "update_call":
+            key = "before_first_update" if last == start else "between"
+            out[key] += at - last
+        elif what == "update_reply":
+            out["in_updates"] += at - last
+        elif what == "finish_call":
+            out["between"] += at - last
+        elif what == "finish_reply":
+            out["finish"] += at - last
+        last = at
+    out["after_finish"] = end - last
+    return out
+
+
+def _time_each(call: Callable[[], object], times: int) -> dict:
+    """Seconds per ``call()``: min and median of ``times`` calls."""
+    seconds = []
+    for _ in range(times):
+        t = time.perf_counter()
+        call()
+        seconds.append(time.perf_counter() - t)
+    seconds.sort()
+    return {"min": seconds[0], "median": seconds[len(seconds) // 2]}
 
 
 # SharedParameters placed by the shared-params modes, with the module holding
@@ -1041,7 +1120,17 @@ def main() -> None:
         help="the shared modes place the trainer's tensors in segments of at "
         "most this size (default: SharedParameters' own)",
     )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="record, per sync, where the time goes on the trainer (before, "
+        "in and between update calls, the finish call) and on the worker "
+        "(parse, map, bind, launch, land) and time the pinned check alone",
+    )
     args = parser.parse_args()
+    if args.phases:
+        global _PHASES
+        _PHASES = True
     buffer_bytes = int(args.buffer_gib * 2**30)
     only = set(args.modes.split(",")) if args.modes else None
     if args.max_segment_gib is not None:
