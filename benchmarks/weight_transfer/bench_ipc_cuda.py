@@ -49,6 +49,11 @@ into the worker's. Measured, per model:
                     step) left queued on the device; reported: what the sync
                     adds to that step (step and sync, minus the step alone
                     measured just before), against the flat copy;
+* ``..._pinned_check_first`` (adopted and placed): the same with the
+                    trainer's ``check_while_landing=False``: the source is
+                    checked (every parameter read, 3-10 ms for 9,435) before
+                    each short message instead of on a helper thread while
+                    the workers land it;
 * ``fork_shared_params_planned_one_chunk``: the same with a packed-buffer cap
                     above the model's size, so one message carries every
                     tensor (nothing is packed, so the cap allocates nothing):
@@ -622,6 +627,7 @@ def bench_fork(
         step_and_sync = times
         times = [both - step for both, step in zip(times, steps, strict=True)]
     assert engine.last_plan is not None
+    checked_meanwhile = engine.checked_while_landing
     checked: dict = {}
     if verify_each:  # one more sync, each chunk checked as it lands
         _call(conn, "verify_each", True)
@@ -654,6 +660,8 @@ def bench_fork(
         # SharedParameters: chunks in the one allocation travel as one message
         "messages_per_sync": client.messages / (reps + verify_each),
         "overlapped": engine.last_plan.overlapped,
+        # syncs whose pinned source was checked while the workers landed
+        "checked_while_landing": checked_meanwhile,
         "buffer_cap_bytes": buffer_bytes,
         "trainer_extra_peak_bytes": max(peaks),
         "checksum": _call(conn, "checksum"),
@@ -733,6 +741,7 @@ def bench_shared_params(
     pinned: bool = False,
     after_step: bool = False,
     adopt: bool = False,
+    check_while_landing: bool = True,
 ) -> dict:
     """The trainer's tensors placed in one CUDA allocation
     (``SharedParameters``): each chunk names it, nothing is packed, and the
@@ -747,7 +756,9 @@ def bench_shared_params(
     ``adopt``: the tensors are shared where they are instead
     (``SharedParameters.adopt``: each storage a segment, nothing copied),
     sent with the pinned source, and stop being shared after the mode; run
-    these modes before any that place."""
+    these modes before any that place. ``check_while_landing``: the
+    trainer engine's option of that name (off: the pinned source is
+    checked before each short message, not while it lands)."""
     from vllm.distributed.weight_transfer.shared_params import (
         SharedParameters,
         shared_place,
@@ -812,6 +823,7 @@ def bench_shared_params(
             land=land,
             source=source,
             after_step=after_step,
+            check_while_landing=check_while_landing,
         )
     )
     result["first_sync_seconds"] = result["all_seconds"][0]
@@ -987,6 +999,13 @@ def run_model(
             (tensors, parent, reps, buffer_bytes),
             {**adopted, "after_step": True},
         )
+        # the check that nothing moved made before each short message, not
+        # while it lands (``check_while_landing=False``)
+        modes["fork_adopted_planned_pinned_check_first"] = (
+            bench_shared_params,
+            (tensors, parent, reps, buffer_bytes),
+            {**adopted, "check_while_landing": False},
+        )
         modes["fork_shared_params_planned"] = (
             bench_shared_params,
             (tensors, parent, reps, buffer_bytes),
@@ -1007,6 +1026,11 @@ def run_model(
             bench_shared_params,
             (tensors, parent, reps, buffer_bytes),
             {**pinned, "after_step": True},
+        )
+        modes["fork_shared_params_planned_pinned_check_first"] = (
+            bench_shared_params,
+            (tensors, parent, reps, buffer_bytes),
+            {**pinned, "check_while_landing": False},
         )
         # the same with a cap above the model's size: one message per sync
         # (nothing is packed, so the cap costs no memory here); what the

@@ -407,8 +407,12 @@ def test_a_pinned_source_sends_its_layout_once_then_only_its_id(reader):
     model = Net().cuda()
     shared = SharedParameters.place(model)
     client = PipeWorker(reader)
+    # (The check comes before each short message here; checked while it
+    # lands: test_a_move_found_while_landing_is_aborted_then_sent_whole.)
     engine = IPCTrainerWeightTransferEngine.trainer_init(
-        IPCTrainerInitInfo(rank=0, packed=True, verify_checksums=True),
+        IPCTrainerInitInfo(
+            rank=0, packed=True, verify_checksums=True, check_while_landing=False
+        ),
         client=client,
         source=shared.source(model),
     )
@@ -551,7 +555,9 @@ def test_adopted_parameters_are_read_where_they_are(reader):
     assert n == len(where), "one segment per parameter storage"
     client = PipeWorker(reader)
     engine = IPCTrainerWeightTransferEngine.trainer_init(
-        IPCTrainerInitInfo(rank=0, packed=True, verify_checksums=True),
+        IPCTrainerInitInfo(
+            rank=0, packed=True, verify_checksums=True, check_while_landing=False
+        ),
         client=client,
         source=shared.source(model),
     )
@@ -602,6 +608,54 @@ def test_adopted_parameters_are_read_where_they_are(reader):
         model.norm.add_(1)
     sync_and_check()
     assert short_messages() == shorts + 3, "short again"
+    shared.close()
+
+
+def test_a_move_found_while_landing_is_aborted_then_sent_whole(reader):
+    """``check_while_landing`` on CUDA (adopted storages): once a sync found
+    nothing moved, the next short message goes at once and the source is
+    checked while it lands. A parameter re-allocated meanwhile is found by
+    that check: the update is aborted (the reader drops every mapping, as
+    the worker engine does), and the same ``send_weights`` goes whole with
+    the new storage adopted and every storage exported anew, bit-exact."""
+    from vllm.distributed.weight_transfer.shared_params import SharedParameters
+
+    torch.manual_seed(5)
+    model = Net().cuda()
+    shared = SharedParameters.adopt(model)
+    n = shared.num_segments
+    client = PipeWorker(reader)
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed=True, verify_checksums=True),
+        client=client,
+        source=shared.source(model),
+    )
+
+    def step_and_sync() -> None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(-2).add_(0.5)
+        client.received.clear()
+        engine.send_weights()
+        for name, p in model.named_parameters():
+            assert torch.equal(client.received[name], p.detach().cpu()), name
+
+    step_and_sync()
+    step_and_sync()
+    assert engine.checked_while_landing == 1
+    opened, _ = _stats(reader)
+    client.calls.clear()
+    model.norm.data = model.norm.data * 3  # re-allocated
+    step_and_sync()
+    assert client.calls.count("abort") == 1
+    assert engine.checked_while_landing == 1
+    assert shared.moved() == [] and shared.num_segments == n, "adopted anew"
+    assert engine._kept_buffer is None, "nothing was packed"
+    assert _stats(reader) == (opened + n, n), "every storage mapped again"
+    step_and_sync()  # checked first: the last sync found something moved
+    assert engine.checked_while_landing == 1
+    step_and_sync()
+    assert engine.checked_while_landing == 2
     shared.close()
 
 

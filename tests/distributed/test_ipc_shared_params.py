@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -159,14 +160,18 @@ TWO_SEGMENTS = 192
 
 
 @contextlib.contextmanager
-def pinned_rig(max_segment_bytes: int = ONE_SEGMENT, **kwargs):
+def pinned_rig(
+    max_segment_bytes: int = ONE_SEGMENT, staging: str | None = None, **kwargs
+):
     """A planned worker engine over ``planned_ready(0)`` (``target``), a
     trainer ``model`` placed in shared memory (``shared``, closed at exit;
     ``max_segment_bytes`` goes to ``place``) and its ``trainer`` sending
     with ``shared.source(model)`` through a ``ShortFormClient``
-    (``client``); ``kwargs`` go to the trainer's init."""
+    (``client``); ``kwargs`` go to the trainer's init. ``staging``: the
+    engine stages updates there (``WeightTransferConfig.staging``)."""
     target = planned_ready(0)
-    engine = make_engine(target, landing="planned")
+    config = {} if staging is None else {"staging": staging, "update_timeout_s": 60.0}
+    engine = make_engine(target, landing="planned", **config)
     model = TinyNet(1)
     shared = SharedParameters.place(model, max_segment_bytes=max_segment_bytes)
     client = ShortFormClient(engine)
@@ -479,12 +484,17 @@ def _shrink_in_place(model):
     model.b.bias.data = model.b.bias.data[:2]
 
 
+@pytest.mark.parametrize("meanwhile", [True, False], ids=["check_meanwhile", "first"])
 @pytest.mark.parametrize("change", [_reallocate, _replace], ids=lambda f: f.__name__)
-def test_a_parameter_moved_or_replaced_ends_the_short_form(change):
+def test_a_parameter_moved_or_replaced_ends_the_short_form(change, meanwhile):
     """Whatever moved a parameter (a new allocation, a new Parameter object
-    on the module) is seen before the sync: it goes the full way, the moved
-    tensor packed, and lands exactly; never the stale bytes."""
-    with pinned_rig() as rig:
+    on the module) is seen: the sync goes the full way, the moved tensor
+    packed, and lands exactly; the stale bytes are never committed. Checked
+    first, the short form is not even sent. Checked while the short form
+    lands (``check_while_landing``, after a sync in which nothing had
+    moved), that update is aborted and the same ``send_weights`` goes again
+    in full: it returns with the new weights served, nothing left fenced."""
+    with pinned_rig(check_while_landing=meanwhile) as rig:
         trainer, model = rig.trainer, rig.model
         trainer.send_weights()
         step(model)
@@ -494,8 +504,134 @@ def test_a_parameter_moved_or_replaced_ends_the_short_form(change):
         trainer.send_weights()
         assert_served(rig.target, model)
         forms = [form for form, _ in rig.client.forms]
-        assert forms == ["full", "short", "full", "full"]
+        # (The full way is two messages: the moved tensor packed, then the
+        # others from the segment.)
+        if meanwhile:
+            assert forms == ["full", "short", "short", "full", "full"]
+            assert trainer.checked_while_landing == 1
+        else:
+            assert forms == ["full", "short", "full", "full"]
+            assert trainer.checked_while_landing == 0
+        assert rig.engine.fence_status["state"] == "committed"
+        # The whole sync's publication, verified, is the one committed.
+        committed = rig.engine.fence_status["model_version"]
+        assert committed == trainer.last_publication.header.model_version
         assert trainer._kept_buffer is not None, "the moved parameter was packed"
+        # The moved parameter stays out of the placed buffer, so the source
+        # never says nothing moved again: later syncs check first, go full.
+        for _ in range(2):
+            step(model)
+            trainer.send_weights()
+            assert_served(rig.target, model)
+        assert trainer.checked_while_landing == int(meanwhile)
+
+
+def test_a_move_found_while_landing_a_staged_update_fences_nothing():
+    """With staging the short form lands in the worker's staging: the abort
+    drops it, so nothing serving was touched and nothing is fenced at any
+    point; the sync then goes whole and commits."""
+    with pinned_rig(staging="host") as rig:
+        trainer, model, engine = rig.trainer, rig.model, rig.engine
+        trainer.send_weights()
+        step(model)
+        trainer.send_weights()
+        assert trainer.checked_while_landing == 1
+        _reallocate(model)
+        step(model, -2.0)
+        states: list[str] = []
+        finish = rig.client.finish_weight_update
+
+        def watched_finish(weight_version=None):
+            states.append(engine.fence_status["state"])
+            finish(weight_version)
+
+        rig.client.finish_weight_update = watched_finish
+        trainer.send_weights()
+        assert_served(rig.target, model)
+        assert [form for form, _ in rig.client.forms][2:] == ["short", "full", "full"]
+        # The aborted update's finish and the whole sync's: never fenced.
+        assert "fenced" not in states and len(states) == 2, states
+        assert engine.fence_status["state"] == "committed"
+
+
+@pytest.mark.parametrize("moved", [True, False], ids=["moved", "nothing_moved"])
+def test_a_short_message_that_fails_while_checked_meanwhile(moved):
+    """The short message fails while the check runs. If a parameter moved,
+    the failure is the move's doing (a segment resized in place is refused
+    before its handle is read): the same ``send_weights`` goes again whole.
+    If nothing moved, the failure is the sync's: it raises, the old weights
+    serve unfenced, and the next sync goes whole."""
+    with pinned_rig() as rig:
+        trainer, model = rig.trainer, rig.model
+        trainer.send_weights()
+        step(model)
+        trainer.send_weights()
+        served = state(rig.target)
+        if moved:
+            _reallocate(model)
+        step(model)
+        send = trainer._send_whole_message
+
+        def refused(whole):
+            trainer._send_whole_message = send
+            raise ValueError("segment 0 was resized or freed in place")
+
+        trainer._send_whole_message = refused
+        if moved:
+            trainer.send_weights()
+            assert_served(rig.target, model)
+        else:
+            with pytest.raises(ValueError, match="resized or freed"):
+                trainer.send_weights()
+            for name, want in served.items():
+                assert torch.equal(dict(rig.target.named_parameters())[name], want)
+            assert rig.engine.fence_status["state"] != "fenced"
+            trainer.send_weights()
+            assert_served(rig.target, model)
+            assert rig.client.forms[-1][0] == "full"
+        assert rig.engine.fence_status["state"] == "committed"
+
+
+class _CheckAfterLanding:
+    """A pinned source whose check, when made while landing, first waits
+    until the client saw the short message land: a check that ran before
+    the send would wait out ``timeout_s`` and report it."""
+
+    def __init__(self, source, timeout_s: float = 10.0) -> None:
+        self.landed = threading.Event()
+        self.waited_for_landing: list[bool] = []
+        original = source.pinned
+
+        def pinned(yielding: bool = False):
+            if yielding:
+                self.waited_for_landing.append(self.landed.wait(timeout_s))
+            return original(yielding)
+
+        source.pinned = pinned
+
+
+def test_the_check_runs_while_the_short_form_lands():
+    """After a sync that found nothing moved, the next one sends its short
+    form at once and checks the source on a helper thread meanwhile."""
+    with pinned_rig() as rig:
+        trainer, client = rig.trainer, rig.client
+        watch = _CheckAfterLanding(trainer.source)
+        forward = client.update_weights
+
+        def update_weights(update_info):
+            forward(update_info)
+            if "layout" in update_info and "names" not in update_info:
+                watch.landed.set()
+
+        client.update_weights = update_weights
+        trainer.send_weights()
+        assert trainer.checked_while_landing == 0, "nothing known yet"
+        step(rig.model)
+        trainer.send_weights()
+        assert_served(rig.target, rig.model)
+        assert watch.waited_for_landing == [True]
+        assert trainer.checked_while_landing == 1
+        assert [form for form, _ in client.forms] == ["full", "short"]
 
 
 def test_a_shape_changed_in_place_is_seen_and_refused_with_its_cause():
