@@ -27,12 +27,15 @@ from one update to the next, so the mapping (page faults on CPU,
 ``cudaIpcOpenMemHandle`` on CUDA) is paid once, and one allocation is one
 mapping however many tensors it holds.
 
-Nothing stale can be read: the trainer locates every tensor in the buffer at
-every sync, from the tensor's own data pointer. A parameter the trainer has
-re-allocated since (``param.data = ...``, a dtype change) is no longer inside
-the buffer, so its chunk is packed as before; the sync stays correct and only
-that chunk costs the extra copy. ``SharedParameters.moved()`` lists such
-parameters; ``place`` again to bring them back. Adopted parameters
+Nothing stale is committed: the trainer locates every tensor in the buffer
+at every sync, from the tensor's own data pointer (a pinned source, below,
+may do so while the workers land the bytes; a move found then aborts that
+update before its commit and the sync goes again in full). A parameter the
+trainer has re-allocated since (``param.data = ...``, a dtype change) is no
+longer inside the buffer, so its chunk is packed as before; the sync stays
+correct and only that chunk costs the extra copy.
+``SharedParameters.moved()`` lists such parameters; ``place`` again to bring
+them back. Adopted parameters
 (``adopt``) come back by themselves: ``shared.source(module)`` adopts the
 new storage when it next looks at the module (``readopt``).
 
