@@ -80,7 +80,12 @@ into the worker's. Measured, per model:
 
 Every mode is verified: a checksum of the worker's destinations equals the
 trainer's; the planned modes compare every planned copy bit for bit instead
-(the served layout differs from the trainer's). Prints one JSON document (also
+(the served layout differs from the trainer's). Each mode reports its best
+sync against the flat copy (``fraction_of_device_copy``; ``fraction_of_d2d``
+is the same ratio from the byte rates), its median sync without the first
+(``fraction_of_device_copy_median``), and its speed against
+``upstream_packed`` and ``fork_packed`` when they ran (``vs_upstream_packed``,
+``vs_fork_packed``). Prints one JSON document (also
 written to ``--out``).
 
 Runs where vLLM is not installed (the lent GPU machine) through the stand-ins in
@@ -96,6 +101,7 @@ import argparse
 import gc
 import json
 import multiprocessing as mp
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -1070,12 +1076,23 @@ def run_model(
         result[mode] = r
         print(mode, json.dumps(r), flush=True)
     d2d = result["d2d_copy"]["flat_GBps"]
+    flat = result["d2d_copy"]["flat_seconds"]
     upstream = result.get("upstream_packed", {}).get("GBps")
+    packed = result.get("fork_packed", {}).get("seconds")
     for mode in modes:
-        if "GBps" in result[mode]:
-            result[mode]["fraction_of_d2d"] = result[mode]["GBps"] / d2d
-            if upstream and mode.startswith("fork"):
-                result[mode]["vs_upstream_packed"] = result[mode]["GBps"] / upstream
+        r = result[mode]
+        if "GBps" not in r:
+            continue
+        r["fraction_of_d2d"] = r["GBps"] / d2d
+        # The same against the flat copy, best sync and median sync (the
+        # first sync, which maps and binds, left out of the median).
+        timed = r["all_seconds"][1:] if len(r["all_seconds"]) > 1 else r["all_seconds"]
+        r["fraction_of_device_copy"] = flat / r["seconds"]
+        r["fraction_of_device_copy_median"] = flat / statistics.median(timed)
+        if upstream and mode.startswith("fork"):
+            r["vs_upstream_packed"] = r["GBps"] / upstream
+        if packed and mode != "fork_packed" and mode.startswith("fork"):
+            r["vs_fork_packed"] = packed / r["seconds"]
     if "vs_upstream_packed" in result.get("fork_packed", {}):
         result["fork_packed_vs_upstream_packed"] = result["fork_packed"][
             "vs_upstream_packed"
