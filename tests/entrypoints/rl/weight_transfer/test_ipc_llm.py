@@ -47,6 +47,7 @@ from vllm.distributed.weight_transfer.testing import (
     save_checkpoint,
     vllm_greedy,
 )
+from vllm.distributed.weight_transfer.testing.ipc_faults import worker_fence_status
 from vllm.distributed.weight_transfer.testing.multirank import (
     join_trainer_ranks,
     serve_relayed_calls,
@@ -537,5 +538,22 @@ def test_trainer_parameters_in_shared_memory_are_read_in_place(rig):
                 assert state["binds"] >= 1 and state["names"] > 0, state
                 assert later["binds"] == state["binds"], (state, later)
                 assert later["reused"] > state["reused"], (state, later)
+        if dense:
+            # The second sync checked its source while the workers landed
+            # the short form (check_while_landing). A parameter re-allocated
+            # after it is found the same way at the third: that update is
+            # aborted before its commit and the same send_weights goes whole
+            # (the moved tensor packed), serving exactly the new weights,
+            # nothing left fenced.
+            assert engine.checked_while_landing == 1
+            first = next(model.parameters())
+            first.data = first.data.clone()
+            randomize_weights_(model, seed=33)
+            engine.send_weights()
+            rig.assert_serves(model)
+            assert engine.checked_while_landing == 1
+            assert engine._kept_buffer is not None, "the moved tensor was packed"
+            states = rig.llm.collective_rpc(worker_fence_status)
+            assert [s["state"] for s in states] == ["committed"] * rig.combo.tp
     finally:
         shared.close()
