@@ -155,6 +155,75 @@ def test_a_planned_landing_commits_straight_into_the_served_tensors():
     assert engine.fence_status["state"] != "fenced"
 
 
+class ReplacesBefore(EngineClient):
+    """Forwards every call, but first gives served parameter ``name`` new
+    memory (``param.data = ...``, as an offload and restore does) right
+    before the trainer's prepare message (``at="prepare"``) or its finish
+    (``at="finish"``)."""
+
+    def __init__(self, engine, name: str, at: str) -> None:
+        super().__init__(engine)
+        self.name, self.at = name, at
+
+    def _replace(self) -> None:
+        param = dict(self.engine.model.named_parameters())[self.name]
+        param.data = param.data.clone()
+
+    def update_weights(self, update_info):
+        if self.at == "prepare" and is_prepare_request(update_info):
+            self._replace()
+        super().update_weights(update_info)
+
+    def finish_weight_update(self, weight_version=None):
+        if self.at == "finish":
+            self.at = "done"
+            self._replace()
+        super().finish_weight_update(weight_version)
+
+
+@pytest.mark.parametrize("at", ["prepare", "finish"])
+def test_a_served_tensor_replaced_after_staging_drops_the_planned_commit(at):
+    """The planned landing's commit writes through views of the served
+    tensors bound while staging. A served tensor given new memory after
+    that (before the prepare message, or between it and the finish) would
+    take the staged bytes in its old memory: the update is refused before
+    anything is written, the old weights serving, unfenced. The next sync
+    plans again and commits."""
+    target = planned_ready(0)
+    engine = staged_engine(target, landing="planned")
+    before, trainer = state(target), TinyNet(1)
+    with pytest.raises(RuntimeError, match="were replaced after this update was"):
+        trainer_for(ReplacesBefore(engine, "a.weight", at), trainer).send_weights()
+    assert_state(target, before)
+    assert engine.fence_status["state"] != "fenced"
+    with NoReload():
+        trainer_for(EngineClient(engine), trainer).send_weights()
+    assert_state(target, state(trainer))
+    assert engine.fence_status["state"] == "committed"
+
+
+def test_a_served_layer_replaced_after_its_shadow_was_checked_drops_the_commit():
+    """Layers processed in shadows are copied into the served tensors their
+    layers held when the trainer's prepare message checked them. A served
+    parameter replaced on its layer between that and the finish is found
+    before the first copy: dropped, unfenced, the replacement untouched."""
+    target, trainer = reload_ready(0), TinyNet(1)
+    engine = staged_engine(target)
+    client = ReplacesBefore(engine, "b.weight", "finish")
+
+    def replace_object() -> None:
+        target.b.weight = torch.nn.Parameter(torch.full_like(target.b.weight, 5.0))
+        client.replaced = state(target)
+
+    client._replace = replace_object  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="layers processed in shadows"):
+        trainer_for(client, trainer).send_weights()
+    assert_state(target, client.replaced)
+    assert engine.fence_status["state"] != "fenced"
+    session = engine._session
+    assert session is None or not session.is_open
+
+
 def test_the_receipt_is_written_at_prepare_before_anything_commits():
     target, trainer = reload_ready(0), TinyNet(1)
     before = state(target)

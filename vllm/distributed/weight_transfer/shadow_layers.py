@@ -165,6 +165,9 @@ class ShadowLayers:
         self._qualifies: dict[int, bool] = {}  # id(live) -> whole subtree
         self._takes: dict[str, bool] = {}
         self._checked: list[Callable[[], None]] | None = None
+        # The served tensors the checked commit copies into, with the layer
+        # and name holding each (``still_bound``).
+        self._served: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
         # Bytes of the shadow tensors allocated so far.
         self.bytes_held = 0
 
@@ -389,6 +392,21 @@ class ShadowLayers:
             if layer.processed:
                 steps += _swap_steps(layer)
         self._checked = steps
+        self._served = [
+            (layer.live, name, tensor)
+            for layer in self._layers.values()
+            if layer.processed
+            for name, tensor in _own_tensors(layer.live).items()
+        ]
+
+    def still_bound(self) -> bool:
+        """Whether every served tensor of a processed layer is still the one
+        its layer held at ``check`` (the commit copies into those objects);
+        True before ``check``."""
+        return all(
+            _own_tensors(live).get(name) is tensor
+            for live, name, tensor in self._served
+        )
 
     def commit(self) -> None:
         """Copy every processed tensor into its served one and set the
@@ -407,6 +425,7 @@ class ShadowLayers:
         self._root = None
         self._layers = {}
         self._checked = None
+        self._served = []
         self.bytes_held = 0
 
 

@@ -517,6 +517,12 @@ class ShardedRDTWeightTransferEngine(
             # Refuse before the first pull when this worker's plan cannot be
             # staged; the lander's steps run at the commit.
             session.expect(self.pulls.payload_bytes, "this worker's pull plan")
+            # The commit lands through views bound now: checked again at
+            # prepare and before the commit's first write.
+            if self.landing_plan is not None:
+                session.relies_on(self.landing_plan.still_bound, "the planned landing")
+            if self._codes is not None:
+                session.relies_on(self._codes.still_bound, "the FP8 codes landing")
 
             def begin(landing: LayerwiseReloadSession) -> None:
                 landing.writing_served()

@@ -92,6 +92,14 @@ class StagedDirectLanding(DirectLanding, Protocol):
 
     def land_slices(self, name: str, pieces: Sequence[torch.Tensor]) -> None: ...
 
+    def still_bound(self) -> bool: ...
+
+
+class ServedTensorsReplaced(RuntimeError):
+    """A served tensor that a staged update's commit would write through a
+    view bound while staging was replaced since (a reload, an offload,
+    ``param.data = ...``): the update is dropped before anything is written."""
+
 
 class StagingDoesNotFit(MemoryError):
     """The staging an update needs exceeds the memory this worker has free."""
@@ -151,6 +159,9 @@ class StagedUpdate:
         self._open = False
         self._prepared = False
         self._lands: list[Land] = []
+        # What the commit writes through views bound to the served tensors
+        # while staging: per bound object, its check and what it is.
+        self._bindings: dict[int, tuple[Callable[[], bool], str]] = {}
         self._committing: LayerwiseReloadSession | None = None
         # Work running on a thread while the engine serves, and its stop flag.
         self._background: tuple[threading.Thread, threading.Event] | None = None
@@ -244,6 +255,32 @@ class StagedUpdate:
         self._check_open("defer")
         self._lands.append(land)
 
+    def relies_on(self, still_bound: Callable[[], bool], what: str) -> None:
+        """Note that the commit writes through views of the served tensors
+        bound now (``what``: a planned landing, say): ``still_bound()`` must
+        hold at prepare and again right before the commit's first write, or
+        the update is dropped (``check_bound``)."""
+        self._check_open("relies_on")
+        owner = getattr(still_bound, "__self__", still_bound)
+        self._bindings[id(owner)] = (still_bound, what)
+
+    def check_bound(self, what: str) -> None:
+        """Raise ``ServedTensorsReplaced`` when a served tensor the commit
+        would write was replaced since it was bound (by a planned landing or
+        a shadow layer); nothing is written either way, so the caller drops
+        the update with the old weights serving."""
+        stale = [name for check, name in self._bindings.values() if not check()]
+        if self._shadow is not None and not self._shadow.still_bound():
+            stale.append("the layers processed in shadows")
+        if stale:
+            raise ServedTensorsReplaced(
+                f"{what}: the served tensors that {' and '.join(stale)} would "
+                "write were replaced after this update was staged (a reload, an "
+                "offload or param.data = ...); committing would write the old "
+                "tensors, so the update is dropped and the old weights keep "
+                "serving; send it again"
+            )
+
     def receive_names(self, names: Iterable[str]) -> None:
         """Note names of this update; a name received twice is refused."""
         self._calls.received |= self._calls.new_names(names)
@@ -294,6 +331,7 @@ class StagedUpdate:
         copies each into its place, not through the reload."""
         self._check_open("load_planned()")
         self.check_deadline("load_planned()")
+        self.relies_on(landing.still_bound, type(landing).__name__)
         weights = list(weights)
         self.receive_names(name for name, _ in weights)
         staged = [
@@ -349,6 +387,7 @@ class StagedUpdate:
             groups.check(self._calls.received)
         if self._shadow is not None:
             self._shadow.check()
+        self.check_bound("prepare")
         self._prepared = True
 
     def finish(self) -> None:
@@ -430,6 +469,7 @@ class StagedUpdate:
 
     def _release(self) -> None:
         self._lands = []
+        self._bindings = {}
         self._reload_names = 0
         if self._shadow is not None:
             self._shadow.close()

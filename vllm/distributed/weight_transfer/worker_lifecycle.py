@@ -402,9 +402,10 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         try:
             if not self.pub.receipt_sent:
                 self._prepare(session)
-            # Checked before the first write, so a late commit is dropped, not
-            # fenced.
+            # Checked before the first write, so a late commit, or one whose
+            # bound served tensors were replaced since, is dropped, not fenced.
             session.check_deadline("finish_weight_update")
+            session.check_bound("finish_weight_update")
         except BaseException as e:
             session.abort(describe_error(e))
             raise
