@@ -167,7 +167,7 @@ class ShadowLayers:
         self._checked: list[Callable[[], None]] | None = None
         # The served tensors the checked commit copies into, with the layer
         # and name holding each (``still_bound``).
-        self._served: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
+        self._served: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
         # Bytes of the shadow tensors allocated so far.
         self.bytes_held = 0
 
@@ -393,20 +393,22 @@ class ShadowLayers:
                 steps += _swap_steps(layer)
         self._checked = steps
         self._served = [
-            (layer.live, name, tensor)
+            (layer.live, _own_tensors(layer.live))
             for layer in self._layers.values()
             if layer.processed
-            for name, tensor in _own_tensors(layer.live).items()
         ]
 
     def still_bound(self) -> bool:
         """Whether every served tensor of a processed layer is still the one
         its layer held at ``check`` (the commit copies into those objects);
         True before ``check``."""
-        return all(
-            _own_tensors(live).get(name) is tensor
-            for live, name, tensor in self._served
-        )
+        for live, served in self._served:
+            now = _own_tensors(live)
+            if now.keys() != served.keys():
+                return False
+            if any(now[name] is not tensor for name, tensor in served.items()):
+                return False
+        return True
 
     def commit(self) -> None:
         """Copy every processed tensor into its served one and set the
