@@ -18,9 +18,10 @@ linear layers): every pulled byte of a layer whose processing keeps it goes
 straight from the receive buffer into the served tensor, and only the MoE
 experts are rebuilt by the layerwise reload, in the same sync.
 
-Staged updates (``staging="host"``) run on two more engines: dense TP=1
-committing through the layerwise reload, and MoE TP=2 landing planned, whose
-commit copies the planned slices from staging and reloads only the experts.
+Staged updates (``staging="host"``) run on three more engines: dense and MoE
+TP=1 committing through the layerwise reload, and MoE TP=2 landing planned,
+whose commit copies the planned slices from staging and reloads only the
+experts.
 
 One engine per (model, TP) combination, shared by the tests of that
 combination; each test pushes the state it checks.
@@ -515,12 +516,17 @@ def test_an_init_declaring_a_float_tensor_int32_is_refused_and_init_recovers(eng
 # Staged updates (WeightTransferConfig(staging="host")) on engines of their
 # own: the pulls run in the background while the engine serves the old
 # weights, and a failure before the commit leaves them serving unfenced. The
-# dense TP=1 engine commits through the layerwise reload; the MoE TP=2 engine
-# lands planned, so its commit copies each staged chunk's planned slices
-# straight into the served tensors and reloads only the experts.
+# dense and MoE TP=1 engines commit through the layerwise reload (every layer,
+# the experts too); the MoE TP=2 engine lands planned, so its commit copies
+# each staged chunk's planned slices straight into the served tensors and
+# reloads only the experts.
 
 
-STAGED_COMBOS = [("qwen3", 1, "reload"), ("qwen3_moe", 2, "planned")]
+STAGED_COMBOS = [
+    ("qwen3", 1, "reload"),
+    ("qwen3_moe", 1, "reload"),
+    ("qwen3_moe", 2, "planned"),
+]
 
 
 @pytest.fixture(
