@@ -128,3 +128,62 @@ def test_unknown_layers_and_scales_stay_with_the_reload_and_never_load_in_a_shad
     with pytest.raises(RuntimeError, match="cannot load into a shadow layer"):
         shadows.load([("odd.weight", torch.zeros(4, 4))])
     assert torch.equal(served.odd.weight, kept)
+
+
+def test_completed_layers_are_processed_on_a_helper_thread_and_waited_for_at_check(
+    monkeypatch,
+):
+    """The load that completes a layer returns while vLLM processes it on the
+    helper thread (here held until released), so the engine could step
+    meanwhile; ``check`` waits for it, and the commit serves what in-place
+    processing serves."""
+    import threading
+
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    served, weights = served_net(0), checkpoint(1)
+    release, started = threading.Event(), threading.Event()
+    threads: list[str] = []
+    process = UnquantizedLinearMethod.process_weights_after_loading
+
+    def held(method, layer):
+        threads.append(threading.current_thread().name)
+        started.set()
+        assert release.wait(10), "never released"
+        process(method, layer)
+
+    monkeypatch.setattr(UnquantizedLinearMethod, "process_weights_after_loading", held)
+    shadows = ShadowLayers(served)
+    shadows.load([("a.weight", weights["a.weight"])])  # returns while held
+    assert started.wait(10)
+    release.set()
+    shadows.check()
+    assert threads and all(t.startswith("shadow-layers") for t in threads), threads
+    shadows.commit()
+    expected = served_net(0)
+    with torch.no_grad():
+        expected.a.weight = torch.nn.Parameter(weights["a.weight"], False)
+        process(expected.a.quant_method, expected.a)
+    torch.testing.assert_close(served.a(X), expected.a(X), rtol=0, atol=0)
+
+
+def test_a_failure_processing_a_shadow_is_raised_at_check_naming_the_layer(
+    monkeypatch,
+):
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    served, weights = served_net(0), checkpoint(1)
+    before = served(X)
+
+    def broken(method, layer):
+        raise ValueError("injected while processing")
+
+    monkeypatch.setattr(
+        UnquantizedLinearMethod, "process_weights_after_loading", broken
+    )
+    shadows = ShadowLayers(served)
+    shadows.load([("b.weight", weights["b.weight"])])
+    with pytest.raises(RuntimeError, match=r"^b: .*injected while processing"):
+        shadows.check()
+    torch.testing.assert_close(served(X), before, rtol=0, atol=0)
+    shadows.close()
