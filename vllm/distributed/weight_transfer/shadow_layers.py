@@ -11,10 +11,7 @@ that processing for every layer inside the commit, while generation is held.
 loaded, by the model's own ``load_weights`` and weight loaders, into a
 *shadow* of its layer (a separate module object with tensors of its own), and a
 shadow layer is processed by its quantization method as soon as all its
-tensors arrived: on a helper thread (``in_background``, the default), so the
-update call that completed it returns at once and the engine keeps stepping
-while vLLM builds the layer's kernel handle (the build releases the
-interpreter lock); ``check`` waits for it. The commit then only
+tensors arrived, inside the update call that completed it. The commit then only
 copies each processed tensor into the served one (the same memory the served
 layer already has, as vLLM's reload does) and sets the attributes processing
 changed (the CPU GEMM handle, ``cpu_linear``) on the served layer.
@@ -46,11 +43,8 @@ cannot fail half way for a reason known in advance.
 
 from __future__ import annotations
 
-import contextvars
 import inspect
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import MethodType
 from typing import Any
@@ -158,20 +152,14 @@ class _Layer:
     loaded: int = 0
     names: set[str] = field(default_factory=set)
     materialized: bool = False
-    # Every tensor loaded; processed once vLLM's processing of it returned.
-    complete: bool = False
     processed: bool = False
 
 
 class ShadowLayers:
     """Shadows of ``model``'s qualifying layers; see the module docstring."""
 
-    def __init__(self, model: torch.nn.Module, in_background: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        # Whether completed layers are processed on a helper thread (the
-        # update call that completed one returns without waiting for it).
-        self.in_background = in_background
-        self._pending: list[tuple[_Layer, Future[None]]] = []
         self._root: torch.nn.Module | None = None
         self._layers: dict[int, _Layer] = {}  # id(shadow) -> layer
         self._qualifies: dict[int, bool] = {}  # id(live) -> whole subtree
@@ -222,8 +210,7 @@ class ShadowLayers:
     def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Load ``weights`` (names ``takes`` accepts) into the shadows with the
         model's own ``load_weights``; every shadow layer they complete is
-        processed, on the helper thread (``in_background``) or before this
-        returns. The tensors are not kept."""
+        processed before this returns. The tensors are not kept."""
         from vllm.distributed.weight_transfer.layerwise_session import (
             load_with_model_loaders,
         )
@@ -333,9 +320,10 @@ class ShadowLayers:
             )
 
         def shadow_loader(*args: Any, **kwargs: Any) -> Any:
-            if layer.complete:
+            if layer.processed:
                 raise RuntimeError(
-                    f"{layer.path}.{name} was loaded again after its layer was complete"
+                    f"{layer.path}.{name} was loaded again after its layer was "
+                    "processed"
                 )
             self._materialize(layer)
             bound = signature.bind(*args, **kwargs)
@@ -345,8 +333,7 @@ class ShadowLayers:
             layer.loaded += numel
             layer.names.add(name)
             if layer.loaded >= layer.total:
-                layer.complete = True
-                self._start_processing(layer)
+                self._process(layer)
             return result
 
         shadow_loader.__name__ = "shadow_loader"
@@ -369,37 +356,6 @@ class ShadowLayers:
                         self.bytes_held += table[name].nbytes
         layer.materialized = True
 
-    def _start_processing(self, layer: _Layer) -> None:
-        """Process a completed layer: on the helper thread (in this thread's
-        context: vLLM's current config, no autograd), or here."""
-        if not self.in_background:
-            self._process(layer)
-            return
-        context = contextvars.copy_context()
-
-        def process() -> None:
-            with torch.no_grad():
-                self._process(layer)
-
-        self._pending.append((layer, _processor().submit(context.run, process)))
-
-    def wait(self) -> None:
-        """Wait until every completed layer is processed; raise the first
-        failure of vLLM's processing, naming its layer."""
-        pending, self._pending = self._pending, []
-        failed: tuple[_Layer, BaseException] | None = None
-        for layer, future in pending:
-            try:
-                future.result()
-            except BaseException as e:
-                failed = failed or (layer, e)
-        if failed is not None:
-            layer, error = failed
-            raise RuntimeError(
-                f"{layer.path}: vLLM's processing of its shadow layer failed: "
-                f"{type(error).__name__}: {error}"
-            ) from error
-
     @staticmethod
     def _process(layer: _Layer) -> None:
         shadow: Any = layer.shadow
@@ -415,8 +371,6 @@ class ShadowLayers:
 
     @property
     def layers_processed(self) -> int:
-        """Layers processed so far (waits for those being processed)."""
-        self.wait()
         return sum(layer.processed for layer in self._layers.values())
 
     def check(self) -> None:
@@ -424,7 +378,6 @@ class ShadowLayers:
         of them and was processed, and each processed tensor fits the served
         one it will be copied into; otherwise raise with what is wrong (the
         served model is untouched either way)."""
-        self.wait()
         lacking: list[str] = []
         layers = 0
         for layer in self._layers.values():
@@ -470,33 +423,12 @@ class ShadowLayers:
         self.close()
 
     def close(self) -> None:
-        """Drop every shadow and what it holds (after the processing under
-        way, whose failures no longer matter)."""
-        try:
-            self.wait()
-        except RuntimeError as e:
-            logger.debug("dropped with the shadow layers: %s", e)
+        """Drop every shadow and what it holds."""
         self._root = None
         self._layers = {}
         self._checked = None
         self._served = []
         self.bytes_held = 0
-
-
-_PROCESSOR: ThreadPoolExecutor | None = None
-_PROCESSOR_LOCK = threading.Lock()
-
-
-def _processor() -> ThreadPoolExecutor:
-    """The process's one helper thread for shadow processing, kept for the
-    worker's life: a thread per update would pay the thread's own memory
-    (allocator arena, the OpenMP team its first kernel starts) every
-    update."""
-    global _PROCESSOR
-    with _PROCESSOR_LOCK:
-        if _PROCESSOR is None:
-            _PROCESSOR = ThreadPoolExecutor(1, thread_name_prefix="shadow-layers")
-        return _PROCESSOR
 
 
 def _set_loader(tensor: torch.Tensor, loader: Callable) -> None:
