@@ -94,19 +94,30 @@ class Load(StreamingClients):
         nothing. With ``spanning`` a stream's gaps include the one spanning
         ``start``; without, only gaps between two chunks inside the window
         count (the idle floor, which must not inherit a sync just before)."""
-        longest = 0.0
+        gap_from, gap_to = self.max_gap_at(start, end, spanning)
+        return gap_to - gap_from
+
+    def max_gap_at(
+        self, start: float, end: float, spanning: bool = True
+    ) -> tuple[float, float]:
+        """``max_gap``'s gap as (from, to) times."""
+        longest = (start, start)
         for times in self.arrivals:
             inside = [t for t in times if start <= t <= end]
             if not spanning:
-                longest = max([longest, *(b - a for a, b in pairwise(inside))])
+                for a, b in pairwise(inside):
+                    if b - a > longest[1] - longest[0]:
+                        longest = (a, b)
                 continue
             previous = max((t for t in times if t < start), default=start)
             for t in times:
                 if t < start or t > end:
                     continue
-                longest = max(longest, t - previous)
+                if t - previous > longest[1] - longest[0]:
+                    longest = (previous, t)
                 previous = t
-            longest = max(longest, end - previous) if previous >= start else longest
+            if previous >= start and end - previous > longest[1] - longest[0]:
+                longest = (previous, end)
         return longest
 
 
@@ -120,9 +131,30 @@ class HeldClock:
         self.inner = inner
         self.held_s = 0.0
         self._since: float | None = None
+        # Every sync call as (what, started, ended): to tell which call a
+        # generation gap fell in.
+        self.calls: list[tuple[str, float, float]] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+    def _timed(self, what: str, call: Any, *args: Any) -> None:
+        start = time.perf_counter()
+        try:
+            call(*args)
+        finally:
+            self.calls.append((what, start, time.perf_counter()))
+
+    def start_weight_update(self) -> None:
+        self._timed("start", self.inner.start_weight_update)
+
+    def update_weights(self, update_info: dict) -> None:
+        names = update_info.get("names") or []
+        if names:
+            what = f"{len(names)} tensors: {names[0]} .. {names[-1]}"
+        else:
+            what = ", ".join(sorted(k for k in update_info if k != "publication"))
+        self._timed(what, self.inner.update_weights, update_info)
 
     def pause_generation(self, mode: str = "keep") -> None:
         self._since = time.perf_counter()
@@ -131,10 +163,22 @@ class HeldClock:
     def finish_weight_update(self, *args: Any) -> None:
         start = time.perf_counter()
         try:
-            self.inner.finish_weight_update(*args)
+            self._timed("finish", self.inner.finish_weight_update, *args)
         finally:
             if self._since is None:
                 self.held_s += time.perf_counter() - start
+
+    def calls_during(self, start: float, end: float) -> list[dict]:
+        """The calls that overlap ``[start, end]``, with their seconds."""
+        return [
+            {
+                "call": what,
+                "s": round(b - a, 4),
+                "from_gap_start_s": round(a - start, 4),
+            }
+            for what, a, b in self.calls
+            if a < end and b > start
+        ]
 
     def resume_generation(self) -> None:
         self.inner.resume_generation()
@@ -186,6 +230,7 @@ def run_mode(
             for round_ in range(args.rounds + 1):
                 randomize_weights_(model, seed=100 + round_, std=0.02)
                 client.held_s = 0.0
+                client.calls = []
                 t0 = time.perf_counter()
                 if staging == "off":  # stop the world for the whole update
                     client.pause_generation("keep")
@@ -215,6 +260,16 @@ def run_mode(
                     "tokens_per_s_idle": idle,
                 }
                 row = {**rounded(gaps), **rounded(tokens, 2)}
+                # Where the longest gap fell: the sync calls it overlapped,
+                # and the three longest calls of the sync.
+                gap_from, gap_to = load.max_gap_at(t0, t1)
+                row["calls_in_longest_gap"] = client.calls_during(gap_from, gap_to)
+                row["longest_calls"] = [
+                    {"call": what, "s": round(b - a, 4)}
+                    for what, a, b in sorted(client.calls, key=lambda c: c[1] - c[2])[
+                        :3
+                    ]
+                ]
                 label = " (warm-up)" if round_ == 0 else ""
                 print(
                     f"[staging={staging} {options or ''}] round {round_}{label}: {row}"
