@@ -148,12 +148,15 @@ class HeldClock:
     def start_weight_update(self) -> None:
         self._timed("start", self.inner.start_weight_update)
 
-    def update_weights(self, update_info: dict) -> None:
-        names = update_info.get("names") or []
+    def update_weights(
+        self, update_info: dict[str, Any] | list[dict[str, Any]]
+    ) -> None:
+        first = update_info[0] if isinstance(update_info, list) else update_info
+        names = first.get("names") or []
         if names:
             what = f"{len(names)} tensors: {names[0]} .. {names[-1]}"
         else:
-            what = ", ".join(sorted(k for k in update_info if k != "publication"))
+            what = ", ".join(sorted(k for k in first if k != "publication"))
         self._timed(what, self.inner.update_weights, update_info)
 
     def pause_generation(self, mode: str = "keep") -> None:

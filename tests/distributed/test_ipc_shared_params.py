@@ -14,6 +14,7 @@ import contextlib
 import os
 import threading
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -170,7 +171,9 @@ def pinned_rig(
     (``client``); ``kwargs`` go to the trainer's init. ``staging``: the
     engine stages updates there (``WeightTransferConfig.staging``)."""
     target = planned_ready(0)
-    config = {} if staging is None else {"staging": staging, "update_timeout_s": 60.0}
+    config: dict[str, Any] = {}
+    if staging is not None:
+        config = {"staging": staging, "update_timeout_s": 60.0}
     engine = make_engine(target, landing="planned", **config)
     model = TinyNet(1)
     shared = SharedParameters.place(model, max_segment_bytes=max_segment_bytes)

@@ -164,6 +164,8 @@ class ReplacesBefore(EngineClient):
     def __init__(self, engine, name: str, at: str) -> None:
         super().__init__(engine)
         self.name, self.at = name, at
+        # What served after the replacement (set by a test's own _replace).
+        self.replaced: dict[str, torch.Tensor] = {}
 
     def _replace(self) -> None:
         param = dict(self.engine.model.named_parameters())[self.name]
