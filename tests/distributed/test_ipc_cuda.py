@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+from functools import partial
 
 import pytest
 import torch
@@ -177,6 +178,36 @@ class PipeWorker:
 
     def get_world_size(self):
         return 1
+
+
+def _pinned_trainer(
+    reader, shared, model, **options
+) -> tuple[PipeWorker, IPCTrainerWeightTransferEngine]:
+    """A client into the reader and a trainer sending ``model`` with
+    ``shared.source(model)``, checksums on (``options``: more trainer
+    settings)."""
+    client = PipeWorker(reader)
+    engine = IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed=True, verify_checksums=True, **options),
+        client=client,
+        source=shared.source(model),
+    )
+    return client, engine
+
+
+def _sync_and_check(engine, client: PipeWorker, model) -> None:
+    """One sync; the reader received every parameter bit for bit."""
+    engine.send_weights()
+    for name, p in model.named_parameters():
+        assert torch.equal(client.received[name], p.detach().cpu()), name
+
+
+def _short_messages(reader) -> int:
+    """Short messages (a layout id) the reader parsed so far."""
+    reader.send("short_messages")
+    status, count = _answer(reader, "short_messages")
+    assert status == "ok"
+    return count
 
 
 class CudaSource(WeightSource):
@@ -406,27 +437,13 @@ def test_a_pinned_source_sends_its_layout_once_then_only_its_id(reader):
     torch.manual_seed(1)
     model = Net().cuda()
     shared = SharedParameters.place(model)
-    client = PipeWorker(reader)
     # (The check comes before each short message here; checked while it
     # lands: test_a_move_found_while_landing_is_aborted_then_sent_whole.)
-    engine = IPCTrainerWeightTransferEngine.trainer_init(
-        IPCTrainerInitInfo(
-            rank=0, packed=True, verify_checksums=True, check_while_landing=False
-        ),
-        client=client,
-        source=shared.source(model),
-    )
+    client, engine = _pinned_trainer(reader, shared, model, check_while_landing=False)
 
-    def sync_and_check() -> None:
-        engine.send_weights()
-        for name, p in model.named_parameters():
-            assert torch.equal(client.received[name], p.detach().cpu()), name
+    sync_and_check = partial(_sync_and_check, engine, client, model)
 
-    def short_messages() -> int:
-        reader.send("short_messages")
-        status, count = _answer(reader, "short_messages")
-        assert status == "ok"
-        return count
+    short_messages = partial(_short_messages, reader)
 
     shorts = short_messages()
     sync_and_check()
@@ -494,17 +511,9 @@ def test_parameters_placed_in_several_segments_travel_as_one_message(reader):
     # allocation would add 2 MiB), and nothing beyond them afterwards.
     assert extra_peak <= limit, extra_peak
     assert torch.cuda.memory_allocated() == before
-    client = PipeWorker(reader)
-    engine = IPCTrainerWeightTransferEngine.trainer_init(
-        IPCTrainerInitInfo(rank=0, packed=True, verify_checksums=True),
-        client=client,
-        source=shared.source(model),
-    )
+    client, engine = _pinned_trainer(reader, shared, model)
 
-    def sync_and_check() -> None:
-        engine.send_weights()
-        for name, p in model.named_parameters():
-            assert torch.equal(client.received[name], p.detach().cpu()), name
+    sync_and_check = partial(_sync_and_check, engine, client, model)
 
     opened_before, _ = _stats(reader)
     n = shared.num_segments
@@ -553,23 +562,11 @@ def test_adopted_parameters_are_read_where_they_are(reader):
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == where
     n = shared.num_segments
     assert n == len(where), "one segment per parameter storage"
-    client = PipeWorker(reader)
-    engine = IPCTrainerWeightTransferEngine.trainer_init(
-        IPCTrainerInitInfo(
-            rank=0, packed=True, verify_checksums=True, check_while_landing=False
-        ),
-        client=client,
-        source=shared.source(model),
-    )
+    client, engine = _pinned_trainer(reader, shared, model, check_while_landing=False)
 
-    def sync_and_check() -> None:
-        engine.send_weights()
-        for name, p in model.named_parameters():
-            assert torch.equal(client.received[name], p.detach().cpu()), name
+    sync_and_check = partial(_sync_and_check, engine, client, model)
 
-    def short_messages() -> int:
-        reader.send("short_messages")
-        return _answer(reader, "short_messages")[1]
+    short_messages = partial(_short_messages, reader)
 
     opened, _ = _stats(reader)
     shorts = short_messages()
@@ -624,12 +621,7 @@ def test_a_move_found_while_landing_is_aborted_then_sent_whole(reader):
     model = Net().cuda()
     shared = SharedParameters.adopt(model)
     n = shared.num_segments
-    client = PipeWorker(reader)
-    engine = IPCTrainerWeightTransferEngine.trainer_init(
-        IPCTrainerInitInfo(rank=0, packed=True, verify_checksums=True),
-        client=client,
-        source=shared.source(model),
-    )
+    client, engine = _pinned_trainer(reader, shared, model)
 
     def step_and_sync() -> None:
         with torch.no_grad():

@@ -472,9 +472,11 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         """
         assert self.source is not None
         whole = self._whole_to_check_while_landing()
-        if whole is not None:
+        if whole is not None and self._plan_metas is not None:
             try:
-                self._sync(whole.plan, self._source_metas(), weight_version, whole)
+                # The metadata list the plan was made for: the pinned
+                # source's own, which its check returns if nothing moved.
+                self._sync(whole.plan, self._plan_metas, weight_version, whole)
                 return
             except _MovedWhileLanding as e:
                 # Aborted before any commit; the sync goes again in full.
@@ -536,17 +538,10 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
             or not self.is_sender
             or self._plan_cache is None
             or self._plan_cache[1] is not whole.plan
-            or self._plan_metas is None
             or not _SharedInSync(self._shared_kept).kept(whole.part)
         ):
             return None
         return whole
-
-    def _source_metas(self) -> list[ParamMeta]:
-        """The metadata list the plan was made for (the pinned source's own
-        list, which its check returns unchanged when nothing moved)."""
-        assert self._plan_metas is not None
-        return self._plan_metas
 
     def _check_meanwhile(self, whole: _WholeMessage) -> Future[bool]:
         """Check on the helper thread whether the source still says nothing

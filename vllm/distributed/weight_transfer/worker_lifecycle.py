@@ -400,12 +400,15 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         prepare message did them), then the commit, which alone fences on
         failure."""
         try:
+            if session.prepared:
+                # Prepared at the trainer's prepare message: a served tensor
+                # may have been replaced since (prepare itself checks it).
+                session.check_bound("finish_weight_update")
             if not self.pub.receipt_sent:
                 self._prepare(session)
             # Checked before the first write, so a late commit, or one whose
             # bound served tensors were replaced since, is dropped, not fenced.
             session.check_deadline("finish_weight_update")
-            session.check_bound("finish_weight_update")
         except BaseException as e:
             session.abort(describe_error(e))
             raise
