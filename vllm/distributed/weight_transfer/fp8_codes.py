@@ -168,15 +168,18 @@ def _fused_rows() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 _MIN_SCALE = float(torch.tensor(1.0 / MIN_SCALE_DIVISOR, dtype=torch.float32))
 
 
-class Fp8ChannelCodes(WeightSource):
+class ChannelCodes(WeightSource):
     """``source``'s weights with each tensor ``quantized(name, shape)`` picks
-    sent as per-channel FP8 codes and scales (module docstring), for an engine
-    started with ``quantization="fp8_per_channel"``.
+    sent as per-channel codes (``codes_dtype``, the weight's shape) followed by
+    their scales (``<name>_scale``, ``[rows, 1]`` float32), from
+    ``quantize(weight, dtype)``; every other tensor passes through. Subclasses
+    name the scheme (``Fp8ChannelCodes``, ``int8_codes.Int8ChannelCodes``).
 
-    ``dtype`` is the dtype the engine loads weights in before quantizing (its
-    ``dtype=``). Codes are half the bytes of bfloat16; the engine lands them
-    straight into its served float8 tensors and serves what it would have
-    computed from the full-precision weights, bit for bit."""
+    ``dtype`` is the dtype the engine loads weights in (its ``dtype=``); the
+    weights are cast to it before they are quantized, as the engine's loader
+    would cast them."""
+
+    codes_dtype: torch.dtype
 
     def __init__(
         self,
@@ -189,6 +192,11 @@ class Fp8ChannelCodes(WeightSource):
         self.dtype = dtype
         self.quantized = quantized
         self._picked: set[str] | None = None
+
+    def quantize(
+        self, weight: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
 
     def _picks(self) -> set[str]:
         if self._picked is None:
@@ -204,7 +212,7 @@ class Fp8ChannelCodes(WeightSource):
         out: list[ParamMeta] = []
         for meta in self.source.metadata():
             if meta.name in picked:
-                out.append(ParamMeta(meta.name, FP8_CODES, tuple(meta.shape)))
+                out.append(ParamMeta(meta.name, self.codes_dtype, tuple(meta.shape)))
                 out.append(
                     ParamMeta(scale_name(meta.name), SCALE_DTYPE, (meta.shape[0], 1))
                 )
@@ -223,8 +231,23 @@ class Fp8ChannelCodes(WeightSource):
         picked = self._picks()
         for name, tensor in self.source:
             if name in picked:
-                codes, scale = quantize_fp8_per_channel(tensor, self.dtype)
+                codes, scale = self.quantize(tensor, self.dtype)
                 yield name, codes
                 yield scale_name(name), scale
             else:
                 yield name, tensor
+
+
+class Fp8ChannelCodes(ChannelCodes):
+    """Per-channel FP8 codes (module docstring), for an engine started with
+    ``quantization="fp8_per_channel"``. Codes are half the bytes of
+    bfloat16; the engine lands them straight into its served float8 tensors
+    and serves what it would have computed from the full-precision weights,
+    bit for bit."""
+
+    codes_dtype = FP8_CODES
+
+    def quantize(
+        self, weight: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_fp8_per_channel(weight, dtype)

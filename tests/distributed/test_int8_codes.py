@@ -1,0 +1,68 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Trainer-side int8 codes (``int8_codes``): the quantizer's arithmetic and
+what ``Int8ChannelCodes`` sends, without an engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm.distributed.weight_transfer import ModuleSource
+from vllm.distributed.weight_transfer.int8_codes import (
+    INT8_HALF_RANGE,
+    Int8ChannelCodes,
+    quantize_int8_per_channel,
+)
+
+
+def test_codes_and_scales_per_row():
+    torch.manual_seed(0)
+    w = torch.randn(6, 40) * torch.linspace(0.01, 3.0, 6)[:, None]
+    w[2] = 0.0  # a row of zeros still gets a finite, positive scale
+    codes, scale = quantize_int8_per_channel(w, torch.float32)
+    assert codes.dtype == torch.int8 and codes.shape == w.shape
+    assert scale.dtype == torch.float32 and scale.shape == (6, 1)
+    assert torch.all(scale > 0) and torch.all(codes[2] == 0)
+    amax = w.abs().amax(dim=1, keepdim=True)
+    nonzero = amax.squeeze(1) > 0
+    assert torch.equal(scale[nonzero], (amax / INT8_HALF_RANGE)[nonzero])
+    # Round to nearest: every weight is within half a step of its code (the
+    # row's extremes sit exactly half a step out, at -128 and 127).
+    assert torch.all((codes.float() * scale - w).abs() <= scale / 2 * (1 + 1e-5))
+    # Each row on its own: a TP shard of rows is a slice of the result.
+    part_codes, part_scale = quantize_int8_per_channel(w[3:], torch.float32)
+    assert torch.equal(part_codes, codes[3:]) and torch.equal(part_scale, scale[3:])
+
+
+def test_the_weight_is_cast_to_the_engine_dtype_first():
+    w = torch.tensor([[1.0 + 2**-10, -1.0]])  # not a bfloat16 value
+    codes, scale = quantize_int8_per_channel(w, torch.bfloat16)
+    expected = w.to(torch.bfloat16).float()
+    assert torch.equal(scale, expected.abs().amax(dim=1, keepdim=True) / 127.5)
+    assert codes.tolist() == [[127, -127]]
+
+
+def test_only_2d_weights_are_quantized():
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_int8_per_channel(torch.ones(4))
+
+
+def test_the_source_sends_codes_then_scales_in_checkpoint_names():
+    net = torch.nn.Module()
+    net.q_proj = torch.nn.Linear(8, 4, bias=False)
+    net.norm = torch.nn.LayerNorm(8)
+    source = Int8ChannelCodes(ModuleSource(net), dtype=torch.float32)
+    metas = {m.name: (m.dtype, tuple(m.shape)) for m in source.metadata()}
+    assert metas == {
+        "q_proj.weight": (torch.int8, (4, 8)),
+        "q_proj.weight_scale": (torch.float32, (4, 1)),
+        "norm.weight": (torch.float32, (8,)),
+        "norm.bias": (torch.float32, (8,)),
+    }
+    sent = dict(iter(source))
+    assert list(sent) == list(metas)
+    codes, scale = quantize_int8_per_channel(net.q_proj.weight, torch.float32)
+    assert torch.equal(sent["q_proj.weight"], codes)
+    assert torch.equal(sent["q_proj.weight_scale"], scale)
+    assert torch.equal(sent["norm.weight"], net.norm.weight.detach())

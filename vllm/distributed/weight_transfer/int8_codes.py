@@ -1,0 +1,70 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Trainer-side int8 quantization for engines that serve a pre-quantized int8
+checkpoint: send each linear weight as int8 codes with one scale per output
+channel, in the checkpoint's own names, a quarter of float32's bytes.
+
+An engine started from a compressed-tensors W8A8 int8 checkpoint (weights
+quantized symmetrically per output channel, activations per token at run
+time) reads ``<layer>.weight`` as int8 codes and ``<layer>.weight_scale`` as
+their float32 scales (``[rows, 1]``); it never quantizes weights itself, so
+a sync must carry codes and scales, which land through vLLM's own loaders
+and processing as at start-up. ``Int8ChannelCodes(source)`` computes them on
+the trainer:
+
+* the weight is cast to the dtype the engine runs in (bfloat16 by default),
+  then to float32;
+* ``scale = max(amax / 127.5, eps)`` per row, ``amax`` the row's largest
+  magnitude and ``eps`` float32's machine epsilon: the symmetric int8 range
+  [-128, 127] spans 255 steps, as compressed-tensors' own quantizer counts
+  them;
+* ``codes = clamp(round(weight / scale), -128, 127)``, rounding half to even.
+
+Each row's codes and scale depend on that row alone, so every tensor-parallel
+shard the engine slices is the same as slicing the whole tensor's result.
+The engine serves exactly what it serves when it loads a checkpoint holding
+the same codes and scales (the tests' oracle); how close that is to the
+full-precision model is the quantizer's business, not the transfer's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.distributed.weight_transfer.fp8_codes import SCALE_DTYPE, ChannelCodes
+
+INT8_CODES = torch.int8
+# Steps of the symmetric int8 range, over two (compressed-tensors' divisor).
+INT8_HALF_RANGE = 127.5
+_MIN_SCALE = float(torch.finfo(SCALE_DTYPE).eps)
+
+
+@torch.no_grad()
+def quantize_int8_per_channel(
+    weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scale)`` of a 2-D ``weight``: int8 codes of its shape and one
+    float32 scale per row (``[rows, 1]``), as the module docstring says."""
+    if weight.dim() != 2:
+        raise ValueError(
+            f"per-channel int8 quantizes 2-D weights; got shape {tuple(weight.shape)}"
+        )
+    w = weight.detach().to(dtype).to(SCALE_DTYPE)
+    low, high = w.aminmax(dim=-1, keepdim=True)
+    amax = torch.maximum(low.abs(), high.abs())
+    scale = (amax / INT8_HALF_RANGE).clamp_min(_MIN_SCALE)
+    codes = torch.round(w / scale).clamp_(-128, 127).to(INT8_CODES)
+    return codes, scale
+
+
+class Int8ChannelCodes(ChannelCodes):
+    """``source``'s linear weights as per-channel int8 codes and scales in a
+    compressed-tensors W8A8 checkpoint's names (module docstring); every other
+    tensor (embeddings, norms, the LM head) passes through unchanged."""
+
+    codes_dtype = INT8_CODES
+
+    def quantize(
+        self, weight: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_int8_per_channel(weight, dtype)
