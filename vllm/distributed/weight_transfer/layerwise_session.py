@@ -47,13 +47,19 @@ first; past it the session aborts as above and the call raises
 ``TimeoutError`` with the reason. The check runs at the next call because a
 worker runs one call at a time: no other thread touches the model.
 
-Processing fix applied during a session: on a weight update, vLLM's unquantized
+Processing fixes applied during a session. First, on a weight update, vLLM's unquantized
 MoE method skips the experts' layer-level setup it runs at first load
 (``FusedMoEExperts.process_weights_after_loading``), so CPU experts would keep
 plain-layout weights where their kernel expects the prepacked layout. While a
 session is open, the MoE layers whose experts need that setup (``_RESETUP_EXPERTS``)
 run it again on the freshly loaded layer, exactly as at first load, before the
-result is copied into the kernel tensors.
+result is copied into the kernel tensors. Second, vLLM CPU's int8 scaled-MM
+kernel (compressed-tensors W8A8 checkpoints) builds a oneDNN handle that keeps
+the address of the weight scale it was built over; vLLM's reload drops that
+tensor once its values are copied into the kernel tensors, so the handle would
+read freed memory (the engine served token 0 after a no-op push, with no
+error). Such a layer keeps the tensors its processing made for as long as the
+handle built over them (``_hook_handles_over_processed_tensors``).
 """
 
 from __future__ import annotations
@@ -142,6 +148,23 @@ def _resetup_experts_classes() -> tuple[type, ...]:
     except ImportError:
         return ()
     return (CPUUnquantizedExperts,)
+
+
+# Where a layer keeps the processed tensors its kernel's handle reads.
+_HANDLE_TENSORS = "_weight_transfer_handle_tensors"
+
+
+def _handle_over_processed_tensors_classes() -> tuple[type, ...]:
+    """Kernels whose processing builds a handle that reads the layer's
+    processed tensors through raw pointers, not references: vLLM CPU's int8
+    scaled-MM (its oneDNN handle keeps the weight scale's address)."""
+    try:
+        from vllm.model_executor.kernels.linear.scaled_mm.cpu import (
+            CPUInt8ScaledMMLinearKernel,
+        )
+    except ImportError:
+        return ()
+    return (CPUInt8ScaledMMLinearKernel,)
 
 
 def _fused_experts(module: torch.nn.Module) -> tuple[Any, Any] | None:
@@ -238,6 +261,7 @@ class LayerwiseReloadSession:
         initialize_layerwise_reload(self.model)
         self._landing = True
         self._hook_experts_resetup()
+        self._hook_handles_over_processed_tensors()
         self._guard_forward()
 
     def land_planned(
@@ -440,6 +464,35 @@ class LayerwiseReloadSession:
                 _qm.moe_kernel.fused_experts.process_weights_after_loading(layer)
 
             quant_method.process_weights_after_loading = process_then_resetup
+            self._hooked.append(quant_method)
+
+    def _hook_handles_over_processed_tensors(self) -> None:
+        """vLLM's reload processes a layer on tensors of its own, copies the
+        results into the served tensors and drops its own. A handle built
+        during that processing over raw pointers would then read freed
+        memory: a reloaded vLLM CPU int8 W8A8 layer computed ``inf`` and
+        the engine served token 0 with no error. For such layers the
+        processed tensors stay with the layer, as long as the handle built
+        over them (until the layer is processed again)."""
+        classes = _handle_over_processed_tensors_classes()
+        if not classes:
+            return
+        for module in self.model.modules():
+            kernel = getattr(getattr(module, "scheme", None), "kernel", None)
+            quant_method = getattr(module, "quant_method", None)
+            if not isinstance(kernel, classes) or quant_method is None:
+                continue
+            if "process_weights_after_loading" in quant_method.__dict__:
+                continue  # shared quant method, already hooked
+            original = quant_method.process_weights_after_loading
+
+            def process_then_keep(layer, _orig=original):
+                _orig(layer)
+                layer.__dict__[_HANDLE_TENSORS] = dict(
+                    layer.named_parameters(recurse=False)
+                )
+
+            quant_method.process_weights_after_loading = process_then_keep
             self._hooked.append(quant_method)
 
     def _copy_pending(self, foreign_storages: set[int]) -> None:

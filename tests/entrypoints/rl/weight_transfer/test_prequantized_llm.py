@@ -1,0 +1,226 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""An engine serving a pre-quantized checkpoint, updated by a trainer that
+quantizes: compressed-tensors W8A8 int8 (weights int8 per output channel,
+activations int8 per token), which vLLM CPU serves through its int8 oneDNN
+GEMM.
+
+The engine never quantizes weights itself, so the trainer sends int8 codes
+and their scales in the checkpoint's names (``int8_codes.Int8ChannelCodes``)
+through ``ipc``. After every sync the engine must serve, bit for bit (greedy
+tokens and logprobs), what the same engine serves when it loads a checkpoint
+holding the same codes and scales (``testing.fresh_load``), at TP 1 and 2. A
+push of what the engine already holds must change nothing: before the fork's
+fix (``layerwise_session._hook_handles_over_processed_tensors``) such a push
+left every int8 layer's oneDNN handle reading the freed weight scale of
+vLLM's reload, and the engine served token 0 without an error. Full
+precision for an int8 layer and scales of the wrong shape are refused before
+anything lands.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from vllm.distributed.weight_transfer import (
+    ModuleSource,
+    WeightTransferTrainerFactory,
+)
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
+from vllm.distributed.weight_transfer.int8_codes import Int8ChannelCodes
+from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+from vllm.distributed.weight_transfer.testing import (
+    FreshLoadOracle,
+    TinyModelSpec,
+    assert_bit_identical,
+    build_tiny_model,
+    load_hf_model,
+    offline_worker_call,
+    randomize_weights_,
+    vllm_greedy,
+)
+from vllm.distributed.weight_transfer.testing.int8_checkpoint import (
+    save_int8_checkpoint,
+)
+from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
+    served_weight_dtypes,
+)
+from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
+
+pytestmark = pytest.mark.slow
+
+QUANTIZED = "model.layers.0.mlp.down_proj.weight"
+
+
+def _kernels(worker: Any) -> dict[str, str]:
+    """For ``collective_rpc``: each linear layer's int8 kernel class."""
+    model = worker.model_runner.model
+    return {
+        name: type(module.scheme.kernel).__name__
+        for name, module in model.named_modules()
+        if getattr(getattr(module, "scheme", None), "kernel", None) is not None
+    }
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def int8_engine(request, tmp_path_factory):
+    tp = request.param
+    with pytest.MonkeyPatch.context() as env:
+        if tp == 2:
+            env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        else:
+            env.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+        # collective_rpc(fn) pickles the function (reads the served kernels).
+        env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        base = build_tiny_model(TinyModelSpec(arch="qwen3"))
+        trainer_model = load_hf_model(base, "float32")
+        checkpoint = save_int8_checkpoint(
+            base,
+            Int8ChannelCodes(ModuleSource(trainer_model)),
+            tmp_path_factory.mktemp(f"int8-tp{tp}"),
+        )
+        llm = tiny_llm(
+            checkpoint, dtype="bfloat16", tensor_parallel_size=tp, backend="ipc"
+        )
+        try:
+            yield llm, base, trainer_model, tp
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+
+
+def _trainer(llm: Any, source: WeightSource) -> Any:
+    return WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(rank=0),
+        client=OfflineLLMWeightSyncClient(llm),
+        source=source,
+    )
+
+
+def _fresh_load(oracle: FreshLoadOracle, base: Any, model: torch.nn.Module) -> Any:
+    with tempfile.TemporaryDirectory(prefix="int8-oracle-") as tmp:
+        checkpoint = save_int8_checkpoint(
+            base, Int8ChannelCodes(ModuleSource(model)), tmp
+        )
+        return oracle.from_checkpoint(checkpoint)
+
+
+def test_ipc_updates_an_int8_w8a8_engine_exactly_like_a_fresh_load(int8_engine):
+    llm, base, trainer_model, tp = int8_engine
+    if tp == 1:
+        # At TP>1 a failed collective_rpc(fn) leaves stale replies behind
+        # (see test_ipc_llm.py); one rank shows the checkpoint is int8.
+        (dtypes,) = llm.collective_rpc(served_weight_dtypes)
+        assert dtypes[QUANTIZED.replace(".weight", ".weight_scale")] == (
+            "torch.float32"
+        )
+        (kernels,) = llm.collective_rpc(_kernels)
+        assert set(kernels.values()) == {"CPUInt8ScaledMMLinearKernel"}, kernels
+    oracle = FreshLoadOracle(offline_worker_call(llm), lambda: vllm_greedy(llm))
+    trainer = _trainer(llm, Int8ChannelCodes(ModuleSource(trainer_model)))
+
+    # The codes the engine started from, pushed again: nothing changes.
+    llm.reset_prefix_cache()
+    before = vllm_greedy(llm)
+    trainer.send_weights()
+    llm.reset_prefix_cache()
+    assert_bit_identical(vllm_greedy(llm), before, what="after a no-op int8 push")
+
+    served: list[Any] = []
+    for seed in (41, 42):  # two syncs, the trainer's weights changed in place
+        randomize_weights_(trainer_model, seed=seed)
+        trainer.send_weights()
+        llm.reset_prefix_cache()
+        got = vllm_greedy(llm)
+        assert_bit_identical(
+            got,
+            _fresh_load(oracle, base, trainer_model),
+            what=f"vLLM after int8 sync {len(served) + 1}",
+        )
+        served.append(got)
+    assert served[0].tokens != served[1].tokens, "both syncs served the same"
+    assert before.tokens != served[0].tokens
+
+
+class _FullPrecisionLayer(WeightSource):
+    """Int8 codes for every linear layer but one, sent in full precision."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.codes = Int8ChannelCodes(ModuleSource(model))
+        self.model = model
+
+    def metadata(self) -> list[ParamMeta]:
+        full = dict(self.model.named_parameters())[QUANTIZED]
+        return [
+            ParamMeta(QUANTIZED, full.dtype, tuple(full.shape))
+            if m.name == QUANTIZED
+            else m
+            for m in self.codes.metadata()
+            if m.name != QUANTIZED + "_scale"
+        ]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        full = dict(self.model.named_parameters())[QUANTIZED]
+        for name, tensor in self.codes:
+            if name == QUANTIZED:
+                yield name, full.detach()
+            elif name != QUANTIZED + "_scale":
+                yield name, tensor
+
+
+class _WrongScaleShape(WeightSource):
+    """Int8 codes with one layer's scale per tensor instead of per channel."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.codes = Int8ChannelCodes(ModuleSource(model))
+
+    def metadata(self) -> list[ParamMeta]:
+        return [
+            ParamMeta(m.name, m.dtype, (1, 1)) if m.name == QUANTIZED + "_scale" else m
+            for m in self.codes.metadata()
+        ]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.codes:
+            yield (
+                name,
+                tensor.amax().reshape(1, 1)
+                if name.endswith(QUANTIZED + "_scale")
+                else tensor,
+            )
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (_FullPrecisionLayer, r"down_proj\.weight as float32 \(served model: int\)"),
+        (_WrongScaleShape, r"weight_scale \[1, 1\] \(served model: \[128, 1\]\)"),
+    ],
+    ids=["full-precision-weight", "per-tensor-scale"],
+)
+def test_bad_input_to_an_int8_engine_is_refused_before_it_lands(
+    int8_engine, bad, message
+):
+    llm, base, trainer_model, _ = int8_engine
+    llm.reset_prefix_cache()
+    before = vllm_greedy(llm)
+    with pytest.raises(Exception, match=message):
+        _trainer(llm, bad(trainer_model)).send_weights()
+    llm.reset_prefix_cache()
+    assert_bit_identical(vllm_greedy(llm), before, what="after a refused push")
+    # The next sync works.
+    randomize_weights_(trainer_model, seed=43)
+    _trainer(llm, Int8ChannelCodes(ModuleSource(trainer_model))).send_weights()
+    llm.reset_prefix_cache()
+    oracle = FreshLoadOracle(offline_worker_call(llm), lambda: vllm_greedy(llm))
+    assert_bit_identical(
+        vllm_greedy(llm),
+        _fresh_load(oracle, base, trainer_model),
+        what="the sync after a refused push",
+    )

@@ -1,0 +1,80 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Pre-quantized int8 checkpoints for tests: a tiny model's folder with its
+weights replaced by what a trainer source yields (``int8_codes``) and a
+compressed-tensors W8A8 int8 quantization config, so that vLLM starts an
+engine that serves int8 codes it never quantized itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+# Weights symmetric int8 per output channel, activations int8 per token at
+# run time; the LM head stays in the model's dtype.
+W8A8_INT8_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "format": "int-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 8,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "channel",
+                "dynamic": False,
+            },
+            "input_activations": {
+                "num_bits": 8,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "token",
+                "dynamic": True,
+            },
+        }
+    },
+    "ignore": ["lm_head"],
+}
+
+
+def save_int8_checkpoint(
+    model_dir: str | os.PathLike[str],
+    weights: Iterable[tuple[str, torch.Tensor]],
+    directory: str | os.PathLike[str],
+    dtype: str = "bfloat16",
+) -> Path:
+    """Write ``model_dir``'s config and tokenizer with ``weights`` (checkpoint
+    names: int8 codes and ``*.weight_scale`` for the linear layers, the rest in
+    ``dtype``) and ``W8A8_INT8_CONFIG`` into ``directory``."""
+    from safetensors.torch import save_file
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    for item in Path(model_dir).iterdir():
+        if item.is_file() and item.suffix != ".safetensors":
+            shutil.copy2(item, out / item.name)
+    torch_dtype = getattr(torch, dtype)
+    tensors = {
+        name: (
+            t
+            if not t.is_floating_point() or name.endswith("_scale")
+            else t.to(torch_dtype)
+        )
+        .detach()
+        .contiguous()
+        .cpu()
+        for name, t in weights
+    }
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = W8A8_INT8_CONFIG
+    config["torch_dtype"] = dtype
+    config_path.write_text(json.dumps(config, indent=2))
+    return out
