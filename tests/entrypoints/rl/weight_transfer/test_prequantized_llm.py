@@ -7,9 +7,10 @@ GEMM.
 
 The engine never quantizes weights itself, so the trainer sends int8 codes
 and their scales in the checkpoint's names (``int8_codes.Int8ChannelCodes``)
-through ``ipc``. After every sync the engine must serve, bit for bit (greedy
-tokens and logprobs), what the same engine serves when it loads a checkpoint
-holding the same codes and scales (``testing.fresh_load``), at TP 1 and 2. A
+through ``ipc`` (offline, TP 1 and 2) and ``sharded_rdt`` (``vllm serve``
+over NIXL, staged, TP 1). After every sync the engine must serve, bit for bit
+(greedy tokens and logprobs), what the same engine serves when it loads a
+checkpoint holding the same codes and scales (``testing.fresh_load``). A
 push of what the engine already holds must change nothing: before the fork's
 fix (``layerwise_session._hook_handles_over_processed_tensors``) such a push
 left every int8 layer's oneDNN handle reading the freed weight scale of
@@ -224,3 +225,64 @@ def test_bad_input_to_an_int8_engine_is_refused_before_it_lands(
         _fresh_load(oracle, base, trainer_model),
         what="the sync after a refused push",
     )
+
+
+def test_vllm_serve_int8_engine_updated_by_sharded_rdt_like_a_fresh_load(
+    tmp_path,
+):
+    """``vllm serve`` on the int8 checkpoint with ``sharded_rdt`` over NIXL,
+    driven over the RL HTTP routes with checksums on and staging (the pulls
+    are staged while the server serves, then committed in one call, through
+    vLLM's reload of the int8 layers): a no-op push changes nothing, and after
+    each of two syncs the server serves, bit for bit, what it serves after
+    loading a checkpoint of the same codes fresh."""
+    pytest.importorskip("nixl")
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.sharded_rdt_trainer import (
+        ShardedRDTTrainerInitInfo,
+    )
+    from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
+    from vllm.distributed.weight_transfer.testing.server import serve
+
+    base = build_tiny_model(TinyModelSpec(arch="qwen3"))
+    trainer_model = load_hf_model(base, "float32")
+
+    def codes() -> Int8ChannelCodes:
+        return Int8ChannelCodes(CheckpointNamesSource(trainer_model))
+
+    checkpoint = save_int8_checkpoint(base, codes(), tmp_path / "int8")
+    with serve(
+        checkpoint,
+        dtype="bfloat16",
+        weight_transfer_backend="sharded_rdt",
+        weight_transfer_options={"staging": "host"},
+    ) as server:
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            ShardedRDTTrainerInitInfo(
+                num_consumers=1, stall_timeout_s=60.0, verify_checksums=True, rank=0
+            ),
+            client=HTTPVLLMWeightSyncClient(server.base_url, timeout=120),
+            source=codes(),
+        )
+        oracle = server.fresh_load_oracle()
+        try:
+            before = server.greedy()
+            trainer.send_weights()  # the codes the server started from
+            assert_bit_identical(server.greedy(), before, what="after a no-op push")
+            served = []
+            for seed in (44, 45):
+                randomize_weights_(trainer_model, seed=seed)
+                trainer.send_weights()
+                assert trainer.last_publication is not None
+                verified = trainer.last_publication.verified
+                assert verified is not None and verified.checksums_verified > 0
+                got = server.greedy()
+                with tempfile.TemporaryDirectory(prefix="int8-oracle-") as tmp:
+                    expected = oracle.from_checkpoint(
+                        save_int8_checkpoint(base, codes(), tmp)
+                    )
+                assert_bit_identical(got, expected, what=f"vLLM after sync {seed}")
+                served.append(got)
+            assert served[0].tokens != served[1].tokens, "both syncs served the same"
+        finally:
+            trainer.shutdown()
