@@ -240,6 +240,7 @@ def test_vllm_serve_int8_engine_updated_by_sharded_rdt_like_a_fresh_load(
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.sharded_rdt_trainer import (
         ShardedRDTTrainerInitInfo,
+        ShardedRDTTrainerWeightTransferEngine,
     )
     from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
     from vllm.distributed.weight_transfer.testing.server import serve
@@ -264,6 +265,7 @@ def test_vllm_serve_int8_engine_updated_by_sharded_rdt_like_a_fresh_load(
             client=HTTPVLLMWeightSyncClient(server.base_url, timeout=120),
             source=codes(),
         )
+        assert isinstance(trainer, ShardedRDTTrainerWeightTransferEngine)
         oracle = server.fresh_load_oracle()
         try:
             before = server.greedy()
