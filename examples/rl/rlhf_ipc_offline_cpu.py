@@ -19,6 +19,12 @@ quantized.md); the check is then the bit-exact fresh load alone. Adding
 it sends float8 codes and per-row scales, half the bytes, which the workers
 copy straight into the served codes; the served model is the same, bit for
 bit.
+With ``--int8-checkpoint`` the engine serves a pre-quantized checkpoint
+instead: compressed-tensors W8A8 int8, written from the trainer's starting
+weights, which vLLM CPU runs through its int8 oneDNN GEMM. Such an engine
+never quantizes, so the trainer sends int8 codes and per-row scales in the
+checkpoint's names (``Int8ChannelCodes``); the check is the bit-exact fresh
+load of a checkpoint holding the same codes.
 With ``--cpu-linear plain`` the engine keeps its linear layers' weights as
 tensors (``WeightTransferConfig.cpu_linear``; no oneDNN handle to rebuild at
 each sync, at some generation speed), and with ``--landing planned`` it copies
@@ -31,8 +37,8 @@ CUDA parameters where they are instead). See docs/training/weight_transfer/
 one_copy.md. The checks are the same.
 Run: ``python examples/rl/rlhf_ipc_offline_cpu.py [--arch qwen3_moe] [--tp 2]
 [--steps 3] [--model-dir DIR] [--quantization fp8_per_channel
-[--trainer-codes]] [--cpu-linear plain] [--landing planned] [--shared-params
-[--segment-mib N]]]``.
+[--trainer-codes]] [--int8-checkpoint] [--cpu-linear plain]
+[--landing planned] [--shared-params [--segment-mib N]]]``.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,7 +60,9 @@ from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
 from vllm.distributed.weight_transfer.testing import (
     FreshLoadOracle,
+    GreedyResult,
     TinyModelSpec,
+    assert_bit_identical,
     assert_serves_weights,
     build_tiny_model,
     load_hf_model,
@@ -78,6 +87,11 @@ def parse_args() -> argparse.Namespace:
         "--trainer-codes",
         action="store_true",
         help="with --quantization fp8_per_channel: the trainer sends FP8 codes",
+    )
+    p.add_argument(
+        "--int8-checkpoint",
+        action="store_true",
+        help="serve a pre-quantized W8A8 int8 checkpoint; the trainer sends int8 codes",
     )
     p.add_argument(
         "--cpu-linear",
@@ -125,6 +139,8 @@ def main() -> int:
     args = parse_args()
     if args.trainer_codes and args.quantization != "fp8_per_channel":
         sys.exit("--trainer-codes needs --quantization fp8_per_channel")
+    if args.int8_checkpoint and (args.quantization or args.arch != "qwen3"):
+        sys.exit("--int8-checkpoint takes a dense model and no --quantization")
     if args.tp > 1:
         # vLLM's CPU default binds OpenMP threads per NUMA node; pin one core
         # per TP worker instead. Must be set before the LLM starts.
@@ -137,14 +153,27 @@ def main() -> int:
 
     model_dir = args.model_dir or build_tiny_model(TinyModelSpec(arch=args.arch))
     model = load_hf_model(model_dir, "float32")
+    served_dir: str | Path = model_dir
+    int8_dir = None
+    if args.int8_checkpoint:
+        from vllm.distributed.weight_transfer.int8_codes import Int8ChannelCodes
+        from vllm.distributed.weight_transfer.testing.int8_checkpoint import (
+            save_int8_checkpoint,
+        )
+
+        def int8_codes() -> WeightSource:
+            return Int8ChannelCodes(ModuleSource(model), dtype=torch.bfloat16)
+
+        int8_dir = tempfile.TemporaryDirectory(prefix="int8-w8a8-")
+        served_dir = save_int8_checkpoint(model_dir, int8_codes(), int8_dir.name)
 
     t0 = time.perf_counter()
     # eager, small, seeded; with the fresh-load oracle's worker methods
     # The engine's dtype: bfloat16 under a quantization scheme (the scheme's
     # activations), else float32 like the trainer, so HF can check it too.
-    dtype = "bfloat16" if args.quantization else "float32"
+    dtype = "bfloat16" if args.quantization or args.int8_checkpoint else "float32"
     llm = tiny_llm(
-        model_dir,
+        served_dir,
         dtype=dtype,
         tensor_parallel_size=args.tp,
         quantization=args.quantization,
@@ -161,10 +190,22 @@ def main() -> int:
     fresh_load = FreshLoadOracle(offline_worker_call(llm), greedy)
     print(f"LLM up in {time.perf_counter() - t0:.1f} s (backend ipc, TP={args.tp})")
 
-    checks = "fresh load (bit-exact)" + ("" if args.quantization else " and HF")
+    def serves_the_oracle() -> GreedyResult:
+        if not args.int8_checkpoint:
+            return assert_serves_weights(fresh_load, model, dtype=dtype)
+        # The oracle: a fresh load of a checkpoint holding the same codes.
+        served = greedy()
+        with tempfile.TemporaryDirectory(prefix="int8-oracle-") as tmp:
+            checkpoint = save_int8_checkpoint(model_dir, int8_codes(), tmp)
+            assert_bit_identical(served, fresh_load.from_checkpoint(checkpoint))
+        return served
+
+    checks = "fresh load (bit-exact)" + (
+        "" if args.quantization or args.int8_checkpoint else " and HF"
+    )
     failures = 0
     try:
-        assert_serves_weights(fresh_load, model, dtype=dtype)
+        serves_the_oracle()
         print(f"before any update: vLLM == {checks}: True")
 
         if args.shared_params:
@@ -192,6 +233,9 @@ def main() -> int:
 
             # Linear weights leave the trainer as float8 codes and scales.
             source = Fp8ChannelCodes(source, dtype=torch.bfloat16)
+        if args.int8_checkpoint:
+            # Linear weights leave the trainer as int8 codes and scales.
+            source = int8_codes()
         trainer = WeightTransferTrainerFactory.trainer_init(
             IPCTrainerInitInfo(rank=0, packed=True),
             client=OfflineLLMWeightSyncClient(llm),
@@ -203,7 +247,7 @@ def main() -> int:
             trainer.send_weights()
             sync_s = time.perf_counter() - t0
             try:
-                got = assert_serves_weights(fresh_load, model, dtype=dtype)
+                got = serves_the_oracle()
                 ok = True
             except AssertionError as e:
                 ok = False
@@ -217,6 +261,8 @@ def main() -> int:
             )
     finally:
         llm.llm_engine.engine_core.shutdown()
+        if int8_dir is not None:
+            int8_dir.cleanup()
     print(f"oracle match on every step: {failures == 0}")
     return 0 if failures == 0 else 1
 
