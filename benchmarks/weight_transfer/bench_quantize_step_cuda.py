@@ -28,11 +28,17 @@ bfloat16), with nothing else running:
 * ``trainer_quantize_fork`` and ``trainer_quantize_fork_then_land_codes``:
   the fork's trainer-side quantizer (``fp8_codes.quantize_fp8_per_channel``,
   allocating its outputs as ``Fp8ChannelCodes`` does) over the trainer's
-  weights, alone and followed by the codes' copy: the trainer-side path.
+  weights, alone and followed by the codes' copy: the trainer-side path;
+* ``trainer_quantize_int8_fork`` and ``..._then_land_codes``: the same for
+  the fork's int8 quantizer (``int8_codes.quantize_int8_per_channel``, what
+  ``Int8ChannelCodes`` sends to an engine serving a W8A8 int8 checkpoint;
+  torch operations), whose codes and scales are as many bytes as FP8's.
 
 Prints each mode's time over ``flat_copy_bf16`` and the bytes each path
 moves; every weight each quantizer wrote is checked against a float64
-reference of the same quantizer (codes equal, scales equal). Writes JSON with ``--out``.
+reference of the same quantizer (codes equal, scales equal); the int8
+quantizer's first four tensors are checked against the same function run on
+the host. Writes JSON with ``--out``.
 """
 
 from __future__ import annotations
@@ -144,6 +150,19 @@ def fork_trainer_quantizer():
     return quantize_fp8_per_channel
 
 
+def fork_int8_quantizer():
+    """The fork's trainer-side int8 quantizer (``int8_codes``, what
+    ``Int8ChannelCodes`` runs for an engine serving a W8A8 int8 checkpoint);
+    None where the fork's module cannot be imported."""
+    try:
+        from vllm.distributed.weight_transfer.int8_codes import (
+            quantize_int8_per_channel,
+        )
+    except ImportError:
+        return None
+    return quantize_int8_per_channel
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=7)
@@ -205,6 +224,17 @@ def main() -> None:
         trainer_quantize()
         flat_copy_codes()
 
+    int8 = fork_int8_quantizer()
+
+    def trainer_quantize_int8() -> None:
+        assert int8 is not None
+        for w in trainer:
+            int8(w)
+
+    def trainer_quantize_int8_then_land_codes() -> None:
+        trainer_quantize_int8()
+        flat_copy_codes()  # int8 codes and scales: the same bytes as FP8's
+
     land()  # quantize reads landed weights
     modes = {
         "flat_copy_bf16": flat_copy_bf16,
@@ -220,6 +250,11 @@ def main() -> None:
         modes["trainer_quantize_fork_then_land_codes"] = (
             trainer_quantize_then_land_codes
         )
+    if int8 is not None:
+        modes["trainer_quantize_int8_fork"] = trainer_quantize_int8
+        modes["trainer_quantize_int8_fork_then_land_codes"] = (
+            trainer_quantize_int8_then_land_codes
+        )
     results: dict = {}
     checked: dict[str, list[int]] = {}
     for name, fn in modes.items():
@@ -234,6 +269,17 @@ def main() -> None:
     if fork is not None:
         checked["trainer_quantize_fork"] = [
             i for i, w in enumerate(trainer) if not _same_as_reference(w, *fork(w))
+        ]
+    if int8 is not None:
+        # The same arithmetic on the host (IEEE division and round half to
+        # even on both): the first tensors' codes and scales must be equal.
+        checked["trainer_quantize_int8_fork_vs_cpu"] = [
+            i
+            for i, w in enumerate(trainer[:4])
+            if not all(
+                torch.equal(a.cpu(), b)
+                for a, b in zip(int8(w), int8(w.cpu()), strict=True)
+            )
         ]
     flat = results["flat_copy_bf16"]["best_s"]
     for r in results.values():
