@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import statistics
@@ -168,7 +169,7 @@ def main() -> int:
                     llm.reset_prefix_cache()
                     served = vllm_greedy(llm)
                     oracle = FreshLoadOracle(
-                        offline_worker_call(llm), lambda llm=llm: vllm_greedy(llm)
+                        offline_worker_call(llm), functools.partial(vllm_greedy, llm)
                     )
                     fresh = save_int8_checkpoint(
                         bench.dir, int8_codes(), Path(tmp) / "oracle"
