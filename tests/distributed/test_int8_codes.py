@@ -12,7 +12,9 @@ from vllm.distributed.weight_transfer import ModuleSource
 from vllm.distributed.weight_transfer.int8_codes import (
     INT8_HALF_RANGE,
     Int8ChannelCodes,
+    Int8TensorCodes,
     quantize_int8_per_channel,
+    quantize_int8_per_tensor,
 )
 
 
@@ -66,3 +68,18 @@ def test_the_source_sends_codes_then_scales_in_checkpoint_names():
     assert torch.equal(sent["q_proj.weight"], codes)
     assert torch.equal(sent["q_proj.weight_scale"], scale)
     assert torch.equal(sent["norm.weight"], net.norm.weight.detach())
+
+
+def test_per_tensor_codes_share_one_scale():
+    torch.manual_seed(1)
+    w = torch.randn(5, 12)
+    codes, scale = quantize_int8_per_tensor(w, torch.float32)
+    assert codes.dtype == torch.int8 and scale.shape == (1,)
+    assert torch.equal(scale, w.abs().amax().reshape(1) / INT8_HALF_RANGE)
+    assert torch.equal(codes, torch.round(w / scale).clamp(-128, 127).to(torch.int8))
+    net = torch.nn.Module()
+    net.up_proj = torch.nn.Linear(12, 5, bias=False)
+    metas = {
+        m.name: tuple(m.shape) for m in Int8TensorCodes(ModuleSource(net)).metadata()
+    }
+    assert metas == {"up_proj.weight": (5, 12), "up_proj.weight_scale": (1,)}

@@ -198,6 +198,10 @@ class ChannelCodes(WeightSource):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the scale sent with codes of ``shape``: one per row."""
+        return (shape[0], 1)
+
     def _picks(self) -> set[str]:
         if self._picked is None:
             self._picked = {
@@ -214,7 +218,11 @@ class ChannelCodes(WeightSource):
             if meta.name in picked:
                 out.append(ParamMeta(meta.name, self.codes_dtype, tuple(meta.shape)))
                 out.append(
-                    ParamMeta(scale_name(meta.name), SCALE_DTYPE, (meta.shape[0], 1))
+                    ParamMeta(
+                        scale_name(meta.name),
+                        SCALE_DTYPE,
+                        self.scale_shape(tuple(meta.shape)),
+                    )
                 )
             else:
                 out.append(meta)

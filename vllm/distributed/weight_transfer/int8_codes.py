@@ -22,6 +22,14 @@ the trainer:
 
 Each row's codes and scale depend on that row alone, so every tensor-parallel
 shard the engine slices is the same as slicing the whole tensor's result.
+
+``Int8TensorCodes`` is the same for checkpoints quantized per tensor
+(``"strategy": "tensor"``): one scale per checkpoint tensor (shape ``[1]``),
+``amax`` over the whole tensor. The engine takes the scales of the shards it
+fuses (``q_proj``, ``k_proj``, ``v_proj`` into ``qkv_proj``) one per shard and
+turns them into per-channel scales when it processes the layer, so every
+shard of a fused layer must be in the same update, which the worker checks
+(``update_completeness``) before anything is processed.
 The engine serves exactly what it serves when it loads a checkpoint holding
 the same codes and scales (the tests' oracle); how close that is to the
 full-precision model is the quantizer's business, not the transfer's.
@@ -57,6 +65,24 @@ def quantize_int8_per_channel(
     return codes, scale
 
 
+@torch.no_grad()
+def quantize_int8_per_tensor(
+    weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scale)`` of a 2-D ``weight`` with one float32 scale for the
+    whole tensor (shape ``[1]``), otherwise as ``quantize_int8_per_channel``."""
+    if weight.dim() != 2:
+        raise ValueError(
+            f"per-tensor int8 quantizes 2-D weights; got shape {tuple(weight.shape)}"
+        )
+    w = weight.detach().to(dtype).to(SCALE_DTYPE)
+    low, high = w.aminmax()
+    amax = torch.maximum(low.abs(), high.abs()).reshape(1)
+    scale = (amax / INT8_HALF_RANGE).clamp_min(_MIN_SCALE)
+    codes = torch.round(w / scale).clamp_(-128, 127).to(INT8_CODES)
+    return codes, scale
+
+
 class Int8ChannelCodes(ChannelCodes):
     """``source``'s linear weights as per-channel int8 codes and scales in a
     compressed-tensors W8A8 checkpoint's names (module docstring); every other
@@ -68,3 +94,18 @@ class Int8ChannelCodes(ChannelCodes):
         self, weight: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_int8_per_channel(weight, dtype)
+
+
+class Int8TensorCodes(ChannelCodes):
+    """``Int8ChannelCodes`` for a checkpoint quantized per tensor: one scale
+    per linear weight (module docstring)."""
+
+    codes_dtype = INT8_CODES
+
+    def quantize(
+        self, weight: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_int8_per_tensor(weight, dtype)
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (1,)

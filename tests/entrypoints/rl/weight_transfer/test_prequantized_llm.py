@@ -34,7 +34,10 @@ from vllm.distributed.weight_transfer import (
 )
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
-from vllm.distributed.weight_transfer.int8_codes import Int8ChannelCodes
+from vllm.distributed.weight_transfer.int8_codes import (
+    Int8ChannelCodes,
+    Int8TensorCodes,
+)
 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 from vllm.distributed.weight_transfer.testing import (
     FreshLoadOracle,
@@ -57,6 +60,8 @@ from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 pytestmark = pytest.mark.slow
 
 QUANTIZED = "model.layers.0.mlp.down_proj.weight"
+# The trainer's codes source for each weight strategy of the checkpoint.
+CODES = {"channel": Int8ChannelCodes, "tensor": Int8TensorCodes}
 
 
 def _kernels(worker: Any) -> dict[str, str]:
@@ -69,9 +74,16 @@ def _kernels(worker: Any) -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+@pytest.fixture(
+    scope="module",
+    params=[(1, "channel"), (2, "channel"), (2, "tensor")],
+    ids=["tp1", "tp2", "tp2-per-tensor"],
+)
 def int8_engine(request, tmp_path_factory):
-    tp = request.param
+    """An int8 engine, the tiny model's folder, the trainer's model, and the
+    codes source for the checkpoint's strategy (per channel, or per tensor:
+    one scale per shard of a fused layer)."""
+    tp, strategy = request.param
     with pytest.MonkeyPatch.context() as env:
         if tp == 2:
             env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
@@ -81,16 +93,26 @@ def int8_engine(request, tmp_path_factory):
         env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         base = build_tiny_model(TinyModelSpec(arch="qwen3"))
         trainer_model = load_hf_model(base, "float32")
+
+        def codes() -> WeightSource:
+            return CODES[strategy](ModuleSource(trainer_model))
+
+        def fresh_load(oracle: FreshLoadOracle) -> Any:
+            with tempfile.TemporaryDirectory(prefix="int8-oracle-") as tmp:
+                checkpoint = save_int8_checkpoint(base, codes(), tmp, strategy=strategy)
+                return oracle.from_checkpoint(checkpoint)
+
         checkpoint = save_int8_checkpoint(
             base,
-            Int8ChannelCodes(ModuleSource(trainer_model)),
-            tmp_path_factory.mktemp(f"int8-tp{tp}"),
+            codes(),
+            tmp_path_factory.mktemp(f"int8-tp{tp}-{strategy}"),
+            strategy=strategy,
         )
         llm = tiny_llm(
             checkpoint, dtype="bfloat16", tensor_parallel_size=tp, backend="ipc"
         )
         try:
-            yield llm, base, trainer_model, tp
+            yield llm, trainer_model, tp, codes, fresh_load
         finally:
             llm.llm_engine.engine_core.shutdown()
             del llm
@@ -104,16 +126,8 @@ def _trainer(llm: Any, source: WeightSource) -> Any:
     )
 
 
-def _fresh_load(oracle: FreshLoadOracle, base: Any, model: torch.nn.Module) -> Any:
-    with tempfile.TemporaryDirectory(prefix="int8-oracle-") as tmp:
-        checkpoint = save_int8_checkpoint(
-            base, Int8ChannelCodes(ModuleSource(model)), tmp
-        )
-        return oracle.from_checkpoint(checkpoint)
-
-
 def test_ipc_updates_an_int8_w8a8_engine_exactly_like_a_fresh_load(int8_engine):
-    llm, base, trainer_model, tp = int8_engine
+    llm, trainer_model, tp, codes, fresh_load = int8_engine
     if tp == 1:
         # At TP>1 a failed collective_rpc(fn) leaves stale replies behind
         # (see test_ipc_llm.py); one rank shows the checkpoint is int8.
@@ -124,7 +138,7 @@ def test_ipc_updates_an_int8_w8a8_engine_exactly_like_a_fresh_load(int8_engine):
         (kernels,) = llm.collective_rpc(_kernels)
         assert set(kernels.values()) == {"CPUInt8ScaledMMLinearKernel"}, kernels
     oracle = FreshLoadOracle(offline_worker_call(llm), lambda: vllm_greedy(llm))
-    trainer = _trainer(llm, Int8ChannelCodes(ModuleSource(trainer_model)))
+    trainer = _trainer(llm, codes())
 
     # The codes the engine started from, pushed again: nothing changes.
     llm.reset_prefix_cache()
@@ -140,9 +154,7 @@ def test_ipc_updates_an_int8_w8a8_engine_exactly_like_a_fresh_load(int8_engine):
         llm.reset_prefix_cache()
         got = vllm_greedy(llm)
         assert_bit_identical(
-            got,
-            _fresh_load(oracle, base, trainer_model),
-            what=f"vLLM after int8 sync {len(served) + 1}",
+            got, fresh_load(oracle), what=f"vLLM after int8 sync {len(served) + 1}"
         )
         served.append(got)
     assert served[0].tokens != served[1].tokens, "both syncs served the same"
@@ -152,8 +164,8 @@ def test_ipc_updates_an_int8_w8a8_engine_exactly_like_a_fresh_load(int8_engine):
 class _FullPrecisionLayer(WeightSource):
     """Int8 codes for every linear layer but one, sent in full precision."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.codes = Int8ChannelCodes(ModuleSource(model))
+    def __init__(self, codes: WeightSource, model: torch.nn.Module) -> None:
+        self.codes = codes
         self.model = model
 
     def metadata(self) -> list[ParamMeta]:
@@ -176,14 +188,15 @@ class _FullPrecisionLayer(WeightSource):
 
 
 class _WrongScaleShape(WeightSource):
-    """Int8 codes with one layer's scale per tensor instead of per channel."""
+    """Int8 codes with one layer's scale of a shape no strategy has (two
+    values)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.codes = Int8ChannelCodes(ModuleSource(model))
+    def __init__(self, codes: WeightSource, model: torch.nn.Module) -> None:
+        self.codes = codes
 
     def metadata(self) -> list[ParamMeta]:
         return [
-            ParamMeta(m.name, m.dtype, (1, 1)) if m.name == QUANTIZED + "_scale" else m
+            ParamMeta(m.name, m.dtype, (2, 1)) if m.name == QUANTIZED + "_scale" else m
             for m in self.codes.metadata()
         ]
 
@@ -191,7 +204,7 @@ class _WrongScaleShape(WeightSource):
         for name, tensor in self.codes:
             yield (
                 name,
-                tensor.amax().reshape(1, 1)
+                tensor.amax().expand(2, 1).clone()
                 if name.endswith(QUANTIZED + "_scale")
                 else tensor,
             )
@@ -201,29 +214,27 @@ class _WrongScaleShape(WeightSource):
     "bad, message",
     [
         (_FullPrecisionLayer, r"down_proj\.weight as float32 \(served model: int\)"),
-        (_WrongScaleShape, r"weight_scale \[1, 1\] \(served model: \[128, 1\]\)"),
+        (_WrongScaleShape, r"down_proj\.weight_scale \[2, 1\] \(served model: "),
     ],
     ids=["full-precision-weight", "per-tensor-scale"],
 )
 def test_bad_input_to_an_int8_engine_is_refused_before_it_lands(
     int8_engine, bad, message
 ):
-    llm, base, trainer_model, _ = int8_engine
+    llm, trainer_model, _, codes, fresh_load = int8_engine
     llm.reset_prefix_cache()
     before = vllm_greedy(llm)
     with pytest.raises(Exception, match=message):
-        _trainer(llm, bad(trainer_model)).send_weights()
+        _trainer(llm, bad(codes(), trainer_model)).send_weights()
     llm.reset_prefix_cache()
     assert_bit_identical(vllm_greedy(llm), before, what="after a refused push")
     # The next sync works.
     randomize_weights_(trainer_model, seed=43)
-    _trainer(llm, Int8ChannelCodes(ModuleSource(trainer_model))).send_weights()
+    _trainer(llm, codes()).send_weights()
     llm.reset_prefix_cache()
     oracle = FreshLoadOracle(offline_worker_call(llm), lambda: vllm_greedy(llm))
     assert_bit_identical(
-        vllm_greedy(llm),
-        _fresh_load(oracle, base, trainer_model),
-        what="the sync after a refused push",
+        vllm_greedy(llm), fresh_load(oracle), what="the sync after a refused push"
     )
 
 

@@ -7,17 +7,19 @@ engine that serves int8 codes it never quantized itself."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 # Weights symmetric int8 per output channel, activations int8 per token at
 # run time; the LM head stays in the model's dtype.
-W8A8_INT8_CONFIG = {
+W8A8_INT8_CONFIG: dict[str, Any] = {
     "quant_method": "compressed-tensors",
     "format": "int-quantized",
     "config_groups": {
@@ -48,10 +50,13 @@ def save_int8_checkpoint(
     weights: Iterable[tuple[str, torch.Tensor]],
     directory: str | os.PathLike[str],
     dtype: str = "bfloat16",
+    strategy: str = "channel",
 ) -> Path:
     """Write ``model_dir``'s config and tokenizer with ``weights`` (checkpoint
     names: int8 codes and ``*.weight_scale`` for the linear layers, the rest in
-    ``dtype``) and ``W8A8_INT8_CONFIG`` into ``directory``."""
+    ``dtype``) and ``W8A8_INT8_CONFIG`` into ``directory``; ``strategy`` is the
+    weights' (``"channel"``: ``Int8ChannelCodes``; ``"tensor"``:
+    ``Int8TensorCodes``)."""
     from safetensors.torch import save_file
 
     out = Path(directory)
@@ -74,7 +79,9 @@ def save_int8_checkpoint(
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config_path = out / "config.json"
     config = json.loads(config_path.read_text())
-    config["quantization_config"] = W8A8_INT8_CONFIG
+    quantization = copy.deepcopy(W8A8_INT8_CONFIG)
+    quantization["config_groups"]["group_0"]["weights"]["strategy"] = strategy
+    config["quantization_config"] = quantization
     config["torch_dtype"] = dtype
     config_path.write_text(json.dumps(config, indent=2))
     return out
