@@ -83,3 +83,56 @@ def test_per_tensor_codes_share_one_scale():
         m.name: tuple(m.shape) for m in Int8TensorCodes(ModuleSource(net)).metadata()
     }
     assert metas == {"up_proj.weight": (5, 12), "up_proj.weight_scale": (1,)}
+
+
+def test_static_activation_parameters_follow_their_layer_codes(tmp_path):
+    from safetensors.torch import save_file
+
+    from vllm.distributed.weight_transfer.int8_codes import read_static_activations
+
+    net = torch.nn.Module()
+    net.q_proj = torch.nn.Linear(8, 4, bias=False)
+    net.o_proj = torch.nn.Linear(4, 8, bias=False)
+    net.norm = torch.nn.LayerNorm(8)
+    save_file(
+        {
+            "q_proj.input_scale": torch.tensor([0.02]),
+            "q_proj.input_zero_point": torch.tensor([3], dtype=torch.int8),
+            "q_proj.weight": torch.zeros(4, 8, dtype=torch.int8),
+        },
+        str(tmp_path / "model.safetensors"),
+    )
+    params = read_static_activations(tmp_path)
+    assert set(params) == {"q_proj.input_scale", "q_proj.input_zero_point"}
+    source = Int8ChannelCodes(
+        ModuleSource(net), dtype=torch.float32, static_activations=params
+    )
+    names = [m.name for m in source.metadata()]
+    assert names == [
+        "q_proj.weight",
+        "q_proj.weight_scale",
+        "q_proj.input_scale",
+        "q_proj.input_zero_point",
+        "o_proj.weight",
+        "o_proj.weight_scale",
+        "norm.weight",
+        "norm.bias",
+    ]
+    sent = dict(iter(source))
+    assert list(sent) == names
+    assert torch.equal(sent["q_proj.input_scale"], torch.tensor([0.02]))
+    assert sent["q_proj.input_zero_point"].dtype == torch.int8
+    meta = {m.name: (m.dtype, tuple(m.shape)) for m in source.metadata()}
+    assert meta["q_proj.input_zero_point"] == (torch.int8, (1,))
+
+
+def test_static_activation_parameters_without_codes_are_refused():
+    net = torch.nn.Module()
+    net.q_proj = torch.nn.Linear(8, 4, bias=False)
+    stray = {"k_proj.input_scale": torch.tensor([0.1])}
+    with pytest.raises(ValueError, match=r"k_proj\.input_scale"):
+        Int8ChannelCodes(ModuleSource(net), static_activations=stray).metadata()
+    with pytest.raises(ValueError, match="not a static activation parameter"):
+        Int8ChannelCodes(
+            ModuleSource(net), static_activations={"q_proj.weight": torch.ones(1)}
+        )

@@ -37,10 +37,12 @@ tensor passes through unchanged.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
@@ -177,7 +179,17 @@ class ChannelCodes(WeightSource):
 
     ``dtype`` is the dtype the engine loads weights in (its ``dtype=``); the
     weights are cast to it before they are quantized, as the engine's loader
-    would cast them."""
+    would cast them.
+
+    ``static_activations`` holds a checkpoint's static activation parameters
+    in its names (``<layer>.input_scale``, and ``<layer>.input_zero_point``
+    when activations are asymmetric; ``read_static_activations`` reads them
+    from the checkpoint's files). Each is sent unchanged right after the scale
+    of its layer's codes: an engine that quantizes activations with fixed
+    parameters rebuilds a layer from all of its tensors, so every update of a
+    layer's weight carries them too. A name whose layer has no quantized
+    weight in ``source`` is refused (``ValueError``) when the metadata is
+    first read."""
 
     codes_dtype: torch.dtype
 
@@ -187,11 +199,13 @@ class ChannelCodes(WeightSource):
         *,
         dtype: torch.dtype = torch.bfloat16,
         quantized: Callable[[str, tuple[int, ...]], bool] = is_linear_weight,
+        static_activations: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.source = source
         self.dtype = dtype
         self.quantized = quantized
         self._picked: set[str] | None = None
+        self._activations = _activations_by_weight(static_activations or {})
 
     def quantize(
         self, weight: torch.Tensor, dtype: torch.dtype
@@ -204,11 +218,24 @@ class ChannelCodes(WeightSource):
 
     def _picks(self) -> set[str]:
         if self._picked is None:
-            self._picked = {
+            picked = {
                 m.name
                 for m in self.source.metadata()
                 if m.dtype.is_floating_point and self.quantized(m.name, tuple(m.shape))
             }
+            stray = sorted(
+                name
+                for weight, params in self._activations.items()
+                if weight not in picked
+                for name in params
+            )
+            if stray:
+                raise ValueError(
+                    f"static activation parameters for {len(stray)} layer tensor(s) "
+                    f"without quantized codes in the source: {', '.join(stray[:8])}"
+                    + (" ..." if len(stray) > 8 else "")
+                )
+            self._picked = picked
         return self._picked
 
     def metadata(self) -> list[ParamMeta]:
@@ -224,6 +251,10 @@ class ChannelCodes(WeightSource):
                         self.scale_shape(tuple(meta.shape)),
                     )
                 )
+                out.extend(
+                    ParamMeta(name, t.dtype, tuple(t.shape))
+                    for name, t in self._activations.get(meta.name, {}).items()
+                )
             else:
                 out.append(meta)
         return out
@@ -233,7 +264,13 @@ class ChannelCodes(WeightSource):
         if held is None:
             return None
         picked = self._picks()
-        return [*held, *(scale_name(n) for n in held if n in picked)]
+        extra = [
+            added
+            for n in held
+            if n in picked
+            for added in (scale_name(n), *self._activations.get(n, {}))
+        ]
+        return [*held, *extra]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         picked = self._picks()
@@ -242,8 +279,46 @@ class ChannelCodes(WeightSource):
                 codes, scale = self.quantize(tensor, self.dtype)
                 yield name, codes
                 yield scale_name(name), scale
+                yield from self._activations.get(name, {}).items()
             else:
                 yield name, tensor
+
+
+# The parameters a checkpoint quantized with static activations keeps per
+# linear layer, next to ``<layer>.weight``.
+STATIC_ACTIVATION_SUFFIXES = (".input_scale", ".input_zero_point")
+
+
+def _activations_by_weight(
+    params: Mapping[str, torch.Tensor],
+) -> dict[str, dict[str, torch.Tensor]]:
+    """``{"<layer>.weight": {"<layer>.input_scale": t, ...}}`` from checkpoint
+    names; a name that is not a static activation parameter is refused."""
+    by_weight: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in params.items():
+        suffix = next((s for s in STATIC_ACTIVATION_SUFFIXES if name.endswith(s)), None)
+        if suffix is None:
+            raise ValueError(
+                f"{name} is not a static activation parameter (names end in "
+                f"{' or '.join(STATIC_ACTIVATION_SUFFIXES)})"
+            )
+        weight = name.removesuffix(suffix) + ".weight"
+        by_weight.setdefault(weight, {})[name] = tensor.detach()
+    return by_weight
+
+
+def read_static_activations(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every static activation parameter (``STATIC_ACTIVATION_SUFFIXES``) in
+    the ``*.safetensors`` files of a checkpoint folder, by checkpoint name:
+    what ``ChannelCodes(static_activations=...)`` sends to keep the
+    checkpoint's calibrated activation quantization while the weights change."""
+    found: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name.endswith(STATIC_ACTIVATION_SUFFIXES):
+                    found[name] = f.get_tensor(name)
+    return found
 
 
 class Fp8ChannelCodes(ChannelCodes):

@@ -30,6 +30,14 @@ fuses (``q_proj``, ``k_proj``, ``v_proj`` into ``qkv_proj``) one per shard and
 turns them into per-channel scales when it processes the layer, so every
 shard of a fused layer must be in the same update, which the worker checks
 (``update_completeness``) before anything is processed.
+Checkpoints whose activations are quantized with fixed, calibrated
+parameters (``"dynamic": false``: ``<layer>.input_scale``, and
+``<layer>.input_zero_point`` when asymmetric) rebuild each layer from those
+too, so a sync sends them with every layer's codes:
+``Int8ChannelCodes(source, static_activations=read_static_activations(dir))``
+keeps the checkpoint's own (``fp8_codes.ChannelCodes``); a layer updated
+without them is left unchanged by the engine, which refuses the update
+(``IncompleteUpdateError`` names the missing ``input_scale``).
 The engine serves exactly what it serves when it loads a checkpoint holding
 the same codes and scales (the tests' oracle); how close that is to the
 full-precision model is the quantizer's business, not the transfer's.
@@ -39,7 +47,19 @@ from __future__ import annotations
 
 import torch
 
-from vllm.distributed.weight_transfer.fp8_codes import SCALE_DTYPE, ChannelCodes
+from vllm.distributed.weight_transfer.fp8_codes import (
+    SCALE_DTYPE,
+    ChannelCodes,
+    read_static_activations,
+)
+
+__all__ = [
+    "Int8ChannelCodes",
+    "Int8TensorCodes",
+    "quantize_int8_per_channel",
+    "quantize_int8_per_tensor",
+    "read_static_activations",
+]
 
 INT8_CODES = torch.int8
 # Steps of the symmetric int8 range, over two (compressed-tensors' divisor).

@@ -59,7 +59,12 @@ the address of the weight scale it was built over; vLLM's reload drops that
 tensor once its values are copied into the kernel tensors, so the handle would
 read freed memory (the engine served token 0 after a no-op push, with no
 error). Such a layer keeps the tensors its processing made for as long as the
-handle built over them (``_hook_handles_over_processed_tensors``).
+handle built over them (``_hook_handles_over_processed_tensors``). Third, the
+same kernel leaves ``weight`` registered as None after processing, which
+vLLM's reload does not keep aside: a layer it put back unprocessed (an aborted
+update, or a layer the update did not touch) had no ``weight`` and its next
+forward stopped the engine. The session puts such names back as None when it
+closes (``_note_empty_slots``).
 """
 
 from __future__ import annotations
@@ -167,6 +172,49 @@ def _handle_over_processed_tensors_classes() -> tuple[type, ...]:
     return (CPUInt8ScaledMMLinearKernel,)
 
 
+class UnreloadableLayersError(RuntimeError):
+    """The served model has layers that vLLM cannot process a second time
+    without corrupting the worker's memory; raised before anything lands."""
+
+
+def unreloadable_layers(model: torch.nn.Module) -> list[str]:
+    """Layers served by vLLM CPU's int8 scaled-MM kernel with static
+    activation quantization (a compressed-tensors W8A8 checkpoint with
+    ``"dynamic": false`` activations). Measured on vLLM CPU 0.32: after one
+    reload of such a layer, the first forward pass aborts the worker with a
+    heap corruption (``corrupted size vs. prev_size``, ``double free or
+    corruption``), with vLLM's own ``reload_weights`` as with the fork's
+    updates, so the engine stops; with dynamic activations the same kernel
+    reloads correctly (``_hook_handles_over_processed_tensors``)."""
+    classes = _handle_over_processed_tensors_classes()
+    if not classes:
+        return []
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(
+            kernel := getattr(getattr(module, "scheme", None), "kernel", None), classes
+        )
+        and getattr(getattr(kernel, "config", None), "is_static_input_scheme", False)
+    ]
+
+
+def refuse_unreloadable_layers(layers: list[str]) -> None:
+    """Raise ``UnreloadableLayersError`` naming ``layers`` (from
+    ``unreloadable_layers``) when there are any: called before an update
+    hands its first weight to the model, so the refusal changes nothing."""
+    if layers:
+        raise UnreloadableLayersError(
+            f"this engine serves {len(layers)} layer(s) (first: {layers[0]}) "
+            "through vLLM CPU's int8 scaled-MM kernel with static activation "
+            "scales, which vLLM cannot process again without corrupting the "
+            "worker's memory (its own reload_weights stops the engine the same "
+            "way); nothing was changed. Serve a checkpoint with dynamic "
+            'activations (input_activations "dynamic": true) to update its '
+            "weights"
+        )
+
+
 def _fused_experts(module: torch.nn.Module) -> tuple[Any, Any] | None:
     quant_method = getattr(module, "quant_method", None)
     kernel = getattr(quant_method, "moe_kernel", None)
@@ -174,6 +222,78 @@ def _fused_experts(module: torch.nn.Module) -> tuple[Any, Any] | None:
     if experts is None:
         return None
     return quant_method, experts
+
+
+class SharedScalarLoads:
+    """A fused layer (``qkv_proj`` from ``q_proj``, ``k_proj``, ``v_proj``)
+    may hold one value for all of its shards: a static activation scale
+    (``input_scale``, and ``input_zero_point`` when asymmetric) is one
+    element, and each shard's checkpoint tensor is loaded into it in turn.
+    vLLM's layerwise reload counts every such load towards the layer's
+    elements, so the layer was processed before its last shard's scale
+    arrived, and that load then failed on the processed layer. Within one
+    update the first shard's value is loaded and the other shards' are
+    checked against it and left out: equal values change nothing (the shards
+    of a fused layer read the same input, so calibration gives them the same
+    scale), and different values are refused (``ValueError``), since the
+    layer can serve only one."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        mapping = getattr(model, "packed_modules_mapping", None) or {}
+        self._fused_name_of = {
+            member: fused
+            for fused, members in mapping.items()
+            if len(members) > 1
+            for member in members
+        }
+        self._model = model
+        # fused parameter name -> (checkpoint name loaded, its value)
+        self._loaded: dict[str, tuple[str, torch.Tensor]] = {}
+
+    def once_each(
+        self, weights: list[tuple[str, torch.Tensor]]
+    ) -> list[tuple[str, torch.Tensor]]:
+        """``weights`` without the shard values already loaded (above)."""
+        if not self._fused_name_of:
+            return weights
+        kept: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in weights:
+            target = self._shared_scalar(name)
+            if target is None:
+                kept.append((name, tensor))
+                continue
+            first = self._loaded.get(target)
+            if first is None:
+                self._loaded[target] = (name, tensor.detach().cpu().clone())
+                kept.append((name, tensor))
+                continue
+            first_name, value = first
+            if not torch.equal(tensor.detach().cpu().to(value.dtype), value):
+                raise ValueError(
+                    f"{name} = {tensor.flatten().tolist()} differs from "
+                    f"{first_name} = {value.flatten().tolist()}: vLLM fuses them "
+                    f"into {target}, which holds one value for all shards; send "
+                    "the same value for every shard of the layer"
+                )
+        return kept
+
+    def _shared_scalar(self, name: str) -> str | None:
+        """The fused layer's one-element parameter ``name`` loads into, or
+        None when it loads elsewhere."""
+        module_path, _, leaf = name.rpartition(".")
+        parent, _, member = module_path.rpartition(".")
+        fused = self._fused_name_of.get(member)
+        if fused is None:
+            return None
+        fused_path = f"{parent}.{fused}" if parent else fused
+        try:
+            module = self._model.get_submodule(fused_path)
+        except AttributeError:
+            return None
+        value = getattr(module, leaf, None)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            return None
+        return f"{fused_path}.{leaf}"
 
 
 class LayerwiseReloadSession:
@@ -192,6 +312,10 @@ class LayerwiseReloadSession:
         # The deadline between calls, the names received, the abort reason.
         self._calls = UpdateCalls(timeout_s)
         self._hooked: list[Any] = []
+        # (layer, parameter names, buffer names) registered as None: see
+        # ``_note_empty_slots``.
+        self._empty_slots: list[tuple[torch.nn.Module, list[str], list[str]]] = []
+        self._shared_scalars: SharedScalarLoads | None = None
         self._open = False
         self._landing = False
         self._forward_guard: Any = None
@@ -258,6 +382,7 @@ class LayerwiseReloadSession:
             raise RuntimeError(self.closed_message("landing"))
         if self._landing:
             return
+        self._note_empty_slots()
         initialize_layerwise_reload(self.model)
         self._landing = True
         self._hook_experts_resetup()
@@ -305,6 +430,9 @@ class LayerwiseReloadSession:
         weights, fresh = self._admit(weights, "load()")
         self.begin_landing()
         self._calls.received |= fresh
+        if self._shared_scalars is None:
+            self._shared_scalars = SharedScalarLoads(self.model)
+        weights = self._shared_scalars.once_each(weights)
         load_with_model_loaders(self.model, weights)
         if foreign_storages:
             self._copy_pending(foreign_storages)
@@ -385,6 +513,8 @@ class LayerwiseReloadSession:
     # -- internals ---------------------------------------------------------
 
     def _close(self) -> None:
+        self._restore_empty_slots()
+        self._shared_scalars = None
         for quant_method in self._hooked:
             quant_method.__dict__.pop("process_weights_after_loading", None)
         self._hooked.clear()
@@ -494,6 +624,36 @@ class LayerwiseReloadSession:
 
             quant_method.process_weights_after_loading = process_then_keep
             self._hooked.append(quant_method)
+
+    def _note_empty_slots(self) -> None:
+        """Some kernels leave a parameter registered as None once they have
+        processed a layer (vLLM CPU's int8 W8A8 kernel keeps its weight in a
+        oneDNN handle and sets ``weight`` to None; dynamic activation schemes
+        register ``input_scale`` as None) and read it back by name when they
+        run. vLLM's reload keeps aside only the tensors that are set, so a
+        layer it puts back unprocessed (the update aborted, or the layer got
+        no weights) lost those names, and its next forward raised
+        ``AttributeError``, which stopped the engine. The names are noted
+        here, before the layers move aside, and put back as None when the
+        session closes (``_restore_empty_slots``)."""
+        self._empty_slots = []
+        for layer in self.model.modules():
+            params = [n for n, p in layer._parameters.items() if p is None]
+            buffers = [n for n, b in layer._buffers.items() if b is None]
+            if params or buffers:
+                self._empty_slots.append((layer, params, buffers))
+
+    def _restore_empty_slots(self) -> None:
+        """Register as None again every name ``_note_empty_slots`` noted that
+        the layer no longer has (a layer processed anew sets its own)."""
+        for layer, params, buffers in self._empty_slots:
+            for name in params:
+                if not hasattr(layer, name):
+                    layer.register_parameter(name, None)
+            for name in buffers:
+                if not hasattr(layer, name):
+                    layer.register_buffer(name, None)
+        self._empty_slots = []
 
     def _copy_pending(self, foreign_storages: set[int]) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO

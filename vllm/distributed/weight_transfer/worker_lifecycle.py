@@ -75,6 +75,8 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.checkpoint_structure import checkpoint_shapes
 from vllm.distributed.weight_transfer.layerwise_session import (
     LayerwiseReloadSession,
+    refuse_unreloadable_layers,
+    unreloadable_layers,
 )
 from vllm.distributed.weight_transfer.lora_adapters import (
     AdapterHeader,
@@ -121,6 +123,8 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         self._landed = False
         # Set by an abort message until the finish that closes the update.
         self._aborted = False
+        # Layers vLLM cannot process again (read at the first update).
+        self._unreloadable: list[str] | None = None
         # Set once the update's receipt went out (the prepare message).
         self._prepared = False
         # LoRA adapter pushes (``lora_adapters``), made on first use.
@@ -213,6 +217,14 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         session.check_deadline(what)
         return session
 
+    def _refuse_if_unreloadable(self) -> None:
+        """Refuse base-weight updates, before anything lands, on a model
+        with layers vLLM cannot process again
+        (``layerwise_session.unreloadable_layers``; read once per worker)."""
+        if self._unreloadable is None:
+            self._unreloadable = unreloadable_layers(self.model)
+        refuse_unreloadable_layers(self._unreloadable)
+
     def _mark_landed(self) -> None:
         """Call before handing the first weight of an update to the model: a
         failure from here on fences the engine. Staged updates hand nothing
@@ -293,6 +305,8 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
             message = self.pub.begin_message(update_info)
             if self.pub.checker is not checker and self.pub.header is not None:
                 self._on_new_publication()
+            # After the header, so the refusal's receipt says nothing changed.
+            self._refuse_if_unreloadable()
             self.receive_weights(self.parse_update_info(message))
         except BaseException as e:
             self._fail_update(e)

@@ -37,6 +37,7 @@ from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
 from vllm.distributed.weight_transfer.int8_codes import (
     Int8ChannelCodes,
     Int8TensorCodes,
+    read_static_activations,
 )
 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 from vllm.distributed.weight_transfer.testing import (
@@ -51,6 +52,7 @@ from vllm.distributed.weight_transfer.testing import (
 )
 from vllm.distributed.weight_transfer.testing.int8_checkpoint import (
     save_int8_checkpoint,
+    static_input_scales,
 )
 from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
     served_weight_dtypes,
@@ -236,6 +238,85 @@ def test_bad_input_to_an_int8_engine_is_refused_before_it_lands(
     assert_bit_identical(
         vllm_greedy(llm), fresh_load(oracle), what="the sync after a refused push"
     )
+
+
+class _WithoutOneScale(WeightSource):
+    """Int8 codes with one layer's weight scale left out: the worker lands
+    every other layer, then refuses the update at its finish."""
+
+    def __init__(self, codes: WeightSource) -> None:
+        self.codes = codes
+
+    def metadata(self) -> list[ParamMeta]:
+        return [m for m in self.codes.metadata() if m.name != QUANTIZED + "_scale"]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.codes:
+            if name != QUANTIZED + "_scale":
+                yield name, tensor
+
+
+def test_an_int8_update_refused_after_landing_keeps_the_engine_serving(
+    int8_engine,
+):
+    """vLLM CPU's int8 kernel leaves ``weight`` registered as None once it has
+    processed a layer; vLLM's reload put a layer back unprocessed without
+    that name, and the next forward pass raised ``AttributeError``, which
+    stopped the engine. Here every layer but one lands, the update is
+    refused at its finish (one layer lacks its scale), the engine is fenced
+    and keeps generating, and the next whole sync (which a fenced worker
+    accepts only as a complete publication) serves the fresh load."""
+    llm, trainer_model, _, codes, fresh_load = int8_engine
+    randomize_weights_(trainer_model, seed=44)
+    with pytest.raises(Exception, match=r"lacks .*down_proj\.weight_scale"):
+        _trainer(llm, _WithoutOneScale(codes())).send_weights()
+    assert llm.get_weight_version().startswith("fenced:")
+    llm.reset_prefix_cache()
+    vllm_greedy(llm)  # generates (a mixed model, fenced): the engine runs
+    _trainer(llm, codes()).send_weights()
+    llm.reset_prefix_cache()
+    oracle = FreshLoadOracle(offline_worker_call(llm), lambda: vllm_greedy(llm))
+    assert_bit_identical(
+        vllm_greedy(llm), fresh_load(oracle), what="the sync after a fenced one"
+    )
+
+
+def test_an_int8_engine_with_static_activation_scales_refuses_updates(tmp_path):
+    """A W8A8 int8 checkpoint with static (calibrated) activation scales: vLLM
+    CPU serves it, but after vLLM processes such a layer a second time the
+    worker aborts with a heap corruption (vLLM's own ``reload_weights`` too).
+    An update, with the checkpoint's scales sent along
+    (``read_static_activations``), is refused before anything lands, naming
+    the cause; the engine keeps serving the checkpoint, unfenced."""
+    base = build_tiny_model(TinyModelSpec(arch="qwen3"))
+    trainer_model = load_hf_model(base, "float32")
+    calibration = torch.randint(
+        0, 200, (2, 16), generator=torch.Generator().manual_seed(0)
+    )
+    scales = static_input_scales(trainer_model, calibration)
+    checkpoint = save_int8_checkpoint(
+        base,
+        Int8ChannelCodes(ModuleSource(trainer_model), static_activations=scales),
+        tmp_path / "int8-static",
+        activations="static",
+    )
+    llm = tiny_llm(checkpoint, dtype="bfloat16", backend="ipc")
+    try:
+        before = vllm_greedy(llm)
+        version = llm.get_weight_version()
+        randomize_weights_(trainer_model, seed=45)
+        source = Int8ChannelCodes(
+            ModuleSource(trainer_model),
+            static_activations=read_static_activations(checkpoint),
+        )
+        with pytest.raises(Exception, match="static activation scales"):
+            _trainer(llm, source).send_weights()
+        assert llm.get_weight_version() == version
+        llm.reset_prefix_cache()
+        assert_bit_identical(vllm_greedy(llm), before, what="after a refused push")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
 
 
 def test_vllm_serve_int8_engine_updated_by_sharded_rdt_like_a_fresh_load(
