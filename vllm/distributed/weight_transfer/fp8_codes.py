@@ -216,6 +216,10 @@ class ChannelCodes(WeightSource):
         """The shape of the scale sent with codes of ``shape``: one per row."""
         return (shape[0], 1)
 
+    def scale_name_of(self, codes_name: str) -> str:
+        """The checkpoint name of the scale of ``codes_name``."""
+        return scale_name(codes_name)
+
     def _picks(self) -> set[str]:
         if self._picked is None:
             picked = {
@@ -246,7 +250,7 @@ class ChannelCodes(WeightSource):
                 out.append(ParamMeta(meta.name, self.codes_dtype, tuple(meta.shape)))
                 out.append(
                     ParamMeta(
-                        scale_name(meta.name),
+                        self.scale_name_of(meta.name),
                         SCALE_DTYPE,
                         self.scale_shape(tuple(meta.shape)),
                     )
@@ -268,7 +272,7 @@ class ChannelCodes(WeightSource):
             added
             for n in held
             if n in picked
-            for added in (scale_name(n), *self._activations.get(n, {}))
+            for added in (self.scale_name_of(n), *self._activations.get(n, {}))
         ]
         return [*held, *extra]
 
@@ -278,7 +282,7 @@ class ChannelCodes(WeightSource):
             if name in picked:
                 codes, scale = self.quantize(tensor, self.dtype)
                 yield name, codes
-                yield scale_name(name), scale
+                yield self.scale_name_of(name), scale
                 yield from self._activations.get(name, {}).items()
             else:
                 yield name, tensor
@@ -334,3 +338,95 @@ class Fp8ChannelCodes(ChannelCodes):
         self, weight: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_fp8_per_channel(weight, dtype)
+
+
+# Blocks of DeepSeek-style FP8 checkpoints (``weight_block_size``) and of
+# vLLM's ``fp8_per_block`` online scheme.
+FP8_BLOCK = (128, 128)
+# The smallest block magnitude the scale is computed from (an all-zero block
+# still gets a finite, positive scale).
+BLOCK_MIN_AMAX = 1e-4
+
+
+@torch.no_grad()
+def quantize_fp8_per_block(
+    weight: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+    block: tuple[int, int] = FP8_BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scale_inv)`` of a 2-D ``weight`` quantized per
+    ``block[0] x block[1]`` tile, the last tiles of each dimension cut short:
+    float8 e4m3 codes of the weight's shape, and one float32 scale per tile
+    (``[ceil(rows / block[0]), ceil(cols / block[1])]``; checkpoints call it
+    ``weight_scale_inv`` because the engine multiplies by it).
+
+    The arithmetic is vLLM's online ``fp8_per_block`` quantizer's, so the
+    codes equal what an engine quantizing on load computes from the same
+    tensor: the weight cast to ``dtype``; ``amax`` per tile in float32, at
+    least ``BLOCK_MIN_AMAX``; ``scale = amax / 448`` (a division by a Python
+    number); ``codes = weight * (1 / scale)`` in float32, rounded to e4m3."""
+    if weight.dim() != 2:
+        raise ValueError(
+            f"per-block FP8 quantizes 2-D weights; got shape {tuple(weight.shape)}"
+        )
+    block_rows, block_cols = block
+    w = weight.detach().to(dtype)
+    rows, cols = w.shape
+    tiles_r = -(-rows // block_rows)
+    tiles_c = -(-cols // block_cols)
+    # Zeros complete the short tiles at the ends: they never raise an amax.
+    whole = torch.nn.functional.pad(
+        w, (0, tiles_c * block_cols - cols, 0, tiles_r * block_rows - rows)
+    )
+    tiles = whole.view(tiles_r, block_rows, tiles_c, block_cols)
+    amax = tiles.abs().to(SCALE_DTYPE).amax(dim=(1, 3), keepdim=True)
+    scale = amax.clamp(BLOCK_MIN_AMAX) / FP8_MAX
+    codes = (tiles.to(SCALE_DTYPE) * (1.0 / scale)).to(FP8_CODES)
+    codes = codes.view(tiles_r * block_rows, tiles_c * block_cols)[:rows, :cols]
+    return codes.contiguous(), scale.view(tiles_r, tiles_c)
+
+
+class Fp8BlockCodes(ChannelCodes):
+    """Block FP8 codes (``quantize_fp8_per_block``) in the names of
+    DeepSeek-style FP8 checkpoints (``quant_method: fp8``,
+    ``weight_block_size: [128, 128]``): ``<layer>.weight`` holds the codes
+    and ``<layer>.weight_scale_inv`` one float32 scale per tile. For engines
+    serving such a checkpoint, which never quantize themselves: a sync then
+    moves half of bfloat16's bytes, plus one scale per 16,384 weights.
+
+    An engine splits a weight into tensor-parallel shards and fuses shards
+    (``q_proj``, ``k_proj``, ``v_proj`` into ``qkv_proj``) along whole tiles
+    only when every boundary falls on a multiple of the block; a tile that
+    straddles one would need the amax of both sides. ``tile_aligned`` says
+    whether a size splits cleanly; real FP8 checkpoints are laid out so that
+    it does (Qwen3-8B at TP 8: 512 query rows, 128 key/value rows per rank)."""
+
+    codes_dtype = FP8_CODES
+
+    def __init__(
+        self,
+        source: WeightSource,
+        *,
+        block: tuple[int, int] = FP8_BLOCK,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(source, **kwargs)
+        self.block = block
+
+    def quantize(
+        self, weight: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_fp8_per_block(weight, dtype, self.block)
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (-(-shape[0] // self.block[0]), -(-shape[1] // self.block[1]))
+
+    def scale_name_of(self, codes_name: str) -> str:
+        return codes_name + "_scale_inv"
+
+
+def tile_aligned(size: int, parts: int, block: int = FP8_BLOCK[0]) -> bool:
+    """Whether ``size`` rows (or columns) split into ``parts`` equal shards
+    made of whole ``block`` tiles, so that quantizing each shard gives the
+    same codes and scales as slicing the whole tensor's."""
+    return size % parts == 0 and (size // parts) % block == 0
