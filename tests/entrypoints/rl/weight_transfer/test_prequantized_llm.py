@@ -7,8 +7,10 @@ GEMM.
 
 The engine never quantizes weights itself, so the trainer sends int8 codes
 and their scales in the checkpoint's names (``int8_codes.Int8ChannelCodes``)
-through ``ipc`` (offline, TP 1 and 2) and ``sharded_rdt`` (``vllm serve``
-over NIXL, staged, TP 1). After every sync the engine must serve, bit for bit
+through ``ipc`` (offline, TP 1 and 2, and a MoE model at TP 1 whose
+attention is int8 and whose experts stay in bfloat16, vLLM CPU having no
+int8 MoE backend) and ``sharded_rdt`` (``vllm serve`` over NIXL, staged,
+TP 1). After every sync the engine must serve, bit for bit
 (greedy tokens and logprobs), what the same engine serves when it loads a
 checkpoint holding the same codes and scales (``testing.fresh_load``). A
 push of what the engine already holds must change nothing: before the fork's
@@ -61,7 +63,11 @@ from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 
 pytestmark = pytest.mark.slow
 
-QUANTIZED = "model.layers.0.mlp.down_proj.weight"
+# An int8 layer in every engine below (a MoE layer's MLP is its experts).
+QUANTIZED = "model.layers.0.self_attn.o_proj.weight"
+# A MoE checkpoint with int8 attention: vLLM CPU has no int8 MoE backend, so
+# the experts and their router stay in the model's dtype.
+FULL_PRECISION_EXPERTS = ("re:.*mlp\\.experts.*", "re:.*mlp\\.gate$")
 # The trainer's codes source for each weight strategy of the checkpoint.
 CODES = {"channel": Int8ChannelCodes, "tensor": Int8TensorCodes}
 
@@ -78,14 +84,21 @@ def _kernels(worker: Any) -> dict[str, str]:
 
 @pytest.fixture(
     scope="module",
-    params=[(1, "channel"), (2, "channel"), (2, "tensor")],
-    ids=["tp1", "tp2", "tp2-per-tensor"],
+    params=[
+        (1, "channel", "qwen3"),
+        (2, "channel", "qwen3"),
+        (2, "tensor", "qwen3"),
+        (1, "channel", "qwen3_moe"),
+    ],
+    ids=["tp1", "tp2", "tp2-per-tensor", "moe-tp1"],
 )
 def int8_engine(request, tmp_path_factory):
     """An int8 engine, the tiny model's folder, the trainer's model, and the
     codes source for the checkpoint's strategy (per channel, or per tensor:
-    one scale per shard of a fused layer)."""
-    tp, strategy = request.param
+    one scale per shard of a fused layer). The MoE engine serves int8
+    attention with full-precision experts (``FULL_PRECISION_EXPERTS``)."""
+    tp, strategy, arch = request.param
+    ignore = FULL_PRECISION_EXPERTS if arch == "qwen3_moe" else ()
     with pytest.MonkeyPatch.context() as env:
         if tp == 2:
             env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
@@ -93,7 +106,7 @@ def int8_engine(request, tmp_path_factory):
             env.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
         # collective_rpc(fn) pickles the function (reads the served kernels).
         env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        base = build_tiny_model(TinyModelSpec(arch="qwen3"))
+        base = build_tiny_model(TinyModelSpec(arch=arch))
         trainer_model = load_hf_model(base, "float32")
 
         def codes() -> WeightSource:
@@ -101,14 +114,17 @@ def int8_engine(request, tmp_path_factory):
 
         def fresh_load(oracle: FreshLoadOracle) -> Any:
             with tempfile.TemporaryDirectory(prefix="int8-oracle-") as tmp:
-                checkpoint = save_int8_checkpoint(base, codes(), tmp, strategy=strategy)
+                checkpoint = save_int8_checkpoint(
+                    base, codes(), tmp, strategy=strategy, ignore=ignore
+                )
                 return oracle.from_checkpoint(checkpoint)
 
         checkpoint = save_int8_checkpoint(
             base,
             codes(),
-            tmp_path_factory.mktemp(f"int8-tp{tp}-{strategy}"),
+            tmp_path_factory.mktemp(f"int8-tp{tp}-{strategy}-{arch}"),
             strategy=strategy,
+            ignore=ignore,
         )
         llm = tiny_llm(
             checkpoint, dtype="bfloat16", tensor_parallel_size=tp, backend="ipc"
@@ -215,8 +231,8 @@ class _WrongScaleShape(WeightSource):
 @pytest.mark.parametrize(
     "bad, message",
     [
-        (_FullPrecisionLayer, r"down_proj\.weight as float32 \(served model: int\)"),
-        (_WrongScaleShape, r"down_proj\.weight_scale \[2, 1\] \(served model: "),
+        (_FullPrecisionLayer, r"o_proj\.weight as float32 \(served model: int\)"),
+        (_WrongScaleShape, r"o_proj\.weight_scale \[2, 1\] \(served model: "),
     ],
     ids=["full-precision-weight", "per-tensor-scale"],
 )
@@ -268,7 +284,7 @@ def test_an_int8_update_refused_after_landing_keeps_the_engine_serving(
     accepts only as a complete publication) serves the fresh load."""
     llm, trainer_model, _, codes, fresh_load = int8_engine
     randomize_weights_(trainer_model, seed=44)
-    with pytest.raises(Exception, match=r"lacks .*down_proj\.weight_scale"):
+    with pytest.raises(Exception, match=r"lacks .*o_proj\.weight_scale"):
         _trainer(llm, _WithoutOneScale(codes())).send_weights()
     assert llm.get_weight_version().startswith("fenced:")
     llm.reset_prefix_cache()

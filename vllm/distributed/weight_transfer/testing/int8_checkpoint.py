@@ -11,7 +11,7 @@ import copy
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ def save_int8_checkpoint(
     dtype: str = "bfloat16",
     strategy: str = "channel",
     activations: str = "dynamic",
+    ignore: Sequence[str] = (),
 ) -> Path:
     """Write ``model_dir``'s config and tokenizer with ``weights`` (checkpoint
     names: int8 codes and ``*.weight_scale`` for the linear layers, the rest in
@@ -62,7 +63,9 @@ def save_int8_checkpoint(
     ``Int8TensorCodes``). ``activations="static"`` declares activations
     quantized per tensor with fixed parameters, which ``weights`` must then
     hold (``<layer>.input_scale``, float32 ``[1]``, for every quantized
-    layer: ``static_input_scales`` computes some)."""
+    layer: ``static_input_scales`` computes some). ``ignore`` adds
+    compressed-tensors ignore patterns (``"re:.*mlp\\.experts.*"``) for layers
+    served in ``dtype`` next to the LM head."""
     from safetensors.torch import save_file
 
     out = Path(directory)
@@ -86,6 +89,7 @@ def save_int8_checkpoint(
     config_path = out / "config.json"
     config = json.loads(config_path.read_text())
     quantization = copy.deepcopy(W8A8_INT8_CONFIG)
+    quantization["ignore"] = [*quantization["ignore"], *ignore]
     group = quantization["config_groups"]["group_0"]
     group["weights"]["strategy"] = strategy
     if activations == "static":
