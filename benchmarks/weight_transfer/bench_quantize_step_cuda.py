@@ -32,13 +32,18 @@ bfloat16), with nothing else running:
 * ``trainer_quantize_int8_fork`` and ``..._then_land_codes``: the same for
   the fork's int8 quantizer (``int8_codes.quantize_int8_per_channel``, what
   ``Int8ChannelCodes`` sends to an engine serving a W8A8 int8 checkpoint;
-  torch operations), whose codes and scales are as many bytes as FP8's.
+  torch operations), whose codes and scales are as many bytes as FP8's;
+* ``trainer_quantize_block_fork`` and ``..._then_land_codes``: the fork's
+  block FP8 quantizer (``fp8_codes.quantize_fp8_per_block``, what
+  ``Fp8BlockCodes`` sends to an engine serving a 128x128-tile FP8
+  checkpoint; torch operations), followed by a copy of the codes' bytes
+  (its scales, one per tile, are a few hundred KB more).
 
 Prints each mode's time over ``flat_copy_bf16`` and the bytes each path
 moves; every weight each quantizer wrote is checked against a float64
 reference of the same quantizer (codes equal, scales equal); the int8
-quantizer's first four tensors are checked against the same function run on
-the host. Writes JSON with ``--out``.
+and block quantizers' first four tensors are checked against the same
+function run on the host. Writes JSON with ``--out``.
 """
 
 from __future__ import annotations
@@ -163,6 +168,18 @@ def fork_int8_quantizer():
     return quantize_int8_per_channel
 
 
+def fork_block_quantizer():
+    """The fork's block FP8 quantizer (``fp8_codes.quantize_fp8_per_block``,
+    what ``Fp8BlockCodes`` runs); None where it cannot be imported."""
+    try:
+        from vllm.distributed.weight_transfer.fp8_codes import (
+            quantize_fp8_per_block,
+        )
+    except ImportError:
+        return None
+    return quantize_fp8_per_block
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=7)
@@ -235,6 +252,17 @@ def main() -> None:
         trainer_quantize_int8()
         flat_copy_codes()  # int8 codes and scales: the same bytes as FP8's
 
+    block = fork_block_quantizer()
+
+    def trainer_quantize_block() -> None:
+        assert block is not None
+        for w in trainer:
+            block(w)
+
+    def trainer_quantize_block_then_land_codes() -> None:
+        trainer_quantize_block()
+        flat_copy_codes()  # the codes' bytes (per-row scales' size, close)
+
     land()  # quantize reads landed weights
     modes = {
         "flat_copy_bf16": flat_copy_bf16,
@@ -254,6 +282,11 @@ def main() -> None:
         modes["trainer_quantize_int8_fork"] = trainer_quantize_int8
         modes["trainer_quantize_int8_fork_then_land_codes"] = (
             trainer_quantize_int8_then_land_codes
+        )
+    if block is not None:
+        modes["trainer_quantize_block_fork"] = trainer_quantize_block
+        modes["trainer_quantize_block_fork_then_land_codes"] = (
+            trainer_quantize_block_then_land_codes
         )
     results: dict = {}
     checked: dict[str, list[int]] = {}
@@ -279,6 +312,17 @@ def main() -> None:
             if not all(
                 torch.equal(a.cpu(), b)
                 for a, b in zip(int8(w), int8(w.cpu()), strict=True)
+            )
+        ]
+    if block is not None:
+        checked["trainer_quantize_block_fork_vs_cpu"] = [
+            i
+            for i, w in enumerate(trainer[:4])
+            if not all(
+                torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))
+                if a.dtype == FP8
+                else torch.equal(a.cpu(), b)
+                for a, b in zip(block(w), block(w.cpu()), strict=True)
             )
         ]
     flat = results["flat_copy_bf16"]["best_s"]
