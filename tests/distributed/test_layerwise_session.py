@@ -5,6 +5,7 @@ deadline, duplicate names, and the untouched model before the first weights.
 (Landing itself is tested end to end on real engines.)"""
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -117,3 +118,47 @@ def test_layers_outside_a_partial_update_keep_their_weights_without_warnings():
     assert torch.equal(model.a.weight, torch.ones(6, 4))
     assert torch.equal(model.b.weight, kept)
     assert not [r for r in records if "Failed to load weights" in r.getMessage()]
+
+
+def test_parameters_registered_as_none_are_put_back_when_the_session_closes():
+    """vLLM CPU's int8 kernel leaves ``weight`` registered as None; vLLM's
+    reload keeps aside only the tensors that are set, so a layer it put back
+    unprocessed lost the name and its next forward raised. The session notes
+    such names before the layers move aside and registers them again."""
+    s = session()
+    s.model.register_parameter("weight_packed", None)
+    s._note_empty_slots()
+    del s.model._parameters["weight_packed"]  # what putting the layer back does
+    s.abort("test")
+    assert "weight_packed" in s.model._parameters
+    assert s.model.weight_packed is None
+
+
+def test_static_activation_int8_layers_are_named_as_unreloadable():
+    from types import SimpleNamespace
+
+    from vllm.distributed.weight_transfer.layerwise_session import (
+        UnreloadableLayersError,
+        refuse_unreloadable_layers,
+        unreloadable_layers,
+    )
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import (
+        CPUInt8ScaledMMLinearKernel,
+    )
+
+    def layer(static: bool) -> torch.nn.Module:
+        kernel: Any = object.__new__(CPUInt8ScaledMMLinearKernel)
+        kernel.config = SimpleNamespace(is_static_input_scheme=static)
+        module = torch.nn.Linear(2, 2)
+        module.__dict__["scheme"] = SimpleNamespace(kernel=kernel)
+        return module
+
+    model = torch.nn.Module()
+    model.dynamic = layer(static=False)
+    model.static = layer(static=True)
+    assert unreloadable_layers(model) == ["static"]
+    refuse_unreloadable_layers([])
+    with pytest.raises(
+        UnreloadableLayersError, match=r"1 layer\(s\) \(first: static\)"
+    ):
+        refuse_unreloadable_layers(unreloadable_layers(model))
