@@ -95,6 +95,22 @@ def bench_model(
     )
 
 
+def cast_source(inner: Any, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """``inner`` (a ``WeightSource``) with every tensor cast to ``dtype`` as
+    it is read, and declared so: a trainer that sends the engine's dtype."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class Cast(WeightSource):
+        def metadata(self) -> list[ParamMeta]:
+            return [ParamMeta(m.name, dtype, m.shape) for m in inner.metadata()]
+
+        def __iter__(self) -> Any:
+            for name, tensor in inner:
+                yield name, tensor.to(dtype)
+
+    return Cast()
+
+
 def rounded(value: Any, ndigits: int = 4) -> Any:
     """``value`` with every float in it rounded to ``ndigits`` digits, through
     dicts, lists and tuples (a tuple comes back as a list, as JSON writes it);

@@ -41,7 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from _bench_common import (
     RESULTS,
     TimedClient,
     bench_model,
+    cast_source,
     emit_json,
     git_commit,
     rounded,
@@ -75,7 +76,6 @@ def main() -> int:
 
     from vllm.distributed.weight_transfer.base import (
         ModuleSource,
-        ParamMeta,
         WeightSource,
     )
     from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
@@ -96,33 +96,17 @@ def main() -> int:
     )
     from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 
-    class Bf16(WeightSource):
-        """The trainer's weights cast to bfloat16 as they are read."""
-
-        def __init__(self, inner: WeightSource) -> None:
-            self.inner = inner
-
-        def metadata(self) -> list[ParamMeta]:
-            return [
-                ParamMeta(m.name, torch.bfloat16, m.shape)
-                for m in self.inner.metadata()
-            ]
-
-        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in self.inner:
-                yield name, tensor.to(torch.bfloat16)
-
     bench = bench_model(args.num_layers, touch=True)
     model = bench.model
     print(bench.describe())
 
     def int8_codes() -> WeightSource:
         # The tensors it does not quantize go in the engine's dtype too.
-        return Int8ChannelCodes(Bf16(ModuleSource(model)), dtype=torch.bfloat16)
+        return Int8ChannelCodes(cast_source(ModuleSource(model)), dtype=torch.bfloat16)
 
     sources: dict[str, Callable[[], WeightSource]] = {
         "int8_codes": int8_codes,
-        "bf16": lambda: Bf16(ModuleSource(model)),
+        "bf16": lambda: cast_source(ModuleSource(model)),
     }
     times: dict[str, list[float]] = {m: [] for m in MODES}
     phases: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}

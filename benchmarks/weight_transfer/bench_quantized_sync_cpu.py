@@ -41,15 +41,14 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
 from _bench_common import (
     RESULTS,
     TimedClient,
     bench_model,
+    cast_source,
     emit_json,
     git_commit,
     median_memcpy_s,
@@ -76,7 +75,6 @@ def main() -> int:
 
     from vllm.distributed.weight_transfer.base import (
         ModuleSource,
-        ParamMeta,
         WeightSource,
     )
     from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
@@ -92,22 +90,6 @@ def main() -> int:
     )
     from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 
-    class Bf16(WeightSource):
-        """The trainer's weights cast to bfloat16 as they are read."""
-
-        def __init__(self, inner: WeightSource) -> None:
-            self.inner = inner
-
-        def metadata(self) -> list[ParamMeta]:
-            return [
-                ParamMeta(m.name, torch.bfloat16, m.shape)
-                for m in self.inner.metadata()
-            ]
-
-        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in self.inner:
-                yield name, tensor.to(torch.bfloat16)
-
     bench = bench_model(args.num_layers, touch=True)
     model_dir, model, fp32_bytes = bench.dir, bench.model, bench.nbytes
     print(bench.describe())
@@ -121,7 +103,7 @@ def main() -> int:
 
     sources: dict[str, WeightSource] = {
         "worker_side_fp32": ModuleSource(model),
-        "worker_side_bf16": Bf16(ModuleSource(model)),
+        "worker_side_bf16": cast_source(ModuleSource(model)),
         "trainer_side_codes": Fp8ChannelCodes(ModuleSource(model)),
     }
     moved = {
