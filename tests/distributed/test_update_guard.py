@@ -83,7 +83,8 @@ class Server:
     def __init__(self, engine: RecordingEngine, api_servers: int = 1, **kw) -> None:
         self.engine = engine
         self.routes = Routes(engine, **kw)
-        self.guard = WeightUpdateGuard(self.routes)
+        # What a request goes through first (a test may wrap the guard).
+        self.guard: Any = WeightUpdateGuard(self.routes)
         # The last answer's headers, by path.
         self.headers: dict[str, dict[bytes, bytes]] = {}
         self.app = SimpleNamespace(
@@ -359,3 +360,106 @@ def test_a_failed_commit_still_resumes_and_a_clients_pause_is_left_alone():
         ("reset_prefix_cache", True),
         ("resume",),
     ]
+
+
+# A LoRA adapter push's message (``lora_adapters.ADAPTER_KEY``): staged apart
+# from the model until its finish.
+ADAPTER = {
+    **WEIGHTS,
+    "adapter": {"name": "policy", "lora_id": 1, "config": {}, "version": "v2"},
+}
+
+
+def test_an_adapter_push_holds_only_its_finish():
+    """Generation goes on while the adapter is sent and prepared (a resume
+    passes through); the finish runs paused, then the old KV is dropped and
+    generation resumes, as for a staged commit."""
+
+    async def go(server: Server) -> None:
+        await server.post("/start_weight_update")
+        await server.update(ADAPTER)
+        await server.update({"prepare": "p" * 8})
+        assert server.engine.calls == []
+        assert await server.post("/resume") == 200
+        assert await server.post("/finish_weight_update", {}) == 200
+
+    server = Server(RecordingEngine())
+    run(go(server))
+    paused_at = {path: paused for path, _, paused in server.routes.seen}
+    assert paused_at == {
+        "/start_weight_update": False,
+        "/update_weights": False,
+        "/resume": False,
+        "/finish_weight_update": True,
+    }
+    assert server.engine.calls == [
+        ("pause", "keep"),
+        ("reset_prefix_cache", True),
+        ("resume",),
+    ]
+
+
+def test_a_silent_adapter_push_is_aborted_at_the_deadline_and_nothing_is_fenced():
+    async def go(server: Server) -> None:
+        await server.update(ADAPTER)
+        await asyncio.sleep(0.5)
+
+    server = Server(RecordingEngine(timeout_s=0.2))
+    run(go(server))
+    calls = server.engine.calls
+    # Closed on the workers; no pause was taken, the version label stays.
+    assert [c[:2] for c in calls] == [
+        ("rpc", "update_weights"),
+        ("rpc", "finish_weight_update"),
+    ]
+    assert "weights and adapters are unchanged" in (calls[0][2]["update_info"]["abort"])
+
+
+def test_base_weights_after_an_adapter_are_held_from_their_first_message():
+    async def go(server: Server) -> None:
+        await server.update(ADAPTER)
+        assert server.engine.calls == []
+        await server.update(WEIGHTS)
+        assert server.engine.calls == [("pause", "keep")]
+        assert await server.post("/resume") == 409
+        await server.post("/finish_weight_update")
+
+    server = Server(RecordingEngine())
+    run(go(server))
+    assert server.engine.calls == [
+        ("pause", "keep"),
+        ("reset_prefix_cache", True),
+        ("resume",),
+    ]
+
+
+@pytest.mark.parametrize("payload", ["weights", "adapter"])
+def test_an_update_closed_at_the_deadline_is_no_longer_open_in_the_status(payload):
+    """The abort and finish the guard sends itself reach the route observer:
+    ``/weight_update_status`` shows nothing open, and the sync counts as
+    aborted."""
+    from prometheus_client import CollectorRegistry
+
+    from vllm.distributed.weight_transfer.sync_metrics import (
+        RouteSyncObserver,
+        WeightSyncMetricsMiddleware,
+        WeightTransferMetrics,
+    )
+
+    metrics = WeightTransferMetrics(CollectorRegistry())
+    observer = RouteSyncObserver(metrics=lambda: metrics)
+    server = Server(RecordingEngine(timeout_s=0.2))
+    server.guard = WeightSyncMetricsMiddleware(
+        WeightUpdateGuard(server.routes, observer=observer), observer=observer
+    )
+
+    async def go() -> None:
+        await server.post("/start_weight_update")
+        await server.update(WEIGHTS if payload == "weights" else ADAPTER)
+        assert observer.update_status()["open"] is not None
+        await asyncio.sleep(0.5)
+
+    run(go())
+    assert observer.update_status()["open"] is None
+    assert metrics.failures.labels("ipc", "abort")._value.get() == 1
+    assert metrics.syncs.labels("ipc")._value.get() == 0

@@ -38,6 +38,20 @@ middleware mounted with the RL routes, closes that window:
   holds generation for at most the deadline, and ``GET /weight_info`` names
   the cause at once.
 
+A LoRA adapter push (a message with an ``adapter`` header) lands nothing in
+the served model until its finish, so its messages hold nothing: generation
+goes on while the adapter's bytes travel and are staged. The guard still
+watches the open push: its finish runs inside a pause the guard takes (unless
+a client paused), with the cache reset and resume after it, like a staged
+commit; and past the same deadline the guard aborts and closes it, the
+served version label unchanged, because nothing of the served model was
+touched. An update that sends base weights after an adapter is held from
+its first base weights on, as above.
+
+Whatever the guard closes at a deadline, it also tells the route observer
+(``sync_metrics.RouteSyncObserver``), so ``/weight_update_status`` no longer
+shows the update as open and the metrics count it as aborted.
+
 A staged engine serves the old weights until its commit, so only the commit
 is held: ``finish_weight_update`` runs inside a pause the guard takes (unless
 a client paused), and the release above follows it within the same request.
@@ -61,9 +75,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+
+from vllm.distributed.weight_transfer.lora_adapters import ADAPTER_KEY
+from vllm.distributed.weight_transfer.sync_metrics import (
+    RouteSyncObserver,
+    route_sync_observer,
+)
 
 # Submodules, not the package: this module is imported by the API server.
 from vllm.distributed.weight_transfer.verification.fence import (
@@ -94,12 +115,18 @@ Send = Callable[[dict], Awaitable[None]]
 
 @dataclass
 class _Hold:
-    """An in-place update whose weights are landing, as the guard sees it."""
+    """An open in-place update the guard watches: base weights landing (with
+    generation held), or a LoRA adapter push being staged (nothing held until
+    its finish)."""
 
+    # Whether generation is held: the guard paused it, or found it paused.
+    paused: bool = False
     # Whether the guard paused generation (and so resumes it at the release).
-    owns_pause: bool
-    # Whether an ``update_weights`` carrying weights succeeded in this hold.
+    owns_pause: bool = False
+    # Whether an ``update_weights`` carrying base weights succeeded.
     accepted: bool = False
+    # Whether an ``update_weights`` carrying a LoRA adapter succeeded.
+    adapter: bool = False
     # The publication the update's messages named, for the fence label.
     publication_id: str = "unknown"
     # Weight route calls now being answered (the deadline waits for them).
@@ -112,8 +139,10 @@ class _Hold:
 class WeightUpdateGuard:
     """ASGI middleware; see the module docstring."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, observer: RouteSyncObserver | None = None) -> None:
         self.app = app
+        # Told what the guard closes itself (the process's observer if None).
+        self.observer = observer
         self._hold: _Hold | None = None
         # Serializes hold, release and expiry; never held across a route call.
         self._lock = asyncio.Lock()
@@ -139,6 +168,8 @@ class WeightUpdateGuard:
                 await self.app(scope, receive, send)
         elif route == "/update_weights":
             await self._update_weights(engine, scope, receive, send)
+        elif route == "/finish_weight_update" and self._adapter_push_open():
+            await self._commit(engine, scope, receive, send)
         else:
             await self._weight_call(engine, route, scope, receive, send)
 
@@ -149,7 +180,12 @@ class WeightUpdateGuard:
     ) -> None:
         body, replay = await _read_body(receive)
         update_info = _update_info(body)
-        if _carries_weights(update_info):
+        carries = _carries_weights(update_info)
+        adapter = carries and _carries_adapter(update_info)
+        if adapter:
+            # Staged apart from the model until the finish: watched, not held.
+            await self._take_hold(engine, update_info, pause=False)
+        elif carries:
             try:
                 await self._take_hold(engine, update_info)
             except Exception as e:
@@ -163,11 +199,13 @@ class WeightUpdateGuard:
                     "retry, or pause generation yourself first",
                 )
                 return
-        carries = _carries_weights(update_info)
 
         async def then(ok: bool) -> None:
             if ok and carries and self._hold is not None:
-                self._hold.accepted = True
+                if adapter:
+                    self._hold.adapter = True
+                else:
+                    self._hold.accepted = True
             await self._after_call(engine, ended=False, ok=ok)
 
         await self._call(scope, replay, send, then)
@@ -206,9 +244,9 @@ class WeightUpdateGuard:
     async def _commit(
         self, engine: Any, scope: dict, receive: Receive, send: Send
     ) -> None:
-        """A staged engine's ``finish_weight_update``: generation is held
-        for just this call, and the KV the old weights computed is dropped
-        before it resumes."""
+        """A staged engine's ``finish_weight_update``, or the finish of a LoRA
+        adapter push: generation is held for just this call, and the KV the
+        old weights computed is dropped before it resumes."""
         try:
             await self._take_hold(engine, None)
         except Exception as e:
@@ -231,7 +269,8 @@ class WeightUpdateGuard:
     async def _resume(
         self, engine: Any, scope: dict, receive: Receive, send: Send
     ) -> None:
-        if self._hold is None:
+        if self._hold is None or not self._hold.paused:
+            # Nothing lands in place (none open, or an adapter being staged).
             await self.app(scope, receive, send)
             return
         await _json_response(
@@ -292,13 +331,21 @@ class WeightUpdateGuard:
         finally:
             await follow_up()
 
-    async def _take_hold(self, engine: Any, update_info: Any) -> None:
+    async def _take_hold(
+        self, engine: Any, update_info: Any, *, pause: bool = True
+    ) -> None:
+        """Watch the open update (from its first message that may land
+        anything) and, with ``pause``, hold generation from now until the
+        release."""
         async with self._lock:
             if self._hold is None:
+                self._hold = _Hold()
+            hold = self._hold
+            if pause and not hold.paused:
                 owns = not await engine.is_paused()
                 if owns:
                     await engine.pause_generation(mode="keep")
-                self._hold = _Hold(owns_pause=owns)
+                hold.paused, hold.owns_pause = True, owns
                 logger.info(
                     "Holding generation for a weight update%s",
                     "" if owns else " (already paused by a client)",
@@ -338,30 +385,55 @@ class WeightUpdateGuard:
 
     async def _expire(self, engine: Any, hold: _Hold, timeout_s: float) -> None:
         """The update went ``timeout_s`` without a call: abort it, fence the
-        label and release."""
+        label if base weights had been accepted, and release."""
         if self._hold is not hold or hold.calls_in_flight:
             return
-        reason = (
+        silence = (
             f"no weight update call for {timeout_s:g} s "
             "(WeightTransferConfig.update_timeout_s): the server aborted the "
-            "update; send a full update to recover"
+            "update"
         )
-        logger.error("Aborting an in-place weight update: %s", reason)
+        if hold.accepted:
+            reason = f"{silence}; send a full update to recover"
+            logger.error("Aborting an in-place weight update: %s", reason)
+        else:
+            reason = f"{silence}; the served weights and adapters are unchanged"
+            logger.warning("Aborting a LoRA adapter push: %s", reason)
+        abort = {ABORT_FIELD: reason}
+        closed = False
         try:
-            await engine.collective_rpc(
-                "update_weights", kwargs={"update_info": {ABORT_FIELD: reason}}
-            )
+            await engine.collective_rpc("update_weights", kwargs={"update_info": abort})
             await engine.collective_rpc("finish_weight_update")
+            closed = True
         except Exception:
             # The update may have closed meanwhile; the label below still
             # tells what happened to the weights that had landed.
             logger.exception("Closing the expired weight update failed")
         try:
-            await engine.update_weight_version(
-                fenced_version(hold.publication_id, reason)
-            )
+            self._tell_observer(engine, abort, closed)
+            if hold.accepted:
+                await engine.update_weight_version(
+                    fenced_version(hold.publication_id, reason)
+                )
         finally:
             await self._release(engine, "the update's deadline passed")
+
+    def _tell_observer(self, engine: Any, abort: dict, closed: bool) -> None:
+        """Report the abort and finish the guard sent itself, as the routes
+        would have (the update is no longer open, and counts as aborted)."""
+        observer = self.observer or route_sync_observer()
+        backend = str(getattr(_config(engine), "backend", "unknown"))
+        now = time.monotonic()
+        observer.observe_route(
+            "update", started=now, ok=True, backend=backend, update_info=abort
+        )
+        observer.observe_route("finish", started=now, ok=closed, backend=backend)
+
+    def _adapter_push_open(self) -> bool:
+        """Whether the open update carried a LoRA adapter and holds nothing
+        yet (its finish is then held like a staged commit)."""
+        hold = self._hold
+        return hold is not None and hold.adapter and not hold.paused
 
     # -- what applies ----------------------------------------------------------
 
@@ -469,6 +541,13 @@ def _carries_weights(update_info: Any) -> bool:
     return not any(
         isinstance(item, dict) and (ABORT_FIELD in item or PREPARE_FIELD in item)
         for item in _items(update_info)
+    )
+
+
+def _carries_adapter(update_info: Any) -> bool:
+    """Whether a message carries a LoRA adapter (``lora_adapters``)."""
+    return any(
+        isinstance(item, dict) and ADAPTER_KEY in item for item in _items(update_info)
     )
 
 

@@ -4,6 +4,11 @@
 RL HTTP routes (``HTTPVLLMWeightSyncClient``), served to OpenAI completions
 that name the adapter as ``model``.
 
+A trainer that dies after sending its adapter leaves the server serving:
+generation is not held while the adapter is staged, and at the deadline the
+server closes the push with the base weights' version label unchanged and
+the adapter's previous version serving.
+
 The push registers the adapter's name with the server
 (``/v1/load_lora_adapter`` with its memory path; the server numbers it
 itself). Every version served is compared bit for bit with the same server
@@ -20,6 +25,7 @@ one server here instead of two.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +54,10 @@ pytestmark = pytest.mark.slow
 MAX_RANK = 8
 # Ids the server does not hand out itself (it numbers from 1).
 PUSHED_ID = 1000
+# The server's deadline for an open update between two calls (short, so the
+# test of a trainer dying mid-push waits little; every push here is far
+# quicker between its calls).
+UPDATE_TIMEOUT_S = 8.0
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +67,7 @@ def server(tiny_model_dir: Path):
     with serve(
         tiny_model_dir,
         tensor_parallel_size=2,
+        weight_transfer_options={"update_timeout_s": UPDATE_TIMEOUT_S},
         extra_args=[
             "--enable-lora",
             "--max-lora-rank",
@@ -179,3 +190,85 @@ def test_a_memory_path_never_pushed_is_refused_and_the_server_keeps_serving(serv
     assert_bit_identical(
         completions_greedy(server.base_url, server.model), base, what="base after"
     )
+
+
+class _DiesAfterTheAdapter(HTTPVLLMWeightSyncClient):
+    """A trainer that dies right after its adapter message was accepted: it
+    sends nothing more, not even an abort."""
+
+    dead = False
+
+    def update_weights(self, update_info: Any) -> None:
+        if self.dead:
+            raise RuntimeError("the trainer died")
+        super().update_weights(update_info)
+        self.dead = True
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        if self.dead:
+            raise RuntimeError("the trainer died")
+        super().finish_weight_update(weight_version)
+
+
+def _status(server: ServerProcess) -> dict:
+    answer = requests.get(f"{server.base_url}/weight_update_status", timeout=30)
+    answer.raise_for_status()
+    return answer.json()
+
+
+def test_a_trainer_dying_mid_push_leaves_the_server_serving_and_unfenced(
+    server, tiny_model_dir
+):
+    client = HTTPVLLMWeightSyncClient(server.base_url, timeout=120)
+    model = policy(tiny_model_dir, seed=3)
+    push_lora_adapter(
+        client,
+        LoRAAdapter.from_peft_model(model, "policy", PUSHED_ID),
+        version="before-death",
+    )
+    before = completions_greedy(server.base_url, "policy")
+    base = completions_greedy(server.base_url, server.model)
+    label = _status(server)["weight_version"]
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-1.5)
+    with pytest.raises(RuntimeError, match="the trainer died"):
+        push_lora_adapter(
+            _DiesAfterTheAdapter(server.base_url, timeout=120),
+            LoRAAdapter.from_peft_model(model, "policy", PUSHED_ID),
+            version="never-committed",
+        )
+    # The push is open on the server, and requests are served meanwhile:
+    # both completions return while it is still open, so generation was not
+    # held for it (a hold would last until the deadline closed it).
+    assert _status(server)["open"]["adapter"]["version"] == "never-committed"
+    assert_bit_identical(
+        completions_greedy(server.base_url, "policy"), before, what="during"
+    )
+    assert_bit_identical(
+        completions_greedy(server.base_url, server.model), base, what="base during"
+    )
+    assert _status(server)["open"] is not None
+
+    # At the deadline the server closes the push: nothing is fenced, the
+    # version label and the adapter's version are the ones before.
+    give_up = time.monotonic() + UPDATE_TIMEOUT_S + 60
+    while _status(server)["open"] is not None:
+        assert time.monotonic() < give_up, _status(server)
+        time.sleep(0.5)
+    status = _status(server)
+    assert status["weight_version"] == label
+    assert status["adapters"]["policy"]["version"] == "before-death"
+    assert_bit_identical(
+        completions_greedy(server.base_url, "policy"), before, what="after"
+    )
+    # The next push goes through.
+    push_lora_adapter(
+        client,
+        LoRAAdapter.from_peft_model(model, "policy", PUSHED_ID),
+        version="after-death",
+    )
+    assert completions_greedy(server.base_url, "policy") != before
+    assert _status(server)["adapters"]["policy"]["version"] == "after-death"
