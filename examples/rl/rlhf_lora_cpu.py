@@ -11,7 +11,9 @@ not touched) and generates through ``LoRARequest("policy", 1, ...)``. The
 output is then compared, bit for bit, with the same engine serving the same
 adapter loaded from a PEFT directory under another id, and with Hugging Face +
 PEFT's forward (float32, within a small logprob tolerance); the script exits
-with status 1 on a mismatch.
+with status 1 on a mismatch. The pusher labels outputs (``label_outputs=True``):
+every generated token's weight version label names the adapter version that
+sampled it, which the script reads back from an output.
 
 ``--transport nixl`` pushes the way a trainer on another machine does: the
 workers pull the adapter from the trainer's producer over NIXL and send their
@@ -29,9 +31,11 @@ import os
 import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 
+from vllm.distributed.weight_transfer.adapter_labels import split_adapter_label
 from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
 from vllm.distributed.weight_transfer.lora_trainer import (
     LoRAAdapter,
@@ -49,6 +53,22 @@ from vllm.distributed.weight_transfer.testing import (
     vllm_greedy,
 )
 from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
+
+
+def adapter_version_on_outputs(llm: Any, lora_request: Any) -> str | None:
+    """The version of ``lora_request``'s adapter that the weight version
+    label on a generated output names."""
+    from vllm import SamplingParams
+
+    (out,) = llm.generate(
+        ["Hello"],
+        SamplingParams(max_tokens=2, temperature=0.0),
+        lora_request=lora_request,
+        use_tqdm=False,
+    )
+    spans = out.outputs[0].weight_versions or []
+    _, adapters = split_adapter_label(spans[-1].version) if spans else ("", {})
+    return adapters.get(lora_request.lora_name)
 
 
 def parse_args() -> argparse.Namespace:
@@ -104,6 +124,9 @@ def main() -> int:
         transport=args.transport,
         producer_host=args.producer_host,
         verify_checksums=True,
+        # Each commit also names the adapter's version in the engine's weight
+        # version label, which vLLM puts on every output token.
+        label_outputs=True,
     )
     pushed = LoRARequest("policy", 1, memory_path("policy"))
     ok = True
@@ -116,6 +139,7 @@ def main() -> int:
             push_s = time.perf_counter() - t0
             nbytes = sum(t.numel() * t.element_size() for t in adapter.tensors.values())
             served = vllm_greedy(llm, lora_request=pushed)
+            labelled = adapter_version_on_outputs(llm, pushed)
             # The same adapter from a directory, under an id of its own.
             path = os.path.join(tmp, f"step-{step}")
             policy.save_pretrained(path)
@@ -123,6 +147,7 @@ def main() -> int:
                 llm, lora_request=LoRARequest(f"disk-{step}", 100 + step, path)
             )
             try:
+                assert labelled == f"step-{step}", f"outputs name {labelled!r}"
                 assert_bit_identical(served, from_disk, what="pushed adapter")
                 assert_same_greedy(
                     served, hf_greedy(policy), atol=logprob_atol("float32")
@@ -139,7 +164,8 @@ def main() -> int:
             print(
                 f"step {step}: pushed {len(adapter.tensors)} tensors "
                 f"({nbytes / 1e6:.2f} MB) over {args.transport} in {push_s:.3f} s, "
-                f"{attested} worker receipt(s) verified; {verdict}"
+                f"{attested} worker receipt(s) verified, outputs name policy "
+                f"{labelled}; {verdict}"
             )
     pusher.close()
     llm.llm_engine.engine_core.shutdown()

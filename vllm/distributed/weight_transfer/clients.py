@@ -26,8 +26,9 @@ with the four methods of ``VLLMWeightSyncClient``. Three are provided:
   ``update_weight_version(v)``, so any actor with upstream's methods works.
 * ``OfflineLLMWeightSyncClient(llm)``: an ``LLM`` in the trainer's own process.
 
-Beyond the four sync calls, each client can set the weight version the server
-reports (``update_weight_version(new_version)``) and ask how many workers it
+Beyond the four sync calls, each client can set and read the weight version
+the server reports (``update_weight_version(new_version)``,
+``get_weight_version()``) and ask how many workers it
 runs, data-parallel ranks included (``get_world_size()``). Verified publication
 uses both: the version becomes visible only after every worker's receipt was
 checked, and receipts are expected from that many workers.
@@ -240,6 +241,9 @@ class HTTPVLLMWeightSyncClient:
     def get_world_size(self) -> int:
         return int(self._get("get_world_size", {"include_dp": "true"})["world_size"])
 
+    def get_weight_version(self) -> str:
+        return str(self._get("weight_info")["weight_version"])
+
 
 class RayVLLMWeightSyncClient:
     """Drives one or more ``LLM`` / ``AsyncLLM`` Ray actors as one unit."""
@@ -300,6 +304,13 @@ class RayVLLMWeightSyncClient:
         """Workers of all actors together (DP ranks included)."""
         return sum(int(n) for n in self._call("get_world_size", True))
 
+    def get_weight_version(self) -> str:
+        """The first actor's label (every commit sets the same one on all)."""
+        versions = self._call("get_weight_version")
+        if not versions:
+            raise ValueError("this client drives no actor")
+        return str(versions[0])
+
     # No pause_generation here: an actor runs one call at a time, so a
     # generate call queued on it between the trainer's pause and resume would
     # wait for the resume that waits behind it. The commit therefore does not
@@ -347,6 +358,9 @@ class OfflineLLMWeightSyncClient:
 
     def update_weight_version(self, new_version: str) -> None:
         self.llm.update_weight_version(new_version)
+
+    def get_weight_version(self) -> str:
+        return str(self.llm.get_weight_version())
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
         self.llm.reset_prefix_cache(reset_running_requests=reset_running_requests)

@@ -41,6 +41,12 @@ reach no shared path or handle, only the workers its NIXL endpoint
 (``producer_host``), and every wait is bounded by ``stall_timeout_s``. Any
 backend's engine takes these pushes.
 
+Adapter versions on outputs (``label_outputs=True``): each commit also sets
+the engine's weight version label, which vLLM puts on every output token, to
+the base weights' label followed by the version of every adapter pushed that
+way (``adapter_labels``); a request reads its adapter's version from the
+spans of its output.
+
 Over HTTP (``HTTPVLLMWeightSyncClient``) the push also registers the adapter's
 name with the OpenAI server, so ``model="policy"`` requests reach it; the server
 needs ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (upstream's
@@ -63,6 +69,10 @@ from typing import Any, Literal
 
 import torch
 
+from vllm.distributed.weight_transfer.adapter_labels import (
+    label_with_adapters,
+    split_adapter_label,
+)
 from vllm.distributed.weight_transfer.base import ParamMeta
 from vllm.distributed.weight_transfer.full_resync import (
     ModelVersions,
@@ -206,6 +216,7 @@ def push_lora_adapter(
     transport: Literal["ipc", "nixl"] = "ipc",
     producer_host: str = "127.0.0.1",
     stall_timeout_s: float = DEFAULT_PULL_STALL_TIMEOUT_S,
+    label_outputs: bool = False,
 ) -> VerifiedPublication | None:
     """Push ``adapter`` to the engine ``client`` drives, once; see the module
     docstring. Returns what the receipts verified (None when unverified). A
@@ -221,6 +232,7 @@ def push_lora_adapter(
         transport=transport,
         producer_host=producer_host,
         stall_timeout_s=stall_timeout_s,
+        label_outputs=label_outputs,
     )
     try:
         return pusher.push(adapter, version=version)
@@ -238,9 +250,13 @@ class LoRAPusher:
     module docstring. ``transport``: ``"ipc"`` (workers map the buffer:
     colocated) or ``"nixl"`` (workers pull it from a producer this pusher
     serves at ``producer_host``: any machine; ``stall_timeout_s`` bounds each
-    wait of a pull). ``close()`` frees the buffer and the producer; a failed
-    push frees them too, since a worker that timed out may still be reading
-    the buffer."""
+    wait of a pull). ``label_outputs``: each push's commit also sets the
+    engine's weight version label to the base weights' label followed by the
+    version of every adapter pushed this way (``adapter_labels``), so every
+    output token names the adapter versions it was sampled with; each push
+    then needs a ``version=``. ``close()`` frees the buffer and the producer;
+    a failed push frees them too, since a worker that timed out may still be
+    reading the buffer."""
 
     def __init__(
         self,
@@ -254,6 +270,7 @@ class LoRAPusher:
         transport: Literal["ipc", "nixl"] = "ipc",
         producer_host: str = "127.0.0.1",
         stall_timeout_s: float = DEFAULT_PULL_STALL_TIMEOUT_S,
+        label_outputs: bool = False,
     ) -> None:
         if model_version is not None and model_version < 0:
             raise ValueError(f"model_version must be >= 0, got {model_version}")
@@ -271,6 +288,13 @@ class LoRAPusher:
                 f"workers pull); {type(client).__name__} has none. Use a client "
                 "from vllm.distributed.weight_transfer.clients"
             )
+        if label_outputs and not callable(getattr(client, "get_weight_version", None)):
+            raise ValueError(
+                f"label_outputs=True reads the engine's weight version label, "
+                f"and {type(client).__name__} has no get_weight_version(). Use "
+                "a client from vllm.distributed.weight_transfer.clients"
+            )
+        self.label_outputs = label_outputs
         self.transport = transport
         self.producer_host = producer_host
         self.stall_timeout_s = stall_timeout_s
@@ -308,6 +332,17 @@ class LoRAPusher:
         items = [(n, t.detach()) for n, t in adapter.tensors.items()]
         if not items:
             raise ValueError(f"adapter {adapter.name!r} has no tensors")
+        if self.label_outputs and not (isinstance(version, str) and version):
+            raise ValueError(
+                f"adapter {adapter.name!r}: label_outputs=True names each "
+                "push's version on the outputs, so push(..., version=...) needs "
+                f"a non-empty string, got {version!r}"
+            )
+        commit_label = (
+            (lambda: self._label_with(adapter.name, version))
+            if self.label_outputs and version is not None
+            else None
+        )
         devices = {t.device for _, t in items}
         if len(devices) != 1:
             raise ValueError(
@@ -369,9 +404,11 @@ class LoRAPusher:
                 )
             try:
                 if pull is not None:
-                    self._send_pulled(message, pub, what, pull, flat[:last])
+                    self._send_pulled(
+                        message, pub, what, pull, flat[:last], commit_label
+                    )
                 else:
-                    self._send(message, pub, what)
+                    self._send(message, pub, what, commit_label=commit_label)
             finally:
                 if pub is not None:
                     pub.close()
@@ -424,6 +461,7 @@ class LoRAPusher:
         what: str,
         pull: AdapterPull,
         payload: torch.Tensor,
+        commit_label: Callable[[], str] | None,
     ) -> None:
         """``_send`` with the producer serving ``payload`` while the workers
         handle the message: they register, then pull it."""
@@ -443,7 +481,7 @@ class LoRAPusher:
                     raise
                 serving.result()
 
-        self._send(message, pub, what, update=update)
+        self._send(message, pub, what, update=update, commit_label=commit_label)
 
     def _send(
         self,
@@ -451,12 +489,15 @@ class LoRAPusher:
         pub: TrainerPublication | None,
         what: str,
         update: Callable[[dict[str, Any]], None] | None = None,
+        commit_label: Callable[[], str] | None = None,
     ) -> None:
         """One update: the message (through ``update`` when given); with
         ``pub``, the prepare message and the check of every expected worker's
-        receipt; then the commit. Any failure after the start aborts the
-        update: the version before keeps serving, and the served weight
-        version is left as it is (only an adapter failed)."""
+        receipt; then the commit, which sets the label ``commit_label()``
+        names (read right before it; None: the label is left as it is). Any
+        failure after the start aborts the update: the version before keeps
+        serving, and the served weight version is left as it is (only an
+        adapter failed)."""
         try:
             start_update(self.client, what)
             try:
@@ -469,7 +510,9 @@ class LoRAPusher:
                         expected_workers(self.client),
                         timeout_s=self.receipt_timeout_s,
                     )
-                commit_update(self.client, None)
+                commit_update(
+                    self.client, None if commit_label is None else commit_label()
+                )
             except BaseException as e:
                 abort_update(self.client, f"{what}: {describe_error(e)}")
                 raise
@@ -480,6 +523,11 @@ class LoRAPusher:
             raise
         if pub is not None:
             self.last_publication = pub
+
+    def _label_with(self, name: str, version: str) -> str:
+        """The engine's label now, with adapter ``name`` at ``version``."""
+        base, adapters = split_adapter_label(self.client.get_weight_version())
+        return label_with_adapters(base, {**adapters, name: version})
 
     def _packing_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """The uint8 buffer the adapter is packed in: exported (shared memory

@@ -4,6 +4,10 @@
 RL HTTP routes (``HTTPVLLMWeightSyncClient``), served to OpenAI completions
 that name the adapter as ``model``.
 
+With ``label_outputs=True`` a stream the push commits inside names, on its
+tokens, the adapter version before and after: the first span is the old
+adapter's greedy output, the second the new one's continuation of it.
+
 A trainer that dies after sending its adapter leaves the server serving:
 generation is not held while the adapter is staged, and at the deadline the
 server closes the push with the base weights' version label unchanged and
@@ -25,6 +29,7 @@ one server here instead of two.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -33,8 +38,13 @@ import pytest
 import requests
 import torch
 
+from vllm.distributed.weight_transfer.adapter_labels import split_adapter_label
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-from vllm.distributed.weight_transfer.lora_trainer import LoRAAdapter, push_lora_adapter
+from vllm.distributed.weight_transfer.lora_trainer import (
+    LoRAAdapter,
+    LoRAPusher,
+    push_lora_adapter,
+)
 from vllm.distributed.weight_transfer.testing import (
     GreedyResult,
     assert_bit_identical,
@@ -43,9 +53,14 @@ from vllm.distributed.weight_transfer.testing import (
     load_hf_model,
     logprob_atol,
 )
+from vllm.distributed.weight_transfer.testing.fresh_load import http_worker_call
 from vllm.distributed.weight_transfer.testing.lora import random_lora
-from vllm.distributed.weight_transfer.testing.oracle import completions_greedy
+from vllm.distributed.weight_transfer.testing.oracle import (
+    DEFAULT_PROMPTS,
+    completions_greedy,
+)
 from vllm.distributed.weight_transfer.testing.server import ServerProcess, serve
+from vllm.distributed.weight_transfer.testing.streams import Stream, stream_generate
 
 peft = pytest.importorskip("peft")
 
@@ -69,6 +84,8 @@ def server(tiny_model_dir: Path):
         tensor_parallel_size=2,
         weight_transfer_options={"update_timeout_s": UPDATE_TIMEOUT_S},
         extra_args=[
+            # /inference/v1/generate: outputs carry per-token weight versions.
+            "--enable-scale-out",
             "--enable-lora",
             "--max-lora-rank",
             str(MAX_RANK),
@@ -272,3 +289,74 @@ def test_a_trainer_dying_mid_push_leaves_the_server_serving_and_unfenced(
     )
     assert completions_greedy(server.base_url, "policy") != before
     assert _status(server)["adapters"]["policy"]["version"] == "after-death"
+
+
+STREAM_TOKENS = 200  # with the prompt, within the server's max_model_len
+FORWARD_PAUSE_S = 0.01  # so the stream lasts seconds and the push falls inside
+
+
+def test_a_stream_names_the_adapter_version_of_each_of_its_tokens(
+    server, tiny_model_dir
+):
+    client = HTTPVLLMWeightSyncClient(server.base_url, timeout=120)
+    pusher = LoRAPusher(client, label_outputs=True)
+    model = policy(tiny_model_dir, seed=4)
+    prompt = list(DEFAULT_PROMPTS[0])
+    slow_down = http_worker_call(server.base_url)
+    try:
+        pusher.push(
+            LoRAAdapter.from_peft_model(model, "policy", PUSHED_ID), version="s-1"
+        )
+        old = completions_greedy(
+            server.base_url, "policy", prompts=[prompt], max_tokens=STREAM_TOKENS
+        ).tokens[0]
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(-1.5)
+
+        # A long stream of the adapter, and the next version pushed while its
+        # first tokens are out.
+        slow_down("slow_down_forward", [FORWARD_PAUSE_S])
+        stream = Stream(0, prompt)
+        first_tokens = threading.Event()
+
+        def on_chunk(s: Stream) -> None:
+            if len(s.tokens) >= 8:
+                first_tokens.set()
+
+        reading = threading.Thread(
+            target=stream_generate,
+            args=(server.base_url, stream, STREAM_TOKENS),
+            kwargs={"on_chunk": on_chunk, "model": "policy"},
+        )
+        reading.start()
+        assert first_tokens.wait(60), "the stream never started"
+        pusher.push(
+            LoRAAdapter.from_peft_model(model, "policy", PUSHED_ID), version="s-2"
+        )
+        reading.join(120)
+        assert stream.finished_at is not None, "the stream did not finish"
+    finally:
+        slow_down("slow_down_forward", [0])
+        pusher.close()
+
+    spans, n = stream.weight_versions, len(stream.tokens)
+    assert n == STREAM_TOKENS
+    assert [(s["start"], s["end"]) for s in spans] == [
+        (0, spans[0]["end"]),
+        (spans[0]["end"], n),
+    ], f"one switch of version inside the stream: {spans}"
+    versions = [split_adapter_label(s["version"])[1]["policy"] for s in spans]
+    assert versions == ["s-1", "s-2"]
+    switch = spans[0]["end"]
+    assert stream.tokens[:switch] == list(old[:switch]), "the s-1 span is not s-1's"
+    continuation = completions_greedy(
+        server.base_url,
+        "policy",
+        prompts=[prompt + stream.tokens[:switch]],
+        max_tokens=n - switch,
+    )
+    assert stream.tokens[switch:] == list(continuation.tokens[0]), (
+        "the s-2 span is not s-2's continuation of the s-1 tokens"
+    )

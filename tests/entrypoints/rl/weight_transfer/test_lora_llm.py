@@ -26,7 +26,9 @@ version before serving and the base weights unfenced; a base-weight sync
 with an explicit version after adapter pushes versioned by the wall clock
 (adapters order their versions apart) keeps pushed adapters serving on the
 new base; base weights with an adapter
-folded in (``LoRAAdapter.merged_into``) serve what base + adapter serves.
+folded in (``LoRAAdapter.merged_into``) serve what base + adapter serves;
+with ``label_outputs=True`` every output token's weight version label names
+the version of each adapter pushed that way.
 """
 
 from __future__ import annotations
@@ -281,6 +283,65 @@ def test_two_adapters_are_updated_independently(rig):
     push_lora_adapter(rig.client, LoRAAdapter.from_peft_model(b, "b", 3))
     rig.assert_serves(b, "b", 3)
     assert_bit_identical(rig.greedy(rig.lora("a", 2)), a_before, what="adapter a")
+
+
+def _labels_on_outputs(rig, lora_request: Any = None) -> list[str]:
+    """The weight version labels on the tokens of one greedy generation."""
+    from vllm import SamplingParams
+
+    (out,) = rig.llm.generate(
+        ["The weights of"],
+        SamplingParams(max_tokens=4, temperature=0.0),
+        lora_request=lora_request,
+        use_tqdm=False,
+    )
+    spans = out.outputs[0].weight_versions
+    assert spans is not None and spans[-1].end == 4, spans
+    return [s.version for s in spans]
+
+
+def test_outputs_name_the_adapter_versions_pushed_with_label_outputs(rig):
+    from vllm.distributed.weight_transfer.adapter_labels import (
+        label_with_adapters,
+        split_adapter_label,
+    )
+
+    before = rig.client.get_weight_version()
+    base, adapters = split_adapter_label(before)
+    pusher = LoRAPusher(rig.client, label_outputs=True)
+    try:
+        a = LoRAAdapter.from_peft_model(rig.peft_model(seed=21), "labelled-a", 31)
+        pusher.push(a, version="a-1")
+        expected = label_with_adapters(base, {**adapters, "labelled-a": "a-1"})
+        assert rig.client.get_weight_version() == expected
+        assert _labels_on_outputs(rig, rig.lora("labelled-a", 31)) == [expected]
+
+        b = LoRAAdapter.from_peft_model(rig.peft_model(seed=22), "labelled-b", 32)
+        pusher.push(b, version="b-1")
+        pusher.push(a, version="a-2")
+        label = rig.client.get_weight_version()
+        # Every request reads the version of the adapter it named; a base
+        # request sees the same label.
+        for request in (rig.lora("labelled-a", 31), rig.lora("labelled-b", 32), None):
+            (span_label,) = _labels_on_outputs(rig, request)
+            assert span_label == label
+            assert split_adapter_label(span_label) == (
+                base,
+                {**adapters, "labelled-a": "a-2", "labelled-b": "b-1"},
+            )
+
+        # Refused before anything is sent, and a refused push: the label stays.
+        with pytest.raises(ValueError, match="needs a non-empty string"):
+            pusher.push(a)
+        wide = rig.peft_model(seed=23, rank=2 * MAX_RANK)
+        with pytest.raises(Exception, match="max_lora_rank"):
+            pusher.push(
+                LoRAAdapter.from_peft_model(wide, "labelled-a", 31), version="a-3"
+            )
+        assert rig.client.get_weight_version() == label
+    finally:
+        pusher.close()
+        rig.client.update_weight_version(before)
 
 
 def _bad(adapter: LoRAAdapter, **changes: Any) -> LoRAAdapter:

@@ -97,12 +97,14 @@ def stream_generate(
     *,
     timeout_s: float = 120.0,
     on_chunk: Callable[[Stream], None] | None = None,
+    model: str | None = None,
 ) -> Stream:
     """Stream one greedy generation of ``stream.prompt`` through vLLM's
     token-in/token-out route (``/inference/v1/generate``, on a server started
     with ``--enable-scale-out``) into ``stream``: its token ids, and on the
-    last chunk the weight version of every span of them."""
-    body = {
+    last chunk the weight version of every span of them. ``model`` names a
+    LoRA adapter the server registered (None: the base model)."""
+    body: dict = {
         "token_ids": list(stream.prompt),
         "sampling_params": {
             "temperature": 0.0,
@@ -111,6 +113,8 @@ def stream_generate(
         },
         "stream": True,
     }
+    if model is not None:
+        body["model"] = model
     return _read_events(
         f"{base_url}/inference/v1/generate",
         body,
