@@ -228,3 +228,8 @@ for _name, _wmod, _wcls, _tmod, _tcls in BUILTIN_BACKENDS:
         WeightTransferTrainerFactory.register_engine(
             _name, f"{_PACKAGE}.{_tmod}", _tcls
         )
+# LoRA adapter pushes: trainer side only (any ipc or sharded_rdt engine with
+# enable_lora takes them; lora_trainer_engine).
+WeightTransferTrainerFactory.register_engine(
+    "lora", f"{_PACKAGE}.lora_trainer_engine", "LoRATrainerWeightTransferEngine"
+)

@@ -28,7 +28,9 @@ with an explicit version after adapter pushes versioned by the wall clock
 new base; base weights with an adapter
 folded in (``LoRAAdapter.merged_into``) serve what base + adapter serves;
 with ``label_outputs=True`` every output token's weight version label names
-the version of each adapter pushed that way.
+the version of each adapter pushed that way; the trainer-engine shape
+(``trainer_init(LoRATrainerInitInfo, source=LoRASource...)``, then
+``send_weights()`` each round) pushes a PEFT model as it is at each round.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class Rig:
         self.model_dir = model_dir
         self.tmp = tmp
         self.client = OfflineLLMWeightSyncClient(llm)
+        self.tp = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
         # What the engine's base weights are now (HF, fp32).
         self.base = load_hf_model(model_dir, "float32")
         self.saved = 0
@@ -283,6 +286,37 @@ def test_two_adapters_are_updated_independently(rig):
     push_lora_adapter(rig.client, LoRAAdapter.from_peft_model(b, "b", 3))
     rig.assert_serves(b, "b", 3)
     assert_bit_identical(rig.greedy(rig.lora("a", 2)), a_before, what="adapter a")
+
+
+def test_the_trainer_engine_shape_pushes_a_peft_model_every_round(rig):
+    """``trainer_init(LoRATrainerInitInfo(...), source=LoRASource...)`` then
+    ``send_weights()`` after each optimizer step, as for base weights."""
+    from vllm.distributed.weight_transfer.lora_trainer_engine import (
+        LoRASource,
+        LoRATrainerInitInfo,
+        LoRATrainerWeightTransferEngine,
+    )
+
+    model = rig.peft_model(seed=41)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        LoRATrainerInitInfo(rank=0, verify_checksums=True),
+        client=rig.client,
+        source=LoRASource.from_peft_model(model, "by-engine", 41),
+    )
+    assert isinstance(engine, LoRATrainerWeightTransferEngine)
+    try:
+        engine.send_weights(weight_version="e-1")
+        first = rig.assert_serves(model, "by-engine", 41)
+        (verified,) = engine.last_publications
+        assert verified is not None and len(verified.workers) == rig.tp
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(-1.5)
+        engine.send_weights(weight_version="e-2")
+        assert rig.assert_serves(model, "by-engine", 41) != first
+    finally:
+        engine.shutdown()
 
 
 def _labels_on_outputs(rig, lora_request: Any = None) -> list[str]:
