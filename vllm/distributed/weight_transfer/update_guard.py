@@ -410,12 +410,15 @@ class WeightUpdateGuard:
             # tells what happened to the weights that had landed.
             logger.exception("Closing the expired weight update failed")
         try:
-            self._tell_observer(engine, abort, closed)
             if hold.accepted:
                 await engine.update_weight_version(
                     fenced_version(hold.publication_id, reason)
                 )
         finally:
+            try:
+                self._tell_observer(engine, abort, closed)
+            except Exception:
+                logger.exception("Recording the expired update's abort failed")
             await self._release(engine, "the update's deadline passed")
 
     def _tell_observer(self, engine: Any, abort: dict, closed: bool) -> None:
