@@ -37,6 +37,27 @@ def test_codes_and_scales_per_row():
     assert torch.equal(part_codes, codes[3:]) and torch.equal(part_scale, scale[3:])
 
 
+@pytest.mark.parametrize("per", ["channel", "tensor"])
+def test_scales_are_divided_exactly_on_every_device(per):
+    """``amax / 127.5`` correctly rounded (a float32 quotient of float32
+    operands computed in float64 and rounded once is correctly rounded), not
+    through the divisor's reciprocal, which torch uses on CUDA for a Python
+    number; on CUDA the codes and scales then equal the host's."""
+    quantize = (
+        quantize_int8_per_channel if per == "channel" else (quantize_int8_per_tensor)
+    )
+    torch.manual_seed(1)
+    w = (torch.randn(512, 256) * 0.02).to(torch.bfloat16)
+    codes, scale = quantize(w)
+    dims = (1,) if per == "channel" else (0, 1)
+    amax = w.float().abs().amax(dim=dims, keepdim=per == "channel").reshape(scale.shape)
+    assert torch.equal(scale, (amax.double() / INT8_HALF_RANGE).float())
+    if torch.cuda.is_available():
+        on_device = quantize(w.cuda())
+        assert torch.equal(on_device[0].cpu(), codes)
+        assert torch.equal(on_device[1].cpu(), scale)
+
+
 def test_the_weight_is_cast_to_the_engine_dtype_first():
     w = torch.tensor([[1.0 + 2**-10, -1.0]])  # not a bfloat16 value
     codes, scale = quantize_int8_per_channel(w, torch.bfloat16)

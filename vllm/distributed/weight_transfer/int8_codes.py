@@ -80,9 +80,18 @@ def quantize_int8_per_channel(
     w = weight.detach().to(dtype).to(SCALE_DTYPE)
     low, high = w.aminmax(dim=-1, keepdim=True)
     amax = torch.maximum(low.abs(), high.abs())
-    scale = (amax / INT8_HALF_RANGE).clamp_min(_MIN_SCALE)
+    scale = _scale_of(amax)
     codes = torch.round(w / scale).clamp_(-128, 127).to(INT8_CODES)
     return codes, scale
+
+
+def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """``max(amax / 127.5, eps)``, correctly rounded on every device: the
+    divisor is a tensor, because torch on CUDA divides by a Python number
+    through its reciprocal, whose rounding differs in most rows (measured on
+    an H200; the host divides exactly either way)."""
+    divisor = torch.full_like(amax, INT8_HALF_RANGE)
+    return (amax / divisor).clamp_min(_MIN_SCALE)
 
 
 @torch.no_grad()
@@ -98,7 +107,7 @@ def quantize_int8_per_tensor(
     w = weight.detach().to(dtype).to(SCALE_DTYPE)
     low, high = w.aminmax()
     amax = torch.maximum(low.abs(), high.abs()).reshape(1)
-    scale = (amax / INT8_HALF_RANGE).clamp_min(_MIN_SCALE)
+    scale = _scale_of(amax)
     codes = torch.round(w / scale).clamp_(-128, 127).to(INT8_CODES)
     return codes, scale
 
