@@ -32,7 +32,8 @@ bfloat16), with nothing else running:
 * ``trainer_quantize_int8_fork`` and ``..._then_land_codes``: the same for
   the fork's int8 quantizer (``int8_codes.quantize_int8_per_channel``, what
   ``Int8ChannelCodes`` sends to an engine serving a W8A8 int8 checkpoint;
-  torch operations), whose codes and scales are as many bytes as FP8's;
+  the fused kernel of ``row_quantizer`` on CUDA, shared with FP8's), whose
+  codes and scales are as many bytes as FP8's;
 * ``trainer_quantize_block_fork`` and ``..._then_land_codes``: the fork's
   block FP8 quantizer (``fp8_codes.quantize_fp8_per_block``, what
   ``Fp8BlockCodes`` sends to an engine serving a 128x128-tile FP8

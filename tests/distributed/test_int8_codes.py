@@ -157,3 +157,29 @@ def test_static_activation_parameters_without_codes_are_refused():
         Int8ChannelCodes(
             ModuleSource(net), static_activations={"q_proj.weight": torch.ones(1)}
         )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_cuda_quantizer_equals_the_host(dtype):
+    """On CUDA one fused Triton kernel per row (``row_quantizer``) quantizes;
+    its codes and scales equal the host's torch operations bit for bit: a
+    row of zeros, ties that round half to even, rows wider than a power of
+    two and Qwen3-8B-wide rows."""
+    pytest.importorskip("triton")
+    from vllm.distributed.weight_transfer import int8_codes
+
+    assert int8_codes._fused_rows() is not None
+    g = torch.Generator().manual_seed(2)
+    ties = torch.tensor([[127.5, 0.5, 1.5, 2.5, -0.5, -1.5, -127.5, 3.0]])
+    weights = [
+        torch.zeros(3, 64),
+        ties,
+        torch.randn(5, 4097, generator=g),
+        torch.randn(64, 12288, generator=g) * 0.02,
+    ]
+    for w in weights:
+        host = quantize_int8_per_channel(w, dtype)
+        fused = quantize_int8_per_channel(w.cuda(), dtype)
+        assert torch.equal(fused[1].cpu(), host[1]), w.shape
+        assert torch.equal(fused[0].cpu(), host[0]), w.shape

@@ -36,7 +36,6 @@ tensor passes through unchanged.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,11 @@ import torch
 from safetensors import safe_open
 
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+from vllm.distributed.weight_transfer.row_quantizer import (
+    RowQuantizer,
+    fits,
+    fused_row_quantizer,
+)
 
 FP8_CODES = torch.float8_e4m3fn
 SCALE_DTYPE = torch.float32
@@ -85,8 +89,8 @@ def quantize_fp8_per_channel(
             f"per-channel FP8 quantizes 2-D weights; got shape {tuple(weight.shape)}"
         )
     w = weight.detach().to(dtype)
-    fused = _fused_rows() if w.is_cuda else None
-    if fused is not None and 0 < w.shape[1] <= _FUSED_MAX_COLS and w.numel() < 2**31:
+    fused = _fused_rows() if fits(w) else None
+    if fused is not None:
         return fused(w.contiguous())
     return _quantize_with_torch_ops(w)
 
@@ -108,61 +112,12 @@ def _quantize_with_torch_ops(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return codes, scale
 
 
-# Rows wider than this take the torch operations (a fused program holds a
-# whole row).
-_FUSED_MAX_COLS = 1 << 16
-
-
-@functools.cache
-def _fused_rows() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
-    """The fused CUDA quantizer (Triton), or None without Triton."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
-    @triton.jit
-    def quantize_row(
-        w_ptr, codes_ptr, scale_ptr, cols, fp8_max, min_scale, BLOCK: tl.constexpr
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        offsets = tl.arange(0, BLOCK)
-        inside = offsets < cols
-        w = tl.load(w_ptr + row * cols + offsets, mask=inside, other=0.0)
-        w = w.to(tl.float32)
-        amax = tl.max(tl.abs(w), axis=0)
-        # div_rn: correctly rounded, as torch divides (``/`` may lower to an
-        # approximate division).
-        scale = tl.maximum(tl.math.div_rn(amax, fp8_max), min_scale)
-        quotient = tl.math.div_rn(w, scale)
-        codes = tl.minimum(tl.maximum(quotient, -fp8_max), fp8_max)
-        tl.store(
-            codes_ptr + row * cols + offsets,
-            codes.to(codes_ptr.dtype.element_ty),
-            mask=inside,
-        )
-        tl.store(scale_ptr + row, scale)
-
-    def run(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, cols = w.shape
-        codes = torch.empty(w.shape, dtype=FP8_CODES, device=w.device)
-        scale = torch.empty((rows, 1), dtype=SCALE_DTYPE, device=w.device)
-        if rows:
-            kernel: Any = quantize_row
-            kernel[(rows,)](
-                w,
-                codes,
-                scale,
-                cols,
-                FP8_MAX,
-                _MIN_SCALE,
-                BLOCK=triton.next_power_of_2(cols),
-                num_warps=8,
-            )
-        return codes, scale
-
-    return run
+def _fused_rows() -> RowQuantizer | None:
+    """The fused CUDA quantizer for FP8 codes (``row_quantizer``), or None
+    without Triton."""
+    return fused_row_quantizer(
+        FP8_CODES, FP8_MAX, -FP8_MAX, FP8_MAX, _MIN_SCALE, integer=False
+    )
 
 
 # The smallest scale, as the float32 torch compares with (the Python number

@@ -52,6 +52,11 @@ from vllm.distributed.weight_transfer.fp8_codes import (
     ChannelCodes,
     read_static_activations,
 )
+from vllm.distributed.weight_transfer.row_quantizer import (
+    RowQuantizer,
+    fits,
+    fused_row_quantizer,
+)
 
 __all__ = [
     "Int8ChannelCodes",
@@ -77,12 +82,24 @@ def quantize_int8_per_channel(
         raise ValueError(
             f"per-channel int8 quantizes 2-D weights; got shape {tuple(weight.shape)}"
         )
-    w = weight.detach().to(dtype).to(SCALE_DTYPE)
+    served = weight.detach().to(dtype)
+    fused = _fused_rows() if fits(served) else None
+    if fused is not None:
+        return fused(served.contiguous())
+    w = served.to(SCALE_DTYPE)
     low, high = w.aminmax(dim=-1, keepdim=True)
     amax = torch.maximum(low.abs(), high.abs())
     scale = _scale_of(amax)
     codes = torch.round(w / scale).clamp_(-128, 127).to(INT8_CODES)
     return codes, scale
+
+
+def _fused_rows() -> RowQuantizer | None:
+    """The fused CUDA quantizer for int8 codes (``row_quantizer``), or None
+    without Triton."""
+    return fused_row_quantizer(
+        INT8_CODES, INT8_HALF_RANGE, -128.0, 127.0, _MIN_SCALE, integer=True
+    )
 
 
 def _scale_of(amax: torch.Tensor) -> torch.Tensor:
