@@ -17,6 +17,9 @@ from vllm.distributed.weight_transfer.update_guard import WeightUpdateGuard
 
 HOLD_HEADER = b"x-vllm-weight-commit-hold"
 WEIGHTS = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[1]]}
+# The engine calls of a hold the guard took and released: the pause, then the
+# prefix cache reset with running requests and the resume.
+HELD_THEN_RELEASED = [("pause", "keep"), ("reset_prefix_cache", True), ("resume",)]
 
 
 class RecordingEngine:
@@ -136,11 +139,7 @@ def test_weights_are_held_from_the_first_message_until_finish():
         assert server.engine.calls == [("pause", "keep")]
         assert await server.update({"prepare": "p" * 8}) == 200
         assert await server.post("/finish_weight_update", {}) == 200
-        assert server.engine.calls == [
-            ("pause", "keep"),
-            ("reset_prefix_cache", True),
-            ("resume",),
-        ]
+        assert server.engine.calls == HELD_THEN_RELEASED
 
     server = Server(RecordingEngine())
     run(go(server))
@@ -194,11 +193,7 @@ def test_weights_refused_before_any_were_accepted_release_at_once():
 
     server = Server(RecordingEngine())
     run(go(server))
-    assert server.engine.calls == [
-        ("pause", "keep"),
-        ("reset_prefix_cache", True),
-        ("resume",),
-    ]
+    assert server.engine.calls == HELD_THEN_RELEASED
 
 
 @pytest.mark.parametrize("failing", ["/update_weights", "/finish_weight_update"])
@@ -336,11 +331,7 @@ def test_a_staged_engine_is_held_for_the_commit_only(staging):
         "/update_weights": False,
         "/finish_weight_update": True,
     }
-    assert server.engine.calls == [
-        ("pause", "keep"),
-        ("reset_prefix_cache", True),
-        ("resume",),
-    ]
+    assert server.engine.calls == HELD_THEN_RELEASED
 
 
 def test_a_failed_commit_still_resumes_and_a_clients_pause_is_left_alone():
@@ -355,11 +346,7 @@ def test_a_failed_commit_still_resumes_and_a_clients_pause_is_left_alone():
 
     server = Server(RecordingEngine(staging="host"))
     run(go(server))
-    assert server.engine.calls == [
-        ("pause", "keep"),
-        ("reset_prefix_cache", True),
-        ("resume",),
-    ]
+    assert server.engine.calls == HELD_THEN_RELEASED
 
 
 # A LoRA adapter push's message (``lora_adapters.ADAPTER_KEY``): staged apart
@@ -392,11 +379,7 @@ def test_an_adapter_push_holds_only_its_finish():
         "/resume": False,
         "/finish_weight_update": True,
     }
-    assert server.engine.calls == [
-        ("pause", "keep"),
-        ("reset_prefix_cache", True),
-        ("resume",),
-    ]
+    assert server.engine.calls == HELD_THEN_RELEASED
 
 
 def test_a_silent_adapter_push_is_aborted_at_the_deadline_and_nothing_is_fenced():
@@ -426,11 +409,7 @@ def test_base_weights_after_an_adapter_are_held_from_their_first_message():
 
     server = Server(RecordingEngine())
     run(go(server))
-    assert server.engine.calls == [
-        ("pause", "keep"),
-        ("reset_prefix_cache", True),
-        ("resume",),
-    ]
+    assert server.engine.calls == HELD_THEN_RELEASED
 
 
 @pytest.mark.parametrize("payload", ["weights", "adapter"])
