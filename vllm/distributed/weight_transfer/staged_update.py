@@ -34,8 +34,10 @@ worker engine drives it through the same calls as the in-place session:
    session lands every staged tensor in order (planned ones by one copy into
    the served tensor) and processes each reloaded layer, then the shadow
    layers are copied and swapped in, all inside this one call, so no engine
-   step runs between the first and the last layer. Staging is released
-   afterwards, whatever happened.
+   step runs between the first and the last layer. After a commit the
+   staging buffers go back to the worker's ``staging_pool.StagingPool``,
+   which hands them to the next update's tensors of the same shape, so a
+   sync does not fault in fresh memory; after a failure they are freed.
    ``abort(reason)`` before the commit stops the background work and drops
    the staging: the served weights were never touched. A failure inside the
    commit is handled like an in-place failure (layers that did not complete
@@ -46,7 +48,8 @@ session; past it the update is aborted (staging dropped) and the call raises
 ``TimeoutError``.
 
 What staging costs: every byte this worker keeps of what it receives, in the
-dtype it arrives in, once (``staged_bytes``). For ``sharded_rdt`` that is
+dtype it arrives in, once (``staged_bytes``); the pool keeps that much
+reserved between committed updates. For ``sharded_rdt`` that is
 exactly the bytes of this worker's pull plan. For ``ipc``, whose workers
 receive whole tensors, it is the planned slices of the names a planned
 landing copies directly (the worker's TP shard of them), the worker's shard of
@@ -67,6 +70,11 @@ from vllm.distributed.weight_transfer.layerwise_session import (
     LayerwiseReloadSession,
 )
 from vllm.distributed.weight_transfer.shadow_layers import ShadowLayers
+from vllm.distributed.weight_transfer.staging_pool import (
+    StagingPool,
+    buffer_kind,
+    served_tensors,
+)
 from vllm.distributed.weight_transfer.update_calls import UpdateCalls
 from vllm.distributed.weight_transfer.update_completeness import FusedGroups
 from vllm.logger import init_logger
@@ -141,6 +149,7 @@ class StagedUpdate:
         timeout_s: float | None = None,
         free_memory: Callable[[torch.device], int] | None = None,
         process_while_staging: bool | None = None,
+        pool: StagingPool | None = None,
     ) -> None:
         self.model = model
         self.model_config = model_config
@@ -155,6 +164,9 @@ class StagedUpdate:
         # How many bytes are free on a device (``free_bytes`` by default).
         self._free_memory = free_memory
         self._pin = where == "host" and model_device.type == "cuda"
+        # Staging buffers kept from the worker's last committed update
+        # (``staging_pool``); a pool of this update's own when none is given.
+        self.pool = pool if pool is not None else StagingPool()
         self.staged_bytes = 0
         self._open = False
         self._prepared = False
@@ -219,6 +231,14 @@ class StagedUpdate:
         """Refuse now if ``nbytes`` more staging will not fit (called with the
         whole update's size when it is known up front)."""
         free = (self._free_memory or free_bytes)(self.device)
+        reusable = self.pool.reusable_bytes
+        if nbytes - reusable <= FREE_MEMORY_SHARE * free:
+            return
+        if reusable:
+            # The kept buffers may not fit this update's shapes: let them go
+            # and count again against what that frees.
+            self.pool.release_reusable()
+            free = (self._free_memory or free_bytes)(self.device)
         if nbytes > FREE_MEMORY_SHARE * free:
             raise StagingDoesNotFit(
                 f"{what} needs {_gib(nbytes)} of staging on {self.device} "
@@ -233,13 +253,11 @@ class StagedUpdate:
         """A copy of ``data`` in staging, counted against free memory."""
         self._check_open("stage")
         nbytes = data.numel() * data.element_size()
-        self.expect(nbytes, what)
-        copy = torch.empty(
-            data.shape,
-            dtype=data.dtype,
-            device=self.device,
-            pin_memory=self._pin,
-        )
+        kind = buffer_kind(data.shape, data.dtype, self.device, self._pin)
+        copy = self.pool.take(kind)
+        if copy is None:
+            self.expect(nbytes, what)
+            copy = self.pool.allocate(kind)
         copy.copy_(data)
         if data.is_cuda or copy.is_cuda:
             # The caller reuses ``data`` (a receive buffer) once this returns,
@@ -400,13 +418,15 @@ class StagedUpdate:
             "shadow_layers": self.layers_processed_while_staging,
             "tensors_reloaded": self._reload_names,
         }
+        committed = False
         try:
             if self._lands:
                 session = LayerwiseReloadSession(self.model, self.model_config)
                 session.start()
                 self._committing = session
                 try:
-                    # Each staged tensor is dropped as soon as it has landed.
+                    # Each landing step is dropped once it ran (its staged
+                    # tensors stay in the pool for the next update).
                     lands, self._lands = self._lands, []
                     while lands:
                         lands.pop(0)(session)
@@ -417,9 +437,10 @@ class StagedUpdate:
             if self._shadow is not None:
                 # Checked at prepare: copies of equal shapes and attribute sets.
                 self._shadow.commit()
+            committed = True
         finally:
             self._committing = None
-            self._release()
+            self._release(keep_staging=committed)
             self._open = False
 
     def abort(self, reason: str = "the update was aborted") -> None:
@@ -431,7 +452,7 @@ class StagedUpdate:
         if self._committing is not None:
             self._committing.abort(reason)
         dropped = self.staged_bytes
-        self._release()
+        self._release(keep_staging=False)
         self._open = False
         logger.warning(
             "Staged weight update aborted (%s); %s of staging dropped, the served "
@@ -467,8 +488,14 @@ class StagedUpdate:
         if error is not None and not stop:
             raise error
 
-    def _release(self) -> None:
+    def _release(self, *, keep_staging: bool) -> None:
+        """Let go of this update's staging: kept in the pool for the next
+        update after a commit (``keep_staging``), freed otherwise."""
         self._lands = []
+        if keep_staging:
+            self.pool.end_update(served_tensors(self.model))
+        else:
+            self.pool.drop()
         self._bindings = {}
         self._reload_names = 0
         if self._shadow is not None:

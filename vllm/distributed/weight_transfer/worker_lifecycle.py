@@ -90,6 +90,7 @@ from vllm.distributed.weight_transfer.lora_pull import (
     payload_views,
 )
 from vllm.distributed.weight_transfer.staged_update import StagedUpdate
+from vllm.distributed.weight_transfer.staging_pool import StagingPool
 from vllm.distributed.weight_transfer.verification import (
     WeightsFencedError,
     WeightState,
@@ -117,6 +118,8 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         self._session: UpdateSession | None = None
         # What the last staged commit did (``StagedUpdate.committed``).
         self.last_staged_commit: dict[str, int] = {}
+        # Staging buffers kept from one staged update to the next.
+        self.staging_pool = StagingPool()
         # Created on first use (``_make_publication`` may query the device).
         self._pub: WorkerPublication | None = None
         # Set once a weight of the open update was handed to the model.
@@ -262,6 +265,7 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
                 where=self.staging,  # type: ignore[arg-type]
                 model_device=self.device,
                 timeout_s=timeout_s,
+                pool=self.staging_pool,
             )
         session.start()
         self._session = session
@@ -369,6 +373,7 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
 
     def shutdown(self) -> None:
         self._close_session("the engine is shutting down")
+        self.staging_pool.drop()
         self._on_update_closed()
         puller, self._adapter_puller = self._adapter_puller, None
         if puller is not None:
