@@ -95,6 +95,7 @@ def test_every_sync_after_the_first_stages_into_the_same_memory():
         assert now and not now & served
         assert buffers is None or now == buffers
         buffers = now
+    assert buffers is not None
     assert engine.staging_pool.reuses >= 2 * len(buffers)
     assert {p.data_ptr() for p in target.parameters()} == served
 
