@@ -62,6 +62,17 @@ def test_a_buffer_a_served_tensor_uses_is_never_handed_out_again():
     assert pool.take(ROW) is None
 
 
+def test_a_buffer_something_else_still_views_is_never_handed_out_again():
+    pool = StagingPool()
+    viewed = pool.allocate(MATRIX)
+    free = pool.allocate(MATRIX)
+    handle = {"weight": viewed.t()}  # a kernel handle that kept a view
+    pool.end_update(served=[])
+    assert pool.take(MATRIX) is free
+    assert pool.take(MATRIX) is None
+    assert handle["weight"].shape == (3, 2)
+
+
 def test_drop_frees_every_buffer_kept_or_taken():
     pool = StagingPool()
     pool.allocate(ROW)

@@ -434,6 +434,9 @@ class StagedUpdate:
                 except BaseException as e:
                     session.abort(f"the commit failed: {type(e).__name__}: {e}")
                     raise
+                # Nothing of the reload may keep staged tensors alive once the
+                # staging goes back to the pool.
+                del session
             if self._shadow is not None:
                 # Checked at prepare: copies of equal shapes and attribute sets.
                 self._shadow.commit()

@@ -20,8 +20,10 @@ The rules:
   ``None``; ``allocate`` makes a new one. Both count it as this update's.
 * ``end_update(served)`` after a commit: this update's buffers become the
   ones to reuse, the last update's buffers it did not take are freed, and a
-  buffer whose memory a served tensor now uses (a loader that kept the staged
-  tensor instead of copying it) is never handed out again.
+  buffer whose memory something else still uses is never handed out again:
+  a served tensor (a loader that kept the staged tensor instead of copying
+  it), or any other tensor or view of it still alive (a kernel handle that
+  kept one, say; counted on the buffer's storage where PyTorch tells).
 * ``drop()`` after an abort or a failed commit, and at shutdown: every buffer
   is freed, so a failed sync leaves nothing behind.
 
@@ -63,8 +65,10 @@ class StagingPool:
         self._reusable: dict[BufferKind, deque[torch.Tensor]] = defaultdict(deque)
         # Buffers the open update took, in order, with their kinds.
         self._taken: list[tuple[BufferKind, torch.Tensor]] = []
-        # Buffers handed out again across this pool's life (for tests/logs).
+        # Buffers handed out again across this pool's life, and buffers a
+        # commit left in use elsewhere, so never handed out again.
         self.reuses = 0
+        self.held_back = 0
 
     @property
     def reusable_bytes(self) -> int:
@@ -115,14 +119,31 @@ class StagingPool:
             taken, self._taken = self._taken, []
             self._reusable.clear()
             for kind, buffer in taken:
-                if buffer.untyped_storage().data_ptr() not in in_use:
-                    self._reusable[kind].append(buffer)
+                if buffer.untyped_storage().data_ptr() in in_use or _held_elsewhere(
+                    buffer
+                ):
+                    self.held_back += 1
+                    continue
+                self._reusable[kind].append(buffer)
 
     def drop(self) -> None:
         """Free every buffer, kept or taken."""
         with self._lock:
             self._reusable.clear()
             self._taken = []
+
+
+def _held_elsewhere(buffer: torch.Tensor) -> bool:
+    """Whether a tensor other than ``buffer`` itself (a view, a tensor a
+    kernel handle keeps) still refers to its memory. PyTorch counts the
+    references to a storage; this reads that count where the build exposes
+    it, and answers False where it does not."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    storage = buffer.untyped_storage()
+    # ``buffer`` and the ``storage`` object just made hold one each.
+    return int(use_count(storage._cdata)) > 2
 
 
 def served_tensors(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -397,6 +397,19 @@ def test_moe_tp2_serves_the_old_weights_until_the_commit_and_survives_a_failure(
         assert staging["committed"]["tensors_reloaded"] > 0, staging
         assert staging["committed"]["shadow_layers"] == 0, staging
 
+    # The next sync stages into the buffers this one used (``staging_pool``),
+    # the planned slices and the experts alike, and is exact.
+    kept = [s["pool"] for s in rig.llm.collective_rpc(worker_staging)]
+    randomize_weights_(rig.model, seed=13)
+    moe_trainer(rig).send_weights(weight_version="m3")
+    rig.assert_serves_trainer()
+    after = rig.llm.collective_rpc(worker_staging)
+    for before_sync, staging in zip(kept, after, strict=True):
+        pool = staging["pool"]
+        assert pool["held_back"] == 0, pool
+        assert pool["reserved_bytes"] == before_sync["reserved_bytes"] > 0, pool
+        assert pool["reuses"] > before_sync["reuses"], (before_sync, pool)
+
 
 # ---------------------------------------------------------------------------
 # A dense model at TP=2 with the default landing (vLLM's layerwise reload at

@@ -116,16 +116,23 @@ def worker_staging(worker: Any) -> dict[str, Any]:
     """For ``llm.collective_rpc``: the bytes the worker engine holds in
     staging, whether an update is open, the process's resident bytes, and
     what the last staged commit did (``StagedUpdate.committed``: layers
-    swapped in from their shadows, tensors landed through the reload)."""
+    swapped in from their shadows, tensors landed through the reload), and
+    the staging pool's state (``staging_pool.StagingPool``)."""
     import psutil
 
     engine = worker.weight_transfer_engine
     session = engine._session
+    pool = engine.staging_pool
     return {
         "staged_bytes": getattr(session, "staged_bytes", 0) if session else 0,
         "open": bool(session is not None and session.is_open),
         "rss": psutil.Process().memory_info().rss,
         "committed": dict(getattr(engine, "last_staged_commit", {})),
+        "pool": {
+            "reserved_bytes": pool.reserved_bytes,
+            "reuses": pool.reuses,
+            "held_back": pool.held_back,
+        },
     }
 
 
