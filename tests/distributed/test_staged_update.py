@@ -525,3 +525,36 @@ def test_a_background_failure_is_raised_by_prepare():
         update.prepare()
     update.abort("failed")
     assert not update.is_open
+
+
+def test_an_engine_whose_staging_cannot_hold_its_weights_refuses_to_start(
+    monkeypatch,
+):
+    """Staging that cannot hold one copy of the worker's weights (204 bytes
+    for this model) is refused when the worker engine is created, naming the
+    numbers; a staged engine that fits starts."""
+    monkeypatch.setattr(staged_module, "free_bytes", lambda device: 100)
+    with pytest.raises(StagingDoesNotFit, match="one copy of the weights this"):
+        staged_engine(reload_ready(0))
+    monkeypatch.setattr(staged_module, "free_bytes", lambda device: 10_000)
+    staged_engine(reload_ready(0))  # fits
+    off = staged_engine(reload_ready(0), where="off")  # never staged: no check
+    assert off.staging == "off"
+
+
+def test_the_kv_cache_still_to_come_counts_against_staging_at_start():
+    """At the engine's creation the KV cache is not allocated yet: the bytes
+    vLLM will take for it (``kv_cache_memory_bytes`` here) are not free for
+    staging on the same device."""
+    model, cpu = reload_ready(0), torch.device("cpu")
+    kv = SimpleNamespace(kv_cache_memory_bytes=1_000)
+    assert staged_module.reserved_later(cpu, kv) == 1_000
+    assert staged_module.reserved_later(cpu, None) == 0
+    with pytest.raises(StagingDoesNotFit, match="will still take 0.000 GiB"):
+        staged_module.check_staging_fits_at_start(
+            "host", model, cpu, kv, free_memory=lambda device: 1_100
+        )
+    needed = staged_module.check_staging_fits_at_start(
+        "host", model, cpu, None, free_memory=lambda device: 1_100
+    )
+    assert needed == sum(p.numel() * 4 for p in model.parameters()) == 204

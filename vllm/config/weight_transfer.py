@@ -39,7 +39,10 @@ class WeightTransferConfig:
     unfenced, and ``finish_weight_update`` commits in one call. Staging holds
     every byte the worker receives once: the worker's pull plan for
     ``sharded_rdt``, every tensor sent for ``ipc``; an update that does not
-    fit in free memory is refused before it is copied.
+    fit in free memory is refused before it is copied, and a worker whose
+    staging cannot hold even one copy of its own weights next to the KV
+    cache vLLM will allocate refuses to start. The staging is kept from one
+    committed update to the next (freed after a failure).
     """
 
     cpu_linear: Literal["packed", "plain"] = "packed"

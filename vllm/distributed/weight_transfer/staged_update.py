@@ -128,6 +128,64 @@ def free_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available)
 
 
+def reserved_later(device: torch.device, cache_config: Any) -> int:
+    """Bytes vLLM will still take on ``device`` after the weights loaded: the
+    KV cache and its working memory, from the engine's memory budget
+    (``kv_cache_memory_bytes`` when set, else ``gpu_memory_utilization`` of
+    the device, less what the process uses already; on vLLM CPU the same
+    setting counts host memory). Host memory next to a GPU: nothing."""
+    if cache_config is None:
+        return 0
+    explicit = getattr(cache_config, "kv_cache_memory_bytes", None)
+    if explicit is not None:
+        return int(explicit)
+    utilization = getattr(cache_config, "gpu_memory_utilization", None)
+    if utilization is None:
+        return 0
+    if device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+        used = torch.cuda.memory_reserved(device)
+    else:
+        import psutil
+
+        total = psutil.virtual_memory().total
+        used = psutil.Process().memory_info().rss
+    return max(0, int(utilization * total) - int(used))
+
+
+def check_staging_fits_at_start(
+    where: StagingWhere,
+    model: torch.nn.Module,
+    model_device: torch.device,
+    cache_config: Any,
+    free_memory: Callable[[torch.device], int] | None = None,
+) -> int:
+    """Refuse to start a worker engine with staging that cannot hold even
+    one copy of the weights this worker serves (the least any update
+    stages) next to what vLLM still reserves; returns that copy's bytes.
+
+    Called once, when the worker engine is created: after the weights
+    loaded, before the KV cache is allocated, so the KV cache's share is
+    subtracted from what is free (``reserved_later``)."""
+    device = staging_device(where, model_device)
+    needed = sum(t.numel() * t.element_size() for t in served_tensors(model))
+    free = (free_memory or free_bytes)(device)
+    later = reserved_later(device, cache_config) if device == model_device else 0
+    left = free - later
+    if needed > FREE_MEMORY_SHARE * left:
+        raise StagingDoesNotFit(
+            f"staging={where!r} keeps up to one copy of the weights this worker "
+            f"serves ({_gib(needed)}) on {device} while an update is staged, but "
+            f"{_gib(free)} is free there now and vLLM will still take "
+            f"{_gib(later)} of it for the KV cache (staging may use "
+            f"{FREE_MEMORY_SHARE:.0%} of the rest). Lower --gpu-memory-utilization "
+            "or --kv-cache-memory-bytes, use more tensor parallelism (a smaller "
+            "shard per worker), choose staging='host' (on a GPU), or set "
+            "staging='off' and pause generation during updates"
+        )
+    return needed
+
+
 def staging_device(where: StagingWhere, model_device: torch.device) -> torch.device:
     """Where staged tensors live: the model's device, or host memory."""
     return model_device if where == "device" else torch.device("cpu")

@@ -89,7 +89,10 @@ from vllm.distributed.weight_transfer.lora_pull import (
     AdapterPuller,
     payload_views,
 )
-from vllm.distributed.weight_transfer.staged_update import StagedUpdate
+from vllm.distributed.weight_transfer.staged_update import (
+    StagedUpdate,
+    check_staging_fits_at_start,
+)
 from vllm.distributed.weight_transfer.staging_pool import StagingPool
 from vllm.distributed.weight_transfer.verification import (
     WeightsFencedError,
@@ -120,6 +123,21 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         self.last_staged_commit: dict[str, int] = {}
         # Staging buffers kept from one staged update to the next.
         self.staging_pool = StagingPool()
+        if self.staging != "off":
+            # Refused now, not at the first update, when staging cannot hold
+            # even one copy of this worker's weights.
+            needed = check_staging_fits_at_start(
+                self.staging,  # type: ignore[arg-type]
+                self.model,
+                self.device,
+                getattr(self.vllm_config, "cache_config", None),
+            )
+            logger.info(
+                "Weight updates are staged (staging=%r): each keeps at least "
+                "%.3f GiB, one copy of this worker's weights",
+                self.staging,
+                needed / 2**30,
+            )
         # Created on first use (``_make_publication`` may query the device).
         self._pub: WorkerPublication | None = None
         # Set once a weight of the open update was handed to the model.
