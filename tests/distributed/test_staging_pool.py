@@ -165,3 +165,22 @@ def test_kept_buffers_count_as_free_and_go_when_staging_would_not_fit(monkeypatc
     with pytest.raises(StagingDoesNotFit):
         session.expect(2048, "an update larger than them")
     assert pool.reserved_bytes == 0
+
+
+def test_a_tensor_no_kept_buffer_fits_does_not_count_them_as_free(monkeypatch):
+    """A tensor of a new shape needs memory of its own: with too little free,
+    the kept buffers (of another shape) are let go first, and the tensor is
+    staged against what that frees."""
+    model = TinyNet(0)
+    pool = StagingPool()
+    pool.allocate(buffer_kind((256,), torch.float32, CPU, False))
+    pool.end_update(served=[])
+    free = {"bytes": 0}
+    monkeypatch.setattr(staged_module, "free_bytes", lambda device: free["bytes"])
+    session = StagedUpdate(model, None, where="host", model_device=CPU, pool=pool)
+    session.start()
+    with pytest.raises(StagingDoesNotFit):
+        session.stage(torch.ones(8), "a tensor of a new shape")
+    assert pool.reserved_bytes == 0  # the kept buffer was let go first
+    free["bytes"] = 10_000
+    assert torch.equal(session.stage(torch.ones(8)), torch.ones(8))

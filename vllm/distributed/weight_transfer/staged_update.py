@@ -285,16 +285,20 @@ class StagedUpdate:
 
     # -- staging ------------------------------------------------------------------
 
-    def expect(self, nbytes: int, what: str) -> None:
+    def expect(self, nbytes: int, what: str, *, reuse_counts: bool = True) -> None:
         """Refuse now if ``nbytes`` more staging will not fit (called with the
-        whole update's size when it is known up front)."""
+        whole update's size when it is known up front). With ``reuse_counts``
+        the buffers the pool kept from the last update count as memory this
+        update can use (its shapes repeat); when that is not enough, or for
+        a tensor no kept buffer fits, the kept buffers are let go before the
+        update is refused."""
         free = (self._free_memory or free_bytes)(self.device)
-        reusable = self.pool.reusable_bytes
+        reusable = self.pool.reusable_bytes if reuse_counts else 0
         if nbytes - reusable <= FREE_MEMORY_SHARE * free:
             return
-        if reusable:
-            # The kept buffers may not fit this update's shapes: let them go
-            # and count again against what that frees.
+        if self.pool.reusable_bytes:
+            # Count again without the kept buffers, against what letting
+            # them go frees.
             self.pool.release_reusable()
             free = (self._free_memory or free_bytes)(self.device)
         if nbytes > FREE_MEMORY_SHARE * free:
@@ -314,7 +318,8 @@ class StagedUpdate:
         kind = buffer_kind(data.shape, data.dtype, self.device, self._pin)
         copy = self.pool.take(kind)
         if copy is None:
-            self.expect(nbytes, what)
+            # No kept buffer fits this tensor: it needs memory of its own.
+            self.expect(nbytes, what, reuse_counts=False)
             copy = self.pool.allocate(kind)
         copy.copy_(data)
         if data.is_cuda or copy.is_cuda:
