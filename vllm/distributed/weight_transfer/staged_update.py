@@ -221,6 +221,7 @@ class StagedUpdate:
         )
         # How many bytes are free on a device (``free_bytes`` by default).
         self._free_memory = free_memory
+        self.model_device = model_device
         self._pin = where == "host" and model_device.type == "cuda"
         # Staging buffers kept from the worker's last committed update
         # (``staging_pool``); a pool of this update's own when none is given.
@@ -559,6 +560,11 @@ class StagedUpdate:
         update after a commit (``keep_staging``), freed otherwise."""
         self._lands = []
         if keep_staging:
+            if self.device.type == "cuda" or self._pin:
+                # The commit's copies out of staging may still be queued on
+                # the device; the next update writes these buffers again,
+                # maybe from another thread's stream.
+                torch.cuda.current_stream(self.model_device).synchronize()
             self.pool.end_update(served_tensors(self.model))
         else:
             self.pool.drop()
