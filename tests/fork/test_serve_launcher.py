@@ -73,3 +73,54 @@ def test_a_server_that_never_gets_healthy_is_killed(monkeypatch, tmp_path):
     assert "starting" in str(info.value)
     assert not started[0].is_alive()
     assert started[0].group_pids() == []
+
+
+# A fake ``vllm serve``: dies of upstream's slow-start race the first time
+# (marked by a file), then answers /health on the port after ``--port``.
+_RACE_THEN_SERVE = """
+import http.server, pathlib, sys
+marker = pathlib.Path(sys.argv[1])
+if not marker.exists():
+    marker.write_text("died once")
+    print("    assert addresses.coordinator_input is not None")
+    print("AssertionError")
+    sys.exit(1)
+port = int(sys.argv[sys.argv.index("--port") + 1])
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_a_start_lost_to_upstreams_slow_start_race_is_tried_once_more(
+    monkeypatch, tmp_path
+):
+    marker = tmp_path / "died"
+    command = [sys.executable, "-c", _RACE_THEN_SERVE, str(marker)]
+    monkeypatch.setattr(launcher, "vllm_command", lambda: command)
+    with launcher.serve(tmp_path, log_path=tmp_path / "server.log") as server:
+        assert server.is_alive()
+    assert marker.exists()
+    # The log keeps the failed start.
+    assert "coordinator_input" in (tmp_path / "server.log").read_text()
+
+
+def test_the_slow_start_race_is_retried_only_once(monkeypatch, tmp_path):
+    script = "print('assert addresses.coordinator_input is not None'); exit(1)"
+    starts: list[int] = []
+
+    def command() -> list[str]:
+        starts.append(1)
+        return [sys.executable, "-c", script]
+
+    monkeypatch.setattr(launcher, "vllm_command", command)
+    with (
+        pytest.raises(launcher.ServerStartError, match="exited with code 1"),
+        launcher.serve(tmp_path, log_path=tmp_path / "server.log"),
+    ):
+        pass
+    assert len(starts) == 2

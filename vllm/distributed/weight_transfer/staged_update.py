@@ -133,7 +133,12 @@ def reserved_later(device: torch.device, cache_config: Any) -> int:
     KV cache and its working memory, from the engine's memory budget
     (``kv_cache_memory_bytes`` when set, else ``gpu_memory_utilization`` of
     the device, less what the process uses already; on vLLM CPU the same
-    setting counts host memory). Host memory next to a GPU: nothing."""
+    setting counts host memory). Host memory next to a GPU: nothing.
+
+    vLLM sizes the KV cache only later, when the worker profiles its memory,
+    so there is nothing to ask at engine creation: this restates that
+    sizing (on vLLM CPU, the requested share less the process's RSS) and
+    would drift from it if a later vLLM sized the cache differently."""
     if cache_config is None:
         return 0
     explicit = getattr(cache_config, "kv_cache_memory_bytes", None)

@@ -70,18 +70,21 @@ class StagingPool:
         self.reuses = 0
         self.held_back = 0
 
+    def _kept_bytes(self) -> int:
+        """Bytes of the kept buffers not taken yet (the lock held)."""
+        return sum(_nbytes(b) for queue in self._reusable.values() for b in queue)
+
     @property
     def reusable_bytes(self) -> int:
         """Bytes kept from the last update that the open one has not taken."""
         with self._lock:
-            return sum(_nbytes(b) for q in self._reusable.values() for b in q)
+            return self._kept_bytes()
 
     @property
     def reserved_bytes(self) -> int:
         """Every byte the pool holds: kept and taken."""
         with self._lock:
-            kept = sum(_nbytes(b) for q in self._reusable.values() for b in q)
-            return kept + sum(_nbytes(b) for _, b in self._taken)
+            return self._kept_bytes() + sum(_nbytes(b) for _, b in self._taken)
 
     def take(self, kind: BufferKind) -> torch.Tensor | None:
         """One of the last update's buffers of ``kind``, now this update's;
@@ -103,17 +106,19 @@ class StagingPool:
             self._taken.append((kind, buffer))
         return buffer
 
-    def release_reusable(self) -> int:
+    def release_reusable(self) -> None:
         """Free the kept buffers the open update has not taken (when staging
-        would not fit otherwise); returns how many bytes were let go."""
+        would not fit otherwise)."""
         with self._lock:
-            freed = sum(_nbytes(b) for q in self._reusable.values() for b in q)
             self._reusable.clear()
-        return freed
 
     def end_update(self, served: Iterable[torch.Tensor]) -> None:
         """The open update committed: keep its buffers for the next one,
-        except any whose memory a tensor of ``served`` uses."""
+        except any whose memory a tensor of ``served`` uses, or that any
+        other tensor still refers to."""
+        # A served tensor that is the buffer itself is also counted by
+        # ``_held_elsewhere``; the pointer check is what remains on a PyTorch
+        # build that does not expose the storage's use count.
         in_use = {t.untyped_storage().data_ptr() for t in served}
         with self._lock:
             taken, self._taken = self._taken, []

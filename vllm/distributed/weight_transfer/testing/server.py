@@ -23,6 +23,12 @@ pickle, and a test of that must not pass by accident.
 
 A server that exits during start-up or is not healthy within
 ``startup_timeout_s`` raises ``ServerStartError`` with the tail of its log.
+One start-up failure is tried again, once, on a new port: upstream's engine
+core waits for its input socket in rounds of 10 s and, when a round times
+out, asserts that a data-parallel coordinator exists, so an engine without
+data parallelism whose start takes longer than that on a loaded machine dies
+with that assertion (``_UPSTREAM_SLOW_START``). The retry is logged to
+stderr; any other failure is raised at once.
 """
 
 from __future__ import annotations
@@ -56,6 +62,9 @@ DEFAULT_STARTUP_TIMEOUT_S = 300.0
 _STOP_GRACE_S = 20.0
 _LOG_TAIL_LINES = 60
 _DROPPED_ENV = ("VLLM_ALLOW_INSECURE_SERIALIZATION",)
+# What upstream's engine core (vllm/v1/engine/core.py) logs when it dies of
+# the slow-start race described in the module docstring.
+_UPSTREAM_SLOW_START = "assert addresses.coordinator_input is not None"
 
 
 class ServerStartError(RuntimeError):
@@ -255,19 +264,6 @@ def serve(
     The log goes to ``log_path`` (kept) or to a temporary file that is deleted
     when the block exits without an error.
     """
-    port = free_port()
-    command = vllm_command() + serve_args(
-        model_dir,
-        port,
-        weight_transfer_backend=weight_transfer_backend,
-        weight_transfer_options=weight_transfer_options,
-        dtype=dtype,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        tensor_parallel_size=tensor_parallel_size,
-        extra_args=extra_args,
-        fresh_load_oracle=fresh_load_oracle,
-    )
     full_env = server_env(tensor_parallel_size, env)
     tmp_dir = None
     if log_path is None:
@@ -276,26 +272,56 @@ def serve(
     else:
         path = Path(log_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-    failed = True
-    with open(path, "wb") as log:
-        process = subprocess.Popen(
-            command,
-            env=full_env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group, killed as one
+
+    def start(mode: str) -> ServerProcess:
+        port = free_port()
+        command = vllm_command() + serve_args(
+            model_dir,
+            port,
+            weight_transfer_backend=weight_transfer_backend,
+            weight_transfer_options=weight_transfer_options,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            tensor_parallel_size=tensor_parallel_size,
+            extra_args=extra_args,
+            fresh_load_oracle=fresh_load_oracle,
         )
-    server = ServerProcess(
-        base_url=f"http://127.0.0.1:{port}",
-        model=str(model_dir),
-        process=process,
-        log_path=path,
-        command=command,
-        env=full_env,
-    )
+        with open(path, mode) as log:
+            process = subprocess.Popen(
+                command,
+                env=full_env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group, killed as one
+            )
+        return ServerProcess(
+            base_url=f"http://127.0.0.1:{port}",
+            model=str(model_dir),
+            process=process,
+            log_path=path,
+            command=command,
+            env=full_env,
+        )
+
+    failed = True
+    server = start("wb")
     try:
-        server.wait_healthy(startup_timeout_s)
+        try:
+            server.wait_healthy(startup_timeout_s)
+        except ServerStartError as e:
+            log = server.log_path.read_text(errors="replace")
+            if server.is_alive() or _UPSTREAM_SLOW_START not in log:
+                raise
+            print(
+                f"vllm serve died of upstream's slow-start race ({e}); "
+                "starting it once more",
+                file=sys.stderr,
+            )
+            server.stop()
+            server = start("ab")  # the log keeps the failed start
+            server.wait_healthy(startup_timeout_s)
         yield server
         failed = False
     finally:
