@@ -25,6 +25,9 @@ Qwen3, fp32, TP=1) shared by every scenario.
   from staging and reloading only the experts.
 * A dense model at TP=2 (its own engine, the default layerwise reload at the
   commit, ``staging="device"``): the same three checks on both workers.
+* A MoE model at TP=1 (its own engine, the defaults: dense layers processed
+  in their shadows while staging, the experts reloaded at the commit): the
+  same three checks.
 
 Each test first pushes the state it starts from.
 """
@@ -470,3 +473,69 @@ def test_dense_tp2_serves_the_old_weights_until_the_commit_and_survives_a_failur
     for staging in rig.llm.collective_rpc(worker_staging):
         committed = staging["committed"]
         assert committed["tensors_reloaded"] == 0 < committed["shadow_layers"]
+
+
+# ---------------------------------------------------------------------------
+# A MoE model at TP=1 with the defaults (packed CPU linear layers, vLLM's
+# layerwise reload at the commit): the attention layers are processed in
+# their shadows while staging and the experts are staged whole and reloaded
+# at the commit.
+
+
+@pytest.fixture(scope="module")
+def moe_tp1() -> Iterator[Rig]:
+    from vllm.distributed.weight_transfer.testing import (
+        TinyModelSpec,
+        build_tiny_model,
+    )
+
+    model_dir = build_tiny_model(TinyModelSpec(arch="qwen3_moe"))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        llm = tiny_llm(
+            model_dir,
+            weight_transfer_config=WeightTransferConfig(backend="ipc", staging="host"),
+        )
+        try:
+            yield Rig(llm, load_hf_model(model_dir, "float32"))
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+
+
+def test_moe_tp1_serves_the_old_weights_until_the_commit_and_survives_a_failure(
+    moe_tp1: Rig,
+):
+    rig = moe_tp1
+    randomize_weights_(rig.model, seed=41)
+    moe_trainer(rig).send_weights(weight_version="e1")
+    rig.assert_serves_trainer()
+    before = rig.greedy()
+
+    # A trainer failing mid-sync: the staging is dropped, unfenced.
+    randomize_weights_(rig.model, seed=42)
+    with pytest.raises(RuntimeError, match="the trainer failed after"):
+        moe_trainer(
+            rig, source=FailsAfter(CheckpointNamesSource(rig.model), 20)
+        ).send_weights(weight_version="never")
+    assert_bit_identical(rig.greedy(), before, what="after the failure")
+    assert rig.llm.get_weight_version() == "e1"
+    (status,) = rig.llm.collective_rpc(worker_fence_status)
+    assert status["state"] != "fenced", status
+    (staging,) = rig.llm.collective_rpc(worker_staging)
+    assert staging["staged_bytes"] == 0 and not staging["open"], staging
+
+    # Generation between every message serves the old weights; the commit
+    # serves the trainer's.
+    watch = StagingWatch(rig)
+    moe_trainer(rig, client=watch.client).send_weights(weight_version="e2")
+    watch.assert_old_weights_served(before)
+    assert rig.llm.get_weight_version() == "e2"
+    rig.assert_serves_trainer()
+    (status,) = rig.llm.collective_rpc(worker_fence_status)
+    assert status["state"] == "committed", status
+    # Dense layers were processed in their shadows while staging; the
+    # experts (and whatever else no shadow takes) reloaded at the commit.
+    (staging,) = rig.llm.collective_rpc(worker_staging)
+    committed = staging["committed"]
+    assert committed["shadow_layers"] > 0 < committed["tensors_reloaded"], staging
