@@ -50,6 +50,7 @@ def test_staging_is_kept_between_updates_and_freed_by_an_abort(where):
     model = torch.nn.Linear(256, 512).to(GPU)
     pool = StagingPool()
     sources = [torch.randn(512, 256, device=GPU), torch.randn(512, device=GPU)]
+    renewed = [t * 2 for t in sources]  # the second update's tensors
     before = torch.cuda.memory_allocated(GPU)
 
     first = staged(model, where, pool)
@@ -62,7 +63,6 @@ def test_staging_is_kept_between_updates_and_freed_by_an_abort(where):
     assert pool.reserved_bytes == sum(t.numel() * 4 for t in sources)
 
     second = staged(model, where, pool)
-    renewed = [t * 2 for t in sources]
     again = [second.stage(t) for t in renewed]
     assert pool.reuses == 2 and pool.held_back == 0
     assert all(torch.equal(c.to(GPU), t) for c, t in zip(again, renewed, strict=True))
