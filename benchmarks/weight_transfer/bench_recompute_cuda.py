@@ -28,14 +28,13 @@ bench_recompute_cuda.py --out benchmarks/results/recompute_h200.json``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
-from _bench_common import device_times
+from _bench_common import device_times, emit_json
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 4096, 12288, 36, 32, 8, 128
 EPS = 1e-6
@@ -206,12 +205,7 @@ def main() -> int:
         "commit_copy_s": round(commit_s, 5),
         "loads": loads,
     }
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_json(doc, args.out)
     return 0 if all(r["finite"] for r in rates.values()) else 1
 
 

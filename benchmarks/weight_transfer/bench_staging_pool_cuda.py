@@ -28,12 +28,13 @@ bench_staging_pool_cuda.py --out benchmarks/results/staging_pool_h200.json``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
+from _bench_common import emit_json
 from bench_staged_commit_cuda import layout
 
 from vllm.distributed.weight_transfer.staging_pool import StagingPool, buffer_kind
@@ -44,10 +45,15 @@ def _sync() -> float:
     return time.perf_counter()
 
 
-def stage_fresh(sources: list[torch.Tensor]) -> tuple[dict[str, float], bool]:
-    """One sync's host staging without a pool: allocate and pin, copy, free."""
+def stage_once(
+    sources: list[torch.Tensor],
+    buffers: Callable[[], list[torch.Tensor]],
+    release: Callable[[], None],
+) -> tuple[dict[str, float], bool]:
+    """One sync's host staging: get the buffers, copy every source into its
+    buffer, check the copies, let the buffers go; the time of each part."""
     t0 = _sync()
-    staging = [torch.empty(s.shape, dtype=s.dtype, pin_memory=True) for s in sources]
+    staging = buffers()
     t1 = _sync()
     for dst, src in zip(staging, sources, strict=True):
         dst.copy_(src, non_blocking=True)
@@ -55,32 +61,37 @@ def stage_fresh(sources: list[torch.Tensor]) -> tuple[dict[str, float], bool]:
     ok = all(torch.equal(d.cuda(), s) for d, s in zip(staging, sources, strict=True))
     t3 = _sync()
     del staging
-    torch._C._host_emptyCache()
+    release()
     t4 = _sync()
     return {"allocate_s": t1 - t0, "copy_s": t2 - t1, "free_s": t4 - t3}, ok
+
+
+def stage_fresh(sources: list[torch.Tensor]) -> tuple[dict[str, float], bool]:
+    """Without a pool: allocate and pin, copy, free and empty the pinned
+    cache."""
+    return stage_once(
+        sources,
+        lambda: [torch.empty(s.shape, dtype=s.dtype, pin_memory=True) for s in sources],
+        torch._C._host_emptyCache,
+    )
 
 
 def stage_pooled(
     pool: StagingPool, sources: list[torch.Tensor]
 ) -> tuple[dict[str, float], bool]:
-    """One sync's host staging through the pool: take (or allocate the first
-    time), copy, keep for the next sync."""
-    t0 = _sync()
-    staging = []
-    for s in sources:
-        kind = buffer_kind(s.shape, s.dtype, torch.device("cpu"), True)
-        buffer = pool.take(kind)
-        staging.append(buffer if buffer is not None else pool.allocate(kind))
-    t1 = _sync()
-    for dst, src in zip(staging, sources, strict=True):
-        dst.copy_(src, non_blocking=True)
-    t2 = _sync()
-    ok = all(torch.equal(d.cuda(), s) for d, s in zip(staging, sources, strict=True))
-    t3 = _sync()
-    del staging
-    pool.end_update(())
-    t4 = _sync()
-    return {"allocate_s": t1 - t0, "copy_s": t2 - t1, "free_s": t4 - t3}, ok
+    """Through the pool: take (or allocate the first time), copy, keep for
+    the next sync."""
+    cpu = torch.device("cpu")
+
+    def buffers() -> list[torch.Tensor]:
+        out = []
+        for s in sources:
+            kind = buffer_kind(s.shape, s.dtype, cpu, True)
+            kept = pool.take(kind)
+            out.append(kept if kept is not None else pool.allocate(kind))
+        return out
+
+    return stage_once(sources, buffers, lambda: pool.end_update(()))
 
 
 def main() -> int:
@@ -148,12 +159,7 @@ def main() -> int:
         ),
         "bit_exact": exact,
     }
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_json(doc, args.out)
     return 0 if exact else 1
 
 

@@ -307,8 +307,11 @@ def test_twenty_failed_syncs_leave_nothing_behind(rig: Rig):
 # the experts.
 
 
-@pytest.fixture(scope="module")
-def moe_tp2() -> Iterator[Rig]:
+@contextlib.contextmanager
+def moe_rig(
+    config: WeightTransferConfig, tensor_parallel_size: int = 1, **rig_options: Any
+) -> Iterator[Rig]:
+    """A staged engine on a generated tiny Qwen3 MoE, shut down on exit."""
     from vllm.distributed.weight_transfer.testing import (
         TinyModelSpec,
         build_tiny_model,
@@ -316,21 +319,29 @@ def moe_tp2() -> Iterator[Rig]:
 
     model_dir = build_tiny_model(TinyModelSpec(arch="qwen3_moe"))
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-        # collective_rpc(fn) pickles fn (the planned-landing report).
+        if tensor_parallel_size == 2:
+            env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        # collective_rpc(fn) pickles fn (staging and planned-landing reports).
         env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         llm = tiny_llm(
             model_dir,
-            tensor_parallel_size=2,
-            weight_transfer_config=WeightTransferConfig(
-                backend="ipc", staging="host", cpu_linear="plain", landing="planned"
-            ),
+            tensor_parallel_size=tensor_parallel_size,
+            weight_transfer_config=config,
         )
         try:
-            yield Rig(llm, load_hf_model(model_dir, "float32"), one_at_a_time=True)
+            yield Rig(llm, load_hf_model(model_dir, "float32"), **rig_options)
         finally:
             llm.llm_engine.engine_core.shutdown()
             del llm
+
+
+@pytest.fixture(scope="module")
+def moe_tp2() -> Iterator[Rig]:
+    config = WeightTransferConfig(
+        backend="ipc", staging="host", cpu_linear="plain", landing="planned"
+    )
+    with moe_rig(config, tensor_parallel_size=2, one_at_a_time=True) as rig:
+        yield rig
 
 
 def moe_trainer(rig: Rig, client: Any = None, source: Any = None) -> Any:
@@ -484,23 +495,8 @@ def test_dense_tp2_serves_the_old_weights_until_the_commit_and_survives_a_failur
 
 @pytest.fixture(scope="module")
 def moe_tp1() -> Iterator[Rig]:
-    from vllm.distributed.weight_transfer.testing import (
-        TinyModelSpec,
-        build_tiny_model,
-    )
-
-    model_dir = build_tiny_model(TinyModelSpec(arch="qwen3_moe"))
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        llm = tiny_llm(
-            model_dir,
-            weight_transfer_config=WeightTransferConfig(backend="ipc", staging="host"),
-        )
-        try:
-            yield Rig(llm, load_hf_model(model_dir, "float32"))
-        finally:
-            llm.llm_engine.engine_core.shutdown()
-            del llm
+    with moe_rig(WeightTransferConfig(backend="ipc", staging="host")) as rig:
+        yield rig
 
 
 def test_moe_tp1_serves_the_old_weights_until_the_commit_and_survives_a_failure(
