@@ -279,6 +279,22 @@ def test_an_abort_for_a_sync_not_yet_begun_fails_it_when_it_begins():
     assert not errors and len(results[0]) == len(NAMES)
 
 
+def test_a_stall_waiting_for_the_next_sync_names_the_stall_not_an_old_abort():
+    # A worker refuses a malformed update after sync 1 ended, naming sync 1
+    # (its link's last sync id); its next update waits for a sync that never
+    # begins. The producer's stall must report that wait, not the old abort.
+    producer = _producer(stall_timeout_s=1.0)
+    _, links, pulls = _consumers(producer, [_plan((0, 3))])
+    results, errors = _run(producer, links, pulls, _tensors(1), sync_id=1)
+    assert not errors and len(results[0]) == len(NAMES)
+    links[0].abort("update_info has unknown field(s) ['bogus']")
+    started = time.monotonic()
+    with pytest.raises(ProducerError, match="no progress for 1.0s") as info:
+        producer.pack(0, 0)
+    assert "bogus" not in str(info.value)
+    assert time.monotonic() - started < 3.0
+
+
 def test_checksums_cover_the_packed_bytes_and_sharers_get_the_same_one():
     from vllm.distributed.weight_transfer.verification import payload_checksum
 

@@ -635,10 +635,14 @@ class Producer:
             now = time.monotonic()
             idle = now - max(self._last_progress, started)
             if idle >= self.stall_timeout_s:
-                self._set_error(
+                stalled = (
                     f"producer rank {self.rank}: no progress for "
                     f"{self.stall_timeout_s:.1f}s while {what}; a consumer or a "
                     "trainer rank most likely died or stalled mid-sync"
                 )
-                self._raise_if_failed(self._error_gen)
+                self._set_error(stalled)
+                # This waiter raises its own cause: the current sync may keep
+                # an earlier failure (the first one wins), which this wait,
+                # for a later sync, did not raise above.
+                raise ProducerError(stalled)
             self._cond.wait(min(self.stall_timeout_s - idle, _POLL_S))
