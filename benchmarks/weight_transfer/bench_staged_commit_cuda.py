@@ -29,13 +29,11 @@ bench_staged_commit_cuda.py --out benchmarks/results/staged_commit_h200.json``
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 
 import torch
-from _bench_common import device_times
+from _bench_common import device_times, emit_json
 
 # Qwen3-8B's shapes (hidden 4096, intermediate 12288, 36 layers, 32 query and
 # 8 key/value heads of 128, vocabulary 151936), served at TP=1.
@@ -160,12 +158,7 @@ def main() -> int:
         },
         "modes": results,
     }
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_json(doc, args.out)
     return 0 if all(r["bit_exact"] for r in results.values()) else 1
 
 
