@@ -310,13 +310,14 @@ def serve(
     try:
         try:
             server.wait_healthy(startup_timeout_s)
-        except ServerStartError as e:
+        except ServerStartError:
             log = server.log_path.read_text(errors="replace")
             if server.is_alive() or _UPSTREAM_SLOW_START not in log:
                 raise
+            # One line: the error's own text repeats the log's tail.
             print(
-                f"vllm serve died of upstream's slow-start race ({e}); "
-                "starting it once more",
+                "vllm serve died of upstream's slow-start race (log: "
+                f"{server.log_path}); starting it once more",
                 file=sys.stderr,
             )
             server.stop()
