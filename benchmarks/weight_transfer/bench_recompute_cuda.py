@@ -30,11 +30,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
-from _bench_common import device_times, emit_json
+from _bench_common import device_times, emit_json, utc_now
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 4096, 12288, 36, 32, 8, 128
 EPS = 1e-6
@@ -195,7 +194,7 @@ def main() -> int:
         )
     doc = {
         "benchmark": "recompute_after_commit_cuda",
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "time_utc": utc_now(),
         "device": torch.cuda.get_device_name(dev),
         "torch": torch.__version__,
         "commit": os.environ.get("FORK_COMMIT", "unknown"),

@@ -30,10 +30,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-from _bench_common import device_times, emit_json
+from _bench_common import device_times, emit_json, utc_now
 
 # Qwen3-8B's shapes (hidden 4096, intermediate 12288, 36 layers, 32 query and
 # 8 key/value heads of 128, vocabulary 151936), served at TP=1.
@@ -145,7 +144,7 @@ def main() -> int:
         )
     doc = {
         "benchmark": "staged_commit_floor_cuda",
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "time_utc": utc_now(),
         "device": torch.cuda.get_device_name(dev),
         "torch": torch.__version__,
         "shard": "Qwen3-8B shapes, bfloat16, TP=1",

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from _bench_common import emit_json
+from _bench_common import emit_json, utc_now
 from bench_staged_commit_cuda import layout
 
 from vllm.distributed.weight_transfer.staging_pool import StagingPool, buffer_kind
@@ -143,7 +143,7 @@ def main() -> int:
     fresh, pooled = summary(runs["fresh"]), summary(runs["pooled"])
     doc = {
         "benchmark": "staging_pool_pinned_host_cuda",
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "time_utc": utc_now(),
         "device": torch.cuda.get_device_name(dev),
         "torch": torch.__version__,
         "commit": os.environ.get("FORK_COMMIT", "unknown"),
