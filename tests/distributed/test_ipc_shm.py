@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The CPU data plane: a shared-memory segment written by one process is read,
 byte for byte, by another; mappings outlive the unlink; nothing is left in
-/dev/shm."""
+/dev/shm; a segment is reaped exactly when no live trainer owns it."""
 
 import multiprocessing as mp
 import os
@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from vllm.distributed.weight_transfer import shm_buffer
 from vllm.distributed.weight_transfer.ipc_dataplane import (
     BufferImporter,
     allocate_buffer,
@@ -20,6 +21,11 @@ from vllm.distributed.weight_transfer.shm_buffer import (
     SHM_DIR,
     MappedSegment,
     SharedMemoryBuffer,
+    reap_segments,
+)
+from vllm.distributed.weight_transfer.testing.owner_child import (
+    OwnerChild,
+    exited_pid,
 )
 
 
@@ -194,3 +200,82 @@ def test_a_segment_replaced_between_two_uses_is_refused():
         with pytest.raises(ValueError, match=f"{buf.name}.*different file"):
             importer.open(buf.handle)
         importer.close()
+
+
+# -- reaping segments of trainers that are gone -------------------------------
+# Each test reaps a private directory standing in for /dev/shm, never the real
+# one, where other processes' segments live.
+
+
+@pytest.fixture
+def shm_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(shm_buffer, "SHM_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _segment_named_by_pid(pid: int) -> tuple[str, SharedMemoryBuffer]:
+    """A new segment filled with 9s, renamed as if its owner had ``pid`` (a
+    trainer in another PID namespace, seen from here)."""
+    buf = SharedMemoryBuffer(16)
+    assert buf.tensor is not None
+    buf.tensor.fill_(9)
+    name = f"vllm-wt-{pid}-{buf.name.rsplit('-', 1)[1]}"
+    os.rename(os.path.join(shm_buffer.SHM_DIR, buf.name), shm_buffer._path(name))
+    return name, buf
+
+
+def test_a_live_trainers_segment_is_kept_though_its_pid_is_dead_here(shm_dir):
+    """Ownership is the owner's lock, not ``kill(pid, 0)``: a trainer in
+    another PID namespace names its segments with a pid that is dead (or
+    someone else) here, and its segments stay while it lives."""
+    dead_pid = exited_pid()
+    with OwnerChild(lambda: _segment_named_by_pid(dead_pid)) as owner:
+        assert reap_segments(str(shm_dir)) == []
+        allocate_buffer(8, torch.device("cpu")).close()  # reaps first
+        assert (shm_dir / owner.name).exists()
+
+
+def test_a_killed_trainers_segment_is_reaped_while_a_worker_maps_it(shm_dir):
+    """A worker's mapping does not count as ownership, is never removed by the
+    worker, and stays readable after the reaper unlinks the name."""
+    with OwnerChild(lambda: _segment_named_by_pid(os.getpid())) as owner:
+        mapped = MappedSegment(ShmHandle(name=owner.name, nbytes=16))
+        assert reap_segments(str(shm_dir)) == []
+        owner.kill()
+        assert reap_segments(str(shm_dir)) == [owner.name]
+    assert not (shm_dir / owner.name).exists()
+    assert mapped.tensor is not None and mapped.tensor.tolist() == [9] * 16
+    mapped.close()
+
+
+def test_the_reaper_keeps_its_own_processes_segments(shm_dir):
+    """Including a SharedParameters-style segment whose views outlive the
+    buffer object's mapping, and after a forked helper exits."""
+    plain, lasting = SharedMemoryBuffer(8), SharedMemoryBuffer(8)
+    lasting.outlive_views()
+    helper = mp.get_context("fork").Process(target=os._exit, args=(0,))
+    helper.start()
+    helper.join(timeout=30)
+    assert helper.exitcode == 0
+    assert reap_segments(str(shm_dir)) == []
+    assert {plain.name, lasting.name} <= set(os.listdir(shm_dir))
+    plain.close()
+    lasting.close()
+    assert os.listdir(shm_dir) == []
+
+
+def test_unowned_segments_are_reaped_and_nothing_else(shm_dir):
+    """A segment nobody holds the lock on goes, even one named with the
+    reaper's own (live) pid; links, lookalikes and other files stay."""
+    unowned = [shm_dir / f"vllm-wt-{pid}-0123abcd" for pid in (os.getpid(), 1)]
+    other, target = shm_dir / "unrelated-file", shm_dir / "target"
+    lookalike = shm_dir / "vllm-wt-receipts-0123456789"
+    link = shm_dir / f"vllm-wt-{os.getpid()}-feedbeef"
+    for f in (*unowned, other, target):
+        f.write_bytes(b"x")
+    lookalike.mkdir()
+    link.symlink_to(target)
+    assert sorted(reap_segments(str(shm_dir))) == sorted(f.name for f in unowned)
+    assert not any(f.exists() for f in unowned)
+    assert other.exists() and target.exists() and lookalike.is_dir()
+    assert link.is_symlink()

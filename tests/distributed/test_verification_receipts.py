@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from vllm.distributed.weight_transfer.base import ParamMeta
+from vllm.distributed.weight_transfer.testing.owner_child import OwnerChild
 from vllm.distributed.weight_transfer.verification.checks import (
     ManifestChecker,
     verify_receipts,
@@ -23,6 +24,7 @@ from vllm.distributed.weight_transfer.verification.receipts import (
     ReceiptTimeoutError,
     ShmReceiptBox,
     ShmReceiptSink,
+    reap_receipt_dirs,
     receipt_file_name,
     sink_for,
 )
@@ -232,3 +234,39 @@ def test_receipt_names_with_a_trailing_newline_are_refused(tmp_path):
     with ShmReceiptBox(h.publication_id, root=tmp_path) as box:
         (box.path / (receipt_file_name(receipt(h, 0)) + "\n")).write_text("{}")
         assert box.read() == {}  # not a receipt file name: skipped, never parsed
+
+
+# -- receipt directories of trainers that are gone -----------------------------
+
+
+def _open_box(root, publication_id: str):
+    box = ShmReceiptBox(publication_id, root=root)
+    return box.path.name, box
+
+
+def test_a_killed_trainers_receipt_dir_goes_at_the_next_trainers_box(tmp_path):
+    """Kept while its trainer lives (another trainer's box does not touch
+    it), removed by the next box as soon as that trainer is killed: no age
+    threshold, no pid."""
+    dying = header().publication_id
+    with OwnerChild(lambda: _open_box(tmp_path, dying)) as owner:
+        with ShmReceiptBox(header().publication_id, root=tmp_path):
+            assert (tmp_path / owner.name).is_dir()
+        owner.kill()
+        with ShmReceiptBox(header().publication_id, root=tmp_path) as box:
+            assert sorted(os.listdir(tmp_path)) == [box.path.name]
+
+
+def test_only_unowned_receipt_dirs_are_reaped(tmp_path):
+    h = header()
+    unowned = tmp_path / "vllm-wt-receipts-0123456789"
+    unowned.mkdir()  # fresh, but nobody holds its lock
+    (unowned / "worker-0-0123456789abcdef.json").write_text("{}")
+    segment_like = tmp_path / "vllm-wt-1-0123abcd"
+    segment_like.write_bytes(b"x")
+    with ShmReceiptBox(h.publication_id, root=tmp_path) as box:
+        assert reap_receipt_dirs(tmp_path) == []
+        assert box.path.is_dir() and segment_like.exists()
+    assert not unowned.exists()
+    assert os.listdir(tmp_path) == [segment_like.name]
+    box.close()  # idempotent

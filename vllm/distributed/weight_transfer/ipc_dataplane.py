@@ -111,8 +111,10 @@ def allocate_buffer(
         handle = export_cuda_bytes(tensor, persistent=persistent)
         return ExportedBuffer(tensor, handle, tensor)
     if device.type == "cpu":
-        from vllm.distributed.weight_transfer.shm_buffer import SharedMemoryBuffer
-        from vllm.distributed.weight_transfer.stale_updates import reap_segments
+        from vllm.distributed.weight_transfer.shm_buffer import (
+            SharedMemoryBuffer,
+            reap_segments,
+        )
 
         reap_segments()  # segments of trainers that died without closing them
         shm = SharedMemoryBuffer(nbytes)

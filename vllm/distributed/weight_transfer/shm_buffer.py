@@ -25,6 +25,15 @@ references the mapping without pinning it, so closing it under a live view
 would leave that view pointing at unmapped memory. Each mapping is unmapped
 when its last view goes. Only a trainer killed with SIGKILL leaves a file
 behind; its name starts with ``vllm-wt-`` and carries the trainer's pid.
+
+Ownership: the trainer holds an exclusive ``flock`` on its segment from
+creation until ``close()`` (``owner_lock``). ``reap_segments``, which
+trainers call before they create segments, removes this user's segments that
+nobody holds that lock on: those of trainers killed before they closed them.
+A live trainer's segment is never removed, even when it runs in another PID
+namespace and its pid means nothing (or another process) here. A worker opens
+the segment without locking it, so its mapping never keeps a dead trainer's
+segment, and a worker never removes one.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import contextlib
 import errno
 import mmap
 import os
+import re
 import secrets
 import stat
 import warnings
@@ -42,8 +52,11 @@ from typing import Any
 import torch
 
 from vllm.distributed.weight_transfer.ipc_wire import SHM_NAME_PREFIX, ShmHandle
+from vllm.distributed.weight_transfer.owner_lock import create_owned, reap_unowned
 
 SHM_DIR = "/dev/shm"
+# The names SharedMemoryBuffer gives its segments.
+_SEGMENT_RE = re.compile(re.escape(SHM_NAME_PREFIX) + r"[0-9]+-[0-9a-f]+")
 
 
 def _path(name: str) -> str:
@@ -60,20 +73,40 @@ def _uint8_view(mapping: mmap.mmap, nbytes: int) -> torch.Tensor:
         return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
 
 
-def _unlink(path: str) -> None:
+def _unlink(path: str, owner_fd: int) -> None:
+    # The name goes before the owner's lock, so no reaper sees it unowned.
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+    os.close(owner_fd)
 
 
-def _release(mapping: mmap.mmap, path: str) -> None:
+def _release(mapping: mmap.mmap, path: str, owner_fd: int) -> None:
     # The mapping is never closed here: tensors made by ``torch.frombuffer``
     # hold a reference to it but no buffer export, so ``mmap.close`` would
     # succeed and leave any view still alive pointing at unmapped memory.
     # Dropping this reference unmaps it once the last view is gone;
     # unlinking frees the file's name now.
     del mapping
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+    _unlink(path, owner_fd)
+
+
+def _create_segment() -> tuple[str, int]:
+    name = f"{SHM_NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC
+    return _path(name), os.open(_path(name), flags, 0o600)
+
+
+def reap_segments(root: str | None = None) -> list[str]:
+    """Remove this user's ``vllm-wt-<pid>-*`` segments under ``root`` (default
+    ``SHM_DIR``) whose owner's lock nobody holds (their trainer is gone);
+    return their names."""
+    return reap_unowned(
+        root or SHM_DIR,
+        _SEGMENT_RE,
+        is_dir=False,
+        remove=os.unlink,
+        what="shared-memory segment(s)",
+    )
 
 
 class SharedMemoryBuffer:
@@ -83,20 +116,18 @@ class SharedMemoryBuffer:
         if nbytes < 0:
             raise ValueError(f"shared-memory buffer size must be >= 0, got {nbytes}")
         self.nbytes = nbytes
-        self.name = f"{SHM_NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-        fd = os.open(_path(self.name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        # fd stays open, holding the owner's lock, until the name is unlinked.
+        path, fd = create_owned(_create_segment)
+        self.name = os.path.basename(path)
         try:
             os.ftruncate(fd, max(nbytes, 1))
             mapping = mmap.mmap(fd, max(nbytes, 1))
         except BaseException:
-            os.unlink(_path(self.name))
+            _unlink(path, fd)
             raise
-        finally:
-            os.close(fd)
+        self._owner_fd = fd
         # Any: outlive_views swaps in a finalizer of another signature.
-        self._finalizer: Any = weakref.finalize(
-            self, _release, mapping, _path(self.name)
-        )
+        self._finalizer: Any = weakref.finalize(self, _release, mapping, path, fd)
         self.tensor: torch.Tensor | None = _uint8_view(mapping, nbytes)
 
     @property
@@ -116,7 +147,9 @@ class SharedMemoryBuffer:
         of this object) only unlinks the name, and the mapping goes with the
         last view, as it does in every case."""
         if self._finalizer.detach() is not None:
-            self._finalizer = weakref.finalize(self, _unlink, _path(self.name))
+            self._finalizer = weakref.finalize(
+                self, _unlink, _path(self.name), self._owner_fd
+            )
 
     def __enter__(self) -> SharedMemoryBuffer:
         return self

@@ -20,6 +20,11 @@ publication header:
   After ``finish_weight_update`` returns, the trainer ``collect``s the
   expected ranks (or, for several engines, the expected number of workers),
   waiting at most ``timeout_s``, then deletes the directory.
+  The trainer holds an exclusive ``flock`` on the directory while the box is
+  open (``owner_lock``); ``reap_receipt_dirs``, run before each new box,
+  removes at once this user's receipt directories that nobody holds that
+  lock on (left by trainers killed mid-sync), whatever PID namespace their
+  trainer ran in, and never a live trainer's.
 * ``"producer"`` (``sharded_rdt``): the worker hands its receipt to a trainer
   producer actor it already talks to, through a ``CallbackReceiptSink``
   wrapping that call (for example ``ray.get(actor.deliver_receipt.remote(d),
@@ -44,10 +49,12 @@ import stat
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from vllm.distributed.weight_transfer.owner_lock import create_owned, reap_unowned
 from vllm.distributed.weight_transfer.verification.wire import (
     PublicationHeader,
     Receipt,
@@ -92,6 +99,30 @@ def default_receipt_root() -> Path:
     return Path(tempfile.gettempdir())
 
 
+def reap_receipt_dirs(root: str | Path) -> list[str]:
+    """Remove this user's ``vllm-wt-receipts-*`` directories under ``root``
+    whose owner's lock nobody holds (their trainer is gone); return their
+    names."""
+    return reap_unowned(
+        str(root),
+        _RECEIPT_DIR_RE,
+        is_dir=True,
+        remove=shutil.rmtree,
+        what="receipt director(ies)",
+    )
+
+
+def _make_receipt_dir(path: Path) -> tuple[str, int | None]:
+    """Create ``path`` and open it (None when it was removed before that)."""
+    # mode 0700: only this user's processes (the colocated workers) write.
+    path.mkdir(mode=0o700)
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return str(path), os.open(path, flags)
+    except FileNotFoundError:
+        return str(path), None
+
+
 # ---------------------------------------------------------------------------
 # shared-memory directory (colocated)
 
@@ -107,13 +138,13 @@ class ShmReceiptBox:
         name = f"{RECEIPT_DIR_PREFIX}{publication_id}"
         if not _RECEIPT_DIR_RE.fullmatch(name):
             raise ValueError(f"publication id {publication_id!r} is not valid")
-        from vllm.distributed.weight_transfer.stale_updates import reap_receipt_dirs
-
         base = Path(root or default_receipt_root())
-        reap_receipt_dirs(str(base))  # left by trainers that died mid-sync
-        self.path = base / name
-        # mode 0700: only this user's processes (the colocated workers) write.
-        self.path.mkdir(mode=0o700)
+        reap_receipt_dirs(base)  # left by trainers that died mid-sync
+        path, fd = create_owned(lambda: _make_receipt_dir(base / name))
+        self.path = Path(path)
+        # The directory is owned while fd, which holds its lock, is open; a
+        # box dropped unclosed leaves it to the next trainer's reap.
+        self._owner = weakref.finalize(self, os.close, fd)
 
     def __enter__(self) -> ShmReceiptBox:
         return self
@@ -155,7 +186,10 @@ class ShmReceiptBox:
         )
 
     def close(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+        """Delete the directory, then drop its lock. Idempotent."""
+        if self._owner.alive:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self._owner()
 
 
 class ShmReceiptSink:
