@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from vllm.distributed.weight_transfer.base import ParamMeta
+from vllm.distributed.weight_transfer.full_resync import ModelVersions
 from vllm.distributed.weight_transfer.verification.fence import (
+    MAX_VERSION_AHEAD_US,
     WeightFence,
     WeightsFencedError,
     WeightState,
@@ -224,3 +226,50 @@ def test_a_version_far_beyond_the_wall_clock_is_refused_and_locks_out_nobody():
     fence.touch()
     fence.finish()
     assert fence.status.model_version == now_us < version_ceiling()
+
+
+def test_a_version_a_day_ahead_is_refused_naming_the_field():
+    """A publication 23 hours ahead of the wall clock (once under the old
+    one-day bound) is refused before it binds; default trainers go on."""
+    fence = committed_fence()
+    fence.start()
+    ahead = time.time_ns() // 1000 + 23 * 3600 * 1_000_000
+    with pytest.raises(ValueError, match=r"publication\.model_version .* beyond"):
+        fence.bind(header(ahead))
+    fence.fail("refused", weights_intact=True)
+    assert fence.state == WeightState.COMMITTED and fence.status.model_version == 1
+    now_us = ModelVersions(None).next()
+    fence.start()
+    fence.bind(header(now_us))
+    fence.touch()
+    fence.finish()
+    assert fence.status.model_version == now_us
+
+
+def test_one_publication_keeps_default_trainers_out_for_at_most_the_bound(
+    monkeypatch,
+):
+    """The ceiling follows the wall clock, not the committed version: a
+    publication at the ceiling commits, a default trainer's version is older
+    only until the clock passes it, and no second publication can push the
+    committed version further ahead of the clock."""
+    clock_ns = [time.time_ns()]
+    monkeypatch.setattr(time, "time_ns", lambda: clock_ns[0])
+    hostile = version_ceiling()
+    assert hostile == clock_ns[0] // 1000 + MAX_VERSION_AHEAD_US
+    fence = committed_fence(hostile)
+    fence.start()
+    with pytest.raises(ValueError, match=r"publication\.model_version .* beyond"):
+        fence.bind(header(hostile + 1))  # no ratchet beyond the clock's bound
+    fence.fail("refused", weights_intact=True)
+    trainer = ModelVersions(None)
+    fence.start()
+    with pytest.raises(ValueError, match="older than the committed version"):
+        fence.bind(header(trainer.next()))
+    fence.fail("refused", weights_intact=True)
+    clock_ns[0] += (MAX_VERSION_AHEAD_US + 1) * 1000  # the bound has passed
+    fence.start()
+    fence.bind(header(trainer.next()))
+    fence.touch()
+    fence.finish()
+    assert fence.status.model_version > hostile

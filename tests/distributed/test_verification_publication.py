@@ -265,3 +265,131 @@ def test_a_failure_without_a_message_is_named_in_fence_and_version(
     reason = client.workers[0].pub.fence.status.reason
     assert reason == "AssertionError (raised without a message)"
     assert client.version.endswith(": AssertionError (raised without a message)")
+
+
+# ---------------------------------------------------------------------------
+# header fields refused at the first message, before any weight lands
+
+
+def first_message(pub: TrainerPublication, weights: dict[str, torch.Tensor]) -> dict:
+    """The first chunk of ``send``'s publication of ``weights``."""
+    names = list(weights)[:2]
+    buf = torch.cat([weights[n].reshape(-1).view(torch.uint8) for n in names])
+    info = {
+        "chunk": 0,
+        "buffer": buf,
+        "tensors": [(n, weights[n].dtype, tuple(weights[n].shape)) for n in names],
+    }
+    return pub.attach(info, checksums=[pub.checksum(buf)])
+
+
+def open_publication(tmp_path, **kw) -> TrainerPublication:
+    weights = make_weights(1)
+    return TrainerPublication.open(
+        backend=kw.pop("backend", "toy"),
+        model_version=1,
+        metas=[ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in weights.items()],
+        receipt_root=tmp_path,
+        **kw,
+    )
+
+
+def assert_refused_untouched(worker: ToyWorker, message: dict, field: str) -> None:
+    """``message`` is refused naming ``field``; nothing landed, not fenced."""
+    worker.start_weight_update()
+    with pytest.raises(ValueError, match=rf"publication\.{field}\b"):
+        worker.update_weights(message)
+    assert_serving(ToyClient([worker]), make_weights(0))
+    assert worker.pub.fence.state == WeightState.IDLE
+    assert f"publication.{field}" in (worker.pub.fence.status.last_failure or "")
+
+
+def test_a_receipt_dir_outside_the_receipt_root_is_refused_at_the_first_message(
+    tmp_path,
+):
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    root.mkdir()
+    elsewhere.mkdir()
+    worker = ToyWorker(0, root)
+    pub = open_publication(elsewhere)
+    try:
+        assert_refused_untouched(
+            worker, first_message(pub, make_weights(1)), "receipt_dir"
+        )
+        assert list(pub.box.path.iterdir()) == []  # no receipt written there
+    finally:
+        pub.close()
+
+
+def test_a_producer_channel_on_an_engine_without_producer_is_refused_at_once(
+    tmp_path,
+):
+    from vllm.distributed.weight_transfer.verification.receipts import ReceiptInbox
+
+    pub = open_publication(tmp_path, channel="producer", inbox=ReceiptInbox())
+    message = first_message(pub, make_weights(1))
+    assert_refused_untouched(ToyWorker(0, tmp_path), message, "receipt_channel")
+
+
+def test_another_backends_publication_is_refused_at_the_first_message(tmp_path):
+    pub = open_publication(tmp_path, backend="sharded_rdt")
+    try:
+        message = first_message(pub, make_weights(1))
+        assert_refused_untouched(ToyWorker(0, tmp_path), message, "backend")
+    finally:
+        pub.close()
+
+
+def test_a_later_message_that_changes_the_header_is_refused(client, tmp_path):
+    pub = open_publication(tmp_path)
+    worker = client.workers[0]
+    try:
+        worker.start_weight_update()
+        worker.update_weights(first_message(pub, make_weights(1)))
+        later = first_message(pub, make_weights(1))
+        later["publication"]["model_version"] = 2
+        with pytest.raises(ValueError, match=r"publication\.model_version 1 -> 2"):
+            worker.update_weights(later)
+        # the first chunk had landed: fenced, naming the cause
+        assert worker.pub.fence.state == WeightState.FENCED
+        assert "publication.model_version" in worker.pub.fence.status.reason
+    finally:
+        pub.close()
+
+
+# ---------------------------------------------------------------------------
+# the trainer's prepare message
+
+
+def test_a_prepare_naming_another_publication_is_refused_before_any_receipt(
+    client, tmp_path
+):
+    pub = open_publication(tmp_path)
+    worker = client.workers[0]
+    own = pub.header.publication_id
+    try:
+        worker.start_weight_update()
+        worker.update_weights(first_message(pub, make_weights(1)))
+        stray = {"prepare": "0123456789abcdef"}
+        with pytest.raises(ValueError, match=f"'0123456789abcdef' but .* {own}"):
+            worker.pub.check_prepare(stray)
+        assert list(pub.box.path.iterdir()) == []  # nothing attested
+        # the prepare that names the open publication goes through
+        worker.pub.check_prepare({"prepare": own})
+        # so does an adapter push's, named among the open publications
+        other = open_publication(tmp_path)
+        try:
+            worker.pub.check_prepare(
+                {"prepare": other.header.publication_id}, other.header
+            )
+        finally:
+            other.close()
+    finally:
+        pub.close()
+
+
+def test_a_prepare_in_an_update_without_publication_names_nothing_to_refuse():
+    worker = ToyWorker(0, None)
+    worker.start_weight_update()
+    worker.pub.check_prepare({"prepare": "0123456789abcdef"})
+    assert worker.pub.prepare() is None

@@ -301,7 +301,10 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
             if is_prepare_request(update_info):
                 what = f"{self.backend_name} prepare"
                 self.pub.fence.check_open(what)
-                self._prepare(self._session_for(what))
+                session = self._session_for(what)
+                adapter = self._adapters.publication if self._adapters else None
+                self.pub.check_prepare(update_info, adapter.header if adapter else None)
+                self._prepare(session)
                 return
             if self._prepared:
                 raise ValueError(

@@ -28,10 +28,11 @@ its first byte landed cannot be rolled back: the model now mixes two versions.
   rule (``check_model_version``) and never reaches this fence, so an update
   that carried only an adapter leaves the committed publication and version
   as they were.
-* A version more than ``MAX_VERSION_AHEAD_US`` beyond this host's wall clock
-  in microseconds (what default trainers publish) is rejected the same way:
-  once committed it would lock out every default trainer, whose versions could
-  never catch up.
+* A version more than ``MAX_VERSION_AHEAD_US`` (five minutes) beyond this
+  host's wall clock in microseconds (what default trainers publish) is
+  rejected the same way. The committed version is therefore never more than
+  that ahead of the clock, so no publication can make default trainers, whose
+  versions are the clock, "older" for longer than that.
 
 The worker cannot change the version the server reports (that lives in the
 engine core), so the trainer makes the fence visible: on any failure it sets
@@ -55,9 +56,10 @@ from vllm.distributed.weight_transfer.verification.wire import (
 
 FENCED_VERSION_PREFIX = "fenced:"
 # How far (microseconds) a publication's model version may lie beyond this
-# host's wall clock in microseconds: a day, so clock skew between hosts never
-# matters, while a client cannot push a version no default trainer reaches.
-MAX_VERSION_AHEAD_US = 24 * 3600 * 1_000_000
+# host's wall clock in microseconds: five minutes. It absorbs the clock skew
+# between a trainer's host and the server's, and it is the longest a single
+# publication can keep default (wall-clock) trainers out.
+MAX_VERSION_AHEAD_US = 5 * 60 * 1_000_000
 _REASON_LIMIT = 300
 
 
@@ -288,11 +290,13 @@ def check_model_version(
     ceiling = version_ceiling()
     if header.model_version > ceiling:
         raise ValueError(
-            f"publication {header.publication_id}{domain} carries model version "
-            f"{header.model_version}, beyond {ceiling} (this host's wall clock "
-            "in microseconds plus a day); committing it would lock out every "
-            "trainer that versions by the wall clock. Use a smaller "
-            "model_version, or none (the wall clock)"
+            f"publication.model_version {header.model_version} of publication "
+            f"{header.publication_id}{domain} is beyond {ceiling} (this host's "
+            "wall clock in microseconds plus MAX_VERSION_AHEAD_US, five "
+            "minutes); committing it would lock out every trainer that "
+            "versions by the wall clock. Use a smaller model_version, or none "
+            "(the wall clock), and keep the trainer's and server's clocks in "
+            "sync"
         )
     if committed is not None and header.model_version < committed:
         raise ValueError(

@@ -38,7 +38,8 @@ Worker engine::
                            on any exception: self.pub.fail(e, weights_intact=?)
                            # the failure receipt says whether the weights are
                            # intact
-    update_weights({"prepare": id}): self.pub.prepare()   # the receipt
+    update_weights({"prepare": id}): self.pub.check_prepare(d)  # names it?
+                                     self.pub.prepare()   # the receipt
     finish_weight_update:  self.pub.finish()   # receipt unless prepared; commit
 """
 
@@ -69,6 +70,7 @@ from vllm.distributed.weight_transfer.verification.checksum import (
     payload_checksum,
 )
 from vllm.distributed.weight_transfer.verification.fence import (
+    PREPARE_FIELD,
     WeightFence,
     WeightState,
     fenced_version,
@@ -78,6 +80,7 @@ from vllm.distributed.weight_transfer.verification.receipts import (
     DEFAULT_RECEIPT_TIMEOUT_S,
     ExpectedWorkers,
     ReceiptInbox,
+    ReceiptSink,
     ShmReceiptBox,
     missing_workers,
     sink_for,
@@ -386,6 +389,9 @@ class WorkerPublication:
         # The receipt went out at the trainer's prepare message; the commit
         # (``finish``) does not write it again.
         self._receipt_sent = False
+        # Where the open publication's receipts go (checked at its first
+        # message); None on the ``"none"`` channel.
+        self._sink: ReceiptSink | None = None
 
     def start(self) -> None:
         self.fence.start()
@@ -400,37 +406,103 @@ class WorkerPublication:
         """Check a message's header; return the message without it.
 
         The first message with a header sets up the checker; a header that
-        does not fit raises before anything is landed.
+        does not fit raises before anything is landed, and so does a later
+        message whose header differs from the first.
         """
         header, checksums, rest = pop_publication(update_info)
         self.fence.bind(header)
         self.message_checksums = checksums
         if header is not None and self.checker is None:
-            manifest = header.manifest
-            own = self._manifest_for(header) if self._manifest_for else None
-            if manifest is None:
-                manifest = own
-            elif own is not None and (diff := own.difference(manifest)):
-                raise ManifestMismatch(
-                    f"publication {header.publication_id}'s manifest differs from "
-                    f"the one this engine was initialized with: {diff}; trainer "
-                    "and server disagree on the model's structure (re-run "
-                    "init_weight_transfer_engine after changing it)"
-                )
-            if manifest is None:
-                raise ManifestMismatch(
-                    f"publication {header.publication_id}'s first message carries "
-                    "no manifest and this engine has none for digest "
-                    f"{header.manifest_digest[:16]}…"
-                )
-            expected = (
-                self._expected_for(header, manifest) if self._expected_for else None
-            )
-            self.checker = ManifestChecker(header, manifest, expected=expected)
-            self.header = header
-            assert self.record is not None
-            self.record.bind(header)
+            self._admit_header(header)
+        elif header is not None and self.header is not None:
+            self._check_same_header(header)
         return rest
+
+    def _admit_header(self, header: PublicationHeader) -> None:
+        """Set up the checker for ``header``'s publication after every check
+        its fields allow before a byte lands: the backend, the receipt
+        channel (a ``receipt_dir`` outside this worker's receipt root, or a
+        producer channel on an engine without a producer) and the manifest."""
+        if header.backend != self.backend:
+            raise ValueError(
+                f"publication.backend is {header.backend!r} but this engine "
+                f"receives {self.backend!r} updates; publish with the backend "
+                "the server runs"
+            )
+        sink = self._receipt_sink(header)
+        manifest = header.manifest
+        own = self._manifest_for(header) if self._manifest_for else None
+        if manifest is None:
+            manifest = own
+        elif own is not None and (diff := own.difference(manifest)):
+            raise ManifestMismatch(
+                f"publication {header.publication_id}'s manifest differs from "
+                f"the one this engine was initialized with: {diff}; trainer "
+                "and server disagree on the model's structure (re-run "
+                "init_weight_transfer_engine after changing it)"
+            )
+        if manifest is None:
+            raise ManifestMismatch(
+                f"publication {header.publication_id}'s first message carries "
+                "no manifest and this engine has none for digest "
+                f"{header.manifest_digest[:16]}…"
+            )
+        expected = self._expected_for(header, manifest) if self._expected_for else None
+        self.checker = ManifestChecker(header, manifest, expected=expected)
+        self.header = header
+        self._sink = sink
+        assert self.record is not None
+        self.record.bind(header)
+
+    def _receipt_sink(self, header: PublicationHeader) -> ReceiptSink | None:
+        """Where this worker's receipts for ``header`` go; ``ValueError``
+        naming the header field when they could not go there."""
+        try:
+            return sink_for(header, self._producer_call, self.receipt_root)
+        except ValueError as e:
+            shm = header.receipt_channel == "shm"
+            field = "receipt_dir" if shm else "receipt_channel"
+            raise ValueError(
+                f"publication.{field} of publication {header.publication_id} is "
+                f"refused before any weight lands: {e}"
+            ) from e
+
+    def _check_same_header(self, header: PublicationHeader) -> None:
+        """``ValueError`` unless a later message's header equals the first
+        one's (its manifest entries aside)."""
+        assert self.header is not None
+        if header == self.header:
+            return
+        changed = self.header.changed_fields(header)
+        shown = ", ".join(
+            f"publication.{f} {getattr(self.header, f)!r} -> {getattr(header, f)!r}"
+            for f in changed
+        )
+        raise ValueError(
+            f"a message of publication {header.publication_id} changes its "
+            f"header ({shown}); every message of a publication carries the "
+            "header of its first message"
+        )
+
+    def check_prepare(
+        self, update_info: Mapping[str, Any], *others: PublicationHeader | None
+    ) -> None:
+        """Refuse (``ValueError``) the trainer's prepare message
+        ``update_info`` (``is_prepare_request``) when it names another
+        publication than the one open on this worker: its own, or one of
+        ``others`` (a LoRA adapter push's). Called before any check or
+        receipt of the prepare, so a refused one attests nothing. An update
+        whose messages carried no header has no publication to name."""
+        named = update_info[PREPARE_FIELD]
+        open_ids = [h.publication_id for h in (self.header, *others) if h is not None]
+        if not open_ids or named in open_ids:
+            return
+        raise ValueError(
+            f"update_info.{PREPARE_FIELD} names publication {named!r} but the "
+            f"open update is publication {' and '.join(open_ids)}; a prepare "
+            "must name the publication whose weights this update received. "
+            "Nothing was prepared or attested"
+        )
 
     def admit(
         self,
@@ -572,9 +644,8 @@ class WorkerPublication:
     def _deliver(self, receipt: Receipt, *, best_effort: bool) -> None:
         assert self.header is not None
         try:
-            sink = sink_for(self.header, self._producer_call, self.receipt_root)
-            if sink is not None:
-                sink.deliver(receipt)
+            if self._sink is not None:
+                self._sink.deliver(receipt)
         except Exception as e:
             if not best_effort:
                 raise

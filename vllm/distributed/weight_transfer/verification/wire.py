@@ -42,7 +42,7 @@ import math
 import re
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any, Literal, Protocol
 
@@ -468,6 +468,15 @@ class PublicationHeader:
     def without_manifest(self) -> PublicationHeader:
         """The same header without the entries, for the later messages."""
         return replace(self, manifest=None)
+
+    def changed_fields(self, other: PublicationHeader) -> list[str]:
+        """The fields in which ``other`` differs from this header, the
+        manifest's entries aside (a later message may leave them out)."""
+        return [
+            f.name
+            for f in fields(self)
+            if f.compare and getattr(self, f.name) != getattr(other, f.name)
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
