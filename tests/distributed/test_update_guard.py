@@ -25,13 +25,16 @@ HELD_THEN_RELEASED = [("pause", "keep"), ("reset_prefix_cache", True), ("resume"
 class RecordingEngine:
     """The engine client calls the guard makes, in order."""
 
-    def __init__(self, backend="ipc", staging="off", timeout_s=30.0, paused=False):
+    def __init__(
+        self, backend="ipc", staging="off", timeout_s=30.0, paused=False, workers=1
+    ):
         self.calls: list[tuple] = []
         self.paused = paused
         self.vllm_config = SimpleNamespace(
             weight_transfer_config=SimpleNamespace(
                 backend=backend, staging=staging, update_timeout_s=timeout_s
-            )
+            ),
+            parallel_config=SimpleNamespace(world_size_across_dp=workers),
         )
 
     async def is_paused(self) -> bool:
@@ -90,6 +93,7 @@ class Server:
         self.guard: Any = WeightUpdateGuard(self.routes)
         # The last answer's headers, by path.
         self.headers: dict[str, dict[bytes, bytes]] = {}
+        self.bodies: dict[str, bytes] = {}
         self.app = SimpleNamespace(
             state=SimpleNamespace(
                 engine_client=engine,
@@ -117,6 +121,8 @@ class Server:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 self.headers[path] = dict(message.get("headers", []))
+            elif message["type"] == "http.response.body":
+                self.bodies[path] = message.get("body", b"")
 
         scope = {"type": "http", "method": "POST", "path": path, "app": self.app}
         await self.guard(scope, receive, send)
@@ -124,6 +130,10 @@ class Server:
 
     async def update(self, update_info: Any) -> int:
         return await self.post("/update_weights", {"update_info": update_info})
+
+    def answer(self, path: str) -> str:
+        """The error message of the last answer the guard itself gave."""
+        return json.loads(self.bodies[path])["error"]["message"]
 
 
 def run(coro) -> Any:
@@ -152,6 +162,7 @@ def test_weights_are_held_from_the_first_message_until_finish():
 
 def test_a_pause_someone_else_took_is_left_to_them():
     async def go(server: Server) -> None:
+        await server.post("/start_weight_update")
         await server.update(WEIGHTS)
         await server.post("/finish_weight_update")
 
@@ -162,6 +173,7 @@ def test_a_pause_someone_else_took_is_left_to_them():
 
 def test_a_client_pausing_during_the_hold_takes_the_pause_over():
     async def go(server: Server) -> None:
+        await server.post("/start_weight_update")
         await server.update(WEIGHTS)
         assert await server.post("/pause") == 200
         await server.post("/finish_weight_update")
@@ -173,6 +185,7 @@ def test_a_client_pausing_during_the_hold_takes_the_pause_over():
 
 def test_resume_is_refused_while_weights_land():
     async def go(server: Server) -> None:
+        await server.post("/start_weight_update")
         assert await server.post("/resume") == 200  # nothing held: passes
         await server.update(WEIGHTS)
         assert await server.post("/resume") == 409
@@ -186,6 +199,7 @@ def test_resume_is_refused_while_weights_land():
 
 def test_weights_refused_before_any_were_accepted_release_at_once():
     async def go(server: Server) -> None:
+        await server.post("/start_weight_update")
         server.routes.status["/update_weights"] = 500
         await server.update(WEIGHTS)
         assert server.engine.paused is False
@@ -196,21 +210,18 @@ def test_weights_refused_before_any_were_accepted_release_at_once():
     assert server.engine.calls == HELD_THEN_RELEASED
 
 
-@pytest.mark.parametrize("failing", ["/update_weights", "/finish_weight_update"])
-def test_a_failure_after_accepted_weights_holds_until_a_finish_succeeds(failing):
-    """The model may be mixed or fenced: generation waits for the trainer's
-    abort and finish."""
+def test_a_failed_finish_after_accepted_weights_holds_until_a_finish_succeeds():
+    """vLLM's worker keeps the update open while finish raises: generation
+    waits for the trainer's abort and finish, and the abort fences the label."""
 
     async def go(server: Server) -> None:
+        await server.post("/start_weight_update")
         await server.update(WEIGHTS)
-        server.routes.status[failing] = 500
-        if failing == "/update_weights":
-            await server.update(WEIGHTS)
-        else:
-            await server.post("/finish_weight_update")
+        server.routes.status["/finish_weight_update"] = 500
+        await server.post("/finish_weight_update")
         assert server.engine.paused is True
         assert await server.post("/resume") == 409
-        server.routes.status[failing] = 200
+        server.routes.status["/finish_weight_update"] = 200
         await server.update({"abort": "the trainer saw the failure"})
         assert server.engine.paused is True
         await server.post("/finish_weight_update")
@@ -218,14 +229,42 @@ def test_a_failure_after_accepted_weights_holds_until_a_finish_succeeds(failing)
 
     server = Server(RecordingEngine())
     run(go(server))
+    kind, version = server.engine.calls[1]
+    assert kind == "version" and version.startswith("fenced:unknown: aborted: ")
+    assert "the trainer saw the failure" in version
     assert server.engine.calls[-1] == ("resume",)
 
 
-def test_a_failed_call_then_silence_is_fenced_at_the_deadline():
+def test_a_failed_update_after_accepted_weights_fences_the_label_and_releases():
+    """The worker closes the update whenever update_weights raises: the label
+    names the failure before generation resumes, and the update is over."""
+    header = verification_samples.header(publication_id="pub-0123456789").to_dict()
+
     async def go(server: Server) -> None:
-        await server.update(WEIGHTS)
+        await server.post("/start_weight_update")
+        await server.update({**WEIGHTS, "publication": header})
         server.routes.status["/update_weights"] = 500
+        await server.update({**WEIGHTS, "publication": header})
+        assert server.engine.paused is False
+
+    server = Server(RecordingEngine())
+    run(go(server))
+    assert [c[0] for c in server.engine.calls] == [
+        "pause",
+        "version",
+        "reset_prefix_cache",
+        "resume",
+    ]
+    version = server.engine.calls[1][1]
+    assert version.startswith("fenced:pub-0123456789: closed when update_weights")
+
+
+def test_a_failed_finish_then_silence_is_fenced_at_the_deadline():
+    async def go(server: Server) -> None:
+        await server.post("/start_weight_update")
         await server.update(WEIGHTS)
+        server.routes.status["/finish_weight_update"] = 500
+        await server.post("/finish_weight_update")
         await asyncio.sleep(0.5)
 
     server = Server(RecordingEngine(timeout_s=0.2))
@@ -237,6 +276,7 @@ def test_a_failed_call_then_silence_is_fenced_at_the_deadline():
 
 def test_abort_and_prepare_messages_hold_nothing():
     async def go(server: Server) -> None:
+        await server.post("/start_weight_update")
         await server.update({"abort": "x"})
         await server.update({"prepare": "p" * 8})
         await server.update([{"abort": "x"}])
@@ -250,6 +290,7 @@ def test_a_silent_update_is_aborted_and_fenced_at_the_deadline():
     header = verification_samples.header(publication_id="pub-0123456789").to_dict()
 
     async def go(server: Server) -> None:
+        await server.post("/start_weight_update")
         await server.update({**WEIGHTS, "publication": header})
         await asyncio.sleep(0.5)
 
@@ -269,6 +310,7 @@ def test_a_silent_update_is_aborted_and_fenced_at_the_deadline():
 
 def test_the_deadline_waits_for_a_call_in_flight():
     async def go(server: Server) -> None:
+        await server.post("/start_weight_update")
         await server.update(WEIGHTS)  # takes 0.4 s, twice the deadline
         await server.update(WEIGHTS)
         await server.post("/finish_weight_update")
@@ -384,6 +426,7 @@ def test_an_adapter_push_holds_only_its_finish():
 
 def test_a_silent_adapter_push_is_aborted_at_the_deadline_and_nothing_is_fenced():
     async def go(server: Server) -> None:
+        await server.post("/start_weight_update")
         await server.update(ADAPTER)
         await asyncio.sleep(0.5)
 
@@ -400,6 +443,7 @@ def test_a_silent_adapter_push_is_aborted_at_the_deadline_and_nothing_is_fenced(
 
 def test_base_weights_after_an_adapter_are_held_from_their_first_message():
     async def go(server: Server) -> None:
+        await server.post("/start_weight_update")
         await server.update(ADAPTER)
         assert server.engine.calls == []
         await server.update(WEIGHTS)
@@ -442,3 +486,133 @@ def test_an_update_closed_at_the_deadline_is_no_longer_open_in_the_status(payloa
     assert observer.update_status()["open"] is None
     assert metrics.failures.labels("ipc", "abort")._value.get() == 1
     assert metrics.syncs.labels("ipc")._value.get() == 0
+
+
+# The issue's decoys: element 0 is the rank-0 worker's weights, element 1 a
+# message of another kind, for a server that runs one worker.
+DECOYS = {
+    "abort": [WEIGHTS, {"abort": "decoy"}],
+    "prepare": [WEIGHTS, {"prepare": "p" * 8}],
+    "adapter": [WEIGHTS, {"adapter": {}}],
+    "too-long": [WEIGHTS, WEIGHTS],
+    "empty": [],
+    "not-an-object": [WEIGHTS, 5],
+}
+
+
+@pytest.mark.parametrize("case", DECOYS, ids=DECOYS)
+def test_a_body_the_workers_would_read_differently_is_refused_before_the_engine(
+    case,
+):
+    async def go(server: Server) -> None:
+        await server.post("/start_weight_update")
+        assert await server.update(DECOYS[case]) == 422
+        assert await server.post("/resume") == 200  # nothing is held
+
+    server = Server(RecordingEngine())
+    run(go(server))
+    assert server.engine.calls == []
+    assert "/update_weights" not in [p for p, _, _ in server.routes.seen]
+    assert "refused before reaching the workers" in server.answer("/update_weights")
+
+
+def test_a_body_without_update_info_is_refused():
+    async def go(server: Server) -> None:
+        await server.post("/start_weight_update")
+        assert await server.post("/update_weights", {"names": []}) == 422
+
+    server = Server(RecordingEngine())
+    run(go(server))
+    assert "update_info field" in server.answer("/update_weights")
+
+
+def test_one_message_per_worker_of_one_kind_is_held_like_one_message():
+    async def go(server: Server) -> None:
+        await server.post("/start_weight_update")
+        assert await server.update([WEIGHTS, WEIGHTS]) == 200
+        assert server.engine.calls == [("pause", "keep")]
+        assert await server.update([WEIGHTS]) == 422  # one short of two workers
+        await server.post("/finish_weight_update")
+
+    server = Server(RecordingEngine(workers=2))
+    run(go(server))
+    assert server.engine.calls == HELD_THEN_RELEASED
+
+
+@pytest.mark.parametrize(
+    "method", ["update_weights", "start_weight_update", "finish_weight_update"]
+)
+@pytest.mark.parametrize("staging", ["off", "host"])
+def test_collective_rpc_cannot_reach_the_weight_update_methods(method, staging):
+    body = {"method": method, "kwargs": {"update_info": [WEIGHTS, {"abort": "x"}]}}
+
+    async def go(server: Server) -> None:
+        assert await server.post("/collective_rpc", body) == 403
+        message = server.answer("/collective_rpc")
+        assert method in message and "/update_weights" in message
+        assert await server.post("/collective_rpc", {"method": "other"}) == 200
+
+    server = Server(RecordingEngine(staging=staging))
+    run(go(server))
+    assert [p for p, _, _ in server.routes.seen] == ["/collective_rpc"]
+
+
+def test_a_start_while_an_update_is_open_is_409_naming_it():
+    header = verification_samples.header(publication_id="pub-0123456789").to_dict()
+
+    async def go(server: Server) -> None:
+        assert await server.post("/start_weight_update") == 200
+        await server.update({**WEIGHTS, "publication": header})
+        assert await server.post("/start_weight_update") == 409
+        message = server.answer("/start_weight_update")
+        assert "already active" in message and "pub-0123456789" in message
+        # The takeover: abort, finish, start.
+        await server.update({"abort": "abandoned: trainer B took over"})
+        await server.post("/finish_weight_update")
+        assert await server.post("/start_weight_update") == 200
+
+    server = Server(RecordingEngine())
+    run(go(server))
+    assert [p for p, _, _ in server.routes.seen].count("/start_weight_update") == 2
+
+
+def test_an_abort_of_accepted_weights_fences_the_label_and_late_messages_name_it():
+    """Anyone's abort ends the update: the label names it before generation
+    resumes, and the abandoned publication's next message is refused with
+    the cause."""
+    header = verification_samples.header(publication_id="pub-0123456789").to_dict()
+
+    async def go(server: Server) -> None:
+        await server.post("/start_weight_update")
+        await server.update({**WEIGHTS, "publication": header})
+        await server.update({"abort": "abandoned: a LoRA push"})
+        await server.post("/finish_weight_update")
+        assert server.engine.paused is False
+        assert await server.update({**WEIGHTS, "publication": header}) == 409
+        assert "abandoned: a LoRA push" in server.answer("/update_weights")
+        await server.post("/start_weight_update")
+        assert await server.update({**WEIGHTS, "publication": header}) == 409
+
+    server = Server(RecordingEngine())
+    run(go(server))
+    kind, version = server.engine.calls[1]
+    assert kind == "version"
+    assert version.startswith("fenced:pub-0123456789: aborted: abandoned: a LoRA")
+    assert server.engine.calls[2:] == HELD_THEN_RELEASED[1:]
+
+
+def test_weights_with_no_update_open_are_refused_naming_how_the_last_one_ended():
+    async def go(server: Server) -> None:
+        assert await server.update(WEIGHTS) == 409
+        assert "Call start_weight_update first" in server.answer("/update_weights")
+        await server.post("/start_weight_update")
+        await server.update({"abort": "the trainer gave up"})
+        await server.post("/finish_weight_update")
+        assert await server.update(WEIGHTS) == 409
+        message = server.answer("/update_weights")
+        assert "was aborted (the trainer gave up)" in message
+        assert await server.update({"abort": "again"}) == 200  # always passes
+
+    server = Server(RecordingEngine())
+    run(go(server))
+    assert server.engine.calls == []

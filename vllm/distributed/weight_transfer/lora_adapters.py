@@ -30,30 +30,52 @@ from disk.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from vllm.distributed.weight_transfer.common.messages import ADAPTER_KEY
 from vllm.distributed.weight_transfer.lora_publication import AdapterPublication
 from vllm.distributed.weight_transfer.verification import (
     Receipt,
     check_model_version,
     pop_publication,
 )
+from vllm.distributed.weight_transfer.verification.wire import _PUBLICATION_ID_RE
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
 # The PEFT prefix of adapter tensor names (``base_model.model.<module>...``).
 PEFT_PREFIX = "base_model.model."
-ADAPTER_KEY = "adapter"
+# An adapter name: a publication id's characters (letters, digits, '_', '-'),
+# 1 to 64 of them, so a name cannot forge a log line, a label or a path.
+_ADAPTER_NAME_RE = re.compile(_PUBLICATION_ID_RE.pattern.replace("{8,64}", "{1,64}"))
 # ``LoRARequest.lora_path`` of an adapter pushed from memory, by name.
 MEMORY_SCHEME = "memory://"
+
+
+# Every refusal of an adapter push starts with this, on every client: a
+# refusal that crossed a process boundary as a plain ``Exception`` is raised
+# to the pusher's caller as ``AdapterRefused`` again (``lora_trainer``), and
+# ``vllm serve`` answers it 400 (``lora_routes``).
+REFUSED_MARK = "LoRA adapter refused: "
+
+
+class AdapterRefused(ValueError):
+    """An adapter push refused for what it carries (its header, names, rank,
+    shapes or id); nothing changed. The message starts with
+    ``REFUSED_MARK``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message if REFUSED_MARK in message else REFUSED_MARK + message)
 
 
 def memory_path(name: str) -> str:
@@ -148,9 +170,11 @@ class AdapterHeader:
     checksum: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
+        # Names reach log lines, the status route and OpenAI model names.
+        if not isinstance(self.name, str) or not _ADAPTER_NAME_RE.fullmatch(self.name):
             raise ValueError(
-                f"adapter name must be a non-empty string, got {self.name!r}"
+                f"adapter name {self.name!r} must be 1-64 characters of letters, "
+                "digits, '_' or '-' (the publication id's characters)"
             )
         if isinstance(self.lora_id, bool) or not isinstance(self.lora_id, int):
             raise ValueError(f"adapter lora_id must be an int, got {self.lora_id!r}")
@@ -198,7 +222,10 @@ class AdapterHeader:
 def adapter_header(update_info: Any) -> AdapterHeader | None:
     """The adapter header of an update message, or None for base weights."""
     if isinstance(update_info, Mapping) and ADAPTER_KEY in update_info:
-        return AdapterHeader.from_dict(update_info[ADAPTER_KEY])
+        try:
+            return AdapterHeader.from_dict(update_info[ADAPTER_KEY])
+        except ValueError as e:
+            raise AdapterRefused(f"malformed adapter header: {e}") from e
     return None
 
 
@@ -215,59 +242,88 @@ def module_of(tensor_name: str) -> tuple[str, str]:
     return ".".join(parts[:-2]), parts[-2][-1]
 
 
+def rank_errors(config: AdapterConfig, max_rank: int | None) -> list[str]:
+    """The adapter's rank against the engine's ``max_lora_rank``."""
+    if max_rank is not None and config.rank > max_rank:
+        return [f"rank {config.rank} is above the engine's max_lora_rank {max_rank}"]
+    return []
+
+
+def tensor_errors(
+    config: AdapterConfig,
+    name: str,
+    shape: tuple[int, ...],
+    base_shapes: Mapping[str, tuple[int, ...]] | None,
+) -> list[str]:
+    """What is wrong with one tensor of an adapter, alone: a LoRA name of a
+    module in ``target_modules``, ``lora_A`` ``[rank, in]`` and ``lora_B``
+    ``[out, rank]`` with ``in`` and ``out`` the served weight's (when
+    ``base_shapes``, the checkpoint's tensor shapes, are known). A tensor
+    that passes has the size the header allows it, so a message is checked
+    with this before any of its bytes is copied."""
+    try:
+        module, half = module_of(name)
+    except ValueError as e:
+        return [str(e)]
+    if module.rsplit(".", 1)[-1] not in config.target_modules:
+        return [f"{module} is not among target_modules {list(config.target_modules)}"]
+    shape = tuple(shape)
+    rank_at = 0 if half == "A" else 1
+    if len(shape) != 2 or shape[rank_at] != config.rank:
+        return [
+            f"{name} is {list(shape)} and does not have rank {config.rank} "
+            "(lora_A [r, in], lora_B [out, r])"
+        ]
+    if base_shapes is None:
+        return []
+    base = base_shapes.get(f"{module}.weight")
+    if base is None:
+        return [f"{module} is not a module of the served model"]
+    # lora_A's columns are the weight's inputs, lora_B's rows its outputs.
+    served = base[1 - rank_at] if len(base) == 2 else None
+    if served != shape[1 - rank_at]:
+        return [
+            f"{name} is {list(shape)} but the served weight {module} is "
+            f"{list(base)} (lora_B @ lora_A must have its shape)"
+        ]
+    return []
+
+
 def check_adapter(
     header: AdapterHeader,
     shapes: Mapping[str, tuple[int, ...]],
     base_shapes: Mapping[str, tuple[int, ...]] | None,
     max_rank: int | None,
 ) -> list[str]:
-    """What is wrong with an adapter (tensor name -> shape), as messages; empty
-    when nothing is. ``base_shapes`` are the served checkpoint's tensor shapes
-    (None when unknown: module and shape checks then rest on vLLM's own)."""
+    """What is wrong with a whole adapter (tensor name -> shape), as
+    messages; empty when nothing is: the rank, each tensor
+    (``tensor_errors``), and each module having both halves."""
     config = header.config
-    errors: list[str] = []
-    if max_rank is not None and config.rank > max_rank:
-        errors.append(
-            f"rank {config.rank} is above the engine's max_lora_rank {max_rank}"
-        )
+    errors = rank_errors(config, max_rank)
     if not shapes:
         errors.append("it has no tensors")
-    modules: dict[str, dict[str, tuple[int, ...]]] = {}
+    modules: dict[str, set[str]] = {}
     for name, shape in shapes.items():
-        try:
+        found = tensor_errors(config, name, tuple(shape), base_shapes)
+        errors.extend(found)
+        with contextlib.suppress(ValueError):  # named by tensor_errors
             module, half = module_of(name)
-        except ValueError as e:
-            errors.append(str(e))
-            continue
-        modules.setdefault(module, {})[half] = tuple(shape)
+            modules.setdefault(module, set()).add(half)
     for module, halves in sorted(modules.items()):
-        if module.rsplit(".", 1)[-1] not in config.target_modules:
-            errors.append(
-                f"{module} is not among target_modules {list(config.target_modules)}"
-            )
-            continue
-        if set(halves) != {"A", "B"}:
+        if halves != {"A", "B"}:
             missing = "lora_B" if "A" in halves else "lora_A"
             errors.append(f"{module} has no {missing}")
-            continue
-        a, b = halves["A"], halves["B"]
-        if len(a) != 2 or len(b) != 2 or a[0] != config.rank or b[1] != config.rank:
-            errors.append(
-                f"{module}: lora_A {list(a)} and lora_B {list(b)} do not have rank "
-                f"{config.rank} (lora_A [r, in], lora_B [out, r])"
-            )
-            continue
-        if base_shapes is None:
-            continue
-        base = base_shapes.get(f"{module}.weight")
-        if base is None:
-            errors.append(f"{module} is not a module of the served model")
-        elif len(base) != 2 or (b[0], a[1]) != (base[0], base[1]):
-            errors.append(
-                f"{module}: lora_B @ lora_A is {[b[0], a[1]]} but the served "
-                f"weight is {list(base)}"
-            )
     return errors
+
+
+def refusal(header: AdapterHeader, errors: list[str]) -> AdapterRefused:
+    """The error that refuses ``header``'s push for ``errors`` (at most
+    eight named)."""
+    return AdapterRefused(
+        f"adapter {header.name!r} (lora_id {header.lora_id}), nothing changed: "
+        f"{'; '.join(errors[:8])}"
+        + (f"; and {len(errors) - 8} more" if len(errors) > 8 else "")
+    )
 
 
 @dataclass
@@ -329,29 +385,48 @@ class AdapterStaging:
         self.tensors: dict[str, torch.Tensor] = {}
         self.complete = False
 
-    def add(
-        self, header: AdapterHeader, tensors: Iterable[tuple[str, torch.Tensor]]
-    ) -> None:
-        """Copy one message's tensors (views of the trainer's buffer) in."""
+    def message_errors(
+        self,
+        header: AdapterHeader,
+        shapes: list[tuple[str, tuple[int, ...]]],
+        base_shapes: Mapping[str, tuple[int, ...]] | None,
+        max_rank: int | None,
+    ) -> list[str]:
+        """What refuses one message (tensor names and shapes) before any of
+        its bytes is copied: a message after the last, a header other than
+        the push's first, the rank, each tensor (``tensor_errors``) and a
+        name staged before. What passes is at most the bytes the header
+        allows, whatever the message announces."""
         if self.complete:
-            raise ValueError(
-                f"adapter {header.name!r}: a message after the push's last one"
-            )
+            return ["a message after the push's last one"]
         if self.header is not None and (
             self.header.name,
             self.header.lora_id,
             self.header.config,
             self.header.version,
         ) != (header.name, header.lora_id, header.config, header.version):
-            raise ValueError(
+            return [
                 f"one update carries two adapters ({self.header.name!r} id "
-                f"{self.header.lora_id}, then {header.name!r} id {header.lora_id}); "
-                "push each in an update of its own"
-            )
+                f"{self.header.lora_id}, then {header.name!r} id "
+                f"{header.lora_id}); push each in an update of its own"
+            ]
+        errors = rank_errors(header.config, max_rank)
+        seen = set(self.tensors)
+        for name, shape in shapes:
+            if name in seen:
+                errors.append(f"{name} arrived twice")
+                continue
+            seen.add(name)
+            errors.extend(tensor_errors(header.config, name, shape, base_shapes))
+        return errors
+
+    def add(
+        self, header: AdapterHeader, tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> None:
+        """Copy one message's tensors (views of the trainer's buffer) in,
+        after ``message_errors`` found nothing."""
         self.header = header
         for name, tensor in tensors:
-            if name in self.tensors:
-                raise ValueError(f"adapter {header.name!r}: {name} arrived twice")
             self.tensors[name] = tensor.detach().to("cpu", copy=True)
         if header.last:
             self.complete = True
@@ -371,6 +446,8 @@ class MemoryAdapters:
         # Each adapter name's version order: the model version of its last
         # verified push (unverified pushes carry none and leave it).
         self._model_versions: dict[str, int] = {}
+        # Adapters the LoRA manager loaded from their path, by id: their name.
+        self._from_path: dict[int, str] = {}
 
     def get(self, lora_id: int) -> AdapterVersion | None:
         with self._lock:
@@ -384,6 +461,12 @@ class MemoryAdapters:
         """The LoRA manager holds ``name`` under ``lora_id`` too."""
         with self._lock:
             self._aliases.setdefault(name, set()).add(lora_id)
+
+    def note_loaded_from_path(self, name: str, lora_id: int) -> None:
+        """The LoRA manager loaded adapter ``name`` from its path under
+        ``lora_id`` (``/v1/load_lora_adapter``, ``add_lora``, a request)."""
+        with self._lock:
+            self._from_path[lora_id] = name
 
     def ids_of(self, name: str, lora_id: int) -> set[int]:
         """Every id the LoRA manager may hold adapter ``name`` under."""
@@ -405,15 +488,42 @@ class MemoryAdapters:
         with self._lock:
             return {v.name: v.header.version for v in self._live.values()}
 
-    def check_ids(self, header: AdapterHeader) -> list[str]:
-        """An id already serving another name, or a name serving under
-        another id, as messages."""
+    def check_ids(
+        self, header: AdapterHeader, held_ids: Iterable[int] = ()
+    ) -> list[str]:
+        """An id already serving another name, whatever loaded it (a push, a
+        path, or one of ``held_ids``, the ids the LoRA manager holds now), or
+        a name serving under another id, as messages."""
         with self._lock:
             errors = []
-            held = self._live.get(header.lora_id)
+            lora_id = header.lora_id
+            held = self._live.get(lora_id)
+            aliases = {i for ids in self._aliases.values() for i in ids}
+            alias_of = [n for n, ids in self._aliases.items() if lora_id in ids]
             if held is not None and held.name != header.name:
+                errors.append(f"lora_id {lora_id} already serves adapter {held.name!r}")
+            elif alias_of and alias_of[0] != header.name:
                 errors.append(
-                    f"lora_id {header.lora_id} already serves adapter {held.name!r}"
+                    f"lora_id {lora_id} already serves the pushed adapter "
+                    f"{alias_of[0]!r} (a server's id for its memory path)"
+                )
+            elif self._from_path.get(lora_id, header.name) != header.name:
+                errors.append(
+                    f"lora_id {lora_id} already serves adapter "
+                    f"{self._from_path[lora_id]!r}, loaded from its path "
+                    "(/v1/load_lora_adapter or add_lora); push under an id "
+                    "nothing else uses, e.g. from 1000"
+                )
+            elif (
+                lora_id in set(held_ids)
+                and held is None
+                and lora_id not in aliases
+                and lora_id not in self._from_path
+            ):
+                errors.append(
+                    f"lora_id {lora_id} already serves an adapter this engine "
+                    "loaded from a path; push under an id nothing else uses, "
+                    "e.g. from 1000"
                 )
             for lora_id, version in self._live.items():
                 if version.name == header.name and lora_id != header.lora_id:
@@ -443,6 +553,24 @@ class MemoryAdapters:
 _registry = MemoryAdapters()
 _install_lock = threading.Lock()
 _installed = False
+# Set while this thread's LoRA manager activates a step's adapters: a raise
+# there stops the engine, so nothing about an adapter may raise then.
+_engine_step = threading.local()
+
+
+def in_engine_step() -> bool:
+    """Whether this thread is activating an engine step's adapters."""
+    return bool(getattr(_engine_step, "active", False))
+
+
+@contextlib.contextmanager
+def engine_step() -> Iterator[None]:
+    """Marks this thread as activating an engine step's adapters."""
+    _engine_step.active = True
+    try:
+        yield
+    finally:
+        _engine_step.active = False
 
 
 def memory_adapters() -> MemoryAdapters:
@@ -452,8 +580,12 @@ def memory_adapters() -> MemoryAdapters:
 
 def install_memory_loader() -> None:
     """Make vLLM's worker LoRA manager build adapters pushed from memory
-    instead of loading them from their path (once per process). A request
-    whose id was pushed here but whose name differs is refused."""
+    instead of loading them from their path (once per process), and note
+    every id it loads from a path (``MemoryAdapters.check_ids``). A load
+    whose id was pushed here under another name is refused when it is a
+    preload (``add_lora``, ``/v1/load_lora_adapter``); inside an engine step,
+    where a raise stops the engine, the pushed adapter serves the id and the
+    clash is logged."""
     global _installed
     with _install_lock:
         if _installed:
@@ -461,6 +593,7 @@ def install_memory_loader() -> None:
         from vllm.lora.worker_manager import WorkerLoRAManager
 
         from_path = WorkerLoRAManager._load_adapter
+        activate = WorkerLoRAManager.set_active_adapters
 
         def load_adapter(self: Any, lora_request: Any) -> Any:
             name, lora_id = lora_request.lora_name, lora_request.lora_int_id
@@ -469,30 +602,44 @@ def install_memory_loader() -> None:
             if held is None and path.startswith(MEMORY_SCHEME):
                 held = _registry.by_name(path.removeprefix(MEMORY_SCHEME))
                 if held is None:
-                    from vllm.exceptions import LoRAAdapterNotFoundError
-
-                    # Upstream's not-found error, which the OpenAI server
-                    # answers with 404, saying why.
-                    error = LoRAAdapterNotFoundError(name, path)
-                    error.message += (
-                        "; no LoRA adapter was pushed to this engine under the "
-                        f"name {path.removeprefix(MEMORY_SCHEME)!r}: push it with "
-                        "push_lora_adapter first"
-                    )
-                    raise error
+                    raise _never_pushed(name, path)
             if held is None:
-                return from_path(self, lora_request)
+                model = from_path(self, lora_request)
+                _registry.note_loaded_from_path(name, lora_id)
+                return model
             if held.name != name and path != memory_path(held.name):
-                raise ValueError(
-                    f"LoRA id {lora_id} serves the adapter {held.name!r} pushed "
+                clash = (
+                    f"lora_id {lora_id} serves the adapter {held.name!r} pushed "
                     f"by a trainer, not {name!r}"
                 )
+                if not in_engine_step():
+                    raise AdapterRefused(f"{clash}; load {name!r} under another id")
+                logger.warning("%s: the pushed adapter serves the request", clash)
             if lora_id != held.lora_id:
                 _registry.note_built(held.name, lora_id)
             return held.build(self, lora_id)
 
+        def set_active_adapters(self: Any, requests: Any, mapping: Any) -> None:
+            with engine_step():
+                activate(self, requests, mapping)
+
         WorkerLoRAManager._load_adapter = load_adapter  # type: ignore[method-assign]
+        WorkerLoRAManager.set_active_adapters = set_active_adapters  # type: ignore[method-assign]
         _installed = True
+
+
+def _never_pushed(name: str, path: str) -> Exception:
+    """Upstream's not-found error, which the OpenAI server answers with 404,
+    saying that no push filled the memory path."""
+    from vllm.exceptions import LoRAAdapterNotFoundError
+
+    error = LoRAAdapterNotFoundError(name, path)
+    error.message += (
+        "; no LoRA adapter was pushed to this engine under the name "
+        f"{path.removeprefix(MEMORY_SCHEME)!r}: push it with push_lora_adapter "
+        "first"
+    )
+    return error
 
 
 def lora_model_manager(model: torch.nn.Module) -> Any:
@@ -520,6 +667,16 @@ class AdapterPushes:
     receipt_root: str | Path | None = None
     # Pushes committed by this engine (a counter for tests and metrics).
     committed: int = 0
+
+    def __post_init__(self) -> None:
+        # From now on every id the LoRA manager loads is known to check_ids.
+        install_memory_loader()
+
+    def held_ids(self) -> set[int]:
+        """The ids the LoRA manager holds now, whatever loaded them."""
+        manager = lora_model_manager(self.model)
+        list_adapters = getattr(manager, "list_adapters", None)
+        return set(list_adapters()) if callable(list_adapters) else set()
 
     def begin(
         self, header: AdapterHeader, update_info: Mapping[str, Any]
@@ -579,32 +736,36 @@ class AdapterPushes:
         """Stage one message; on the last, check the whole adapter, so that
         every worker has refused a bad one before any commits."""
         if lora_model_manager(self.model) is None:
-            raise ValueError(
+            raise AdapterRefused(
                 f"adapter {header.name!r}: this engine runs without LoRA; start "
                 "it with enable_lora=True (and max_lora_rank at least the "
                 "adapter's rank)"
             )
         staging = self.staging
+        first = staging is None
         if staging is None:
             staging = self.staging = AdapterStaging()
         tensors = list(tensors)
+        shapes = [(n, tuple(t.shape)) for n, t in tensors]
+        errors = staging.message_errors(header, shapes, self.base_shapes, self.max_rank)
+        if first:
+            errors = self.registry.check_ids(header, self.held_ids()) + errors
+        if errors:
+            self.staging = None
+            raise refusal(header, errors)
         if self.publication is not None:
             self.publication.admit(tensors)
         staging.add(header, tensors)
         if self.publication is not None:
             self.publication.staged(tensors)
         if staging.complete:
-            shapes = {n: tuple(t.shape) for n, t in staging.tensors.items()}
-            errors = self.registry.check_ids(header) + check_adapter(
-                header, shapes, self.base_shapes, self.max_rank
+            shapes_now = {n: tuple(t.shape) for n, t in staging.tensors.items()}
+            errors = self.registry.check_ids(header, self.held_ids()) + check_adapter(
+                header, shapes_now, self.base_shapes, self.max_rank
             )
             if errors:
                 self.staging = None
-                raise ValueError(
-                    f"adapter {header.name!r} (lora_id {header.lora_id}) refused, "
-                    f"nothing changed: {'; '.join(errors[:8])}"
-                    + (f"; and {len(errors) - 8} more" if len(errors) > 8 else "")
-                )
+                raise refusal(header, errors)
 
     def check_complete(self) -> None:
         """Refuse a finish that would commit a push cut short."""
@@ -612,7 +773,7 @@ class AdapterPushes:
         if staging is not None and not staging.complete:
             name = staging.header.name if staging.header is not None else "?"
             self.staging = None
-            raise ValueError(
+            raise AdapterRefused(
                 f"adapter {name!r}: the update finished before the push's last "
                 "message; nothing changed"
             )

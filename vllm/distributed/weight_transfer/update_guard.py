@@ -11,20 +11,46 @@ the engine core's version label, which stamps every output, would still name
 the old weights until the trainer's next call. ``WeightUpdateGuard``, an ASGI
 middleware mounted with the RL routes, closes that window:
 
-- **Hold.** Before the first ``update_weights`` message that carries weights
-  (anything but ``{"abort": ...}`` or ``{"prepare": ...}``) reaches the
+- **Classify.** Every ``update_weights`` body is classified by
+  ``common.messages.classify_update``, the rule the workers read it by: one
+  message for all workers, or a list of exactly one message per worker
+  (``data_parallel_index * world_size + rank``), all of one kind (weights,
+  adapter, abort or prepare). Any other body (a list of the wrong length, a
+  list mixing kinds, an element that is not an object, a body without
+  ``update_info``) is answered 422 naming why, before it reaches the engine:
+  what it would do differs from worker to worker, so the guard cannot know
+  whether to hold.
+- **No bypass.** ``POST /collective_rpc`` naming a worker method that opens,
+  feeds or closes an update (``common.messages.WEIGHT_TRANSFER_METHODS``) is
+  answered 403 naming the RL routes to use: through it, weights would land
+  without the hold, the classification and the version label.
+- **One update at a time.** The guard tracks the update the workers hold
+  open (from a successful start to a successful finish, a failed
+  ``update_weights``, which closes it on the workers, or the deadline). A
+  start while one is open is answered 409 naming the open update (its
+  publication, adapter, age) and how to close it, in one log line and
+  without reaching the engine; ``stale_updates.start_update`` reads that
+  answer to take over from a dead trainer. A weights, adapter or prepare
+  message while none is open, or one naming a publication that was already
+  closed (aborted, abandoned, failed or expired), is answered 409 naming how
+  that update ended.
+- **Hold.** Before the first message that carries base weights reaches the
   engine, generation is paused with ``mode="keep"`` unless someone else has
   already paused it. Requests in flight are frozen and new ones wait; a
   ``start_weight_update`` alone holds nothing, because the model is untouched
   until weights arrive.
 - **Release.** The hold ends when ``finish_weight_update`` succeeds, or when
-  a call fails before any weights were accepted (the engine refused them;
-  vLLM's worker closes the update). After weights were accepted, a failed
-  call keeps the hold: the model may be mixed or fenced, and generation waits
-  for the trainer's recovery (the fork's trainers abort and finish at once)
-  or the deadline. If the guard took the pause, the release resets the
-  prefix cache with running requests (frozen requests are recomputed on the
-  weights now served) and resumes generation.
+  the update closes on the workers otherwise (a failed ``update_weights``).
+  A failed finish keeps the hold: vLLM's worker keeps the update open, and
+  generation waits for the trainer's abort and finish, or the deadline. If
+  the guard took the pause, the release resets the prefix cache with running
+  requests (frozen requests are recomputed on the weights now served) and
+  resumes generation.
+- **Fence label.** Once base weights were accepted, an update that ends
+  other than by a successful finish (anyone's ``{"abort": reason}``, a
+  failed ``update_weights``, the deadline) sets the served version to
+  ``fenced:<publication id>: <cause>`` before generation resumes, so no
+  output of the mixed model carries the old label.
 - **Refuse resume.** ``POST /resume`` while the hold is on is answered 409
   with what to do; a resume would let a forward run on the landing model. A
   client that sends ``POST /pause`` during the hold takes the pause over: the
@@ -76,22 +102,27 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.weight_transfer.lora_adapters import ADAPTER_KEY
+from vllm.distributed.weight_transfer.common.messages import (
+    ABORT_FIELD,
+    WEIGHT_TRANSFER_METHODS,
+    MessageKind,
+    UnclassifiableUpdate,
+    classify_update,
+    expected_messages,
+    first_message,
+)
 from vllm.distributed.weight_transfer.sync_metrics import (
     RouteSyncObserver,
     route_sync_observer,
 )
 
 # Submodules, not the package: this module is imported by the API server.
-from vllm.distributed.weight_transfer.verification.fence import (
-    ABORT_FIELD,
-    PREPARE_FIELD,
-    fenced_version,
-)
+from vllm.distributed.weight_transfer.verification.fence import fenced_version
 from vllm.distributed.weight_transfer.verification.wire import (
     PUBLICATION_FIELD,
     PublicationHeader,
@@ -108,6 +139,12 @@ GUARDED_BACKENDS = ("ipc", "sharded_rdt")
 # through the HTTP client's ``server_holds_commit``).
 COMMIT_HOLD_HEADER = "x-vllm-weight-commit-hold"
 COMMIT_HOLD_VALUE = "server"
+# In the 409 answer to a start while an update is open; what
+# ``stale_updates.start_update`` recognizes (vLLM's worker says the same).
+STILL_OPEN_TEXT = "already active"
+# How many closed publications the guard remembers, to name why their late
+# messages are refused.
+_CLOSED_KEPT = 64
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
@@ -136,6 +173,55 @@ class _Hold:
     expiry: asyncio.Future | None = None
 
 
+@dataclass
+class _OpenUpdate:
+    """The update the workers hold open, as the routes saw it."""
+
+    opened: float
+    publication_id: str | None = None
+    adapter: str | None = None
+    # The reason of an abort message the workers took (finish closes it).
+    aborted: str | None = None
+
+    def describe(self) -> str:
+        what = (
+            f"publication {self.publication_id}"
+            if self.publication_id
+            else "no publication named yet"
+        )
+        if self.adapter:
+            what += f", LoRA adapter {self.adapter!r}"
+        if self.aborted:
+            what += f", aborted ({self.aborted}) but not finished"
+        return f"{what}, open {time.monotonic() - self.opened:.1f} s"
+
+
+@dataclass
+class _Reply:
+    """What a route answered: its status and the start of its body."""
+
+    status: int = 500
+    body: bytes = b""
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+    def error(self) -> str:
+        """The error message of a failed answer, on one line."""
+        text = self.body.decode("utf-8", "replace")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if isinstance(value, dict):
+            inner = value.get("error", value.get("detail", value))
+            if isinstance(inner, dict):
+                inner = inner.get("message", inner)
+            text = str(inner)
+        return " ".join(f"HTTP {self.status}: {text}".split())[:300]
+
+
 class WeightUpdateGuard:
     """ASGI middleware; see the module docstring."""
 
@@ -144,6 +230,11 @@ class WeightUpdateGuard:
         # Told what the guard closes itself (the process's observer if None).
         self.observer = observer
         self._hold: _Hold | None = None
+        # The update the workers hold open (None when none is).
+        self._open: _OpenUpdate | None = None
+        # How the last update ended, and how each recent publication did.
+        self._last_end: str | None = None
+        self._ended: OrderedDict[str, str] = OrderedDict()
         # Serializes hold, release and expiry; never held across a route call.
         self._lock = asyncio.Lock()
         self._warned_multi_server = False
@@ -155,37 +246,84 @@ class WeightUpdateGuard:
             await self.app(scope, receive, send)
             return
         engine = scope["app"].state.engine_client
-        if route in _START_ROUTES:
+        if route == "/collective_rpc":
+            await self._collective_rpc(scope, receive, send)
+        elif route in _START_ROUTES:
             # Tells the fork's HTTP client that the server holds generation
             # for the commit, so it sends no pause, reset or resume itself.
             send = _with_header(send, COMMIT_HOLD_HEADER, COMMIT_HOLD_VALUE)
-        if route == "/resume":
-            await self._resume(engine, scope, receive, send)
-        elif mode == "staged":
-            if route == "/finish_weight_update":
-                await self._commit(engine, scope, receive, send)
-            else:
-                await self.app(scope, receive, send)
+            await self._start(route, scope, receive, send)
+        elif route == "/resume":
+            await self._resume(scope, receive, send)
         elif route == "/update_weights":
-            await self._update_weights(engine, scope, receive, send)
-        elif route == "/finish_weight_update" and self._adapter_push_open():
+            await self._update_weights(engine, mode, scope, receive, send)
+        elif route == "/finish_weight_update" and (
+            mode == "staged" or self._adapter_push_open()
+        ):
             await self._commit(engine, scope, receive, send)
         else:
             await self._weight_call(engine, route, scope, receive, send)
 
     # -- routes ----------------------------------------------------------------
 
+    async def _collective_rpc(self, scope: dict, receive: Receive, send: Send) -> None:
+        body, replay = await _read_body(receive)
+        method = _json_object(body).get("method")
+        if method not in WEIGHT_TRANSFER_METHODS:
+            await self.app(scope, replay, send)
+            return
+        await _json_response(
+            send,
+            403,
+            f"/collective_rpc may not call {method!r} on this server: the "
+            "weight update guard holds generation, classifies every message "
+            "and fences the version label only on the RL routes. Use POST "
+            "/start_weight_update, /update_weights and /finish_weight_update "
+            "(and /init_weight_transfer_engine, /shutdown_weight_transfer_engine)",
+        )
+
+    async def _start(
+        self, route: str, scope: dict, receive: Receive, send: Send
+    ) -> None:
+        if self._open is not None:
+            message = (
+                f"a weight update is {STILL_OPEN_TEXT} on this server "
+                f"({self._open.describe()}); {route.lstrip('/')} refused. Close "
+                "it first (update_weights {'abort': '<reason>'}, then "
+                "finish_weight_update; stale_updates.start_update does this "
+                "for a trainer taking over from a dead one), or wait for it"
+            )
+            logger.info("Refused %s: %s", route, message)
+            await _json_response(send, 409, message)
+            return
+
+        async def then(reply: _Reply) -> None:
+            if reply.ok:
+                self._open = _OpenUpdate(time.monotonic())
+
+        await self._call(scope, receive, send, then)
+
     async def _update_weights(
-        self, engine: Any, scope: dict, receive: Receive, send: Send
+        self, engine: Any, mode: str, scope: dict, receive: Receive, send: Send
     ) -> None:
         body, replay = await _read_body(receive)
-        update_info = _update_info(body)
-        carries = _carries_weights(update_info)
-        adapter = carries and _carries_adapter(update_info)
-        if adapter:
+        try:
+            update_info = _update_info(body)
+            kind = classify_update(update_info, expected_messages(engine.vllm_config))
+        except UnclassifiableUpdate as e:
+            await _json_response(
+                send, 422, f"update_weights refused before reaching the workers: {e}"
+            )
+            return
+        refusal = self._refusal(kind, update_info)
+        if refusal is not None:
+            await _json_response(send, 409, refusal)
+            return
+        lands = mode == "in_place" and kind in _LANDING_KINDS
+        if lands and kind is MessageKind.ADAPTER:
             # Staged apart from the model until the finish: watched, not held.
             await self._take_hold(engine, update_info, pause=False)
-        elif carries:
+        elif lands:
             try:
                 await self._take_hold(engine, update_info)
             except Exception as e:
@@ -200,43 +338,50 @@ class WeightUpdateGuard:
                 )
                 return
 
-        async def then(ok: bool) -> None:
-            if ok and carries and self._hold is not None:
-                if adapter:
-                    self._hold.adapter = True
+        async def then(reply: _Reply) -> None:
+            hold = self._hold
+            if reply.ok and lands and hold is not None:
+                if kind is MessageKind.ADAPTER:
+                    hold.adapter = True
                 else:
-                    self._hold.accepted = True
-            await self._after_call(engine, ended=False, ok=ok)
+                    hold.accepted = True
+            if reply.ok:
+                self._note(kind, update_info)
+            if kind is MessageKind.ABORT and reply.ok:
+                await self._fence_label(engine, f"aborted: {_abort_text(update_info)}")
+            if not reply.ok:
+                # vLLM's worker closes the update whenever update_weights raises.
+                await self._ended_on_workers(
+                    engine, f"closed when update_weights failed ({reply.error()})"
+                )
+                return
+            await self._after_call(engine, ended=False, ok=True)
 
         await self._call(scope, replay, send, then)
 
     async def _weight_call(
         self, engine: Any, route: str, scope: dict, receive: Receive, send: Send
     ) -> None:
-        async def then(ok: bool) -> None:
-            if route == "/pause" and ok and self._hold is not None:
+        async def then(reply: _Reply) -> None:
+            if route == "/pause" and reply.ok and self._hold is not None:
                 # The client owns this pause now; it resumes when it wants to.
                 self._hold.owns_pause = False
-            await self._after_call(
-                engine, ended=route == "/finish_weight_update", ok=ok
-            )
+            finished = route == "/finish_weight_update"
+            if finished and reply.ok:
+                self._end("finished")
+            await self._after_call(engine, ended=finished, ok=reply.ok)
 
         await self._call(scope, receive, send, then)
 
     async def _after_call(self, engine: Any, *, ended: bool, ok: bool) -> None:
-        """Release, or re-arm the deadline, after a weight route answered.
-
-        A finish that succeeded ends the update. A failed call ends the hold
-        only while no weights were accepted (the engine refused them before
-        landing, or the failure left it fenced and the caller has the
-        error). Once weights were accepted, a failure may have left a mixed
-        or fenced model: generation stays held until a finish succeeds (the
-        fork's trainers abort and finish at once) or the deadline fences the
-        served version."""
+        """Release after a finish that succeeded; otherwise (re-)arm the
+        deadline. A failed finish leaves the update open on the workers, so
+        generation stays held until a finish succeeds (the fork's trainers
+        abort and finish at once) or the deadline fences the served version."""
         hold = self._hold
         if hold is None or hold.calls_in_flight:
             return  # the call still in flight decides when it answers
-        if (ended and ok) or (not ok and not hold.accepted):
+        if ended and ok:
             await self._release(engine, "the update ended")
         else:
             self._arm_deadline(engine)
@@ -261,14 +406,14 @@ class WeightUpdateGuard:
             )
             return
 
-        async def then(ok: bool) -> None:
+        async def then(reply: _Reply) -> None:
+            if reply.ok:
+                self._end("finished")
             await self._release(engine, "the staged update's commit answered")
 
         await self._call(scope, receive, send, then)
 
-    async def _resume(
-        self, engine: Any, scope: dict, receive: Receive, send: Send
-    ) -> None:
+    async def _resume(self, scope: dict, receive: Receive, send: Send) -> None:
         if self._hold is None or not self._hold.paused:
             # Nothing lands in place (none open, or an adapter being staged).
             await self.app(scope, receive, send)
@@ -282,6 +427,81 @@ class WeightUpdateGuard:
             "'<reason>'} then finish_weight_update); generation resumes then",
         )
 
+    # -- the open update -------------------------------------------------------
+
+    def _refusal(self, kind: MessageKind, update_info: Any) -> str | None:
+        """Why a message that may land or prepare anything is refused: no
+        update is open, or it names a publication that already ended."""
+        if kind is MessageKind.ABORT:
+            return None  # closing what may be open is always allowed
+        publication = _publication_id(update_info)
+        if publication is not None and publication in self._ended:
+            return (
+                f"publication {publication} already ended on this server "
+                f"({self._ended[publication]}); none of its messages are "
+                "taken any more. Start a new sync: start_weight_update, every "
+                "tensor, finish_weight_update"
+            )
+        if self._open is None:
+            last = f"; the last one {self._last_end}" if self._last_end else ""
+            return (
+                f"no weight update is open on this server{last}. Call "
+                "start_weight_update first"
+            )
+        return None
+
+    def _note(self, kind: MessageKind, update_info: Any) -> None:
+        """Remember what an accepted message says about the open update."""
+        opened = self._open
+        if opened is None:
+            return
+        publication = _publication_id(update_info)
+        if publication is not None and opened.publication_id is None:
+            opened.publication_id = publication
+        if kind is MessageKind.ADAPTER:
+            adapter = first_message(update_info).get("adapter")
+            if isinstance(adapter, dict) and opened.adapter is None:
+                opened.adapter = str(adapter.get("name"))
+        if kind is MessageKind.ABORT:
+            opened.aborted = _abort_text(update_info)
+
+    def _end(self, how: str) -> None:
+        """The workers closed the open update; remember ``how`` (a phrase
+        that follows "the last one": "finished", "expired (...)")."""
+        opened, self._open = self._open, None
+        if how == "finished" and opened is not None and opened.aborted is not None:
+            how = f"was aborted ({opened.aborted})"
+        self._last_end = how
+        if opened is not None and opened.publication_id is not None:
+            self._ended[opened.publication_id] = how
+            while len(self._ended) > _CLOSED_KEPT:
+                self._ended.popitem(last=False)
+
+    async def _ended_on_workers(self, engine: Any, cause: str) -> None:
+        """The workers closed the update without a commit: fence the label if
+        base weights had landed, and release."""
+        self._end(cause)
+        hold = self._hold
+        if hold is None or hold.calls_in_flight:
+            return
+        await self._fence_label(engine, cause)
+        await self._release(engine, "the update closed on the workers")
+
+    async def _fence_label(self, engine: Any, cause: str) -> None:
+        """Name ``cause`` in the served version when base weights of the open
+        update were accepted (the model may be mixed, and is fenced)."""
+        hold = self._hold
+        if hold is None or not hold.accepted:
+            return
+        logger.error(
+            "An in-place weight update ended without its commit: %s; the served "
+            "version is fenced",
+            cause,
+        )
+        await engine.update_weight_version(
+            fenced_version(hold.publication_id, f"{cause}; send a full update")
+        )
+
     # -- hold and release ----------------------------------------------------
 
     async def _call(
@@ -289,14 +509,14 @@ class WeightUpdateGuard:
         scope: dict,
         receive: Receive,
         send: Send,
-        then: Callable[[bool], Awaitable[None]],
+        then: Callable[[_Reply], Awaitable[None]],
     ) -> None:
-        """Run the route with the deadline suspended, then ``then(ok)``
+        """Run the route with the deadline suspended, then ``then(reply)``
         (release, or re-arm the deadline) before the client hears the end of
         the answer: a finish returns once generation serves again, and the
         middlewares around see the same order. ``then`` runs once, also when
         the route raises."""
-        status = 500
+        reply = _Reply()
         hold = self._hold
         pending = True
 
@@ -308,19 +528,21 @@ class WeightUpdateGuard:
             if hold is not None:
                 hold.calls_in_flight -= 1
             try:
-                await then(200 <= status < 300)
+                await then(reply)
             except Exception:
                 # The route's answer still goes out; the log says what the
                 # guard could not do (a resume that failed twice).
                 logger.exception("The weight update guard's follow-up failed")
 
         async def forward(message: dict) -> None:
-            nonlocal status
             kind = message.get("type")
             if kind == "http.response.start":
-                status = int(message.get("status", 500))
-            elif kind == "http.response.body" and not message.get("more_body"):
-                await follow_up()
+                reply.status = int(message.get("status", 500))
+            elif kind == "http.response.body":
+                if len(reply.body) < 4096:
+                    reply.body += message.get("body", b"")[:4096]
+                if not message.get("more_body"):
+                    await follow_up()
             await send(message)
 
         if hold is not None:
@@ -409,6 +631,7 @@ class WeightUpdateGuard:
             # The update may have closed meanwhile; the label below still
             # tells what happened to the weights that had landed.
             logger.exception("Closing the expired weight update failed")
+        self._end(f"expired ({silence})")
         try:
             if hold.accepted:
                 await engine.update_weight_version(
@@ -463,6 +686,8 @@ class WeightUpdateGuard:
         return "in_place" if getattr(config, "staging", "off") == "off" else "staged"
 
 
+# Message kinds the guard watches in place (base weights are also held).
+_LANDING_KINDS = (MessageKind.WEIGHTS, MessageKind.ADAPTER)
 _START_ROUTES = ("/start_weight_update", "/start_draft_weight_update")
 _ROUTES = (
     "/update_weights",
@@ -470,6 +695,7 @@ _ROUTES = (
     *_START_ROUTES,
     "/pause",
     "/resume",
+    "/collective_rpc",
 )
 
 
@@ -525,38 +751,35 @@ async def _read_body(receive: Receive) -> tuple[bytes, Receive]:
     return body, replay
 
 
-def _update_info(body: bytes) -> Any:
+def _json_object(body: bytes) -> dict:
     try:
         value = json.loads(body) if body else None
     except ValueError:
-        return None
-    return value.get("update_info") if isinstance(value, dict) else None
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
-def _items(update_info: Any) -> list[Any]:
-    # A list holds one message per worker rank (data parallel).
-    return update_info if isinstance(update_info, list) else [update_info]
+def _update_info(body: bytes) -> Any:
+    """The body's ``update_info``; ``UnclassifiableUpdate`` without one."""
+    value = _json_object(body)
+    if "update_info" not in value:
+        raise UnclassifiableUpdate(
+            "the body must be a JSON object with an update_info field, got "
+            f"{body[:80]!r}"
+        )
+    return value["update_info"]
 
 
-def _carries_weights(update_info: Any) -> bool:
-    """Anything but an abort or prepare message may land weights (a malformed
-    body too: the engine refuses it, and the release follows)."""
-    return not any(
-        isinstance(item, dict) and (ABORT_FIELD in item or PREPARE_FIELD in item)
-        for item in _items(update_info)
-    )
-
-
-def _carries_adapter(update_info: Any) -> bool:
-    """Whether a message carries a LoRA adapter (``lora_adapters``)."""
-    return any(
-        isinstance(item, dict) and ADAPTER_KEY in item for item in _items(update_info)
-    )
+def _abort_text(update_info: Any) -> str:
+    """The reason an abort message gives (any of its messages)."""
+    reason = first_message(update_info).get(ABORT_FIELD)
+    return reason if isinstance(reason, str) else f"malformed abort {reason!r}"
 
 
 def _publication_id(update_info: Any) -> str | None:
     """The id a valid publication header in the message names, if any."""
-    for item in _items(update_info):
+    items = update_info if isinstance(update_info, list) else [update_info]
+    for item in items:
         if isinstance(item, dict) and PUBLICATION_FIELD in item:
             try:
                 header = PublicationHeader.from_dict(item[PUBLICATION_FIELD])

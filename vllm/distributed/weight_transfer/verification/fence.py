@@ -49,6 +49,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from vllm.distributed.weight_transfer.common.messages import (
+    ABORT_FIELD,
+    PREPARE_FIELD,
+)
 from vllm.distributed.weight_transfer.verification.wire import (
     PublicationHeader,
     describe_error,
@@ -67,10 +71,10 @@ class WeightsFencedError(RuntimeError):
     """The engine refuses an operation until a full resync completes."""
 
 
-# An update message ``{"abort": reason}`` closes the open update: layers that
-# did not complete keep their weights, and the engine is fenced if any weight
-# had landed.
-ABORT_FIELD = "abort"
+# An update message ``{"abort": reason}`` (``ABORT_FIELD``) closes the open
+# update: layers that did not complete keep their weights, and the engine is
+# fenced if any weight had landed. The message keys live in
+# ``common.messages``, with the rule that classifies a body.
 
 
 def _sole_string_field(d: object, name: str, meaning: str = "") -> str | None:
@@ -90,9 +94,6 @@ def _sole_string_field(d: object, name: str, meaning: str = "") -> str | None:
 def abort_reason(d: object) -> str | None:
     """The reason of an abort message, or None for any other message."""
     return _sole_string_field(d, ABORT_FIELD)
-
-
-PREPARE_FIELD = "prepare"
 
 
 def is_prepare_request(d: object) -> bool:
