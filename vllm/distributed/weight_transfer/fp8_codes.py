@@ -32,6 +32,11 @@ Names follow FP8 checkpoints quantized per channel: ``<layer>.weight`` holds
 the codes (shape of the weight, ``torch.float8_e4m3fn``) and
 ``<layer>.weight_scale`` the scales (``[rows, 1]``, float32). Every other
 tensor passes through unchanged.
+
+A weight holding a NaN or an infinity gives its row a NaN scale, which no
+engine can serve: the source refuses it before it is sent
+(``quantized_values.BadQuantizedValues``, naming the tensor), and so does
+every worker that receives such a scale from any client.
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ import torch
 from safetensors import safe_open
 
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+from vllm.distributed.weight_transfer.quantized_values import (
+    is_checked,
+    refuse_bad_values,
+)
 from vllm.distributed.weight_transfer.row_quantizer import (
     RowQuantizer,
     fits,
@@ -233,13 +242,21 @@ class ChannelCodes(WeightSource):
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         picked = self._picks()
+        what = f"the trainer's {type(self).__name__} source"
         for name, tensor in self.source:
             if name in picked:
                 codes, scale = self.quantize(tensor, self.dtype)
+                # A finite, positive scale implies finite codes: the scale
+                # alone is checked (a NaN or infinity in the row makes it NaN).
+                scale_of = self.scale_name_of(name)
+                activations = self._activations.get(name, {})
+                refuse_bad_values([(scale_of, scale), *activations.items()], what)
                 yield name, codes
-                yield self.scale_name_of(name), scale
-                yield from self._activations.get(name, {}).items()
+                yield scale_of, scale
+                yield from activations.items()
             else:
+                if is_checked(name, tensor.dtype):
+                    refuse_bad_values([(name, tensor)], what)
                 yield name, tensor
 
 

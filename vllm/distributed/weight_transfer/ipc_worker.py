@@ -60,6 +60,10 @@ from vllm.distributed.weight_transfer.layerwise_session import (
 )
 from vllm.distributed.weight_transfer.lora_adapters import ADAPTER_KEY, AdapterHeader
 from vllm.distributed.weight_transfer.planned_landing import LandingPlan
+from vllm.distributed.weight_transfer.quantized_values import (
+    checked_views,
+    refuse_bad_values,
+)
 from vllm.distributed.weight_transfer.sharded_rdt_ops import dtype_from_name
 from vllm.distributed.weight_transfer.staged_update import StagedUpdate
 from vllm.distributed.weight_transfer.verification import (
@@ -285,6 +289,9 @@ class IPCWeightTransferEngine(
         landed_check = self._landed_to_check(update_info, buffers, bound)
         if check_direct := self._direct_to_check:
             landed_check += [w for w in weights if w[0] in check_direct]
+        # Scales and float8 codes hold what a quantizer gives, or nothing lands.
+        checked = update_info.layout_fact("quantized values", checked_views)
+        refuse_bad_values(_typed_views(buffers, checked), "update_info")
         self._mark_landed()
         with self._phase("load"):
             self._land(session, weights, importer, bound)

@@ -85,6 +85,10 @@ from vllm.distributed.weight_transfer.layerwise_session import (
     LayerwiseReloadSession,
 )
 from vllm.distributed.weight_transfer.planned_landing import LandingPlan
+from vllm.distributed.weight_transfer.quantized_values import (
+    packed_values,
+    refuse_bad_values,
+)
 from vllm.distributed.weight_transfer.sharded_rdt_bake import bake_worker_plan
 from vllm.distributed.weight_transfer.sharded_rdt_chunks import (
     PullPlan,
@@ -746,6 +750,8 @@ class ShardedRDTWeightTransferEngine(
         slices = [p.spec for p in chunk.slices if p.spec.nbytes]
         for spec in slices:
             pub.admit_slice(spec.source, None, spec.nbytes)
+        # Scales and float8 codes hold what a quantizer gives, or nothing lands.
+        refuse_bad_values(packed_values(chunk.slices, data), f"chunk seq {chunk.seq}")
         if not isinstance(session, StagedUpdate):
             # (The engine's own session may already be detached by a finish
             # that waits for this background pull: decide by this one.)
