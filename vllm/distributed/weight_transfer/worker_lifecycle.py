@@ -73,6 +73,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
 )
 from vllm.distributed.weight_transfer.checkpoint_structure import checkpoint_shapes
+from vllm.distributed.weight_transfer.kv_scrub import zero_non_finite_kv
 from vllm.distributed.weight_transfer.layerwise_session import (
     LayerwiseReloadSession,
     refuse_unreloadable_layers,
@@ -386,6 +387,8 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
                     ) from e
                 raise
             self.pub.finish()
+            # NaN or infinity the old weights wrote into the KV cache dies here.
+            zero_non_finite_kv(self.vllm_config)
             if self._adapters is not None:
                 self._adapters.commit()
         finally:

@@ -1,0 +1,86 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Non-finite values left in the attention KV cache are zeroed when an
+update commits.
+
+Weights that produce NaN or infinity (a NaN in a weight, a NaN scale) write
+those values into every KV block their requests use. Resetting the prefix
+cache frees the blocks but leaves their bytes, and a block is handed to the
+next request as it is: the request writes only the slots of its own tokens,
+and vLLM CPU's attention kernel reads a whole block, weighting the slots past
+the request's length by zero; zero times NaN is NaN. The first requests after
+the weights are repaired then still answer NaN, until every poisoned block has
+been overwritten (vLLM zeroes new blocks itself only for Mamba layers and
+mixed-precision caches, ``KVCacheConfig.needs_kv_cache_zeroing``).
+
+``zero_non_finite_kv`` replaces every NaN and infinity in the floating KV
+caches of the worker's attention layers with zero, in place. A finite value
+is never touched, so the KV of running requests and of cached prefixes stays
+as it was: only values that were already meaningless change. The worker runs
+it after each committed update, between two engine steps. A KV cache held as
+bytes (``uint8``, as float8 KV caches are) is left alone: its dtype does not
+say which values are non-finite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+# Elements read per step: bounds the temporary mask to 16 MiB.
+_CHUNK = 16 << 20
+
+
+def kv_caches(vllm_config: Any) -> Iterator[torch.Tensor]:
+    """Each distinct KV cache tensor of the attention layers in
+    ``vllm_config``'s forward context (layers that share one are given once)."""
+    context = getattr(
+        getattr(vllm_config, "compilation_config", None), "static_forward_context", {}
+    )
+    seen: set[int] = set()
+    for layer in (context or {}).values():
+        cache = getattr(layer, "kv_cache", None)
+        tensors = cache if isinstance(cache, list | tuple) else [cache]
+        for kv in tensors:
+            if (
+                isinstance(kv, torch.Tensor)
+                and kv.numel()
+                and kv.data_ptr() not in seen
+            ):
+                seen.add(kv.data_ptr())
+                yield kv
+
+
+@torch.no_grad()
+def zero_non_finite(kv: torch.Tensor) -> int:
+    """Set every NaN and infinity of floating tensor ``kv`` to zero, in
+    place; the number of chunks of ``_CHUNK`` elements that held any (0 when
+    none did, or when ``kv`` is not floating or not contiguous)."""
+    if not kv.dtype.is_floating_point or not kv.is_contiguous():
+        return 0
+    chunks = kv.view(-1).split(_CHUNK)
+    # One read of the cache and one device sync for the whole tensor.
+    flags = torch.stack([~torch.isfinite(c).all() for c in chunks]).tolist()
+    bad = [c for c, flag in zip(chunks, flags, strict=True) if flag]
+    for chunk in bad:
+        chunk.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    return len(bad)
+
+
+def zero_non_finite_kv(vllm_config: Any) -> int:
+    """``zero_non_finite`` over every KV cache of the worker (module
+    docstring); the number of chunks it changed, logged when any."""
+    changed = sum(zero_non_finite(kv) for kv in kv_caches(vllm_config))
+    if changed:
+        logger.warning(
+            "the KV cache held NaN or infinite values (from weights that "
+            "produced them); %d chunk(s) of it zeroed where they were",
+            changed,
+        )
+    return changed
