@@ -23,6 +23,7 @@ from fastapi import FastAPI
 
 
 def register_rl_api_routers(app: FastAPI) -> None:
+    from vllm.distributed.weight_transfer.non_finite_outputs import NonFiniteOutputs
     from vllm.distributed.weight_transfer.sync_metrics import (
         WeightSyncMetricsMiddleware,
     )
@@ -33,5 +34,6 @@ def register_rl_api_routers(app: FastAPI) -> None:
     app.include_router(router)
     app.include_router(status_router)
     # The last one added runs first: the metrics see what the guard answers.
+    app.add_middleware(NonFiniteOutputs)  # a NaN output: 500, naming the weights
     app.add_middleware(WeightUpdateGuard)
     app.add_middleware(WeightSyncMetricsMiddleware)
