@@ -26,6 +26,7 @@ from vllm.distributed.weight_transfer.lora_adapters import (
     AdapterConfig,
     AdapterHeader,
     AdapterPushes,
+    AdapterRefused,
     AdapterStaging,
     AdapterVersion,
     MemoryAdapters,
@@ -64,7 +65,7 @@ def test_the_header_round_trips_and_refuses_what_it_cannot_mean():
     for bad, match in [
         ({**h.to_dict(), "lora_id": 0}, "lora_id must be >= 1"),
         ({**h.to_dict(), "lora_id": True}, "lora_id must be an int"),
-        ({**h.to_dict(), "name": ""}, "name must be a non-empty string"),
+        ({**h.to_dict(), "name": ""}, "adapter name '' must be 1-64 characters"),
         ({**h.to_dict(), "extra": 1}, "unknown fields"),
         ({**h.to_dict(), "config": {**CONFIG.to_dict(), "rank": 0}}, "rank"),
         (
@@ -98,12 +99,13 @@ def test_check_adapter_names_every_cause():
     assert "layers.0.v_proj has no lora_B" in text
     assert "layers.9.q_proj is not a module of the served model" in text
     assert "'not.a.lora' is not a LoRA tensor name" in text
-    assert "do not have rank 16" in text  # layers.0.q_proj has rank 2
+    assert "does not have rank 16" in text  # layers.0.q_proj has rank 2
     wrong = check_adapter(
         header(), {**shapes, f"{Q}.lora_B.weight": (7, 2)}, BASE, max_rank=8
     )
     assert wrong == [
-        "layers.0.q_proj: lora_B @ lora_A is [7, 5] but the served weight is [6, 5]"
+        f"{Q}.lora_B.weight is [7, 2] but the served weight layers.0.q_proj is "
+        "[6, 5] (lora_B @ lora_A must have its shape)"
     ]
 
 
@@ -114,14 +116,16 @@ def test_staging_copies_and_refuses_a_second_adapter_or_a_late_message():
     for t in given.values():
         t.zero_()  # the trainer reuses its buffer: the staged copy stays
     assert all(t.abs().sum() > 0 for t in staging.tensors.values())
-    with pytest.raises(ValueError, match="two adapters"):
-        staging.add(header(name="other", lora_id=2), [])
-    with pytest.raises(ValueError, match="arrived twice"):
-        staging.add(header(), tensors().items())
+
+    def errors(h: AdapterHeader, shapes: dict[str, Any]) -> str:
+        return "; ".join(staging.message_errors(h, list(shapes.items()), BASE, 8))
+
+    shapes = {n: tuple(t.shape) for n, t in tensors().items()}
+    assert "two adapters" in errors(header(name="other", lora_id=2), {})
+    assert "arrived twice" in errors(header(), shapes)
     staging.add(header(last=True), [])
     assert staging.complete
-    with pytest.raises(ValueError, match="after the push's last one"):
-        staging.add(header(last=True), [])
+    assert "after the push's last one" in errors(header(last=True), {})
 
 
 class FakeLoRAManager:
@@ -156,7 +160,7 @@ def test_a_checked_push_commits_and_a_refused_one_changes_nothing():
         with pytest.raises(ValueError, match=match):
             engine.receive(bad, tensors().items())
         assert engine.staging is None and registry.get(1) is version
-    with pytest.raises(ValueError, match="do not have rank"):
+    with pytest.raises(ValueError, match="does not have rank"):
         engine.receive(header(last=True), tensors(rank=3).items())
     # A push whose last message never came is refused at the finish.
     engine.receive(header(version="v2"), tensors().items())
@@ -269,3 +273,163 @@ def test_a_byte_flipped_in_transit_is_caught_by_the_checksum():
     with pytest.raises(Exception, match="runs without LoRA"):
         push_lora_adapter(EngineClient(engine), adapter, verify_checksums=True)
     assert engine.fence_status["state"] != "fenced"
+
+
+# -- hostile input: what a push may not carry ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["x\nWARNING forged log line", "a b", "../etc", "é", "n" * 65, ""]
+)
+def test_an_adapter_name_outside_the_publication_id_characters_is_refused(name):
+    with pytest.raises(ValueError, match="adapter name .* must be 1-64 characters"):
+        header(name=name)
+    with pytest.raises(AdapterRefused, match="malformed adapter header"):
+        adapter_header({"adapter": {**header().to_dict(), "name": name}})
+
+
+def oversized(rank: int = 2) -> list[tuple[str, torch.Tensor]]:
+    """A message announcing a 256 MB lora_A: tensors on the meta device, so
+    copying any of it would fail with another error than the refusal."""
+    return [(f"{Q}.lora_A.weight", torch.empty(524288, 128, device="meta"))]
+
+
+def test_a_message_is_checked_against_the_header_before_any_byte_is_copied():
+    registry = MemoryAdapters()
+    engine = pushes(registry)
+    for message, cause in [
+        (oversized(), "is \\[524288, 128\\] and does not have rank 2"),
+        (
+            [(f"{Q}.lora_A.weight", torch.empty(2, 4096, device="meta"))],
+            "the served weight layers.0.q_proj is \\[6, 5\\]",
+        ),
+        (
+            [("base_model.model.layers.0.k_proj.lora_A.weight", torch.empty(2, 5))],
+            "not among target_modules",
+        ),
+        ([("not.a.lora", torch.empty(1, device="meta"))], "not a LoRA tensor name"),
+    ]:
+        with pytest.raises(AdapterRefused, match=cause):
+            engine.receive(header(), message)
+        assert engine.staging is None
+    with pytest.raises(AdapterRefused, match="above the engine's max_lora_rank 8"):
+        engine.receive(
+            header(config=AdapterConfig(9, 1.0, ("q_proj",))),
+            [(f"{Q}.lora_A.weight", torch.empty(9, 5, device="meta"))],
+        )
+    assert registry.versions() == {}
+
+
+def test_a_tensor_name_sent_again_in_a_later_message_is_refused():
+    engine = pushes(MemoryAdapters())
+    first = tensors()
+    engine.receive(header(), [(f"{Q}.lora_A.weight", first[f"{Q}.lora_A.weight"])])
+    with pytest.raises(AdapterRefused, match="lora_A.weight arrived twice"):
+        engine.receive(header(last=True), first.items())
+    assert engine.staging is None and engine.commit() is None
+    # Within one message too.
+    a = (f"{Q}.lora_A.weight", first[f"{Q}.lora_A.weight"])
+    with pytest.raises(AdapterRefused, match="arrived twice"):
+        engine.receive(header(last=True), [a, a])
+
+
+class HoldingLoRAManager(FakeLoRAManager):
+    def __init__(self, held: set[int]) -> None:
+        super().__init__()
+        self.held = held
+
+    def list_adapters(self) -> dict[int, Any]:
+        return dict.fromkeys(self.held)
+
+
+def test_an_id_another_adapter_holds_is_refused_at_the_first_message():
+    """Whatever loaded it: a path load the loader saw, or an id the LoRA
+    manager holds that no push filled."""
+    registry = MemoryAdapters()
+    engine = pushes(registry)
+    engine.model.lora_manager = HoldingLoRAManager({5})  # type: ignore[assignment]
+    registry.note_loaded_from_path("sft", 1)
+    with pytest.raises(AdapterRefused, match="lora_id 1 already serves adapter 'sft'"):
+        engine.receive(header(), tensors().items())
+    with pytest.raises(AdapterRefused, match="lora_id 5 already serves an adapter"):
+        engine.receive(header(lora_id=5), tensors().items())
+    # The same name from a path may be replaced by its push.
+    engine.receive(header(name="sft", last=True), tensors().items())
+    assert engine.commit() is not None and registry.get(1) is not None
+    # A server's id for a pushed adapter's memory path is that adapter's.
+    registry.note_built("sft", 2)
+    with pytest.raises(AdapterRefused, match="lora_id 2 already serves the pushed"):
+        engine.receive(header(lora_id=2), tensors().items())
+
+
+def test_a_clash_inside_an_engine_step_serves_the_pushed_adapter_without_raising():
+    """A raise while a step activates its adapters stops the engine: a
+    preload of a clashing id is refused, the same load inside a step is
+    served the pushed adapter and logged."""
+    from vllm.distributed.weight_transfer import lora_adapters
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    install_memory_loader()
+    memory_adapters().commit(AdapterVersion(header(lora_id=88, name="evil"), tensors()))
+
+    class LoRAModelStandIn:
+        @staticmethod
+        def from_lora_tensors(**kwargs: Any) -> str:
+            return f"built {kwargs['lora_model_id']}"
+
+    manager = SimpleNamespace(
+        max_position_embeddings=None,
+        lora_config=SimpleNamespace(max_lora_rank=8, lora_dtype=torch.float32),
+        _adapter_manager=SimpleNamespace(model=torch.nn.Module()),
+        _lora_model_cls=LoRAModelStandIn,
+        vocab_size=32,
+    )
+    sft = SimpleNamespace(lora_int_id=88, lora_name="sft", lora_path="/peft/dir")
+    load: Any = WorkerLoRAManager._load_adapter
+    try:
+        with pytest.raises(AdapterRefused, match="lora_id 88 serves the adapter"):
+            load(manager, sft)
+        with lora_adapters.engine_step():
+            assert load(manager, sft) == "built 88"
+        # vLLM's step activates its adapters through set_active_adapters,
+        # which marks the step.
+        seen: list[bool] = []
+        stand_in = SimpleNamespace(
+            _apply_adapters=lambda requests: seen.append(lora_adapters.in_engine_step())
+        )
+        WorkerLoRAManager.set_active_adapters(stand_in, set(), None)  # type: ignore[arg-type]
+        assert seen == [True] and not lora_adapters.in_engine_step()
+    finally:
+        memory_adapters().remove(88)
+
+
+class RefusingClient:
+    """An engine in another process: the worker's refusal comes back as a
+    plain ``Exception`` carrying its text."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def start_weight_update(self) -> None:
+        self.calls.append("start")
+
+    def update_weights(self, update_info: Any) -> None:
+        if "abort" in update_info:
+            self.calls.append("abort")
+            return
+        raise Exception(  # noqa: TRY002 - what an engine core answers
+            "Worker failed with error 'LoRA adapter refused: adapter 'policy' "
+            "(lora_id 1), nothing changed: rank 16 is above the engine's "
+            "max_lora_rank 8'"
+        )
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append("finish")
+
+
+def test_a_refusal_from_another_process_reaches_the_caller_as_adapter_refused():
+    client = RefusingClient()
+    with pytest.raises(AdapterRefused, match="max_lora_rank 8") as refused:
+        push_lora_adapter(client, tiny_net_adapter(), verify_publication=False)
+    assert isinstance(refused.value, ValueError)
+    assert client.calls == ["start", "abort", "finish"]

@@ -88,8 +88,10 @@ from vllm.distributed.weight_transfer.ipc_dataplane import (
 from vllm.distributed.weight_transfer.lora_adapters import (
     ADAPTER_KEY,
     PEFT_PREFIX,
+    REFUSED_MARK,
     AdapterConfig,
     AdapterHeader,
+    AdapterRefused,
     memory_path,
     module_of,
 )
@@ -194,6 +196,17 @@ class LoRAAdapter:
             delta = ab["B"].float() @ ab["A"].float()
             out[key] = (weight.float() + self.config.scaling * delta).to(weight.dtype)
         return out
+
+
+def _as_refusal(error: BaseException) -> AdapterRefused | None:
+    """A worker's refusal of the adapter that reached the pusher as another
+    type (an engine in another process answers its calls' failures as plain
+    ``Exception``) as the documented ``AdapterRefused``; None for anything
+    else, an HTTP error included (its answer, 4xx, already names the cause)."""
+    if isinstance(error, ValueError) or getattr(error, "response", None) is not None:
+        return None
+    text = str(error)
+    return AdapterRefused(text) if REFUSED_MARK in text else None
 
 
 def _peft_name(key: str) -> str:
@@ -412,9 +425,12 @@ class LoRAPusher:
             finally:
                 if pub is not None:
                     pub.close()
-        except BaseException:
+        except BaseException as e:
             self.close()
-            raise
+            refused = _as_refusal(e)
+            if refused is None:
+                raise
+            raise refused from e
         register = getattr(self.client, "register_lora_adapter", None)
         if callable(register) and adapter.name not in self._registered:
             # A server that names adapters for OpenAI requests (``model=name``)

@@ -14,6 +14,10 @@ update lands in place or commits from staging, the server holds generation
 itself, ``/resume`` is refused, and an in-place update has an eager deadline;
 see ``vllm.distributed.weight_transfer.update_guard``.
 
+Innermost sits ``AdapterIdGuard``: one LoRA id names one adapter, whether a
+trainer pushed it or ``/v1/load_lora_adapter`` numbered it; see
+``vllm.distributed.weight_transfer.lora_routes``.
+
 ``GET /weight_update_status`` (``weight_update_status``) is the fork's one
 added route: the serving version next to the update in flight (the staged
 version, with staging on).
@@ -23,6 +27,7 @@ from fastapi import FastAPI
 
 
 def register_rl_api_routers(app: FastAPI) -> None:
+    from vllm.distributed.weight_transfer.lora_routes import AdapterIdGuard
     from vllm.distributed.weight_transfer.non_finite_outputs import NonFiniteOutputs
     from vllm.distributed.weight_transfer.sync_metrics import (
         WeightSyncMetricsMiddleware,
@@ -33,7 +38,9 @@ def register_rl_api_routers(app: FastAPI) -> None:
 
     app.include_router(router)
     app.include_router(status_router)
-    # The last one added runs first: the metrics see what the guard answers.
+    # The last one added runs first: the metrics see what the guard answers,
+    # and the guard what the adapter id guard answers (``lora_routes``).
     app.add_middleware(NonFiniteOutputs)  # a NaN output: 500, naming the weights
+    app.add_middleware(AdapterIdGuard)
     app.add_middleware(WeightUpdateGuard)
     app.add_middleware(WeightSyncMetricsMiddleware)

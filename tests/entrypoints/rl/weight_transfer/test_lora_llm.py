@@ -406,7 +406,7 @@ def test_bad_adapters_are_refused_before_anything_changes(rig):
         "not among target_modules": _bad(
             good, tensors={**good.tensors, unknown: good.tensors[first]}
         ),
-        "do not have rank": _bad(
+        "does not have rank": _bad(
             good,
             tensors={**good.tensors, first: torch.zeros(MAX_RANK - 1, 128)},
         ),
