@@ -14,7 +14,10 @@ scenarios, and one ``vllm serve`` by the HTTP one:
   with the resync message; the trainer gets the error; a full resync recovers
   output equal to a fresh load of the trainer's weights (and to HF);
 * over HTTP, a committed sync and a rejected one show on ``/metrics`` and
-  ``/weight_info``, and the server keeps serving.
+  ``/weight_info``, and the server keeps serving;
+* hostile headers (a version a day ahead, a receipt directory outside the
+  receipt root, another backend) are refused at the first message, naming
+  the field, and a prepare naming another publication attests nothing.
 
 Each test first pushes the state it starts from, so tests do not depend on
 order.
@@ -484,4 +487,117 @@ def test_a_headerless_update_of_a_bias_without_its_weight_is_refused_at_finish(r
     assert "without all of their parameters" in error and weight in error
     _assert_refused_keeps_serving(rig, before, weight)
     rig.push(seed=44, version="step-44")
+    assert rig.fence()["state"] == "committed"
+
+
+# ---------------------------------------------------------------------------
+# Hostile publication headers and prepare messages
+
+
+class RewritesHeader:
+    """A client that overrides ``fields`` in every message's publication
+    header: a client that claims what the trainer did not publish."""
+
+    def __init__(self, inner: Any, **fields: Any) -> None:
+        self.inner, self.fields = inner, fields
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def update_weights(self, update_info: Any) -> None:
+        header = update_info.get("publication")
+        if header is not None:
+            update_info = {**update_info, "publication": {**header, **self.fields}}
+        self.inner.update_weights(update_info)
+
+
+class StrayPrepare:
+    """A client after whose ``after``-th update message another client's
+    prepare naming publication ``STRAY_ID`` reaches the engine; its refusal
+    (None: accepted) is recorded, and the trainer's messages go on.
+    ``publication_id`` is the trainer's publication, from its messages."""
+
+    STRAY_ID = "0123456789abcdef"
+
+    def __init__(self, inner: Any, after: int) -> None:
+        self.inner, self.after = inner, after
+        self.sent = 0
+        self.refusal: str | None = None
+        self.strayed = False
+        self.publication_id: str | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def update_weights(self, update_info: Any) -> None:
+        if self.sent == self.after and not self.strayed:
+            self.strayed = True
+            try:
+                self.inner.update_weights({"prepare": self.STRAY_ID})
+            except Exception as e:
+                self.refusal = str(e)
+        self.sent += 1
+        header = update_info.get("publication")
+        if header is not None:
+            self.publication_id = header["publication_id"]
+        self.inner.update_weights(update_info)
+
+
+def test_hostile_publication_headers_are_refused_before_any_weight_lands(rig, tmp_path):
+    """A version a day ahead of the clock (the default trainers' versions), a
+    receipt directory outside the receipt root and another backend's header
+    are each refused at the first message, naming the header field: the old
+    weights serve, unfenced, and a default trainer is accepted after them."""
+    rig.push(seed=51, version="step-51")
+    before = vllm_greedy(rig.llm)
+    randomize_weights_(rig.model, seed=52)  # would change the output if it landed
+    day_ahead = time.time_ns() // 1000 + 23 * 3600 * 1_000_000
+    outside = str(tmp_path / "vllm-wt-receipts-0123456789abcdef")
+    hostile = {
+        "model_version": rig.trainer(model_version=day_ahead),
+        "receipt_dir": rig.trainer(RewritesHeader(rig.client(), receipt_dir=outside)),
+        "backend": rig.trainer(RewritesHeader(rig.client(), backend="sharded_rdt")),
+    }
+    for field, trainer in hostile.items():
+        with pytest.raises(Exception, match=rf"publication\.{field}"):
+            trainer.send_weights(weight_version=f"hostile-{field}")
+        assert_bit_identical(vllm_greedy(rig.llm), before, what=f"after {field}")
+        status = rig.fence()
+        assert status["state"] == "committed", status
+        assert f"publication.{field}" in (status["last_failure"] or ""), status
+    rig.push(seed=52, version="step-52")  # the new weights, exactly
+
+
+def test_a_prepare_naming_another_publication_attests_nothing(rig):
+    """Another client's prepare message inside a sync: before the first
+    weights no publication is open and it prepares nothing, so the sync's
+    weights are refused and the old ones serve, unfenced; after weights
+    landed it is refused naming both publications, the update closes fenced
+    with that cause, and a full sync recovers the trainer's weights."""
+    rig.push(seed=53, version="step-53")
+    before = vllm_greedy(rig.llm)
+    randomize_weights_(rig.model, seed=54)
+    early = StrayPrepare(rig.client(), after=0)
+    with pytest.raises(Exception, match="after the trainer's prepare message"):
+        rig.trainer(early).send_weights(weight_version="step-54-early")
+    assert early.strayed and early.refusal is None
+    assert_bit_identical(vllm_greedy(rig.llm), before, what="after the early prepare")
+    assert rig.fence()["state"] == "committed"
+
+    late = StrayPrepare(rig.client(), after=1)
+    # vLLM's Worker closed the update at the refusal: the trainer's next
+    # message is refused there.
+    with pytest.raises(Exception, match="start_weight_update must be called"):
+        rig.trainer(late).send_weights(weight_version="step-54-late")
+    assert late.refusal is not None and late.publication_id is not None
+    assert (
+        f"names publication '{StrayPrepare.STRAY_ID}' but the open update is "
+        f"publication {late.publication_id}"
+    ) in late.refusal
+    status = rig.fence()
+    assert status["state"] == "fenced", status  # the first chunk had landed
+    assert "update_info.prepare" in status["reason"], status
+    assert is_fenced_version(rig.llm.get_weight_version())
+    vllm_greedy(rig.llm)  # the engine keeps answering
+    rig.push(seed=54, version="step-54")  # a full sync recovers exactly
     assert rig.fence()["state"] == "committed"
