@@ -288,7 +288,7 @@ def push(app: FastAPI, ok: bool = True, info=None, **client_kwargs) -> None:
     if info is None:
         info = attach_publication({"names": []}, header())
     updated = client.post("/update_weights", json={"update_info": info})
-    assert updated.status_code == (200 if ok else 500)
+    assert updated.status_code == (200 if ok else 500), updated.text
     if ok:
         assert updated.json() == {"message": "Weights updated"}
     client.post("/finish_weight_update")
@@ -409,8 +409,48 @@ def test_status_names_each_adapter_push_apart_from_the_base_weights(rl_app):
     committed = client.get("/weight_update_status").json()["committed"]
     assert committed is not None
     adapter = {"name": "policy", "lora_id": 7, "version": "step-3"}
-    push(rl_app, ok=True, info=attach_publication({"adapter": adapter}, header()))
+    config = {"rank": 8, "alpha": 16, "target_modules": ["q_proj"]}
+    message = {"adapter": {**adapter, "config": config}}
+    push(rl_app, ok=True, info=attach_publication(message, header()))
     status = client.get("/weight_update_status").json()
     # the base weights' last commit stays; the adapter has its own entry
     assert status["committed"] == committed
     assert status["adapters"] == {"policy": adapter}
+
+
+# -- the body's kind (``common.messages``) --------------------------------------
+
+
+def test_a_body_mixing_kinds_is_neither_an_abort_nor_a_publication(observer):
+    """The observer reads kinds by the workers' rule: a list whose elements
+    differ is refused before the workers, so it names nothing and aborts
+    nothing."""
+    decoy = [attach_publication({"names": []}, header()), {"abort": "decoy"}]
+    observer.observe_route("start", started=100.0, ok=True, backend="ipc")
+    observer.observe_route(
+        "update", started=100.5, ok=False, backend="ipc", update_info=decoy
+    )
+    opened = observer.update_status()["open"]
+    assert opened["publication_id"] is None and opened["failed"]
+    labels = {"backend": "ipc", "phase": "update"}
+    failures = observer._metrics().failures
+    assert failures.labels(**labels)._value.get() == 1
+    assert failures.labels(backend="ipc", phase="abort")._value.get() == 0
+
+
+def test_a_refused_start_leaves_the_open_update_open(observer):
+    h = header()
+    observer.observe_route("start", started=100.0, ok=True, backend="ipc")
+    observer.observe_route(
+        "update",
+        started=100.5,
+        ok=True,
+        backend="ipc",
+        update_info=attach_publication({"names": []}, h),
+    )
+    observer.observe_route("start", started=101.0, ok=False, backend="ipc")
+    opened = observer.update_status()["open"]
+    assert opened is not None and opened["publication_id"] == h.publication_id
+    failures = observer._metrics().failures
+    assert failures.labels(backend="ipc", phase="start")._value.get() == 1
+    assert failures.labels(backend="ipc", phase="finish")._value.get() == 0

@@ -54,6 +54,12 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 # Submodules, not the package: verification.publication uses SyncRecord, so
 # this module may be imported while the package is still initializing.
+from vllm.distributed.weight_transfer.common.messages import (
+    ADAPTER_KEY,
+    MessageKind,
+    first_message,
+    update_kind,
+)
 from vllm.distributed.weight_transfer.verification.fence import (
     is_fenced_version,
     is_prepare_request,
@@ -277,12 +283,15 @@ class RouteSyncObserver:
         m = self._metrics()
         sync = self._open
         if operation == "start":
+            if not ok:
+                # A refused start opens nothing and closes nothing: the update
+                # open before (if any) is still open on the workers.
+                m.failures.labels(backend, "start").inc()
+                return
             if sync is not None and not sync.failed:
                 # The previous sync never finished; a new start abandons it.
                 m.failures.labels(_backend(sync), "finish").inc()
-            self._open = _OpenSync(started, backend) if ok else None
-            if not ok:
-                m.failures.labels(backend, "start").inc()
+            self._open = _OpenSync(started, backend)
             return
         if operation == "update":
             header, aborted = _inspect_update(update_info)
@@ -350,45 +359,44 @@ def _publication_fields(header: PublicationHeader | None) -> dict[str, Any]:
 
 
 def is_prepare_message(update_info: Any) -> bool:
-    """Whether an update payload is the trainer's prepare message (a malformed
-    one is the worker's to refuse; the route then fails)."""
+    """Whether an update payload is the trainer's prepare message to every
+    worker (a malformed one is the worker's to refuse; the route then fails)."""
+    if update_kind(update_info) is not MessageKind.PREPARE:
+        return False
     with contextlib.suppress(ValueError):
-        return is_prepare_request(update_info)
+        return is_prepare_request(first_message(update_info))
     return False
 
 
 def _adapter_of(update_info: Any) -> dict[str, Any] | None:
     """Name, int id and version label of a LoRA adapter push's message
-    (``lora_adapters.AdapterHeader``), or None for base weights."""
-    items = update_info if isinstance(update_info, list) else [update_info]
-    for item in items:
-        adapter = item.get("adapter") if isinstance(item, dict) else None
-        if isinstance(adapter, dict) and isinstance(adapter.get("name"), str):
-            return {
-                "name": adapter["name"],
-                "lora_id": adapter.get("lora_id"),
-                "version": adapter.get("version"),
-            }
+    (``lora_adapters.AdapterHeader``), or None for any other kind."""
+    if update_kind(update_info) is not MessageKind.ADAPTER:
+        return None
+    adapter = first_message(update_info).get(ADAPTER_KEY)
+    if isinstance(adapter, dict) and isinstance(adapter.get("name"), str):
+        return {
+            "name": adapter["name"],
+            "lora_id": adapter.get("lora_id"),
+            "version": adapter.get("version"),
+        }
     return None
 
 
 def _inspect_update(update_info: Any) -> tuple[PublicationHeader | None, bool]:
-    """The publication header of an update payload, and whether it aborts. A
-    LoRA adapter push's publication (a message with an ``adapter`` header,
-    ``lora_adapters.ADAPTER_KEY``) orders that adapter's versions, not the
-    base weights', so it names no publication here."""
-    items = update_info if isinstance(update_info, list) else [update_info]
+    """The publication header of an update payload, and whether it aborts,
+    by the kind ``common.messages`` gives the body. Only base weights name a
+    publication here: a LoRA adapter push's publication orders that
+    adapter's versions, not the base weights'."""
+    kind = update_kind(update_info)
     header = None
-    aborted = False
-    for item in items:
-        if not isinstance(item, dict):
-            continue
-        aborted = aborted or "abort" in item
-        if header is None and PUBLICATION_FIELD in item and "adapter" not in item:
+    if kind is MessageKind.WEIGHTS:
+        message = first_message(update_info)
+        if PUBLICATION_FIELD in message:
             # An invalid header is the worker's to reject; the route then fails.
             with contextlib.suppress(ValueError):
-                header = PublicationHeader.from_dict(item[PUBLICATION_FIELD])
-    return header, aborted
+                header = PublicationHeader.from_dict(message[PUBLICATION_FIELD])
+    return header, kind is MessageKind.ABORT
 
 
 _observer: RouteSyncObserver | None = None
