@@ -433,3 +433,22 @@ def test_a_refusal_from_another_process_reaches_the_caller_as_adapter_refused():
         push_lora_adapter(client, tiny_net_adapter(), verify_publication=False)
     assert isinstance(refused.value, ValueError)
     assert client.calls == ["start", "abort", "finish"]
+
+
+def test_a_pull_is_checked_against_the_header_before_a_byte_is_pulled():
+    engine = pushes(MemoryAdapters())
+    good = {
+        "names": [f"{Q}.lora_A.weight"],
+        "shapes": [[2, 5]],
+        "offsets": [0],
+        "tensor_sizes": [40],
+    }
+    engine.check_layout(header(), good, payload_bytes=40)
+    for message, payload, cause in [
+        ({**good, "shapes": [[524288, 128]]}, 40, "does not have rank 2"),
+        (good, 256 << 20, "the payload is 268435456 B but its tensors end at 40"),
+        ({**good, "offsets": []}, 40, "must be lists of one length"),
+    ]:
+        with pytest.raises(AdapterRefused, match=cause):
+            engine.check_layout(header(), message, payload_bytes=payload)
+        assert engine.staging is None

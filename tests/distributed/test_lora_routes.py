@@ -19,7 +19,7 @@ from vllm.distributed.weight_transfer.lora_adapters import (
     AdapterHeader,
     memory_path,
 )
-from vllm.distributed.weight_transfer.lora_routes import AdapterIdGuard
+from vllm.distributed.weight_transfer.lora_routes import LORA_ID_HEADER, AdapterIdGuard
 from vllm.lora.request import LoRARequest
 from vllm.utils.counter import AtomicCounter
 
@@ -120,3 +120,24 @@ def test_pushed_ids_are_reserved_against_the_servers_numbering():
     guard.pushed = {3: "policy"}
     post(guard, "/v1/load_lora_adapter", {"lora_name": "policy"}, state)
     assert state.lora_id_counter.value == 2
+
+
+def test_the_load_answer_names_the_id_the_server_gave():
+    guard = AdapterIdGuard(Route())
+    state = models(LoRARequest("sft", 4, "/peft/sft"))
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/load_lora_adapter",
+        "app": SimpleNamespace(state=SimpleNamespace(openai_serving_models=state)),
+    }
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b'{"lora_name": "sft"}'}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(guard(scope, receive, send))
+    assert (LORA_ID_HEADER.encode(), b"4") in sent[0]["headers"]

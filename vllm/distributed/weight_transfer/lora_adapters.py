@@ -741,18 +741,11 @@ class AdapterPushes:
                 "it with enable_lora=True (and max_lora_rank at least the "
                 "adapter's rank)"
             )
+        tensors = list(tensors)
+        self._refuse_message(header, [(n, tuple(t.shape)) for n, t in tensors])
         staging = self.staging
-        first = staging is None
         if staging is None:
             staging = self.staging = AdapterStaging()
-        tensors = list(tensors)
-        shapes = [(n, tuple(t.shape)) for n, t in tensors]
-        errors = staging.message_errors(header, shapes, self.base_shapes, self.max_rank)
-        if first:
-            errors = self.registry.check_ids(header, self.held_ids()) + errors
-        if errors:
-            self.staging = None
-            raise refusal(header, errors)
         if self.publication is not None:
             self.publication.admit(tensors)
         staging.add(header, tensors)
@@ -766,6 +759,59 @@ class AdapterPushes:
             if errors:
                 self.staging = None
                 raise refusal(header, errors)
+
+    def check_layout(
+        self,
+        header: AdapterHeader,
+        message: Mapping[str, Any],
+        payload_bytes: int | None = None,
+    ) -> None:
+        """Refuse a message by the tensors it announces (``names``,
+        ``shapes``, ``offsets``, ``tensor_sizes``) before any byte of it is
+        mapped, pulled or copied; ``payload_bytes``, the size of a payload to
+        pull, may not exceed the end of its last tensor."""
+        fields = ("names", "shapes", "offsets", "tensor_sizes")
+        lists = [message.get(key) for key in fields]
+        if (
+            not all(isinstance(v, list) for v in lists)
+            or len({len(v) for v in lists if isinstance(v, list)}) != 1
+        ):
+            self.staging = None
+            raise refusal(header, [f"{', '.join(fields)} must be lists of one length"])
+        names, shapes, offsets, sizes = (v for v in lists if isinstance(v, list))
+        self._refuse_message(
+            header,
+            [
+                (str(n), tuple(s) if isinstance(s, list) else (-1,))
+                for n, s in zip(names, shapes, strict=True)
+            ],
+        )
+        ends = [
+            o + z
+            for o, z in zip(offsets, sizes, strict=True)
+            if isinstance(o, int) and isinstance(z, int)
+        ]
+        end = max(ends, default=0)
+        if payload_bytes is not None and payload_bytes > end:
+            self.staging = None
+            raise refusal(
+                header,
+                [f"the payload is {payload_bytes} B but its tensors end at {end} B"],
+            )
+
+    def _refuse_message(
+        self, header: AdapterHeader, shapes: list[tuple[str, tuple[int, ...]]]
+    ) -> None:
+        """Refuse one message by its tensors' names and shapes
+        (``AdapterStaging.message_errors``) and, at the push's first, by its
+        id (``MemoryAdapters.check_ids``); the push is dropped."""
+        staging = self.staging or AdapterStaging()
+        errors = staging.message_errors(header, shapes, self.base_shapes, self.max_rank)
+        if self.staging is None:
+            errors = self.registry.check_ids(header, self.held_ids()) + errors
+        if errors:
+            self.staging = None
+            raise refusal(header, errors)
 
     def check_complete(self) -> None:
         """Refuse a finish that would commit a push cut short."""

@@ -17,6 +17,8 @@ adapters claim (a raise there stops ``vllm serve``):
 * every pushed id the engine accepted is reserved: a ``/v1/load_lora_adapter``
   of a new name moves the server's counter past the pushed ids of other
   names, so the server never numbers another adapter with one;
+* the answer to ``/v1/load_lora_adapter`` names the id the server gave the
+  adapter (header ``x-vllm-lora-id``), which the server reports nowhere else;
 * a worker's refusal of an adapter (its text carries
   ``lora_adapters.REFUSED_MARK``) reaches the route as a plain exception,
   which the server would answer 500; it is answered 400 with the worker's
@@ -46,6 +48,8 @@ logger = init_logger(__name__)
 
 _PUSH_ROUTE = "/update_weights"
 _LOAD_ROUTE = "/v1/load_lora_adapter"
+# The answer's header naming the id ``/v1/load_lora_adapter`` gave the adapter.
+LORA_ID_HEADER = "x-vllm-lora-id"
 
 
 class AdapterIdGuard:
@@ -114,9 +118,22 @@ class AdapterIdGuard:
         body, replay = await _read_body(receive)
         name = _json_field(body, "lora_name")
         models = _serving_models(scope)
-        if isinstance(name, str) and models is not None:
-            self.reserve_pushed_ids(models, name)
-        await self.app(scope, replay, send)
+        if not isinstance(name, str) or models is None:
+            await self.app(scope, replay, send)
+            return
+        self.reserve_pushed_ids(models, name)
+
+        async def naming_the_id(message: dict) -> None:
+            request = models.lora_requests.get(name)
+            if message.get("type") == "http.response.start" and request is not None:
+                headers = list(message.get("headers", []))
+                headers.append(
+                    (LORA_ID_HEADER.encode(), str(request.lora_int_id).encode())
+                )
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, replay, naming_the_id)
 
     def registered_clash(self, scope: dict, header: AdapterHeader) -> str | None:
         """Why the server's registry refuses ``header``'s id (None: it

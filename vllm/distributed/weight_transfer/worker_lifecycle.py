@@ -409,6 +409,8 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         checksum when it sent one, and stage its tensors; receipts go back
         through the producer it came from."""
         pull = AdapterPull.from_dict(message[ADAPTER_PULL_KEY])
+        # Checked against the header before a byte is pulled.
+        self.adapters.check_layout(header, message, payload_bytes=pull.nbytes)
         puller = self._adapter_puller
         if puller is None:
             puller = self._adapter_puller = AdapterPuller(self.device)
