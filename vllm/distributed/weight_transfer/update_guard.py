@@ -109,6 +109,7 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.common.messages import (
     ABORT_FIELD,
+    PREPARE_FIELD,
     WEIGHT_TRANSFER_METHODS,
     MessageKind,
     UnclassifiableUpdate,
@@ -431,7 +432,8 @@ class WeightUpdateGuard:
 
     def _refusal(self, kind: MessageKind, update_info: Any) -> str | None:
         """Why a message that may land or prepare anything is refused: no
-        update is open, or it names a publication that already ended."""
+        update is open, it names a publication that already ended, or it is
+        a prepare naming another publication than the open update's."""
         if kind is MessageKind.ABORT:
             return None  # closing what may be open is always allowed
         publication = _publication_id(update_info)
@@ -448,6 +450,18 @@ class WeightUpdateGuard:
                 f"no weight update is open on this server{last}. Call "
                 "start_weight_update first"
             )
+        known = self._open.publication_id
+        if kind is MessageKind.PREPARE and known is not None:
+            named = first_message(update_info)[PREPARE_FIELD]
+            if named != known:
+                # Answered here, so the open update goes on: a refusal from
+                # the workers would close it (vLLM's Worker closes an update
+                # whose update_weights raised).
+                return (
+                    f"update_info.{PREPARE_FIELD} names publication {named!r} "
+                    f"but the open update is publication {known}; refused "
+                    "before reaching the workers, and the open update goes on"
+                )
         return None
 
     def _note(self, kind: MessageKind, update_info: Any) -> None:
