@@ -126,3 +126,21 @@ def test_a_blank_failure_is_never_a_blank_error(backend):
     with pytest.raises(RuntimeError, match="update_weights failed: AssertionError"):
         engine.update_weights({"names": []})
     assert "AssertionError" in engine.fence_status["last_failure"]
+
+
+@pytest.mark.parametrize("backend", sorted(ENGINES))
+@pytest.mark.parametrize(
+    "message", [{"names": []}, {"prepare": "p" * 8}, {"adapter": {}}], ids=str
+)
+def test_a_message_after_an_abort_is_refused_naming_the_abort(backend, message):
+    """Whoever aborted the update, the next message of any kind but the
+    finish hears why, and lands nothing."""
+    engine, model = make(backend)
+    before = model.weight.detach().clone()
+    engine.start_weight_update()
+    fail_in_receive(engine, landed=True)  # would land if it were reached
+    engine.update_weights({"abort": "abandoned: trainer B started a new sync"})
+    with pytest.raises(RuntimeError, match="aborted \\(abandoned: trainer B"):
+        engine.update_weights(message)
+    engine.finish_weight_update()  # the abort's finish still closes quietly
+    assert torch.equal(model.weight, before)

@@ -10,8 +10,11 @@ model is the old weights, the new weights, or fenced with a reason.
 
 - ``start_weight_update`` opens a session (the model is touched only when
   the first weights arrive) and starts a publication.
-- ``update_weights``: ``{"abort": reason}`` closes the update (the next
-  finish then closes quietly). Any other message is refused before anything
+- ``update_weights`` reads its message's kind through
+  ``common.messages.message_kind``, the rule the API server's guard and
+  metrics use. ``{"abort": reason}`` closes the update (the next finish then
+  closes quietly; any other message before it is refused naming the abort's
+  reason). Any other message is refused before anything
   changes when no update is open or the engine is fenced; otherwise its
   publication header is checked and the backend's ``receive_weights`` moves
   and lands the bytes. Any failure aborts the session (layers that did not
@@ -73,6 +76,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
 )
 from vllm.distributed.weight_transfer.checkpoint_structure import checkpoint_shapes
+from vllm.distributed.weight_transfer.common.messages import (
+    MessageKind,
+    message_kind,
+    worker_index,
+)
 from vllm.distributed.weight_transfer.kv_scrub import zero_non_finite_kv
 from vllm.distributed.weight_transfer.layerwise_session import (
     LayerwiseReloadSession,
@@ -143,8 +151,8 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         self._pub: WorkerPublication | None = None
         # Set once a weight of the open update was handed to the model.
         self._landed = False
-        # Set by an abort message until the finish that closes the update.
-        self._aborted = False
+        # An abort message's reason, until the finish that closes the update.
+        self._aborted: str | None = None
         # Layers vLLM cannot process again (read at the first update).
         self._unreloadable: list[str] | None = None
         # Set once the update's receipt went out (the prepare message).
@@ -264,7 +272,7 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         self._on_update_closed()
         self.pub.start()
         self._landed = False
-        self._aborted = False
+        self._aborted = None
         self._prepared = False
         self._discard_adapter("a new update started")
         self._on_start()
@@ -290,16 +298,19 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         self._session = session
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        try:
-            reason = abort_reason(update_info)
-        except BaseException as e:  # a malformed abort still closes the update
-            self._close_aborted(f"malformed abort message ({describe_error(e)})")
-            raise
-        if reason is not None:
-            self._close_aborted(reason)
+        # The kind by the rule the API server's guard and metrics use too.
+        kind = message_kind(update_info)
+        if kind is MessageKind.ABORT:
+            try:
+                reason = abort_reason(update_info)
+            except BaseException as e:  # a malformed abort still closes it
+                self._close_aborted(f"malformed abort message ({describe_error(e)})")
+                raise
+            self._close_aborted(reason or "")
             return
         try:
-            if is_prepare_request(update_info):
+            self._refuse_if_aborted()
+            if kind is MessageKind.PREPARE and is_prepare_request(update_info):
                 what = f"{self.backend_name} prepare"
                 self.pub.fence.check_open(what)
                 session = self._session_for(what)
@@ -316,7 +327,9 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
             # No update open, or fenced: refused before anything changes (the
             # failure path below then only tells the backend).
             self.pub.fence.check_open(f"{self.backend_name} update_weights")
-            header = adapter_header(update_info)
+            header = (
+                adapter_header(update_info) if kind is MessageKind.ADAPTER else None
+            )
             if header is not None:
                 # A LoRA adapter: staged apart from the model, committed at
                 # the finish; its publication is the adapter's own.
@@ -344,11 +357,11 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
             raise
 
     def finish_weight_update(self) -> None:
-        if self._aborted:
+        if self._aborted is not None:
             # The finish that closes an update the trainer aborted: the
             # trainer knows, and vLLM's Worker keeps an update open for as
             # long as finish raises.
-            self._aborted = False
+            self._aborted = None
             self._on_update_closed()
             return
         session, self._session = self._session, None
@@ -430,6 +443,16 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
 
     # -- internals -----------------------------------------------------------
 
+    def _refuse_if_aborted(self) -> None:
+        """Refuse a message that follows an abort of this update, naming the
+        abort's reason (whoever sent it); only the finish may follow."""
+        if self._aborted is not None:
+            raise RuntimeError(
+                f"{self.backend_name} update_weights refused: this update was "
+                f"aborted ({self._aborted}); finish_weight_update closes it, "
+                "then start a new sync"
+            )
+
     def _prepare(self, session: UpdateSession) -> None:
         """Check what this worker holds and write its receipt; nothing is
         committed (the trainer's prepare message, or a staged finish)."""
@@ -505,7 +528,7 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
                 f"the trainer aborted the update: {reason}",
                 weights_intact=not self._landed,
             )
-        self._aborted = True
+        self._aborted = reason
         self._close_session(reason)
         try:
             self._on_update_failed(reason)
@@ -525,4 +548,4 @@ def global_worker_rank(vllm_config: Any) -> int:
         rank = get_world_group().rank_in_group
     except (AssertionError, ImportError):
         rank = 0
-    return dp_index * world_size + rank
+    return worker_index(dp_index, world_size, rank)
