@@ -56,11 +56,13 @@ def _reader(conn) -> None:
             return
         if msg == "start":
             pub.start()
+            layouts.discard()
             prepared = None
             conn.send(("ok", None))
             continue
         if msg == "drop":
             importer.close()
+            layouts.discard()
             pub.fail(RuntimeError("aborted"), weights_intact=True)
             conn.send(("ok", None))
             continue
@@ -76,8 +78,10 @@ def _reader(conn) -> None:
                 # The receipt went out at the trainer's prepare message.
                 receipt = pub.finish() or prepared
             except Exception as e:  # a failed update: report, keep serving
+                layouts.discard()
                 conn.send(("error", f"{type(e).__name__}: {e}"))
                 continue
+            layouts.commit()
             conn.send(("ok", receipt.checksums_verified if receipt else None))
             continue
         try:
@@ -107,6 +111,7 @@ def _reader(conn) -> None:
                 out[v.name] = raw.view(v.dtype).view(v.shape).cpu()
                 pub.landed(v.name, v.nbytes)
             torch.cuda.synchronize()
+            layouts.landed(info)
             del bufs, raw
             if not info.packed:
                 importer.close()

@@ -661,7 +661,7 @@ def test_a_worker_without_the_layout_refuses_the_short_form_then_syncs_whole():
         served = state(target)
         rig.engine.layouts._by_layout.clear()
         step(model)
-        with pytest.raises(Exception, match="parsed no full message with that layout"):
+        with pytest.raises(Exception, match="committed no full message with that"):
             trainer.send_weights()
         for name, want in served.items():
             assert torch.equal(dict(target.named_parameters())[name], want), name
@@ -674,6 +674,111 @@ def test_a_worker_without_the_layout_refuses_the_short_form_then_syncs_whole():
         trainer.send_weights()
         assert client.forms[-1] == ("short", client.forms[2][1])
         assert_served(target, model)
+
+
+class CapturingClient(ShortFormClient):
+    """Also keeps the last full message sent with a layout id, as sent
+    (``full``), and rewrites each short message with ``tamper`` when set."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.full: dict[str, Any] | None = None
+        self.tamper: Any = None
+
+    def update_weights(self, update_info):
+        if "names" in update_info and "layout" in update_info:
+            self.full = dict(update_info)
+        elif "layout" in update_info and self.tamper is not None:
+            update_info = self.tamper(dict(update_info))
+        super().update_weights(update_info)
+
+
+def _swapped_layout_from_elsewhere(full: dict[str, Any]) -> dict[str, Any]:
+    """The trainer's full message, headerless, under the same layout id with
+    a changed layout (a.bias read from the padding after a.weight) and a
+    segment that does not exist: refused when the worker maps it."""
+    hostile = {k: v for k, v in full.items() if k in FULL_FIELDS}
+    names = hostile["names"]
+    offsets = list(hostile["offsets"])
+    i = names.index("a.bias")
+    offsets[i] = offsets[names.index("a.weight")] + 96  # a.weight is 96 bytes
+    assert offsets[i] < hostile["offsets"][i], "a real change of layout"
+    hostile["offsets"] = offsets
+    (key,) = hostile["ipc_handles"]
+    handle = dict(hostile["ipc_handles"][key])
+    handle["name"] = "vllm-wt-no-such-segment"
+    hostile["ipc_handles"] = {key: handle}
+    return hostile
+
+
+FULL_FIELDS = {
+    "names",
+    "dtype_names",
+    "shapes",
+    "tensor_sizes",
+    "offsets",
+    "buffer_indexes",
+    "ipc_handles",
+    "layout",
+}
+
+
+def _assert_unfenced_serving(rig, served: dict[str, torch.Tensor]) -> None:
+    assert rig.engine.fence_status["state"] != "fenced"
+    for name, want in served.items():
+        assert torch.equal(dict(rig.target.named_parameters())[name], want), name
+
+
+def test_a_refused_message_under_the_layout_id_changes_no_later_short_form():
+    """Two syncs (full with layout id L, then L's short form); a client then
+    sends, in an update of its own, the trainer's full message under L with
+    another layout and a segment that does not exist: refused, nothing
+    landed, not fenced. The trainer's next short form lands exactly the
+    trainer's weights: the worker learns a layout only from a message that
+    landed in an update that committed."""
+    with pinned_rig() as rig:
+        client = CapturingClient(rig.engine)
+        rig.trainer.client = client
+        rig.trainer.send_weights()
+        step(rig.model)
+        rig.trainer.send_weights()
+        assert [form for form, _ in client.forms] == ["full", "short"]
+        layout = client.forms[0][1]
+        assert client.full is not None
+        served = state(rig.target)
+        hostile = _swapped_layout_from_elsewhere(client.full)
+        engine = rig.engine
+        engine.start_weight_update()
+        with pytest.raises(Exception, match="vllm-wt-no-such-segment"):
+            engine.update_weights(hostile)
+        engine.finish_weight_update()
+        _assert_unfenced_serving(rig, served)
+        step(rig.model, -0.5)
+        rig.trainer.send_weights()
+        assert client.forms[-1] == ("short", layout)
+        assert_served(rig.target, rig.model)
+        assert engine.fence_status["state"] == "committed"
+
+
+def test_a_short_form_with_another_digest_is_refused_unfenced_then_syncs_whole():
+    """A short form whose ``layout_digest`` is not the digest of the layout
+    the worker holds under its id is refused before anything lands: the
+    old weights serve, nothing is fenced, and the trainer's next sync sends
+    the full message again."""
+    with pinned_rig() as rig:
+        client = CapturingClient(rig.engine)
+        rig.trainer.client = client
+        rig.trainer.send_weights()
+        served = state(rig.target)
+        client.tamper = lambda m: {**m, "layout_digest": "0" * 64}
+        step(rig.model)
+        with pytest.raises(Exception, match="update_info.layout_digest is 0000"):
+            rig.trainer.send_weights()
+        _assert_unfenced_serving(rig, served)
+        client.tamper = None
+        rig.trainer.send_weights()
+        assert_served(rig.target, rig.model)
+        assert [form for form, _ in client.forms] == ["full", "short", "full"]
 
 
 def test_a_reallocated_parameter_is_packed_never_read_stale():

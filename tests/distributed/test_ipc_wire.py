@@ -17,6 +17,7 @@ from vllm.distributed.weight_transfer.ipc_wire import (
     LayoutMemo,
     ShmHandle,
     cpu_device_key,
+    layout_digest,
     select_cpu_key,
 )
 from vllm.distributed.weight_transfer.verification import (
@@ -54,6 +55,23 @@ def unpacked(**overrides):
     return msg
 
 
+def committed(memo: LayoutMemo, message: dict) -> IPCWeightTransferUpdateInfo:
+    """``message`` parsed by ``memo``, landed, and its update committed: what
+    a worker does for a message of a sync that succeeds."""
+    info = memo.parse(json.loads(json.dumps(message)))
+    memo.landed(info)
+    memo.commit()
+    return info
+
+
+def short(message: dict, **fields) -> dict:
+    """The short form naming the layout of full ``message``, with its
+    digest (as the trainer sends it); ``fields`` add to it or replace."""
+    out = {"layout": message["layout"], "layout_digest": layout_digest(message)}
+    out.update(fields)
+    return out
+
+
 def test_packed_message_round_trips_through_json():
     info = IPCWeightTransferUpdateInfo.from_dict(packed())
     assert info.packed
@@ -79,8 +97,9 @@ def test_a_chunk_with_an_earlier_layout_reuses_its_views_and_checks_its_handles(
     message's checked views; any change of layout parses afresh, and the new
     handles are checked either way."""
     memo = LayoutMemo()
-    first = memo.parse(json.loads(json.dumps(packed())))
-    other_chunk = memo.parse(packed(names=["c.weight", "d.weight"], offsets=[0, 32]))
+    first = committed(memo, packed())
+    other = packed(names=["c.weight", "d.weight"], offsets=[0, 32])
+    other_chunk = committed(memo, other)
     renamed = {**SHM, "name": "vllm-wt-1-next"}
     again = memo.parse(json.loads(json.dumps(packed(ipc_handles={KEY: renamed}))))
     assert memo.reused == 1 and again._views is first._views
@@ -109,33 +128,198 @@ def test_a_short_message_names_a_layout_parsed_before():
     the new handles, checked to cover the tensors. An id the worker never
     parsed, extra fields, or a layout on an unpacked message are refused."""
     memo = LayoutMemo()
-    first = memo.parse(json.loads(json.dumps(packed(layout="sync-a"))))
+    full = packed(layout="sync-a")
+    first = committed(memo, full)
     assert first.to_dict()["layout"] == "sync-a"
+    assert first.layout_digest() == layout_digest(full)
     renamed = {**SHM, "name": "vllm-wt-1-next"}
-    short = memo.parse({"layout": "sync-a", "ipc_handles": {KEY: renamed}})
-    assert short._views is first._views and memo.compact == 1
-    handle = short.buffers()[0][KEY]
+    brief = memo.parse(short(full, ipc_handles={KEY: renamed}))
+    assert brief._views is first._views and memo.compact == 1 and brief.short_form
+    handle = brief.buffers()[0][KEY]
     assert isinstance(handle, ShmHandle) and handle.name == "vllm-wt-1-next"
-    with pytest.raises(ValueError, match="parsed no full message with that layout"):
-        memo.parse({"layout": "sync-b", "ipc_handles": {KEY: SHM}})
+    with pytest.raises(ValueError, match="committed no full message with that layout"):
+        memo.parse(short(packed(layout="sync-b"), ipc_handles={KEY: SHM}))
     with pytest.raises(ValueError, match="covers 10 bytes but the tensors need 72"):
-        memo.parse({"layout": "sync-a", "ipc_handles": {KEY: {**SHM, "nbytes": 10}}})
+        memo.parse(short(full, ipc_handles={KEY: {**SHM, "nbytes": 10}}))
     with pytest.raises(ValueError, match="unknown field"):
-        memo.parse({"layout": "sync-a", "ipc_handles": {KEY: SHM}, "offsets": [0]})
+        memo.parse(short(full, ipc_handles={KEY: SHM}, offsets=[0]))
     with pytest.raises(ValueError, match="update_info.layout must be"):
         IPCWeightTransferUpdateInfo.from_dict({**unpacked(), "layout": "x"})
     with pytest.raises(ValueError, match="update_info.layout must be"):
         IPCWeightTransferUpdateInfo.from_dict(packed(layout=""))
     # Only the newest ``max_layouts`` ids are kept.
     small = LayoutMemo(max_layouts=1)
-    small.parse(packed(layout="one"))
-    small.parse(packed(layout="two"))
-    with pytest.raises(ValueError, match="parsed no full message"):
-        small.parse({"layout": "one", "ipc_handles": {KEY: SHM}})
-    assert small.parse({"layout": "two", "ipc_handles": {KEY: SHM}}).names == [
+    committed(small, packed(layout="one"))
+    committed(small, packed(layout="two"))
+    with pytest.raises(ValueError, match="committed no full message"):
+        small.parse(short(packed(layout="one"), ipc_handles={KEY: SHM}))
+    assert small.parse(short(packed(layout="two"), ipc_handles={KEY: SHM})).names == [
         "a.weight",
         "b.weight",
     ]
+
+
+# ---------------------------------------------------------------------------
+# hostile input against the layout memo: whatever is refused, aborted or
+# sent under a trainer's layout id, a later short form lands exactly the
+# layout the trainer's digest names, or is refused.
+
+Q0, Q1 = "layers.0.q_proj.weight", "layers.1.q_proj.weight"
+
+
+def q_projs(**overrides):
+    """A trainer's whole sync under layout id ``L``: two same-shaped
+    ``q_proj`` weights and a bias, in one segment."""
+    fields = {
+        "names": [Q0, Q1, "layers.1.bias"],
+        "dtype_names": ["float32", "float32", "float32"],
+        "shapes": [[2, 4], [2, 4], [4]],
+        "tensor_sizes": [32, 32, 16],
+        "offsets": [0, 64, 128],
+        "layout": "L",
+    }
+    return packed(**{**fields, **overrides})
+
+
+def swapped(message):
+    """``message`` with its two ``q_proj`` names swapped (same shapes)."""
+    names = list(message["names"])
+    names[0], names[1] = names[1], names[0]
+    return {**message, "names": names}
+
+
+def landed_names(info):
+    return [(v.name, v.offset) for v in info.views()]
+
+
+def test_a_refused_message_under_a_layout_id_changes_no_later_short_form():
+    """The exact sequence: full ``L``, then its short form; a client's full
+    message under ``L`` with the ``q_proj`` names swapped and a segment
+    that does not exist is parsed, then refused (never landed): the next
+    short form still lands the trainer's layout. The same message landed
+    in an update that was aborted, failed or superseded teaches nothing."""
+    memo = LayoutMemo()
+    trainer = q_projs()
+    committed(memo, trainer)
+    again = memo.parse(short(trainer, ipc_handles={KEY: SHM}))
+    memo.landed(again)
+    memo.commit()
+    gone = {**SHM, "name": "vllm-wt-no-such-segment"}
+    hostile = swapped(q_projs(ipc_handles={KEY: gone}))
+    parsed = memo.parse(hostile)  # the worker then fails to map it
+    assert landed_names(parsed)[0] == (Q1, 0)
+    memo.discard()
+    # Landed, then aborted / failed / a new update started: all discard.
+    memo.parse(hostile)
+    memo.landed(memo.parse(swapped(q_projs())))
+    memo.discard()
+    after = memo.parse(short(trainer, ipc_handles={KEY: SHM}))
+    assert landed_names(after) == [(Q0, 0), (Q1, 64), ("layers.1.bias", 128)]
+    # A short form that lands teaches nothing of its own: ``L`` still names
+    # the full message that set it.
+    memo.landed(after)
+    memo.commit()
+    held, digest = memo._by_layout["L"]
+    assert not held.short_form and digest == layout_digest(trainer)
+
+
+def test_a_short_form_bound_to_another_layout_under_its_id_is_refused():
+    """A client's full message under ``L`` that did land and commit (its
+    right: it served what it sent) replaces what ``L`` names; the trainer's
+    short form, whose digest is of its own layout, is then refused naming
+    the field and telling it to send the full message."""
+    memo = LayoutMemo()
+    trainer = q_projs()
+    committed(memo, trainer)
+    committed(memo, swapped(q_projs()))
+    with pytest.raises(
+        ValueError, match=r"update_info.layout_digest is .* send the full message"
+    ):
+        memo.parse(short(trainer, ipc_handles={KEY: SHM}))
+    # The short form of what was committed under L still goes.
+    bound = memo.parse(short(swapped(q_projs()), ipc_handles={KEY: SHM}))
+    assert landed_names(bound)[0] == (Q1, 0)
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"layout_digest": None}, "layout_digest must be 64 lowercase hex"),
+        ({"layout_digest": 7}, "layout_digest must be 64 lowercase hex"),
+        ({"layout_digest": "ab" * 16}, "layout_digest must be 64 lowercase hex"),
+        ({"layout_digest": "AB" * 32}, "layout_digest must be 64 lowercase hex"),
+        ({"layout_digest": "0" * 64}, "update_info.layout_digest is 0000"),
+        ({"layout": ["L"]}, "committed no full message with that layout"),
+        ({"names": [Q0]}, "missing required field|unknown field|dtype_names"),
+        ({"offsets": [0, 64, 128]}, "unknown field"),
+        ({"publication_digest": "x"}, "unknown field"),
+    ],
+    ids=[
+        "null-digest",
+        "int-digest",
+        "truncated-digest",
+        "uppercase-digest",
+        "wrong-digest",
+        "layout-not-a-string",
+        "partial-full-form",
+        "stray-offsets",
+        "stray-field",
+    ],
+)
+def test_a_malformed_short_form_is_refused(fields, match):
+    memo = LayoutMemo()
+    trainer = q_projs()
+    committed(memo, trainer)
+    message = short(trainer, ipc_handles={KEY: SHM}, **fields)
+    with pytest.raises(ValueError, match=match):
+        memo.parse(message)
+
+
+def test_a_short_form_without_its_digest_is_refused():
+    memo = LayoutMemo()
+    trainer = q_projs()
+    committed(memo, trainer)
+    with pytest.raises(ValueError, match="layout_digest"):
+        memo.parse({"layout": "L", "ipc_handles": {KEY: SHM}})
+
+
+def test_a_replayed_short_form_of_a_replaced_layout_is_refused():
+    """A short form recorded at an earlier sync and replayed after the
+    trainer committed a new full message under the same id (another
+    offset) names the old digest: refused. One whose layout was never
+    committed (its update aborted) is refused as unknown."""
+    memo = LayoutMemo()
+    old = q_projs()
+    committed(memo, old)
+    replay = short(old, ipc_handles={KEY: SHM})
+    memo.parse(replay)
+    committed(memo, q_projs(offsets=[0, 64, 192]))
+    with pytest.raises(ValueError, match="update_info.layout_digest is"):
+        memo.parse(replay)
+    aborted = q_projs(layout="M")
+    memo.landed(memo.parse(aborted))
+    memo.discard()
+    with pytest.raises(ValueError, match="committed no full message"):
+        memo.parse(short(aborted, ipc_handles={KEY: SHM}))
+
+
+def test_the_layout_digest_covers_every_field_of_the_layout_in_order():
+    base = layout_digest(q_projs())
+    for changed in (
+        swapped(q_projs()),
+        q_projs(
+            dtype_names=["float32", "float32", "float16"], tensor_sizes=[32, 32, 8]
+        ),
+        q_projs(shapes=[[4, 2], [2, 4], [4]]),
+        q_projs(offsets=[0, 64, 192]),
+        q_projs(ipc_handles={KEY: {**SHM, "name": "vllm-wt-1-other"}}),
+        q_projs(ipc_handles={"cpu:h:0": dict(SHM)}),
+    ):
+        assert layout_digest(changed) != base
+    # Not what travels with every message anew: the same layout and memory.
+    assert layout_digest(q_projs(layout="other")) == base
+    info = IPCWeightTransferUpdateInfo.from_dict(json.loads(json.dumps(q_projs())))
+    assert info.layout_digest() == base
 
 
 def several(**overrides):
@@ -174,19 +358,21 @@ def test_a_packed_message_over_several_buffers_places_each_tensor_in_its_own():
     assert info.to_dict() == several()
     # The short form names the same number of buffers.
     memo = LayoutMemo()
-    memo.parse(several(layout="multi"))
-    short = memo.parse({"layout": "multi", "ipc_handles": several()["ipc_handles"]})
-    assert len(short.buffers()) == 2 and memo.compact == 1
+    full = several(layout="multi")
+    committed(memo, full)
+    brief = memo.parse(short(full, ipc_handles=several()["ipc_handles"]))
+    assert len(brief.buffers()) == 2 and memo.compact == 1
     with pytest.raises(ValueError, match="must list 2 buffers per device key"):
-        memo.parse({"layout": "multi", "ipc_handles": {KEY: dict(SHM)}})
+        memo.parse(short(full, ipc_handles={KEY: dict(SHM)}))
     # ... or no handles at all: those of the message that set the layout,
     # which the worker must still map (checked where the mappings are).
-    bare = memo.parse({"layout": "multi"})
-    assert bare.reuses_handles and not short.reuses_handles
-    assert bare._views is short._views and bare.buffers() == short.buffers()
-    memo.parse(packed(layout="single"))
+    bare = memo.parse(short(full))
+    assert bare.reuses_handles and not brief.reuses_handles
+    assert bare._views is brief._views and bare.buffers() == brief.buffers()
+    single = packed(layout="single")
+    committed(memo, single)
     with pytest.raises(ValueError, match="a layout of one buffer without ipc_handles"):
-        memo.parse({"layout": "single"})
+        memo.parse(short(single))
 
 
 SEGS = several()["ipc_handles"][KEY]

@@ -86,6 +86,7 @@ from vllm.distributed.weight_transfer.ipc_wire import (
     dtype_from_name,
     dtype_name,
     handle_from_dict,
+    layout_digest,
     upstream_args,
 )
 from vllm.distributed.weight_transfer.sharded_gather import (
@@ -992,7 +993,11 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         self._shared_now.use(part)
         key = device_key(held.owner.device, self.rank)
         what = f"chunks {held.first}-{held.last}"
-        fields: dict[str, Any] = {**held.fields, **part.fields()}
+        fields: dict[str, Any] = {
+            **held.fields,
+            **part.fields(),
+            "ipc_handles": {key: part.handles()},
+        }
         plan = self.last_plan
         if (
             held.owner is self._pinned_owner
@@ -1002,13 +1007,15 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         ):
             # The whole sync in one message from a source that knows when
             # nothing moved: its layout gets an id, which the next syncs
-            # name instead of repeating it (``_resend_whole``).
-            whole = _WholeMessage(plan, self.source, held.owner, uuid.uuid4().hex, part)
-            fields = {**fields, "layout": whole.layout}
+            # name, with the layout's digest, instead of repeating it
+            # (``_resend_whole``).
+            layout = uuid.uuid4().hex
+            fields["layout"] = layout
+            whole = _WholeMessage(
+                plan, self.source, held.owner, layout, layout_digest(fields), part
+            )
             self._whole_now = whole
-        message = self._attach(
-            {**fields, "ipc_handles": {key: part.handles()}}, what, [checksums]
-        )
+        message = self._attach(fields, what, [checksums])
         self._settle(in_flight)
         in_flight.start(
             f"update_weights of {what}", lambda: self.client.update_weights(message)
@@ -1055,7 +1062,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         part = whole.part
         self._shared_now.use(part)
         checksums = self._part_checksums(part)
-        short: dict[str, Any] = {"layout": whole.layout}
+        short: dict[str, Any] = {"layout": whole.layout, "layout_digest": whole.digest}
         if part.indexes is None:
             short["ipc_handles"] = {device_key(owner.device, self.rank): part.handles()}
         # Over several segments the handles are left out: the workers read
@@ -1222,12 +1229,14 @@ class _SharedInSync:
 class _WholeMessage:
     """A sync that went whole as one message out of one ``SharedParameters``
     buffer: the plan and the source it was for, the buffer, the layout id the
-    message carried, and what the message named of the buffer's segments."""
+    message carried and the message's ``layout_digest``, and what the message
+    named of the buffer's segments."""
 
     plan: TransferPlan
     source: WeightSource | None
     owner: SharedParameters
     layout: str
+    digest: str
     part: SegmentPart
 
 

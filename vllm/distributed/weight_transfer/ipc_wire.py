@@ -38,16 +38,24 @@ that buffer. Tensors in one buffer come in increasing, non-overlapping
 order, as in a single buffer.
 
 A packed message that carries ``layout`` (an id the trainer chose) lets a
-later message send only ``{"layout": id, "ipc_handles": {...}}``: the worker
-reads the names, dtypes, shapes, sizes and offsets from the full message it
-parsed under that id (``LayoutMemo``), and checks the new handles against
-them. A layout over several buffers may leave ``ipc_handles`` out too
-(``{"layout": id}``): the buffers are then those the full message named,
-and the worker must still hold every one of them mapped, or it refuses the
-message (it never maps an old export again). A worker that does not know
-the id refuses the message before anything lands. The trainer sends the
-short form only for a whole sync out of its own ``SharedParameters`` whose
-layout every worker parsed, and kept mapped, at the sync before.
+later message send only
+``{"layout": id, "layout_digest": digest, "ipc_handles": {...}}`` (the
+short form, fork-only): the worker reads the names, dtypes, shapes, sizes
+and offsets from the full message it committed under that id
+(``LayoutMemo``), and checks the new handles against them. ``digest`` is
+``layout_digest`` of that full message (its layout and buffers, in order),
+which the trainer computed when it sent it; the worker refuses a short
+message whose digest is not the one of the layout it holds under the id.
+A layout over several buffers may leave ``ipc_handles`` out too
+(``{"layout": id, "layout_digest": digest}``): the buffers are then those
+the full message named, and the worker must still hold every one of them
+mapped, or it refuses the message (it never maps an old export again). A
+worker remembers a layout only once the full message landed and its update
+committed; it refuses, before anything lands, a short message naming an id
+it does not hold. The trainer sends the short form only for a whole sync out
+of its own ``SharedParameters`` whose layout every worker committed, and
+kept mapped, at the sync before; a refused short form fails that sync, and
+the next one sends the full message again.
 
 A *handle* names one exported byte buffer and is one of::
 
@@ -83,12 +91,14 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+import hashlib
 import itertools
+import json
 import math
 import pickle
 import re
 import socket
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar, TypeVar
 
@@ -638,8 +648,10 @@ class TensorView:
 _Fact = TypeVar("_Fact")
 
 _UPDATE_REQUIRED = {"names", "dtype_names", "shapes"}
-# The short form of a packed message whose layout the worker parsed before.
-_COMPACT_FIELDS = {"layout", "ipc_handles"}
+# The short form of a packed message whose layout the worker committed before.
+_COMPACT_FIELDS = {"layout", "layout_digest", "ipc_handles"}
+_COMPACT_REQUIRED = {"layout", "layout_digest"}
+_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 _MAX_LAYOUT_ID = 128
 
 
@@ -651,18 +663,30 @@ class LayoutMemo:
     sync, and checking thousands of names, shapes and offsets again is most
     of a worker's per-tensor cost. One earlier message is kept per chunk
     (first name, last name, count), at most ``max_entries``; and one per
-    ``layout`` id a message carried, at most ``max_layouts``, which a short
-    message (``{"layout": id, "ipc_handles": ...}``) names."""
+    ``layout`` id a message carried, at most ``max_layouts``, with its
+    ``layout_digest``, which a short message
+    (``{"layout": id, "layout_digest": digest, "ipc_handles": ...}``) names.
+
+    Only committed syncs teach the memo: ``parse`` reads it and records
+    nothing; the worker calls ``landed`` for each message once its weights
+    landed, ``commit`` when its update committed, and ``discard`` when the
+    update failed, was aborted or another one started. A message refused,
+    or landed in an update that never committed, leaves the memo exactly
+    as it was, so it cannot change what a later short message lands."""
 
     def __init__(self, max_entries: int = 256, max_layouts: int = 16) -> None:
         self.max_entries = max_entries
         self.max_layouts = max_layouts
         self._by_chunk: dict[tuple, IPCWeightTransferUpdateInfo] = {}
-        self._by_layout: dict[str, IPCWeightTransferUpdateInfo] = {}
+        # Per layout id: the full message that set it, and its digest.
+        self._by_layout: dict[str, tuple[IPCWeightTransferUpdateInfo, str]] = {}
+        # Full packed messages of the open update that landed, in order.
+        self._landed: list[IPCWeightTransferUpdateInfo] = []
         self.reused = 0  # messages parsed from an earlier one's views
         self.compact = 0  # of those, short messages naming a layout id
 
     def parse(self, d: object) -> IPCWeightTransferUpdateInfo:
+        """``d`` checked and parsed, reusing what committed syncs taught."""
         if isinstance(d, dict) and "layout" in d and "names" not in d:
             return self._parse_compact(d)
         key = _chunk_key(d)
@@ -670,29 +694,49 @@ class LayoutMemo:
         info = IPCWeightTransferUpdateInfo.from_dict(d, like=like)
         if like is not None and info._views is like._views:
             self.reused += 1
-        if not info.packed or info.upstream_wire:
-            return info
-        if key is not None:
-            remember_newest(self._by_chunk, key, info, self.max_entries)
-        if info.layout is not None:
-            remember_newest(self._by_layout, info.layout, info, self.max_layouts)
         return info
 
+    def landed(self, info: IPCWeightTransferUpdateInfo) -> None:
+        """``info``'s weights landed in the open update: its layout joins the
+        memo if that update commits. Short messages teach nothing (their
+        layout is in the memo already)."""
+        if info.packed and not info.upstream_wire and not info.short_form:
+            self._landed.append(info)
+
+    def commit(self) -> None:
+        """The open update committed: what landed in it is remembered."""
+        landed, self._landed = self._landed, []
+        for info in landed:
+            key = _chunk_key({"names": info.names})
+            if key is not None:
+                remember_newest(self._by_chunk, key, info, self.max_entries)
+            if info.layout is not None:
+                entry = (info, info.layout_digest())
+                remember_newest(self._by_layout, info.layout, entry, self.max_layouts)
+
+    def discard(self) -> None:
+        """The open update failed, was aborted or gave way to a new one:
+        nothing it landed is remembered."""
+        self._landed = []
+
     def _parse_compact(self, d: dict[str, Any]) -> IPCWeightTransferUpdateInfo:
-        """A short message: the layout of the full message parsed under its
-        id, with the new handles (checked to cover every tensor), or, over
-        several buffers and without handles, that message's own (marked
-        ``reuses_handles``: the worker must hold them all mapped)."""
-        check_fields(d, _COMPACT_FIELDS, {"layout"}, "update_info")
+        """A short message: the layout of the full message committed under
+        its id, if ``layout_digest`` is that message's digest, with the new
+        handles (checked to cover every tensor), or, over several buffers and
+        without handles, that message's own (marked ``reuses_handles``: the
+        worker must hold them all mapped)."""
+        check_fields(d, _COMPACT_FIELDS, _COMPACT_REQUIRED, "update_info")
         layout = d["layout"]
-        known = self._by_layout.get(layout) if isinstance(layout, str) else None
-        if known is None:
+        entry = self._by_layout.get(layout) if isinstance(layout, str) else None
+        if entry is None:
             raise ValueError(
                 f"update_info names layout {layout!r} without names, but this "
-                "worker parsed no full message with that layout (it keeps the "
-                f"last {self.max_layouts}); send the full message, with names, "
-                "dtype_names, shapes, tensor_sizes and offsets"
+                "worker committed no full message with that layout (it keeps "
+                f"the last {self.max_layouts}); send the full message, with "
+                "names, dtype_names, shapes, tensor_sizes and offsets"
             )
+        known, digest = entry
+        _check_digest(d["layout_digest"], digest, layout)
         if "ipc_handles" not in d:
             if known._n_buffers == 1 and not _lists_buffers(known.ipc_handles):
                 raise ValueError(
@@ -700,18 +744,80 @@ class LayoutMemo:
                     "ipc_handles; only a layout over several buffers may reuse "
                     "the handles of the message that set it"
                 )
-            self.reused += 1
-            self.compact += 1
-            return known._reusing_handles()
-        handles = d["ipc_handles"]
-        if not isinstance(handles, dict) or _is_upstream_form(handles):
-            raise ValueError(
-                "update_info.ipc_handles of a message naming a layout must be "
-                "one object of the fork's handles (a packed buffer)"
-            )
+            short = known._reusing_handles()
+        else:
+            handles = d["ipc_handles"]
+            if not isinstance(handles, dict) or _is_upstream_form(handles):
+                raise ValueError(
+                    "update_info.ipc_handles of a message naming a layout must "
+                    "be one object of the fork's handles (a packed buffer)"
+                )
+            short = known._with_handles(handles)
+        short.short_form = True
         self.reused += 1
         self.compact += 1
-        return known._with_handles(handles)
+        return short
+
+
+def _check_digest(got: object, want: str, layout: str) -> None:
+    """A short message's ``layout_digest`` must be the digest of the full
+    message committed under its layout id: it binds the short form to that
+    exact layout, whatever else was sent under the id."""
+    if not isinstance(got, str) or not _DIGEST_RE.fullmatch(got):
+        raise ValueError(
+            f"update_info.layout_digest must be 64 lowercase hex digits (the "
+            f"sha256 layout_digest of the full message), got {got!r:.80}"
+        )
+    if got != want:
+        raise ValueError(
+            f"update_info.layout_digest is {got[:16]}... but the layout this "
+            f"worker committed under id {layout!r} has digest {want[:16]}...: "
+            "the short form names another layout than the one held; send the "
+            "full message, with names, dtype_names, shapes, tensor_sizes and "
+            "offsets"
+        )
+
+
+def layout_digest(message: Mapping[str, Any]) -> str:
+    """The sha256 (hex) of a packed message's exact layout, in order: names,
+    dtype names, shapes, tensor sizes, offsets, buffer indexes, and the
+    buffers' handles (device key, kind, and what names the memory: segment
+    name or CUDA storage handle, offsets, sizes). The trainer computes it
+    from the full message it sends with a layout id and puts it in every
+    short message naming that id; the worker computes it from the full
+    message it committed and refuses a short message that disagrees."""
+    handles = _packed_handles(message["ipc_handles"], "layout_digest handles", None)
+    buffers = [
+        [[key, *_handle_identity(hmap[key])] for key in sorted(hmap)]
+        for hmap in _buffer_maps(handles)
+    ]
+    layout = [
+        [str(n) for n in message["names"]],
+        [str(d) for d in message["dtype_names"]],
+        [[int(x) for x in shape] for shape in message["shapes"]],
+        message.get("tensor_sizes"),
+        message.get("offsets"),
+        message.get("buffer_indexes"),
+        buffers,
+    ]
+    text = json.dumps(layout, separators=(",", ":"), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _handle_identity(handle: BufferHandle) -> list[Any]:
+    """What names a handle's memory (never its per-message reference
+    counter or event)."""
+    if isinstance(handle, ShmHandle):
+        return ["shm", handle.name, handle.nbytes]
+    return [
+        "cuda",
+        handle.device,
+        handle.storage_handle,
+        handle.storage_size_bytes,
+        handle.storage_offset_bytes,
+        handle.tensor_offset,
+        handle.nbytes,
+    ]
 
 
 def _chunk_key(d: object) -> tuple | None:
@@ -814,6 +920,8 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         # A short message that named no handles: these are those of the
         # message that set its layout, which the worker must hold mapped.
         self.reuses_handles = False
+        # Parsed from a short message (``LayoutMemo``), not a full one.
+        self.short_form = False
         # Where each buffer's tensors end (``_check_cover``).
         self._ends: list[int] | None = None
         # ``layout_fact``'s values; messages parsed from one layout share it.
@@ -1061,6 +1169,20 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         one layout (``LayoutMemo`` reuses it): what a worker compares to skip
         checks the layout passed before. Read only."""
         return self._views
+
+    def layout_digest(self) -> str:
+        """``layout_digest`` of this message as sent (fork wire, packed)."""
+        return layout_digest(
+            {
+                "names": self.names,
+                "dtype_names": self.dtype_names,
+                "shapes": self.shapes,
+                "tensor_sizes": self.tensor_sizes,
+                "offsets": self.offsets,
+                "buffer_indexes": self.buffer_indexes,
+                "ipc_handles": self.ipc_handles,
+            }
+        )
 
     def layout_fact(
         self,

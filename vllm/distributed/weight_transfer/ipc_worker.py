@@ -68,6 +68,7 @@ from vllm.distributed.weight_transfer.sharded_rdt_ops import dtype_from_name
 from vllm.distributed.weight_transfer.staged_update import StagedUpdate
 from vllm.distributed.weight_transfer.verification import (
     ChecksumMismatch,
+    WeightState,
     WholeTensors,
     WorkerPublication,
     describe_error,
@@ -127,7 +128,8 @@ class IPCWeightTransferEngine(
         # (``chunk_programs``); for ``landing_plan``.
         self.chunk_programs: ChunkPrograms | None = None
         # Earlier messages whose checked views a message with the same
-        # layout reuses (``parse_update_info``).
+        # layout reuses (``parse_update_info``); it learns a message's layout
+        # only once the message landed and its update committed.
         self.layouts = LayoutMemo()
         # The buffers the last message read (``read_message``); dropped as
         # soon as any mapping is released, which it would hold.
@@ -170,6 +172,7 @@ class IPCWeightTransferEngine(
         self.packed = init_info.packed
 
     def _on_start(self) -> None:
+        self.layouts.discard()
         self.last_update_keys = set()
         self._planned = None
         self._codes = None
@@ -216,7 +219,23 @@ class IPCWeightTransferEngine(
         self._close_mappings(keep_persistent=True)
 
     def _on_update_failed(self, reason: str) -> None:
+        self.layouts.discard()
         self._close_mappings()
+
+    def finish_weight_update(self) -> None:
+        # Only an update that commits here teaches the layout memo: one
+        # aborted, failed or closed quietly after a failure leaves it as it
+        # was (``LayoutMemo``).
+        commits = not self._aborted and self.pub.fence.state == WeightState.UPDATING
+        try:
+            super().finish_weight_update()
+        except BaseException:
+            self.layouts.discard()
+            raise
+        if commits:
+            self.layouts.commit()
+        else:
+            self.layouts.discard()
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -301,6 +320,7 @@ class IPCWeightTransferEngine(
             self._check_landed(landed_check)
         del buffers, landed_check
         self.pub.landed_whole(whole, update_info.layout_fact("nbytes", _total_nbytes))
+        self.layouts.landed(update_info)
         if not update_info.packed:
             # One-shot buffers: nothing refers to them any more.
             self._close_mappings()
