@@ -5,12 +5,16 @@
 An adapter push is an update of the weight-transfer lifecycle whose messages
 carry an ``adapter`` header (``AdapterHeader``) instead of base weights: the
 worker copies the adapter's tensors out of the trainer's buffer into memory it
-owns (``AdapterStaging``), checks the whole adapter once the last message
-arrived (names, rank, shapes against the served checkpoint, the engine's LoRA
-limits; ``check_adapter``) and, at ``finish_weight_update``, makes it the
+owns (``AdapterStaging``) and, at ``finish_weight_update``, makes it the
 version that serves under its name and integer id (``MemoryAdapters.commit``).
 The base weights are not touched, nothing is written to disk, and a push that
 fails or is aborted before the finish leaves the version before it serving.
+Each message is checked against the header before any of its bytes is copied
+(names, rank, shapes against the served checkpoint, a name sent twice;
+``tensor_errors``), so a push stages at most what its header allows; its first
+message is checked for an id another adapter holds, whatever loaded it
+(``MemoryAdapters.check_ids``); the last, for the whole adapter
+(``check_adapter``). A refusal is an ``AdapterRefused``.
 A verified push (the trainer's default) also carries a publication header:
 each worker admits every tensor against its manifest, writes a receipt of
 what it staged at the trainer's prepare message, and refuses a version older
@@ -20,7 +24,11 @@ Serving reads adapters through vLLM's own LoRA manager, which loads an adapter
 when a request names an id it does not hold, and drops all of them after every
 base-weight update. ``install_memory_loader`` makes that load answer from
 memory for the ids pushed here (building the adapter with
-``LoRAModel.from_lora_tensors``); every other id still loads from its path. A
+``LoRAModel.from_lora_tensors``); every other id still loads from its path,
+noted so that no push takes its id. While an engine step activates its
+adapters, where a raise stops the engine, a request naming a pushed id with
+another name raises nothing: the pushed adapter serves it and the clash is
+logged (a preload of it, ``add_lora``, is refused instead). A
 commit drops the id from the LoRA manager, so the next engine step loads the
 new version: requests switch between two steps, never inside one, and never
 see a half-written adapter. Each worker of a TP group receives the whole
