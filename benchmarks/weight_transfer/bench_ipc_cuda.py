@@ -385,6 +385,9 @@ def _worker(conn, params) -> None:
                 )
                 torch.cuda.synchronize()
                 landed = time.perf_counter()
+                # As the worker engine does once the update commits.
+                layouts.landed(info)
+                layouts.commit()
                 phases.append(
                     {
                         "parse": parsed - arrived,
