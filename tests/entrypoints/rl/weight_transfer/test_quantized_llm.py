@@ -279,6 +279,9 @@ def test_vllm_serve_fp8_engine_updated_over_http_like_a_fresh_load():
         trainer.send_weights()  # the weights it already holds
         assert_bit_identical(server.greedy(), served[-1], what="after a no-op push")
         _assert_quantized(served_dtypes())
+        nan_weights_answer_500_and_the_resync_serves_at_once(
+            server, trainer, trainer_model, served[-1]
+        )
         trainer.shutdown()
         # The trainer quantizes: codes and scales over the same routes land
         # straight in the served codes, and the fresh-load oracle holds.
@@ -602,3 +605,127 @@ def test_fp8_codes_an_engine_cannot_take_are_refused_before_anything_lands(
     )
     llm.reset_prefix_cache()
     oracle.assert_serves(trainer_model)
+
+
+# A weight of the first layer that the scheme quantizes, and its scale.
+NAN_WEIGHT = "model.layers.0.self_attn.q_proj.weight"
+
+
+class _BadScale(WeightSource):
+    """``Fp8ChannelCodes`` of the trainer's weights with ``value`` written
+    into the first element of layer 0's ``q_proj.weight_scale`` (a negative
+    ``value`` negates the whole scale) after the trainer's own check: what a
+    client that skips it sends."""
+
+    def __init__(self, module: torch.nn.Module, value: float) -> None:
+        self.inner = Fp8ChannelCodes(ModuleSource(module))
+        self.value = value
+
+    def metadata(self) -> list[ParamMeta]:
+        return self.inner.metadata()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.inner:
+            if name == NAN_WEIGHT + "_scale":
+                tensor = tensor.clone()
+                if self.value < 0:
+                    tensor.neg_()
+                else:
+                    tensor.view(-1)[0] = self.value
+            yield name, tensor
+
+
+def test_bad_fp8_scales_are_refused_and_nan_weights_do_not_outlive_the_resync(
+    ipc_engine,
+):
+    """Scales of NaN, infinity, zero or below are refused by every worker
+    before anything lands, naming the scale: the old weights keep serving,
+    unfenced. Weights with a NaN are the trainer's to send (the engine serves
+    NaN logprobs); the full sync after them serves the new oracle from its
+    very first generation: the NaN the old weights left in the KV cache's
+    blocks is zeroed at the commit."""
+    from vllm.distributed.weight_transfer.verification import is_fenced_version
+
+    llm, model_dir, tp = ipc_engine
+    trainer_model = load_hf_model(model_dir, "float32")
+    client = OfflineLLMWeightSyncClient(llm)
+    oracle = FreshLoadOracle(offline_worker_call(llm), lambda: vllm_greedy(llm))
+
+    def sync(source: WeightSource) -> None:
+        WeightTransferTrainerFactory.trainer_init(
+            IPCTrainerInitInfo(rank=0), client=client, source=source
+        ).send_weights()
+
+    randomize_weights_(trainer_model, seed=45)
+    sync(ModuleSource(trainer_model))
+    before = oracle.assert_serves(trainer_model)
+    codes_land = True
+    for value in (float("nan"), float("inf"), 0.0, -1.0):
+        with pytest.raises(Exception) as refused:
+            sync(_BadScale(trainer_model, value))
+        if "repacks the codes after loading" in str(refused.value):
+            codes_land = False  # this CPU's FP8 kernel takes no codes at all
+            break
+        assert "q_proj.weight_scale (scale, float32" in str(refused.value)
+        assert "every element must be finite and greater than zero" in str(
+            refused.value
+        )
+        assert not is_fenced_version(llm.get_weight_version())
+        assert_bit_identical(
+            vllm_greedy(llm), before, what=f"after a refused scale of {value}"
+        )
+
+    weight = dict(trainer_model.named_parameters())[NAN_WEIGHT]
+    kept = weight.detach().clone()
+    with torch.no_grad():
+        weight[0, 0] = float("nan")
+    sync(ModuleSource(trainer_model))
+    poisoned = vllm_greedy(llm)
+    assert any(math.isnan(lp) for row in poisoned.logprobs for lp in row)
+    with torch.no_grad():
+        weight.copy_(kept)
+    randomize_weights_(trainer_model, seed=46)
+    source = ModuleSource(trainer_model)
+    sync(Fp8ChannelCodes(source) if codes_land else source)
+    oracle.assert_serves(trainer_model, what="the first generation after the resync")
+
+
+def nan_weights_answer_500_and_the_resync_serves_at_once(
+    server: Any, trainer: Any, trainer_model: torch.nn.Module, expected: Any
+) -> None:
+    """Over HTTP: after a sync of weights holding a NaN, a completion is a
+    ``500`` naming the served weight version (the output holds NaN, which
+    JSON cannot carry; the request is not at fault); the sync that puts the
+    weights back serves ``expected`` from its very first completions (no
+    prefix-cache reset of the test's own in between)."""
+    import requests
+
+    from vllm.distributed.weight_transfer.testing.oracle import completions_greedy
+
+    weight = dict(trainer_model.named_parameters())[NAN_WEIGHT]
+    kept = weight.detach().clone()
+    with torch.no_grad():
+        weight[0, 0] = float("nan")
+    trainer.send_weights()
+    answer = requests.post(
+        f"{server.base_url}/v1/completions",
+        json={
+            "model": server.model,
+            "prompt": [1, 17, 93, 255],
+            "max_tokens": 2,
+            "temperature": 0.0,
+            "logprobs": 0,
+        },
+        timeout=60,
+    )
+    assert answer.status_code == 500, answer.text
+    message = answer.json()["error"]["message"]
+    assert "weight_version" in message and "served weights" in message, message
+    with torch.no_grad():
+        weight.copy_(kept)
+    trainer.send_weights()
+    assert_bit_identical(
+        completions_greedy(server.base_url, server.model),
+        expected,
+        what="the first completions after the resync from NaN weights",
+    )
