@@ -34,6 +34,10 @@ tensors with no quantizing and no layerwise reload.
    sent partly as codes and partly in full precision is refused (the
    planner sees the codes cover only part of it).
 
+The values are the worker's check before each message lands
+(``quantized_values``: finite, positive scales and finite codes), not the
+plan's: a plan holds no tensor.
+
 ``land`` copies a codes tensor's slices and a scale's rows into views of the
 served tensors, bound at planning (a staged update stages the same pieces,
 ``slices``, and copies them at the commit, ``land_slices``);
