@@ -760,6 +760,30 @@ def test_a_refused_message_under_the_layout_id_changes_no_later_short_form():
         assert engine.fence_status["state"] == "committed"
 
 
+def test_a_layout_landed_in_an_update_that_was_aborted_is_not_remembered():
+    """Staged, so an abort after landing leaves the engine unfenced: another
+    layout sent under the trainer's id over its own segment lands, and the
+    update is aborted. The trainer's next short form still lands its own
+    layout."""
+    with pinned_rig(staging="host") as rig:
+        client = CapturingClient(rig.engine)
+        rig.trainer.client = client
+        rig.trainer.send_weights()
+        assert client.full is not None
+        served = state(rig.target)
+        hostile = _swapped_layout_from_elsewhere(client.full)
+        engine = rig.engine
+        engine.start_weight_update()
+        engine.update_weights({**hostile, "ipc_handles": client.full["ipc_handles"]})
+        engine.update_weights({"abort": "the client gives up"})
+        engine.finish_weight_update()
+        _assert_unfenced_serving(rig, served)
+        step(rig.model)
+        rig.trainer.send_weights()
+        assert client.forms[-1] == ("short", client.forms[0][1])
+        assert_served(rig.target, rig.model)
+
+
 def test_a_short_form_with_another_digest_is_refused_unfenced_then_syncs_whole():
     """A short form whose ``layout_digest`` is not the digest of the layout
     the worker holds under its id is refused before anything lands: the
