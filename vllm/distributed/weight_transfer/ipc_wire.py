@@ -1195,7 +1195,11 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         ``key``; computed again when ``still(kept)`` says the kept value no
         longer applies. ``compute`` must read the views alone (names, dtypes,
         shapes, offsets), never the handles. A ``compute`` that raises keeps
-        nothing."""
+        nothing. So a value is the same whichever message of the layout
+        computed it: one computed for a message that is then refused (its
+        views shared with a committed message's, ``LayoutMemo``) is the
+        value any later message would compute, and cannot change what that
+        message lands."""
         facts = self._layout_facts
         if key in facts:
             kept = facts[key]
