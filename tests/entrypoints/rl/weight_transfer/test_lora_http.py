@@ -21,7 +21,10 @@ and with Hugging Face + PEFT's forward (fp32 tolerance); a second push after
 an in-place step reaches the same ``model`` name; a bad adapter is refused
 over HTTP with its cause and the version before keeps serving; an adapter
 pulled over NIXL from the trainer's producer (``transport="nixl"``) serves
-the same way. At TP 2, where
+the same way. One id names one adapter whoever numbered it: a push of an
+id ``/v1/load_lora_adapter`` gave another name is refused 409 and an id
+pushed first is skipped by the server's numbering, each adapter then serving
+exactly its own weights. At TP 2, where
 each worker maps the adapter's buffer and takes its own slice; TP 1 is
 covered offline (``test_lora_llm.py``, which runs both sizes), so CI starts
 one server here instead of two.
@@ -29,6 +32,7 @@ one server here instead of two.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -40,6 +44,8 @@ import torch
 
 from vllm.distributed.weight_transfer.adapter_labels import split_adapter_label
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+from vllm.distributed.weight_transfer.lora_adapters import memory_path
+from vllm.distributed.weight_transfer.lora_routes import LORA_ID_HEADER
 from vllm.distributed.weight_transfer.lora_trainer import (
     LoRAAdapter,
     LoRAPusher,
@@ -157,6 +163,96 @@ def test_a_pushed_adapter_serves_openai_requests_by_name(
         "lora_id": PUSHED_ID,
         "version": "v2",
     }
+
+
+class _NoRegistration(HTTPVLLMWeightSyncClient):
+    """Pushes without telling the OpenAI server the adapter's name."""
+
+    register_lora_adapter = None  # type: ignore[assignment]
+
+
+def _load_from_disk(server: ServerProcess, model: Any, path: Path, name: str) -> int:
+    """``/v1/load_lora_adapter`` of ``model`` saved by PEFT; the id the
+    server gave it."""
+    model.save_pretrained(str(path))
+    answer = requests.post(
+        f"{server.base_url}/v1/load_lora_adapter",
+        json={"lora_name": name, "lora_path": str(path)},
+        timeout=120,
+    )
+    assert answer.ok, answer.text
+    return int(answer.headers[LORA_ID_HEADER])
+
+
+def test_one_id_names_one_adapter_whoever_numbered_it(server, tiny_model_dir, tmp_path):
+    """A push of the id ``/v1/load_lora_adapter`` gave another adapter is
+    refused 409 before the engine sees it (it used to commit, and the next
+    request of the loaded adapter stopped the server); an id pushed first is
+    skipped by the server's numbering; a bad adapter is 400 naming its
+    cause, a name that would forge a log line too. Every adapter then serves
+    exactly its own weights, and the base model what it served before."""
+    client = HTTPVLLMWeightSyncClient(server.base_url, timeout=120)
+    atol = logprob_atol("float32")
+    base = completions_greedy(server.base_url, server.model)
+    sft_model = policy(tiny_model_dir, seed=8)
+    sft_id = _load_from_disk(server, sft_model, tmp_path / "sft", "sft")
+    sft = completions_greedy(server.base_url, "sft")
+    assert_same_greedy(sft, hf_greedy(sft_model), atol=atol)
+
+    evil_model = policy(tiny_model_dir, seed=9)
+    evil = LoRAAdapter.from_peft_model(evil_model, "evil", sft_id)
+    with pytest.raises(requests.HTTPError, match="already serves adapter 'sft'") as e:
+        push_lora_adapter(client, evil)
+    assert e.value.response.status_code == 409
+    assert f"lora_id {sft_id}" in str(e.value)
+    assert_bit_identical(completions_greedy(server.base_url, "sft"), sft, what="sft")
+
+    # The other order: the id the server would hand out next is pushed
+    # first; the next adapter loaded gets the one after it.
+    push_lora_adapter(
+        _NoRegistration(server.base_url, timeout=120),
+        LoRAAdapter.from_peft_model(evil_model, "evil", sft_id + 1),
+    )
+    later_model = policy(tiny_model_dir, seed=10)
+    assert _load_from_disk(server, later_model, tmp_path / "l", "later") == sft_id + 2
+    later = completions_greedy(server.base_url, "later")
+    assert_same_greedy(later, hf_greedy(later_model), atol=atol)
+    client.register_lora_adapter("evil", memory_path("evil"))
+    served_evil = completions_greedy(server.base_url, "evil")
+    assert_same_greedy(served_evil, hf_greedy(evil_model), atol=atol)
+
+    # A bad adapter: 400 with the worker's cause, not 500.
+    wide = policy(tiny_model_dir, seed=11, rank=2 * MAX_RANK)
+    with pytest.raises(requests.HTTPError, match="max_lora_rank") as e:
+        push_lora_adapter(client, LoRAAdapter.from_peft_model(wide, "evil", sft_id + 1))
+    assert e.value.response.status_code == 400
+    # A name that would forge a log line: 400 before the engine.
+    forged = {
+        "name": "x\nWARNING forged log line",
+        "lora_id": PUSHED_ID + 7,
+        "config": evil.config.to_dict(),
+        "last": True,
+    }
+    client.start_weight_update()
+    answer = requests.post(
+        f"{server.base_url}/update_weights",
+        json={"update_info": {"names": [], "adapter": forged}},
+        timeout=120,
+    )
+    client.update_weights({"abort": "the forged name was refused"})
+    client.finish_weight_update()
+    assert answer.status_code == 400 and "adapter name" in answer.text
+    assert "forged" not in json.dumps(_status(server)["adapters"])
+
+    # Nothing of that changed what serves.
+    assert_bit_identical(completions_greedy(server.base_url, "sft"), sft, what="sft")
+    assert_bit_identical(completions_greedy(server.base_url, "later"), later, what="l")
+    assert_bit_identical(
+        completions_greedy(server.base_url, "evil"), served_evil, what="evil"
+    )
+    assert_bit_identical(
+        completions_greedy(server.base_url, server.model), base, what="base"
+    )
 
 
 def test_an_adapter_pulled_over_nixl_serves_openai_requests_by_name(
