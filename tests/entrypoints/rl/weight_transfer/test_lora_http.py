@@ -186,8 +186,8 @@ def _load_from_disk(server: ServerProcess, model: Any, path: Path, name: str) ->
 
 def test_one_id_names_one_adapter_whoever_numbered_it(server, tiny_model_dir, tmp_path):
     """A push of the id ``/v1/load_lora_adapter`` gave another adapter is
-    refused 409 before the engine sees it (it used to commit, and the next
-    request of the loaded adapter stopped the server); an id pushed first is
+    refused 409 before the engine sees it, so the loaded adapter's requests
+    never reach a step with a clashing id; an id pushed first is
     skipped by the server's numbering; a bad adapter is 400 naming its
     cause, a name that would forge a log line too. Every adapter then serves
     exactly its own weights, and the base model what it served before."""
