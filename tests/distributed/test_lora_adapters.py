@@ -452,3 +452,23 @@ def test_a_pull_is_checked_against_the_header_before_a_byte_is_pulled():
         with pytest.raises(AdapterRefused, match=cause):
             engine.check_layout(header(), message, payload_bytes=payload)
         assert engine.staging is None
+
+
+class BusyEngine(RefusingClient):
+    """A base-weight sync of a live trainer holds the engine's update open."""
+
+    def start_weight_update(self) -> None:
+        self.calls.append("start")
+        raise RuntimeError("a weight update is already active (publication p)")
+
+
+def test_a_push_never_abandons_an_update_another_trainer_holds_open():
+    from vllm.distributed.weight_transfer.stale_updates import UpdateStillOpen
+
+    client = BusyEngine()
+    with pytest.raises(UpdateStillOpen, match="wait_s=0.3"):
+        push_lora_adapter(
+            client, tiny_net_adapter(), verify_publication=False, start_wait_s=0.3
+        )
+    # Asked again within the wait; never aborted or finished.
+    assert set(client.calls) == {"start"} and len(client.calls) >= 2

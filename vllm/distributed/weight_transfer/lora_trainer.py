@@ -101,7 +101,10 @@ from vllm.distributed.weight_transfer.lora_pull import (
     AdapterServer,
     served_workers,
 )
-from vllm.distributed.weight_transfer.stale_updates import start_update
+from vllm.distributed.weight_transfer.stale_updates import (
+    DEFAULT_WAIT_S,
+    start_update,
+)
 from vllm.distributed.weight_transfer.verification import (
     DEFAULT_RECEIPT_TIMEOUT_S,
     PREPARE_FIELD,
@@ -121,6 +124,9 @@ ALIGN = 64
 # How long each wait of a pull over NIXL may last: workers register within
 # moments of the message, and an adapter reads in well under a second.
 DEFAULT_PULL_STALL_TIMEOUT_S = 60.0
+# How long a push waits for an update someone else holds open (a base sync
+# of a live trainer) to close before it gives up; it never abandons it.
+DEFAULT_START_WAIT_S = DEFAULT_WAIT_S
 
 
 @dataclass(frozen=True)
@@ -230,6 +236,7 @@ def push_lora_adapter(
     producer_host: str = "127.0.0.1",
     stall_timeout_s: float = DEFAULT_PULL_STALL_TIMEOUT_S,
     label_outputs: bool = False,
+    start_wait_s: float = DEFAULT_START_WAIT_S,
 ) -> VerifiedPublication | None:
     """Push ``adapter`` to the engine ``client`` drives, once; see the module
     docstring. Returns what the receipts verified (None when unverified). A
@@ -246,6 +253,7 @@ def push_lora_adapter(
         producer_host=producer_host,
         stall_timeout_s=stall_timeout_s,
         label_outputs=label_outputs,
+        start_wait_s=start_wait_s,
     )
     try:
         return pusher.push(adapter, version=version)
@@ -267,9 +275,12 @@ class LoRAPusher:
     engine's weight version label to the base weights' label followed by the
     version of every adapter pushed this way (``adapter_labels``), so every
     output token names the adapter versions it was sampled with; each push
-    then needs a ``version=``. ``close()`` frees the buffer and the producer;
-    a failed push frees them too, since a worker that timed out may still be
-    reading the buffer."""
+    then needs a ``version=``. ``start_wait_s``: while another update is
+    open on the engine (a base-weight sync of a trainer that is alive), a
+    push waits at most this long for it to close and then raises, naming
+    it; a push never abandons another's update. ``close()`` frees the
+    buffer and the producer; a failed push frees them too, since a worker
+    that timed out may still be reading the buffer."""
 
     def __init__(
         self,
@@ -284,7 +295,11 @@ class LoRAPusher:
         producer_host: str = "127.0.0.1",
         stall_timeout_s: float = DEFAULT_PULL_STALL_TIMEOUT_S,
         label_outputs: bool = False,
+        start_wait_s: float = DEFAULT_START_WAIT_S,
     ) -> None:
+        if not start_wait_s >= 0:
+            raise ValueError(f"start_wait_s must be >= 0, got {start_wait_s}")
+        self.start_wait_s = start_wait_s
         if model_version is not None and model_version < 0:
             raise ValueError(f"model_version must be >= 0, got {model_version}")
         if transport not in ("ipc", "nixl"):
@@ -515,7 +530,7 @@ class LoRAPusher:
         serving, and the served weight version is left as it is (only an
         adapter failed)."""
         try:
-            start_update(self.client, what)
+            start_update(self.client, what, take_over=False, wait_s=self.start_wait_s)
             try:
                 (update or self.client.update_weights)(message)
                 if pub is not None:

@@ -53,6 +53,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.lora_trainer import (
     DEFAULT_PULL_STALL_TIMEOUT_S,
+    DEFAULT_START_WAIT_S,
     LoRAAdapter,
     LoRAPusher,
 )
@@ -76,6 +77,7 @@ class LoRATrainerInitInfo(TrainerInitInfo):
     model_version: int | None = None
     receipt_timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S
     label_outputs: bool = False
+    start_wait_s: float = DEFAULT_START_WAIT_S
 
 
 class LoRASource(WeightSource):
@@ -150,6 +152,7 @@ class LoRATrainerWeightTransferEngine(TrainerWeightTransferEngine[LoRATrainerIni
                 producer_host=init_info.producer_host,
                 stall_timeout_s=init_info.stall_timeout_s,
                 label_outputs=init_info.label_outputs,
+                start_wait_s=init_info.start_wait_s,
             )
 
     @classmethod
