@@ -472,3 +472,22 @@ def test_a_push_never_abandons_an_update_another_trainer_holds_open():
         )
     # Asked again within the wait; never aborted or finished.
     assert set(client.calls) == {"start"} and len(client.calls) >= 2
+
+
+def test_an_adapter_vllm_cannot_build_is_refused_at_the_push(monkeypatch):
+    """vLLM's own build of the adapter runs at the push's last message, not
+    first in the engine step that would load it (where a raise stops the
+    engine)."""
+
+    def refuse(self: AdapterVersion, manager: Any, lora_id: Any = None) -> None:
+        assert manager._adapter_manager is engine.model.lora_manager
+        raise ValueError("vLLM does not support this PEFT feature")
+
+    engine = pushes(MemoryAdapters())
+    lora = engine.model.lora_manager
+    lora.lora_config = SimpleNamespace(max_lora_rank=8)  # type: ignore[union-attr]
+    lora.vocab_size = 32  # type: ignore[union-attr]
+    monkeypatch.setattr(AdapterVersion, "build", refuse)
+    with pytest.raises(AdapterRefused, match="vLLM cannot build it: vLLM does not"):
+        engine.receive(header(last=True), tensors().items())
+    assert engine.staging is None and engine.registry.versions() == {}

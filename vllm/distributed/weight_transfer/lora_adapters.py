@@ -45,6 +45,7 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -54,6 +55,7 @@ from vllm.distributed.weight_transfer.lora_publication import AdapterPublication
 from vllm.distributed.weight_transfer.verification import (
     Receipt,
     check_model_version,
+    describe_error,
     pop_publication,
 )
 from vllm.distributed.weight_transfer.verification.wire import _PUBLICATION_ID_RE
@@ -764,9 +766,37 @@ class AdapterPushes:
             errors = self.registry.check_ids(header, self.held_ids()) + check_adapter(
                 header, shapes_now, self.base_shapes, self.max_rank
             )
+            if not errors:
+                errors = self.build_errors(AdapterVersion(header, staging.tensors))
             if errors:
                 self.staging = None
                 raise refusal(header, errors)
+
+    def build_errors(self, version: AdapterVersion) -> list[str]:
+        """vLLM's own refusal of building ``version`` (its PEFT config
+        against the engine's LoRA config, its tensors against the model's
+        LoRA modules), met here rather than in the engine step that would
+        first load it, where a raise stops the engine. Empty when it builds,
+        or when the engine's LoRA manager is not vLLM's."""
+        manager = lora_model_manager(self.model)
+        lora_config = getattr(manager, "lora_config", None)
+        if lora_config is None or not hasattr(manager, "vocab_size"):
+            return []
+        from vllm.lora.lora_model import LoRAModel
+
+        # What ``AdapterVersion.build`` reads of a worker's LoRA manager.
+        worker_manager = SimpleNamespace(
+            max_position_embeddings=None,
+            lora_config=lora_config,
+            _adapter_manager=manager,
+            _lora_model_cls=LoRAModel,
+            vocab_size=manager.vocab_size,
+        )
+        try:
+            version.build(worker_manager)
+        except Exception as e:
+            return [f"vLLM cannot build it: {describe_error(e)}"]
+        return []
 
     def check_layout(
         self,
