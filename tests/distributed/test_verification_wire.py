@@ -102,6 +102,13 @@ def test_header_round_trips_with_and_without_manifest():
     assert PublicationHeader.from_dict(slim.to_dict()) == h
 
 
+def test_changed_fields_name_what_differs_apart_from_the_manifest_entries():
+    h = header()
+    assert h.changed_fields(h.without_manifest()) == []
+    other = header(model_version=4, backend="sharded_rdt")
+    assert h.changed_fields(other) == ["publication_id", "backend", "model_version"]
+
+
 def test_header_rejects_manifest_it_does_not_announce():
     d = header().to_dict()
     d["manifest"] = Manifest.from_params(METAS[:2]).to_dict()
