@@ -316,6 +316,7 @@ def test_a_receipt_dir_outside_the_receipt_root_is_refused_at_the_first_message(
         assert_refused_untouched(
             worker, first_message(pub, make_weights(1)), "receipt_dir"
         )
+        assert pub.box is not None
         assert list(pub.box.path.iterdir()) == []  # no receipt written there
     finally:
         pub.close()
@@ -373,6 +374,7 @@ def test_a_prepare_naming_another_publication_is_refused_before_any_receipt(
         stray = {"prepare": "0123456789abcdef"}
         with pytest.raises(ValueError, match=f"'0123456789abcdef' but .* {own}"):
             worker.pub.check_prepare(stray)
+        assert pub.box is not None
         assert list(pub.box.path.iterdir()) == []  # nothing attested
         # the prepare that names the open publication goes through
         worker.pub.check_prepare({"prepare": own})
