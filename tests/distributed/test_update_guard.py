@@ -616,3 +616,21 @@ def test_weights_with_no_update_open_are_refused_naming_how_the_last_one_ended()
     server = Server(RecordingEngine())
     run(go(server))
     assert server.engine.calls == []
+
+
+@pytest.mark.parametrize("staging", ["off", "host"])
+def test_the_finish_of_an_aborted_update_sets_no_version_label(staging):
+    async def go(server: Server) -> None:
+        await server.post("/start_weight_update")
+        await server.update(WEIGHTS)
+        await server.update({"abort": "the trainer gave up"})
+        finish = {"weight_version": "v2"}
+        assert await server.post("/finish_weight_update", finish) == 409
+        assert "the trainer gave up" in server.answer("/finish_weight_update")
+        assert await server.post("/finish_weight_update") == 200
+        assert server.engine.paused is False
+
+    server = Server(RecordingEngine(staging=staging))
+    run(go(server))
+    finishes = [b for p, b, _ in server.routes.seen if p == "/finish_weight_update"]
+    assert finishes == [b""]

@@ -33,7 +33,8 @@ middleware mounted with the RL routes, closes that window:
   answer to take over from a dead trainer. A weights, adapter or prepare
   message while none is open, or one naming a publication that was already
   closed (aborted, abandoned, failed or expired), is answered 409 naming how
-  that update ended.
+  that update ended. The finish of an aborted update may not carry a
+  ``weight_version`` (409): it commits nothing, so no label may name it.
 - **Hold.** Before the first message that carries base weights reaches the
   engine, generation is paused with ``mode="keep"`` unless someone else has
   already paused it. Requests in flight are frozen and new ones wait; a
@@ -258,6 +259,8 @@ class WeightUpdateGuard:
             await self._resume(scope, receive, send)
         elif route == "/update_weights":
             await self._update_weights(engine, mode, scope, receive, send)
+        elif route == "/finish_weight_update" and self._aborted_open():
+            await self._finish_aborted(engine, scope, receive, send)
         elif route == "/finish_weight_update" and (
             mode == "staged" or self._adapter_push_open()
         ):
@@ -373,6 +376,25 @@ class WeightUpdateGuard:
             await self._after_call(engine, ended=finished, ok=reply.ok)
 
         await self._call(scope, receive, send, then)
+
+    async def _finish_aborted(
+        self, engine: Any, scope: dict, receive: Receive, send: Send
+    ) -> None:
+        """The finish that closes an aborted update commits nothing, so it
+        may not set a version label: one would name weights that never
+        served (or, in place, label a fenced model as new)."""
+        body, replay = await _read_body(receive)
+        if _json_object(body).get("weight_version") is not None:
+            reason = self._open.aborted if self._open is not None else None
+            await _json_response(
+                send,
+                409,
+                f"this update was aborted ({reason}): its finish "
+                "commits nothing and sets no weight_version. Send "
+                "finish_weight_update without weight_version, then a new sync",
+            )
+            return
+        await self._weight_call(engine, "/finish_weight_update", scope, replay, send)
 
     async def _after_call(self, engine: Any, *, ended: bool, ok: bool) -> None:
         """Release after a finish that succeeded; otherwise (re-)arm the
@@ -668,6 +690,10 @@ class WeightUpdateGuard:
             "update", started=now, ok=True, backend=backend, update_info=abort
         )
         observer.observe_route("finish", started=now, ok=closed, backend=backend)
+
+    def _aborted_open(self) -> bool:
+        """Whether the open update took an abort and awaits its finish."""
+        return self._open is not None and self._open.aborted is not None
 
     def _adapter_push_open(self) -> bool:
         """Whether the open update carried a LoRA adapter and holds nothing
