@@ -397,15 +397,20 @@ class WeightUpdateGuard:
         await self._weight_call(engine, "/finish_weight_update", scope, replay, send)
 
     async def _after_call(self, engine: Any, *, ended: bool, ok: bool) -> None:
-        """Release after a finish that succeeded; otherwise (re-)arm the
-        deadline. A failed finish leaves the update open on the workers, so
-        generation stays held until a finish succeeds (the fork's trainers
-        abort and finish at once) or the deadline fences the served version."""
+        """Release after a finish that succeeded, or once the update closed
+        on the workers otherwise (the label fenced first, when base weights
+        had landed); else (re-)arm the deadline. A failed finish leaves the
+        update open on the workers, so generation stays held until a finish
+        succeeds (the fork's trainers abort and finish at once) or the
+        deadline fences the served version."""
         hold = self._hold
         if hold is None or hold.calls_in_flight:
             return  # the call still in flight decides when it answers
         if ended and ok:
             await self._release(engine, "the update ended")
+        elif self._open is None:
+            await self._fence_label(engine, self._last_end or "the update closed")
+            await self._release(engine, "the update closed on the workers")
         else:
             self._arm_deadline(engine)
 
@@ -515,13 +520,9 @@ class WeightUpdateGuard:
 
     async def _ended_on_workers(self, engine: Any, cause: str) -> None:
         """The workers closed the update without a commit: fence the label if
-        base weights had landed, and release."""
+        base weights had landed, and release (once no call is in flight)."""
         self._end(cause)
-        hold = self._hold
-        if hold is None or hold.calls_in_flight:
-            return
-        await self._fence_label(engine, cause)
-        await self._release(engine, "the update closed on the workers")
+        await self._after_call(engine, ended=False, ok=False)
 
     async def _fence_label(self, engine: Any, cause: str) -> None:
         """Name ``cause`` in the served version when base weights of the open
