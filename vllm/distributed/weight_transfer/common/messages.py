@@ -89,16 +89,8 @@ def classify_update(update_info: Any, workers: int | None = None) -> MessageKind
     cause for a list of the wrong length, a list mixing kinds, or a message
     that is not a JSON object."""
     messages = update_info if isinstance(update_info, list) else [update_info]
-    if isinstance(update_info, list) and (
-        not update_info or (workers is not None and len(update_info) != workers)
-    ):
-        raise UnclassifiableUpdate(
-            f"update_info is a list of {len(update_info)} messages but the "
-            f"server runs {workers if workers is not None else 'at least one'} "
-            "worker(s), and each worker reads element data_parallel_index * "
-            "world_size + rank; send one message per worker, or one message "
-            "(not a list) for all of them"
-        )
+    if not messages:
+        raise UnclassifiableUpdate(_length_refusal(0, workers))
     kinds = [message_kind(m) for m in messages]
     if MessageKind.MALFORMED in kinds:
         bad = kinds.index(MessageKind.MALFORMED)
@@ -116,7 +108,18 @@ def classify_update(update_info: Any, workers: int | None = None) -> MessageKind
             + "): each worker would do something different. Send one kind "
             "per call (weights, adapter, abort or prepare) to every worker"
         )
+    if isinstance(update_info, list) and workers not in (None, len(messages)):
+        raise UnclassifiableUpdate(_length_refusal(len(messages), workers))
     return kinds[0]
+
+
+def _length_refusal(length: int, workers: int | None) -> str:
+    return (
+        f"update_info is a list of {length} messages but the server runs "
+        f"{workers if workers is not None else 'at least one'} worker(s), and "
+        "each worker reads element data_parallel_index * world_size + rank; "
+        "send one message per worker, or one message (not a list) for all"
+    )
 
 
 def update_kind(update_info: Any) -> MessageKind:
