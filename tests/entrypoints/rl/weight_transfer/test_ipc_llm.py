@@ -557,3 +557,106 @@ def test_trainer_parameters_in_shared_memory_are_read_in_place(rig):
             assert [s["state"] for s in states] == ["committed"] * rig.combo.tp
     finally:
         shared.close()
+
+
+class RecordingLLMClient(OfflineLLMWeightSyncClient):
+    """Keeps every update message sent (``sent``) and rewrites each short
+    form with ``tamper`` when set."""
+
+    def __init__(self, llm: Any) -> None:
+        super().__init__(llm)
+        self.sent: list[dict[str, Any]] = []
+        self.tamper: Any = None
+
+    def update_weights(self, update_info: Any) -> None:
+        short = "layout" in update_info and "names" not in update_info
+        if short and self.tamper is not None:
+            update_info = self.tamper(dict(update_info))
+        self.sent.append(update_info)
+        super().update_weights(update_info)
+
+
+Q_PROJ_0 = "model.layers.0.self_attn.q_proj.weight"
+Q_PROJ_1 = "model.layers.1.self_attn.q_proj.weight"
+
+
+def _hostile_copy(full: dict[str, Any]) -> dict[str, Any]:
+    """The trainer's full message, headerless, under its layout id, with the
+    two ``q_proj`` names swapped (same shapes) and a segment that does not
+    exist."""
+    hostile = {
+        k: v for k, v in full.items() if k not in ("publication", "payload_checksums")
+    }
+    names = list(hostile["names"])
+    i, j = names.index(Q_PROJ_0), names.index(Q_PROJ_1)
+    names[i], names[j] = names[j], names[i]
+    (key,) = hostile["ipc_handles"]
+    handle = {**hostile["ipc_handles"][key], "name": "vllm-wt-no-such-segment"}
+    return {**hostile, "names": names, "ipc_handles": {key: handle}}
+
+
+def _assert_unfenced(rig) -> None:
+    states = rig.llm.collective_rpc(worker_fence_status)
+    assert all(s["state"] != "fenced" for s in states), states
+
+
+def test_a_refused_message_under_the_layout_id_changes_no_later_short_form(rig):
+    """A trainer on ``SharedParameters`` syncs twice (the second names the
+    first's layout id). A client then sends, between start and finish, the
+    trainer's full message under that id with two ``q_proj`` names swapped
+    and a segment that does not exist: refused, nothing lands, not fenced.
+    The trainer's next short form serves exactly its weights (the fresh-load
+    oracle). A short form whose layout digest is not the one the workers
+    hold is refused, unfenced, with the old weights serving; the next sync
+    goes whole. (One engine: the layout memo is per worker, whatever the
+    model or TP.)"""
+    if rig.combo.id != "qwen3-bfloat16-tp1":
+        pytest.skip("runs on the dense bf16 TP=1 engine only")
+    import copy
+
+    from vllm.distributed.weight_transfer.shared_params import SharedParameters
+
+    model = copy.deepcopy(rig.trainer_model)
+    shared = SharedParameters.place(model)
+    client = RecordingLLMClient(rig.llm)
+    try:
+        randomize_weights_(model, seed=41)
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            IPCTrainerInitInfo(rank=0, verify_checksums=True),
+            client=client,
+            source=shared.source(model),
+        )
+        trainer.send_weights()
+        (shorts,) = rig.llm.collective_rpc(short_messages)
+        randomize_weights_(model, seed=42)
+        trainer.send_weights()
+        assert rig.llm.collective_rpc(short_messages) == [shorts + 1]
+        full = next(m for m in client.sent if "names" in m and "layout" in m)
+
+        rig.llm.start_weight_update()
+        with pytest.raises(Exception, match="vllm-wt-no-such-segment"):
+            rig.llm.update_weights({"update_info": _hostile_copy(full)})
+        # (vLLM's Worker closes an update whose update_weights raised.)
+        _assert_unfenced(rig)
+        rig.assert_serves(model)
+
+        randomize_weights_(model, seed=43)
+        trainer.send_weights()
+        assert rig.llm.collective_rpc(short_messages) == [shorts + 2]
+        rig.assert_serves(model)
+
+        served = copy.deepcopy(model)
+        client.tamper = lambda m: {**m, "layout_digest": "0" * 64}
+        randomize_weights_(model, seed=44)
+        with pytest.raises(Exception, match="update_info.layout_digest is 0000"):
+            trainer.send_weights()
+        _assert_unfenced(rig)
+        rig.assert_serves(served)
+        client.tamper = None
+        before = len(client.sent)
+        trainer.send_weights()
+        after = [m for m in client.sent[before:] if "layout" in m]
+        assert after and all("names" in m for m in after), "the sync went whole"
+        rig.assert_serves(model)
+    finally:
+        shared.close()
