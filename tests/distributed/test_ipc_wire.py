@@ -318,8 +318,12 @@ def test_the_layout_digest_covers_every_field_of_the_layout_in_order():
         assert layout_digest(changed) != base
     # Not what travels with every message anew: the same layout and memory.
     assert layout_digest(q_projs(layout="other")) == base
-    info = IPCWeightTransferUpdateInfo.from_dict(json.loads(json.dumps(q_projs())))
-    assert info.layout_digest() == base
+    # The worker's digest of the parsed message is the trainer's of the JSON
+    # it sent: one buffer, several, and CUDA handles.
+    cuda = q_projs(ipc_handles={"GPU-1": {**_block_handle(0), "nbytes": 256}})
+    for message in (q_projs(), several(layout="multi"), cuda):
+        info = IPCWeightTransferUpdateInfo.from_dict(json.loads(json.dumps(message)))
+        assert info.layout_digest() == layout_digest(message)
 
 
 def several(**overrides):
