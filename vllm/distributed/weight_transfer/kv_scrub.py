@@ -23,11 +23,11 @@ say which values are non-finite.
 
 Cost: the scan finds the chunks to repair by a float32 sum of each (a sum is
 non-finite when any addend is, and summing is the cheapest full read torch
-has on a CPU: over 10x faster than ``isfinite`` on bfloat16 on a 2-core x86 VM), so a clean
-cache costs one read. It runs only on caches in host memory: the attention
-kernels of vLLM's GPU backends bound their reads by each sequence's length,
-so a stale slot never enters a GPU result, and a scan there would only add a
-read of the whole cache to every commit.
+has on a CPU, over 10x faster than ``isfinite`` on bfloat16 on a 2-core x86
+VM), so a clean cache costs one read. It runs only on caches in host memory:
+the attention kernels of vLLM's GPU backends bound their reads by each
+sequence's length, so a stale slot never enters a GPU result, and a scan
+there would only add a read of the whole cache to every commit.
 """
 
 from __future__ import annotations
