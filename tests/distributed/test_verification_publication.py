@@ -322,6 +322,14 @@ def test_a_receipt_dir_outside_the_receipt_root_is_refused_at_the_first_message(
         pub.close()
 
 
+def test_a_missing_receipt_dir_is_refused_at_the_first_message(tmp_path):
+    """A trainer on another host: its receipt box is not on this one."""
+    pub = open_publication(tmp_path)
+    message = first_message(pub, make_weights(1))
+    pub.close()  # the directory is gone
+    assert_refused_untouched(ToyWorker(0, tmp_path), message, "receipt_dir")
+
+
 def test_a_producer_channel_on_an_engine_without_producer_is_refused_at_once(
     tmp_path,
 ):

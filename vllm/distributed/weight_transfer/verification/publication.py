@@ -82,6 +82,7 @@ from vllm.distributed.weight_transfer.verification.receipts import (
     ReceiptInbox,
     ReceiptSink,
     ShmReceiptBox,
+    ShmReceiptSink,
     missing_workers,
     sink_for,
 )
@@ -456,16 +457,25 @@ class WorkerPublication:
 
     def _receipt_sink(self, header: PublicationHeader) -> ReceiptSink | None:
         """Where this worker's receipts for ``header`` go; ``ValueError``
-        naming the header field when they could not go there."""
+        naming the header field when they could not go there: a
+        ``receipt_dir`` outside the receipt root or missing (the trainer
+        creates it before its first message; missing, it runs on another
+        host), or a producer channel on an engine without a producer."""
+        field = "receipt_dir" if header.receipt_channel == "shm" else "receipt_channel"
         try:
-            return sink_for(header, self._producer_call, self.receipt_root)
+            sink = sink_for(header, self._producer_call, self.receipt_root)
+            if isinstance(sink, ShmReceiptSink) and not sink.path.is_dir():
+                raise ValueError(
+                    f"receipt directory {str(sink.path)!r} does not exist; the "
+                    "shm receipt channel needs the trainer on this host, "
+                    "which creates it before its first message"
+                )
         except ValueError as e:
-            shm = header.receipt_channel == "shm"
-            field = "receipt_dir" if shm else "receipt_channel"
             raise ValueError(
                 f"publication.{field} of publication {header.publication_id} is "
                 f"refused before any weight lands: {e}"
             ) from e
+        return sink
 
     def _check_same_header(self, header: PublicationHeader) -> None:
         """``ValueError`` unless a later message's header equals the first
