@@ -669,6 +669,7 @@ def test_hostile_version_and_stray_prepare_leave_old_or_new_weights(
         client=HTTPVLLMWeightSyncClient(server.base_url, timeout=120),
         source=ModuleSource(trainer_model),
     )
+    assert isinstance(hostile, IPCTrainerWeightTransferEngine)
     with pytest.raises(requests.HTTPError, match=r"publication\.model_version"):
         hostile.send_weights(weight_version="a-day-ahead")
     assert_bit_identical(served_greedy(server), before, what="after the refusal")
@@ -676,11 +677,13 @@ def test_hostile_version_and_stray_prepare_leave_old_or_new_weights(
     stray = StrayPrepare(
         HTTPVLLMWeightSyncClient(server.base_url, timeout=120), after=1
     )
-    WeightTransferTrainerFactory.trainer_init(
+    honest = WeightTransferTrainerFactory.trainer_init(
         IPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=256 * 1024),
         client=stray,
         source=ModuleSource(trainer_model),
-    ).send_weights(weight_version="despite-the-stray-prepare")
+    )
+    assert isinstance(honest, IPCTrainerWeightTransferEngine)
+    honest.send_weights(weight_version="despite-the-stray-prepare")
     assert stray.refusal is not None and "HTTP 409" in stray.refusal
     assert f"names publication '{StrayPrepare.STRAY_ID}'" in stray.refusal
     assert f"open update is publication {stray.publication_id}" in stray.refusal
