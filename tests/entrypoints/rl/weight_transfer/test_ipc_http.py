@@ -364,9 +364,10 @@ def _header_with_manifest_dtype_5() -> dict[str, Any]:
 CARELESS = {
     # A trainer that dies right after start while rollouts continue.
     "start-then-generate": Careless(None, seed=11),
-    # Upstream's per-rank list form, with no entry for this worker.
+    # Upstream's per-rank list form, with no entry for this worker: the
+    # guard refuses it before the workers (common.messages).
     "empty-list": Careless(
-        [], "list index out of range", failure_phases=("update",), seed=12
+        [], "list of 0 messages", failure_phases=("update",), seed=12
     ),
     # Counted under "abort" today: the observer sees the message's abort field.
     "abort-with-names": Careless(
@@ -522,7 +523,22 @@ def test_a_trainer_killed_between_chunks_does_not_block_the_next_sync(
     assert server.is_alive()
 
     randomize_weights_(trainer_model, seed=42)
+    log_start = server.log_path.stat().st_size
     sync_from_a_fresh_trainer(server, trainer_model, "after-the-dead-trainer")
+    # Issue 44.2: the takeover is a clean event: the start is answered 409
+    # with one log line naming the open publication, and no 500 or traceback.
+    with server.log_path.open(errors="replace") as log:
+        log.seek(log_start)
+        takeover_log = log.read()
+    assert "Traceback" not in takeover_log, takeover_log[-4000:]
+    assert '" 500' not in takeover_log, takeover_log[-4000:]
+    refusals = [
+        line
+        for line in takeover_log.splitlines()
+        if "Refused /start_weight_update" in line
+    ]
+    assert len(refusals) <= 1, refusals  # none if the deadline came first
+    assert all("already active" in r and "publication" in r for r in refusals)
     assert requests.get(f"{server.base_url}/weight_info").json() == {
         "weight_version": "after-the-dead-trainer"
     }
@@ -688,4 +704,176 @@ def test_hostile_version_and_stray_prepare_leave_old_or_new_weights(
     assert f"names publication '{StrayPrepare.STRAY_ID}'" in stray.refusal
     assert f"open update is publication {stray.publication_id}" in stray.refusal
     assert weight_info(server) == {"weight_version": "despite-the-stray-prepare"}
+    assert_serves(server, trainer_model)
+
+
+def message_dict(update_info: Any) -> dict[str, Any]:
+    to_dict = getattr(update_info, "to_dict", None)
+    return to_dict() if callable(to_dict) else dict(update_info)
+
+
+def is_weights(update_info: Any) -> bool:
+    message = message_dict(update_info)
+    return "abort" not in message and "prepare" not in message
+
+
+# The issue's decoys around a real weights message ``m`` for this one-worker
+# server: element 0 is the worker's, element 1 a message of another kind; and
+# the same through ``/collective_rpc``. Route, body, and the status expected.
+DECOYS = {
+    "abort": lambda m: ("update_weights", [m, {"abort": "decoy"}], 422),
+    "prepare": lambda m: ("update_weights", [m, {"prepare": "decoy-0123"}], 422),
+    "adapter": lambda m: ("update_weights", [m, {"adapter": {}}], 422),
+    "collective_rpc": lambda m: ("collective_rpc", [m, {"abort": "decoy"}], 403),
+}
+
+
+class SendsDecoysFirst:
+    """A sync client that sends its first weights message inside each decoy
+    (raw HTTP) before the real one, and notes each answer and what the
+    server served right after it."""
+
+    def __init__(self, inner: HTTPVLLMWeightSyncClient, server: ServerProcess):
+        self.inner = inner
+        self.server = server
+        self.seen: dict[str, tuple[requests.Response, GreedyResult, dict]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def update_weights(self, update_info: Any) -> None:
+        if not self.seen and is_weights(update_info):
+            message = message_dict(update_info)
+            for case, decoy in DECOYS.items():
+                route, body, _ = decoy(message)
+                if route == "collective_rpc":
+                    sent = {"method": "update_weights", "kwargs": {"update_info": body}}
+                else:
+                    sent = {"update_info": body}
+                answer = post(self.server, route, sent)
+                self.seen[case] = (
+                    answer,
+                    served_greedy(self.server),
+                    weight_info(self.server),
+                )
+        self.inner.update_weights(update_info)
+
+
+def test_a_decoy_list_or_collective_rpc_is_refused_and_the_old_weights_serve(
+    server, trainer_model
+):
+    """Issue finding 3: a list whose worker element carries weights next to a
+    decoy of another kind, or ``/collective_rpc update_weights``, is refused
+    before the workers, naming why; completions right after are the old
+    weights under the old label, and the real sync then serves the new."""
+    before = served_greedy(server)
+    version = weight_info(server)
+    randomize_weights_(trainer_model, seed=46)
+    client = SendsDecoysFirst(
+        HTTPVLLMWeightSyncClient(server.base_url, timeout=120), server
+    )
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(rank=0, packed=True),
+        client=client,
+        source=ModuleSource(trainer_model),
+    )
+    trainer.send_weights(weight_version="after-the-decoys")
+
+    assert set(client.seen) == set(DECOYS)
+    for case, (answer, served, label) in client.seen.items():
+        status = DECOYS[case]({})[2]
+        assert answer.status_code == status, (case, answer.text)
+        message = answer.json()["error"]["message"]
+        assert ("mixes message kinds" if status == 422 else "RL routes") in message
+        assert_bit_identical(served, before, what=f"vLLM after the {case} decoy")
+        assert label == version, case
+    assert weight_info(server) == {"weight_version": "after-the-decoys"}
+    assert_serves(server, trainer_model)
+
+
+class AbandonedMidSync:
+    """A sync client after whose first accepted weights message (generation
+    held, the model half landed) a second client acts on the open update:
+    a LoRA pusher that waits (``take_over=False``), then one that abandons
+    it (abort and finish, what ``push_lora_adapter`` did before)."""
+
+    REASON = "abandoned: a LoRA pusher took the server"
+
+    def __init__(self, inner: HTTPVLLMWeightSyncClient, server: ServerProcess):
+        self.inner = inner
+        self.server = server
+        self.waited: BaseException | None = None
+        self.label: str | None = None
+        self.served: GreedyResult | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def update_weights(self, update_info: Any) -> None:
+        self.inner.update_weights(update_info)
+        if self.label is not None or not is_weights(update_info):
+            return
+        from vllm.distributed.weight_transfer.full_resync import abort_update
+        from vllm.distributed.weight_transfer.stale_updates import (
+            UpdateStillOpen,
+            start_update,
+        )
+
+        other = HTTPVLLMWeightSyncClient(self.server.base_url, timeout=120)
+        try:
+            start_update(other, "a LoRA pusher", take_over=False, wait_s=1.0)
+        except UpdateStillOpen as e:
+            self.waited = e
+        abort_update(other, self.REASON)
+        self.label = weight_info(self.server)["weight_version"]
+        self.served = served_greedy(self.server)
+
+
+def test_an_abandoned_in_place_sync_fences_the_label_and_names_the_cause(
+    server, trainer_model
+):
+    """Issue finding 4: a pusher that will not take over waits and gives up
+    naming the open update; an abort of the half-landed update (anyone's)
+    fences the served label with its reason before generation resumes; the
+    base trainer's next chunk is refused naming that reason; the next sync
+    recovers."""
+    randomize_weights_(trainer_model, seed=47)
+    client = AbandonedMidSync(
+        HTTPVLLMWeightSyncClient(server.base_url, timeout=120), server
+    )
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(
+            rank=0,
+            packed=True,
+            packed_buffer_size_bytes=256 * 1024,
+            overlap_chunks=False,
+        ),
+        client=client,
+        source=ModuleSource(trainer_model),
+    )
+    with pytest.raises(Exception) as refused:
+        trainer.send_weights(weight_version="never-served")
+    causes = []
+    error: BaseException | None = refused.value
+    while error is not None:
+        causes.append(str(error))
+        error = error.__cause__ or error.__context__
+
+    assert client.waited is not None
+    assert "another update is open" in str(client.waited)
+    assert "publication" in str(client.waited)
+    assert client.label is not None and client.label.startswith("fenced:")
+    assert AbandonedMidSync.REASON in client.label, client.label
+    assert client.served is not None and client.served.tokens  # answered
+    # The base trainer's next chunk was refused naming who abandoned it.
+    assert any(
+        "HTTP 409" in c and "already ended" in c and AbandonedMidSync.REASON in c
+        for c in causes
+    ), causes
+    assert weight_info(server)["weight_version"].startswith("fenced:")
+    assert server.is_alive()
+
+    randomize_weights_(trainer_model, seed=48)
+    sync_from_a_fresh_trainer(server, trainer_model, "after-the-abandoned-sync")
+    assert weight_info(server) == {"weight_version": "after-the-abandoned-sync"}
     assert_serves(server, trainer_model)
