@@ -21,6 +21,13 @@ Careless requests (issue #12: an open update with no weights, malformed
 the sync-metrics middleware: the server keeps answering completions with
 exactly the old weights, counts the failure on ``/metrics``, and the trainer's
 next ``send_weights()`` recovers without a manual step.
+
+Bodies that would land weights past the guard (a list whose worker element
+carries weights next to a decoy of another kind, ``/collective_rpc
+update_weights``) are refused before the workers while the old weights serve
+under the old label; an in-place sync abandoned by another client ends with a
+``fenced:`` label naming who abandoned it, and a takeover from a dead trainer
+is one log line, never a 500.
 """
 
 from __future__ import annotations
