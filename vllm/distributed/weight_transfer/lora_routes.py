@@ -29,18 +29,19 @@ With several API-server processes each guards the calls it serves.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from vllm.distributed.weight_transfer.common.asgi import (
+    json_object,
+    json_response,
+    post_route,
+    read_body,
+)
 from vllm.distributed.weight_transfer.lora_adapters import (
     ADAPTER_KEY,
     REFUSED_MARK,
     AdapterHeader,
     memory_path,
-)
-from vllm.distributed.weight_transfer.update_guard import (
-    _json_response,
-    _read_body,
 )
 from vllm.logger import init_logger
 
@@ -61,7 +62,7 @@ class AdapterIdGuard:
         self.pushed: dict[int, str] = {}
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        route = _post_route(scope)
+        route = post_route(scope)
         if route == _PUSH_ROUTE:
             await self._push(scope, receive, send)
         elif route == _LOAD_ROUTE:
@@ -70,9 +71,9 @@ class AdapterIdGuard:
             await self.app(scope, receive, send)
 
     async def _push(self, scope: dict, receive: Any, send: Any) -> None:
-        body, replay = await _read_body(receive)
+        body, replay = await read_body(receive)
         headers = []
-        update_info = _json_field(body, "update_info")
+        update_info = json_object(body).get("update_info")
         # A list holds one message per worker rank (data parallel).
         items = update_info if isinstance(update_info, list) else [update_info]
         for item in items:
@@ -81,14 +82,14 @@ class AdapterIdGuard:
             try:
                 headers.append(AdapterHeader.from_dict(item[ADAPTER_KEY]))
             except ValueError as e:
-                await _json_response(
+                await json_response(
                     send, 400, f"{REFUSED_MARK}malformed adapter header: {e}"
                 )
                 return
         for header in headers:
             clash = self.registered_clash(scope, header)
             if clash is not None:
-                await _json_response(send, 409, REFUSED_MARK + clash)
+                await json_response(send, 409, REFUSED_MARK + clash)
                 return
         status = await self._call(scope, replay, send)
         if status is not None and status < 300:
@@ -110,13 +111,13 @@ class AdapterIdGuard:
         except Exception as e:
             if status is not None or REFUSED_MARK not in str(e):
                 raise
-            await _json_response(send, 400, str(e))
+            await json_response(send, 400, str(e))
             return 400
         return status
 
     async def _load(self, scope: dict, receive: Any, send: Any) -> None:
-        body, replay = await _read_body(receive)
-        name = _json_field(body, "lora_name")
+        body, replay = await read_body(receive)
+        name = json_object(body).get("lora_name")
         models = _serving_models(scope)
         if not isinstance(name, str) or models is None:
             await self.app(scope, replay, send)
@@ -172,27 +173,8 @@ class AdapterIdGuard:
             )
 
 
-def _post_route(scope: dict) -> str | None:
-    """A POST's path below the server's root path (None: not a POST)."""
-    if scope.get("type") != "http" or scope.get("method") != "POST":
-        return None
-    path = str(scope.get("path", ""))
-    root = str(scope.get("root_path", "")).rstrip("/")
-    return path[len(root) :] if root and path.startswith(root + "/") else path
-
-
 def _serving_models(scope: dict) -> Any:
     app = scope.get("app")
     state = getattr(app, "state", None)
     models = getattr(state, "openai_serving_models", None)
     return models if hasattr(models, "lora_requests") else None
-
-
-def _json_field(body: bytes, field: str) -> Any:
-    """``field`` of a JSON object body (None: no such field, or no object;
-    the route answers what is malformed)."""
-    try:
-        value = json.loads(body) if body else None
-    except ValueError:
-        return None
-    return value.get(field) if isinstance(value, dict) else None

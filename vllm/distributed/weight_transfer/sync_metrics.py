@@ -41,7 +41,6 @@ process saw the whole sync.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -54,6 +53,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 # Submodules, not the package: verification.publication uses SyncRecord, so
 # this module may be imported while the package is still initializing.
+from vllm.distributed.weight_transfer.common.asgi import json_object, post_route
 from vllm.distributed.weight_transfer.common.messages import (
     ADAPTER_KEY,
     MessageKind,
@@ -437,11 +437,7 @@ class WeightSyncMetricsMiddleware:
         self.observer = observer
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        operation = (
-            ROUTE_OPERATIONS.get(_route_path(scope))
-            if scope["type"] == "http" and scope.get("method") == "POST"
-            else None
-        )
+        operation = ROUTE_OPERATIONS.get(post_route(scope) or "")
         if operation is None or scope.get(_OBSERVED):
             await self.app(scope, receive, send)
             return
@@ -463,7 +459,7 @@ class WeightSyncMetricsMiddleware:
             if observed:
                 return
             observed = True
-            parsed = _json_object(bytes(body))
+            parsed = json_object(bytes(body))
             observer = self.observer or route_sync_observer()
             observer.observe_route(
                 operation,
@@ -489,25 +485,6 @@ class WeightSyncMetricsMiddleware:
             await self.app(scope, receive_and_keep, send_and_note)
         finally:
             observe()
-
-
-def _route_path(scope: dict) -> str:
-    """The request path below the app's ``root_path`` (what routing matches)."""
-    path = str(scope.get("path", ""))
-    root = str(scope.get("root_path", "")).rstrip("/")
-    if root and path.startswith(root + "/"):
-        return path[len(root) :]
-    return path
-
-
-def _json_object(body: bytes) -> dict:
-    if not body:
-        return {}
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _configured_backend(scope: dict) -> str:

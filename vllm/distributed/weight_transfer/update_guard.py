@@ -108,6 +108,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vllm.distributed.weight_transfer.common.asgi import (
+    Receive,
+    Send,
+    json_object,
+    json_response,
+    post_route,
+    read_body,
+    with_header,
+)
 from vllm.distributed.weight_transfer.common.messages import (
     ABORT_FIELD,
     PREPARE_FIELD,
@@ -147,9 +156,6 @@ STILL_OPEN_TEXT = "already active"
 # How many closed publications the guard remembers, to name why their late
 # messages are refused.
 _CLOSED_KEPT = 64
-
-Receive = Callable[[], Awaitable[dict]]
-Send = Callable[[dict], Awaitable[None]]
 
 
 @dataclass
@@ -253,7 +259,7 @@ class WeightUpdateGuard:
         elif route in _START_ROUTES:
             # Tells the fork's HTTP client that the server holds generation
             # for the commit, so it sends no pause, reset or resume itself.
-            send = _with_header(send, COMMIT_HOLD_HEADER, COMMIT_HOLD_VALUE)
+            send = with_header(send, COMMIT_HOLD_HEADER, COMMIT_HOLD_VALUE)
             await self._start(route, scope, receive, send)
         elif route == "/resume":
             await self._resume(scope, receive, send)
@@ -271,12 +277,12 @@ class WeightUpdateGuard:
     # -- routes ----------------------------------------------------------------
 
     async def _collective_rpc(self, scope: dict, receive: Receive, send: Send) -> None:
-        body, replay = await _read_body(receive)
-        method = _json_object(body).get("method")
+        body, replay = await read_body(receive)
+        method = json_object(body).get("method")
         if method not in WEIGHT_TRANSFER_METHODS:
             await self.app(scope, replay, send)
             return
-        await _json_response(
+        await json_response(
             send,
             403,
             f"/collective_rpc may not call {method!r} on this server: the "
@@ -298,7 +304,7 @@ class WeightUpdateGuard:
                 "for a trainer taking over from a dead one), or wait for it"
             )
             logger.info("Refused %s: %s", route, message)
-            await _json_response(send, 409, message)
+            await json_response(send, 409, message)
             return
 
         async def then(reply: _Reply) -> None:
@@ -310,18 +316,18 @@ class WeightUpdateGuard:
     async def _update_weights(
         self, engine: Any, mode: str, scope: dict, receive: Receive, send: Send
     ) -> None:
-        body, replay = await _read_body(receive)
+        body, replay = await read_body(receive)
         try:
             update_info = _update_info(body)
             kind = classify_update(update_info, expected_messages(engine.vllm_config))
         except UnclassifiableUpdate as e:
-            await _json_response(
+            await json_response(
                 send, 422, f"update_weights refused before reaching the workers: {e}"
             )
             return
         refusal = self._refusal(kind, update_info)
         if refusal is not None:
-            await _json_response(send, 409, refusal)
+            await json_response(send, 409, refusal)
             return
         lands = mode == "in_place" and kind in _LANDING_KINDS
         if lands and kind is MessageKind.ADAPTER:
@@ -332,7 +338,7 @@ class WeightUpdateGuard:
                 await self._take_hold(engine, update_info)
             except Exception as e:
                 logger.exception("Could not hold generation for a weight update")
-                await _json_response(
+                await json_response(
                     send,
                     503,
                     "could not pause generation before landing weights "
@@ -383,10 +389,10 @@ class WeightUpdateGuard:
         """The finish that closes an aborted update commits nothing, so it
         may not set a version label: one would name weights that never
         served (or, in place, label a fenced model as new)."""
-        body, replay = await _read_body(receive)
-        if _json_object(body).get("weight_version") is not None:
+        body, replay = await read_body(receive)
+        if json_object(body).get("weight_version") is not None:
             reason = self._open.aborted if self._open is not None else None
-            await _json_response(
+            await json_response(
                 send,
                 409,
                 f"this update was aborted ({reason}): its finish "
@@ -424,7 +430,7 @@ class WeightUpdateGuard:
             await self._take_hold(engine, None)
         except Exception as e:
             logger.exception("Could not hold generation for a commit")
-            await _json_response(
+            await json_response(
                 send,
                 503,
                 "could not pause generation for the commit "
@@ -446,7 +452,7 @@ class WeightUpdateGuard:
             # Nothing lands in place (none open, or an adapter being staged).
             await self.app(scope, receive, send)
             return
-        await _json_response(
+        await json_response(
             send,
             409,
             "an in-place weight update is landing: resuming generation now "
@@ -742,12 +748,7 @@ _ROUTES = (
 
 def _route(scope: dict) -> str | None:
     """The guarded route this request is for, or None."""
-    if scope.get("type") != "http" or scope.get("method") != "POST":
-        return None
-    path = str(scope.get("path", ""))
-    root = str(scope.get("root_path", "")).rstrip("/")
-    if root and path.startswith(root + "/"):
-        path = path[len(root) :]
+    path = post_route(scope)
     return path if path in _ROUTES else None
 
 
@@ -769,40 +770,9 @@ async def _resume_once_more(engine: Any) -> None:
         await engine.resume_generation()
 
 
-async def _read_body(receive: Receive) -> tuple[bytes, Receive]:
-    """The whole request body, and a ``receive`` that hands it to the route."""
-    chunks = []
-    while True:
-        message = await receive()
-        if message.get("type") != "http.request":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    body = b"".join(chunks)
-    sent = False
-
-    async def replay() -> dict:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return body, replay
-
-
-def _json_object(body: bytes) -> dict:
-    try:
-        value = json.loads(body) if body else None
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def _update_info(body: bytes) -> Any:
     """The body's ``update_info``; ``UnclassifiableUpdate`` without one."""
-    value = _json_object(body)
+    value = json_object(body)
     if "update_info" not in value:
         raise UnclassifiableUpdate(
             "the body must be a JSON object with an update_info field, got "
@@ -828,28 +798,3 @@ def _publication_id(update_info: Any) -> str | None:
                 continue  # the worker refuses it; the label says "unknown"
             return header.publication_id
     return None
-
-
-def _with_header(send: Send, name: str, value: str) -> Send:
-    """``send`` that adds one header to the response."""
-
-    async def send_with_header(message: dict) -> None:
-        if message.get("type") == "http.response.start":
-            headers = list(message.get("headers", []))
-            headers.append((name.encode("latin-1"), value.encode("latin-1")))
-            message = {**message, "headers": headers}
-        await send(message)
-
-    return send_with_header
-
-
-async def _json_response(send: Send, status: int, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "code": status}}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json")],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
