@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import pytest
@@ -354,19 +354,28 @@ def test_vllm_serve_fp8_engine_updated_by_sharded_rdt_like_a_fresh_load():
             _assert_quantized(dtypes)
         finally:
             trainer.shutdown()
+
         # The trainer quantizes: the worker pulls codes and scales (about
         # half the linear layers' bytes) and copies them straight into the
         # served codes; the fresh-load oracle of the full-precision weights
         # holds, as for worker-side quantization.
-        codes = codes_or_skip(
-            lambda: WeightTransferTrainerFactory.trainer_init(
-                ShardedRDTTrainerInitInfo(
-                    num_consumers=1, stall_timeout_s=60.0, verify_checksums=True, rank=0
-                ),
-                client=HTTPVLLMWeightSyncClient(server.base_url, timeout=120),
-                source=Fp8ChannelCodes(CheckpointNamesSource(trainer_model)),
+        def codes_trainer(source: WeightSource) -> Any:
+            """A ``sharded_rdt`` trainer of ``source``'s codes, its plan sent
+            to the server (skips where this CPU's FP8 kernel takes none)."""
+            return codes_or_skip(
+                lambda: WeightTransferTrainerFactory.trainer_init(
+                    ShardedRDTTrainerInitInfo(
+                        num_consumers=1,
+                        stall_timeout_s=60.0,
+                        verify_checksums=True,
+                        rank=0,
+                    ),
+                    client=HTTPVLLMWeightSyncClient(server.base_url, timeout=120),
+                    source=source,
+                )
             )
-        )
+
+        codes = codes_trainer(Fp8ChannelCodes(CheckpointNamesSource(trainer_model)))
         try:
             for seed in (40, 41):
                 randomize_weights_(trainer_model, seed=seed)
@@ -377,6 +386,48 @@ def test_vllm_serve_fp8_engine_updated_by_sharded_rdt_like_a_fresh_load():
             _assert_quantized(call("served_weight_dtypes", [])["results"][0])
         finally:
             codes.shutdown()
+        bad_scales_pulled_over_sharded_rdt_are_refused_unfenced(
+            server, trainer_model, codes_trainer
+        )
+
+
+def bad_scales_pulled_over_sharded_rdt_are_refused_unfenced(
+    server: Any, trainer_model: torch.nn.Module, codes_trainer: Callable[..., Any]
+) -> None:
+    """Over ``vllm serve`` with ``sharded_rdt`` and staging: codes whose
+    ``q_proj.weight_scale`` holds a NaN, or is negated, after the trainer's
+    own check are refused by the worker as it pulls them, naming the scale.
+    The staged update is dropped, so the server is not fenced and serves
+    exactly what the last good sync served (``trainer_model`` as it is on
+    entry); the next good codes sync serves the new oracle."""
+    import copy
+
+    import requests
+
+    from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
+    from vllm.distributed.weight_transfer.verification import is_fenced_version
+
+    oracle = server.fresh_load_oracle()
+    last_good = copy.deepcopy(trainer_model)
+    # New weights with the bad scale: anything of them that landed would show.
+    randomize_weights_(trainer_model, seed=42)
+    for value in (float("nan"), -1.0):
+        bad = codes_trainer(_BadScale(CheckpointNamesSource(trainer_model), value))
+        try:
+            with pytest.raises(Exception) as refused:
+                bad.send_weights(weight_version=f"bad-scale-{value}")
+        finally:
+            bad.shutdown()
+        assert f"{NAN_WEIGHT}_scale" in str(refused.value), refused.value
+        version = requests.get(f"{server.base_url}/weight_info", timeout=30).json()
+        assert not is_fenced_version(version["weight_version"]), version
+        oracle.assert_serves(last_good, what=f"after a refused scale of {value}")
+    good = codes_trainer(Fp8ChannelCodes(CheckpointNamesSource(trainer_model)))
+    try:
+        send_codes_or_skip(good)
+    finally:
+        good.shutdown()
+    oracle.assert_serves(trainer_model, what="the codes sync after the bad scales")
 
 
 # The vLLM layers of a Qwen3 decoder block that the scheme quantizes, each
@@ -612,17 +663,22 @@ NAN_WEIGHT = "model.layers.0.self_attn.q_proj.weight"
 
 
 class _BadScale(WeightSource):
-    """``Fp8ChannelCodes`` of the trainer's weights with ``value`` written
-    into the first element of layer 0's ``q_proj.weight_scale`` (a negative
-    ``value`` negates the whole scale) after the trainer's own check: what a
-    client that skips it sends."""
+    """``Fp8ChannelCodes`` of ``source`` (any source of the trainer's
+    weights: a ``ModuleSource`` for ``ipc``, a ``CheckpointNamesSource`` for
+    ``sharded_rdt``) with ``value`` written into the first element of layer
+    0's ``q_proj.weight_scale`` (a negative ``value`` negates the whole
+    scale) after the trainer's own check: what a client that skips it
+    sends."""
 
-    def __init__(self, module: torch.nn.Module, value: float) -> None:
-        self.inner = Fp8ChannelCodes(ModuleSource(module))
+    def __init__(self, source: WeightSource, value: float) -> None:
+        self.inner = Fp8ChannelCodes(source)
         self.value = value
 
     def metadata(self) -> list[ParamMeta]:
         return self.inner.metadata()
+
+    def held_names(self) -> Collection[str] | None:
+        return self.inner.held_names()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.inner:
@@ -662,7 +718,7 @@ def test_bad_fp8_scales_are_refused_and_nan_weights_do_not_outlive_the_resync(
     codes_land = True
     for value in (float("nan"), float("inf"), 0.0, -1.0):
         with pytest.raises(Exception) as refused:
-            sync(_BadScale(trainer_model, value))
+            sync(_BadScale(ModuleSource(trainer_model), value))
         if "repacks the codes after loading" in str(refused.value):
             codes_land = False  # this CPU's FP8 kernel takes no codes at all
             break
