@@ -66,6 +66,11 @@ from vllm.distributed.weight_transfer.testing import (
     randomize_weights_,
 )
 from vllm.distributed.weight_transfer.testing.fresh_load import http_worker_call
+from vllm.distributed.weight_transfer.testing.guard_decoys import (
+    SendsDecoysFirst,
+    assert_decoys_refused,
+    is_weights,
+)
 from vllm.distributed.weight_transfer.testing.server import (
     ServerProcess,
     metric_value,
@@ -714,58 +719,6 @@ def test_hostile_version_and_stray_prepare_leave_old_or_new_weights(
     assert_serves(server, trainer_model)
 
 
-def message_dict(update_info: Any) -> dict[str, Any]:
-    to_dict = getattr(update_info, "to_dict", None)
-    return to_dict() if callable(to_dict) else dict(update_info)
-
-
-def is_weights(update_info: Any) -> bool:
-    message = message_dict(update_info)
-    return "abort" not in message and "prepare" not in message
-
-
-# The issue's decoys around a real weights message ``m`` for this one-worker
-# server: element 0 is the worker's, element 1 a message of another kind; and
-# the same through ``/collective_rpc``. Route, body, and the status expected.
-DECOYS = {
-    "abort": lambda m: ("update_weights", [m, {"abort": "decoy"}], 422),
-    "prepare": lambda m: ("update_weights", [m, {"prepare": "decoy-0123"}], 422),
-    "adapter": lambda m: ("update_weights", [m, {"adapter": {}}], 422),
-    "collective_rpc": lambda m: ("collective_rpc", [m, {"abort": "decoy"}], 403),
-}
-
-
-class SendsDecoysFirst:
-    """A sync client that sends its first weights message inside each decoy
-    (raw HTTP) before the real one, and notes each answer and what the
-    server served right after it."""
-
-    def __init__(self, inner: HTTPVLLMWeightSyncClient, server: ServerProcess):
-        self.inner = inner
-        self.server = server
-        self.seen: dict[str, tuple[requests.Response, GreedyResult, dict]] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def update_weights(self, update_info: Any) -> None:
-        if not self.seen and is_weights(update_info):
-            message = message_dict(update_info)
-            for case, decoy in DECOYS.items():
-                route, body, _ = decoy(message)
-                if route == "collective_rpc":
-                    sent = {"method": "update_weights", "kwargs": {"update_info": body}}
-                else:
-                    sent = {"update_info": body}
-                answer = post(self.server, route, sent)
-                self.seen[case] = (
-                    answer,
-                    served_greedy(self.server),
-                    weight_info(self.server),
-                )
-        self.inner.update_weights(update_info)
-
-
 def test_a_decoy_list_or_collective_rpc_is_refused_and_the_old_weights_serve(
     server, trainer_model
 ):
@@ -784,16 +737,10 @@ def test_a_decoy_list_or_collective_rpc_is_refused_and_the_old_weights_serve(
         client=client,
         source=ModuleSource(trainer_model),
     )
+    assert isinstance(trainer, IPCTrainerWeightTransferEngine)
     trainer.send_weights(weight_version="after-the-decoys")
 
-    assert set(client.seen) == set(DECOYS)
-    for case, (answer, served, label) in client.seen.items():
-        status = DECOYS[case]({})[2]
-        assert answer.status_code == status, (case, answer.text)
-        message = answer.json()["error"]["message"]
-        assert ("mixes message kinds" if status == 422 else "RL routes") in message
-        assert_bit_identical(served, before, what=f"vLLM after the {case} decoy")
-        assert label == version, case
+    assert_decoys_refused(client, before, version)
     assert weight_info(server) == {"weight_version": "after-the-decoys"}
     assert_serves(server, trainer_model)
 
@@ -858,6 +805,7 @@ def test_an_abandoned_in_place_sync_fences_the_label_and_names_the_cause(
         client=client,
         source=ModuleSource(trainer_model),
     )
+    assert isinstance(trainer, IPCTrainerWeightTransferEngine)
     with pytest.raises(Exception) as refused:
         trainer.send_weights(weight_version="never-served")
     causes = []
