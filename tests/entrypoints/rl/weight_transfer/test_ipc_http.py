@@ -514,13 +514,18 @@ def test_a_trainer_killed_between_chunks_does_not_block_the_next_sync(
     server, trainer_model, tiny_model_dir
 ):
     """No manual step: the next trainer abandons the update the dead one left
-    open, its segments are removed, and the sync serves the new weights."""
+    open, its segments and its receipt directory are removed (issue 44.1),
+    and the sync serves the new weights."""
     import multiprocessing
     import os
     import signal
 
     from vllm.distributed.weight_transfer.testing.ipc_faults import push_then_die
 
+    def receipt_dirs() -> set[str]:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("vllm-wt-receipts-")}
+
+    receipts_before = receipt_dirs()
     process = multiprocessing.get_context("spawn").Process(
         target=push_then_die,
         args=(server.base_url, str(tiny_model_dir), 41, 256 * 1024),
@@ -532,6 +537,9 @@ def test_a_trainer_killed_between_chunks_does_not_block_the_next_sync(
         n for n in os.listdir("/dev/shm") if n.startswith(f"vllm-wt-{process.pid}-")
     ]
     assert left, "the dead trainer's segment should still exist"
+    # Its verified sync's receipt directory, which nobody holds any more.
+    dead_receipts = receipt_dirs() - receipts_before
+    assert dead_receipts, "the dead trainer's receipt directory should exist"
     assert server.is_alive()
 
     randomize_weights_(trainer_model, seed=42)
@@ -558,6 +566,7 @@ def test_a_trainer_killed_between_chunks_does_not_block_the_next_sync(
     assert not [
         n for n in os.listdir("/dev/shm") if n.startswith(f"vllm-wt-{process.pid}-")
     ]
+    assert not dead_receipts & receipt_dirs(), "a dead trainer's receipts remain"
 
 
 class Completions(threading.Thread):
