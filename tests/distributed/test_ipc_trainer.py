@@ -216,24 +216,46 @@ def test_keep_packed_buffer_false_frees_the_buffer_after_each_sync():
     assert shm_files() == set()
 
 
-def test_a_chunk_is_sent_before_the_next_tensor_is_materialized():
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
+def test_a_chunk_is_sent_before_its_buffer_half_is_filled_again(overlap):
+    """In turn, each chunk's update call comes before the next tensor is
+    materialized. Overlapped, the call runs on a helper thread while the next
+    chunk fills the other half, so the order there is only: chunk k's call
+    has happened before chunk k+2 (the same half) starts to fill. Either way
+    at most the tensor being copied is alive when the next one is asked for."""
     tensors = model_tensors(8)
     events: list = []
     client = LoopbackClient(events)
     engine = IPCTrainerWeightTransferEngine.trainer_init(
-        IPCTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=400),
+        IPCTrainerInitInfo(
+            rank=0,
+            packed=True,
+            packed_buffer_size_bytes=400,
+            overlap_chunks=overlap,
+        ),
         client=client,
         source=RecordingSource(tensors, events),
     )
     engine.send_weights()
     plan = engine.last_plan
     assert plan is not None
-    expected: list[tuple] = []
-    for chunk in plan.chunks:
-        expected += [("materialize", n) for n in chunk.names]
-        expected.append(("update", tuple(chunk.names)))
-    assert [e[:2] for e in events] == expected
-    # at most the tensor being copied is alive when the next one is requested
+    order = [e[:2] for e in events]
+    if not overlap:
+        expected: list[tuple] = []
+        for chunk in plan.chunks:
+            expected += [("materialize", n) for n in chunk.names]
+            expected.append(("update", tuple(chunk.names)))
+        assert order == expected
+    else:
+        assert len(plan.chunks) >= 3
+        assert sorted(order) == sorted(
+            [("materialize", n) for c in plan.chunks for n in c.names]
+            + [("update", tuple(c.names)) for c in plan.chunks]
+        )
+        for k in range(len(plan.chunks) - 2):
+            sent = order.index(("update", tuple(plan.chunks[k].names)))
+            refill = order.index(("materialize", plan.chunks[k + 2].names[0]))
+            assert sent < refill, k
     assert max(e[2] for e in events if e[0] == "materialize") == 0
 
 
