@@ -233,8 +233,9 @@ def entry_points(text: str) -> dict[str, list[str]]:
 # The fork's vLLM plugins, loaded in every engine process (vllm.plugins).
 FORK_GENERAL_PLUGINS = [
     "weight_transfer_rpc_replies = "
-    "vllm.distributed.weight_transfer.rpc_replies:install",
-    "weight_transfer_cpu_linear = vllm.distributed.weight_transfer.cpu_linear:install",
+    "vllm.distributed.weight_transfer.serving.rpc_replies:install",
+    "weight_transfer_cpu_linear = "
+    "vllm.distributed.weight_transfer.landing.cpu_linear:install",
 ]
 
 

@@ -159,7 +159,7 @@ def raw_nixl_read_s(
 ) -> list[float]:
     """Seconds of each single NIXL READ of ``nbytes`` from this process by a
     spawned reader process (UCX over loopback, DRAM to DRAM)."""
-    from vllm.distributed.weight_transfer.sharded_rdt_nixl import make_agent, register
+    from vllm.distributed.weight_transfer.pull.nixl import make_agent, register
     from vllm.distributed.weight_transfer.testing.sharded_rdt_procs import (
         raw_read_main,
     )

@@ -55,21 +55,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import RESULTS  # noqa: E402
 from bench_plan_scale import MODELS, checkpoint_metas  # noqa: E402
 
-from vllm.distributed.weight_transfer.copy_table import (  # noqa: E402
-    compile_copy_table,
-)
-from vllm.distributed.weight_transfer.copy_table_exec import (  # noqa: E402
+from vllm.distributed.weight_transfer.plan.copy_exec import (  # noqa: E402
     CopyProgram,
     empty_dests,
     triton_available,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_ops import (  # noqa: E402
+from vllm.distributed.weight_transfer.plan.copy_table import (  # noqa: E402
+    compile_copy_table,
+)
+from vllm.distributed.weight_transfer.plan.ops import (  # noqa: E402
     replay_slice,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_plan import (  # noqa: E402
+from vllm.distributed.weight_transfer.plan.worker_plan import (  # noqa: E402
     WorkerPlan,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_reload import (  # noqa: E402
+from vllm.distributed.weight_transfer.sharded_rdt.lander import (  # noqa: E402
     region_view,
 )
 

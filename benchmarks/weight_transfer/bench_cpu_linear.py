@@ -89,10 +89,10 @@ def measure(setting: str, model_dir: Path, model: Any, args: argparse.Namespace)
     """Start an engine with ``SETTINGS[setting]``; its decode speed and syncs."""
     from vllm import SamplingParams
     from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer.api import IPCTrainerInitInfo
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
     from vllm.distributed.weight_transfer.testing import (
         assert_same_greedy,
         hf_greedy,
@@ -133,9 +133,7 @@ def measure(setting: str, model_dir: Path, model: Any, args: argparse.Namespace)
             decode.append(tokens / elapsed)
 
         if SETTINGS[setting][2]:
-            from vllm.distributed.weight_transfer.shared_params import (
-                SharedParameters,
-            )
+            from vllm.distributed.weight_transfer.api import SharedParameters
 
             shared = SharedParameters.place(model)
         trainer = WeightTransferTrainerFactory.trainer_init(

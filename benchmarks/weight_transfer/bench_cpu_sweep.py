@@ -201,10 +201,10 @@ def step_floors(num_layers: int, rounds: int) -> dict[str, Any]:
 
 
 def step_ipc(num_layers: int, rounds: int) -> dict[str, Any]:
+    from vllm.distributed.weight_transfer.api import IPCTrainerInitInfo
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
     model, model_dir, nbytes = _load_trainer_model(num_layers)
     llm, start_s = _start_llm(model_dir, "ipc")
@@ -236,12 +236,12 @@ def step_ipc(num_layers: int, rounds: int) -> dict[str, Any]:
 
 
 def step_sharded_rdt(num_layers: int, rounds: int) -> dict[str, Any]:
-    from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    from vllm.distributed.weight_transfer.sharded_rdt_trainer import (
+    from vllm.distributed.weight_transfer.api import (
+        CheckpointNamesSource,
         ShardedRDTTrainerInitInfo,
     )
-    from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
+    from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     model, model_dir, nbytes = _load_trainer_model(num_layers)
     llm, start_s = _start_llm(model_dir, "sharded_rdt")

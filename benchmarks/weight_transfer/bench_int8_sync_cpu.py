@@ -74,6 +74,10 @@ def main() -> int:
     commit = git_commit()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+    from vllm.distributed.weight_transfer.api import (
+        Int8ChannelCodes,
+        IPCTrainerInitInfo,
+    )
     from vllm.distributed.weight_transfer.base import (
         ModuleSource,
         WeightSource,
@@ -82,8 +86,6 @@ def main() -> int:
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferTrainerFactory,
     )
-    from vllm.distributed.weight_transfer.int8_codes import Int8ChannelCodes
-    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
     from vllm.distributed.weight_transfer.testing import (
         FreshLoadOracle,
         assert_bit_identical,

@@ -96,13 +96,13 @@ def main() -> int:
         )
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+    from vllm.distributed.weight_transfer.api import IPCTrainerInitInfo
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferTrainerFactory,
     )
     from vllm.distributed.weight_transfer.ipc_engine import (
-        IPCTrainerInitInfo,
         IPCTrainerWeightTransferEngine,
     )
     from vllm.distributed.weight_transfer.testing import (

@@ -227,10 +227,10 @@ def _planned_worker(plan_path: str, sent: list[tuple[str, tuple]]):
     (by region qualname), and the chunk programs that land into them."""
     import gzip
 
-    from vllm.distributed.weight_transfer.chunk_programs import ChunkPrograms
-    from vllm.distributed.weight_transfer.copy_table import compile_copy_table
-    from vllm.distributed.weight_transfer.copy_table_exec import empty_dests
-    from vllm.distributed.weight_transfer.sharded_rdt_plan import WorkerPlan
+    from vllm.distributed.weight_transfer.ipc.chunk_programs import ChunkPrograms
+    from vllm.distributed.weight_transfer.plan.copy_exec import empty_dests
+    from vllm.distributed.weight_transfer.plan.copy_table import compile_copy_table
+    from vllm.distributed.weight_transfer.plan.worker_plan import WorkerPlan
 
     opener = gzip.open if plan_path.endswith(".gz") else open
     with opener(plan_path, "rt") as f:
@@ -251,7 +251,7 @@ def _verify_planned(programs, sources: dict[str, torch.Tensor]) -> dict:
     """Every planned copy of the names the trainer sent, compared bit for bit:
     the region of the served tensor against the slice the model's loader
     would take of the trainer's tensor (read through the kept mapping)."""
-    from vllm.distributed.weight_transfer.sharded_rdt_ops import replay_slice
+    from vllm.distributed.weight_transfer.plan.ops import replay_slice
 
     bad, checked = [], 0
     for copy in programs.plan.copies:
@@ -278,12 +278,12 @@ def _left_out(covered: frozenset, views: list) -> int:
 def _worker(conn, params) -> None:
     torch.cuda.set_device(0)
     dest = {n: torch.empty(s, dtype=DTYPE, device="cuda") for n, s in params}
-    from vllm.distributed.weight_transfer.chunk_programs import chunk_in_mapping
-    from vllm.distributed.weight_transfer.ipc_dataplane import (
+    from vllm.distributed.weight_transfer.buffers.dataplane import (
         BufferImporter,
         read_message,
     )
-    from vllm.distributed.weight_transfer.ipc_wire import (
+    from vllm.distributed.weight_transfer.ipc.chunk_programs import chunk_in_mapping
+    from vllm.distributed.weight_transfer.ipc.wire import (
         IPCWeightTransferUpdateInfo,
         LayoutMemo,
     )
@@ -768,7 +768,7 @@ def bench_shared_params(
     these modes before any that place. ``check_while_landing``: the
     trainer engine's option of that name (off: the pinned source is
     checked before each short message, not while it lands)."""
-    from vllm.distributed.weight_transfer.shared_params import (
+    from vllm.distributed.weight_transfer.ipc.shared_params import (
         SharedParameters,
         shared_place,
     )

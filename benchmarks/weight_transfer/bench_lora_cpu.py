@@ -62,12 +62,12 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     import peft
 
-    from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.lora_trainer import (
+    from vllm.distributed.weight_transfer.api import (
         LoRAAdapter,
         LoRAPusher,
         memory_path,
     )
+    from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
     from vllm.distributed.weight_transfer.testing import vllm_greedy
     from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
     from vllm.lora.request import LoRARequest

@@ -37,12 +37,11 @@ import torch
 from _bench_common import RESULTS, emit_json, git_commit, rounded, run_record
 
 from vllm.distributed.weight_transfer import ModuleSource
+from vllm.distributed.weight_transfer.api import IPCTrainerInitInfo, SharedParameters
 from vllm.distributed.weight_transfer.ipc_engine import (
-    IPCTrainerInitInfo,
     IPCTrainerWeightTransferEngine,
     IPCWeightTransferEngine,
 )
-from vllm.distributed.weight_transfer.shared_params import SharedParameters
 from vllm.distributed.weight_transfer.testing.direct_engine import (
     DirectEngineClient,
     direct_ipc_engine,

@@ -263,15 +263,15 @@ def _rank_main(
         import torch
 
         torch.set_num_threads(1)
-        from vllm.distributed.weight_transfer.sharded_rdt_bake import (
+        from vllm.distributed.weight_transfer.plan.bake import (
             bake_worker_plan,
         )
-        from vllm.distributed.weight_transfer.sharded_rdt_chunks import (
+        from vllm.distributed.weight_transfer.plan.worker_plan import WorkerPlan
+        from vllm.distributed.weight_transfer.pull.chunks import (
             build_pull_plan,
         )
-        from vllm.distributed.weight_transfer.sharded_rdt_common import RdtRouter
-        from vllm.distributed.weight_transfer.sharded_rdt_plan import WorkerPlan
-        from vllm.distributed.weight_transfer.sharded_rdt_reload import (
+        from vllm.distributed.weight_transfer.pull.routing import RdtRouter
+        from vllm.distributed.weight_transfer.sharded_rdt.lander import (
             deferred_modules,
         )
         from vllm.distributed.weight_transfer.testing.sharded_rdt_checks import (

@@ -152,7 +152,7 @@ def fork_trainer_quantizer():
     what ``Fp8ChannelCodes`` runs on each linear weight, allocating its
     codes and scales); None where the fork's module cannot be imported."""
     try:
-        from vllm.distributed.weight_transfer.fp8_codes import (
+        from vllm.distributed.weight_transfer.quant.fp8 import (
             quantize_fp8_per_channel,
         )
     except ImportError:
@@ -165,7 +165,7 @@ def fork_int8_quantizer():
     ``Int8ChannelCodes`` runs for an engine serving a W8A8 int8 checkpoint);
     None where the fork's module cannot be imported."""
     try:
-        from vllm.distributed.weight_transfer.int8_codes import (
+        from vllm.distributed.weight_transfer.quant.int8 import (
             quantize_int8_per_channel,
         )
     except ImportError:
@@ -177,7 +177,7 @@ def fork_block_quantizer():
     """The fork's block FP8 quantizer (``fp8_codes.quantize_fp8_per_block``,
     what ``Fp8BlockCodes`` runs); None where it cannot be imported."""
     try:
-        from vllm.distributed.weight_transfer.fp8_codes import (
+        from vllm.distributed.weight_transfer.quant.fp8 import (
             quantize_fp8_per_block,
         )
     except ImportError:

@@ -73,6 +73,7 @@ def main() -> int:
     commit = git_commit()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+    from vllm.distributed.weight_transfer.api import Fp8ChannelCodes, IPCTrainerInitInfo
     from vllm.distributed.weight_transfer.base import (
         ModuleSource,
         WeightSource,
@@ -81,8 +82,6 @@ def main() -> int:
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferTrainerFactory,
     )
-    from vllm.distributed.weight_transfer.fp8_codes import Fp8ChannelCodes
-    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
     from vllm.distributed.weight_transfer.testing import (
         assert_bit_identical,
         randomize_weights_,

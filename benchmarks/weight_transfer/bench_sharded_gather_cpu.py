@@ -69,11 +69,12 @@ def _rank(rank: int, port: int, mode: str, layers: int, syncs: int, out) -> None
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-        from vllm.distributed.weight_transfer import ModuleSource, sharded_gather
+        from vllm.distributed.weight_transfer import ModuleSource
+        from vllm.distributed.weight_transfer.api import IPCTrainerInitInfo
         from vllm.distributed.weight_transfer.ipc_engine import (
-            IPCTrainerInitInfo,
             IPCTrainerWeightTransferEngine,
         )
+        from vllm.distributed.weight_transfer.trainer import sharded_gather
 
         mesh = init_device_mesh("cpu", (WORLD,))
         model = torch.nn.Module()

@@ -32,12 +32,12 @@ from _bench_common import (
     write_json,
 )
 
-from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
-from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-from vllm.distributed.weight_transfer.sharded_rdt_trainer import (
+from vllm.distributed.weight_transfer.api import (
+    CheckpointNamesSource,
     ShardedRDTTrainerInitInfo,
 )
-from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
+from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 from vllm.distributed.weight_transfer.testing import (
     assert_same_greedy,
     hf_greedy,

@@ -99,7 +99,7 @@ def param_list(m: Shape) -> list[tuple[str, tuple[int, ...]]]:
 
 def shard_chain(name: str, shape: tuple[int, ...], tp: int) -> tuple[Any, ...]:
     """The view chain that cuts TP rank 0's shard out of ``name``."""
-    from vllm.distributed.weight_transfer.sharded_rdt_ops import ViewOp
+    from vllm.distributed.weight_transfer.plan.ops import ViewOp
 
     if len(shape) == 1 or tp == 1:
         return ()
@@ -112,14 +112,14 @@ def shard_chain(name: str, shape: tuple[int, ...], tp: int) -> tuple[Any, ...]:
 
 def pull_plan(params, tp: int):
     """The consumer's pull plan, built the way the engine's bake builds it."""
-    from vllm.distributed.weight_transfer.sharded_rdt_chunks import build_pull_plan
-    from vllm.distributed.weight_transfer.sharded_rdt_common import RdtRouter
-    from vllm.distributed.weight_transfer.sharded_rdt_ops import SliceSpec
-    from vllm.distributed.weight_transfer.sharded_rdt_plan import (
+    from vllm.distributed.weight_transfer.plan.ops import SliceSpec
+    from vllm.distributed.weight_transfer.plan.worker_plan import (
         Region,
         SliceCopy,
         build_plan,
     )
+    from vllm.distributed.weight_transfer.pull.chunks import build_pull_plan
+    from vllm.distributed.weight_transfer.pull.routing import RdtRouter
 
     copies = []
     for name, shape in params:
@@ -188,7 +188,7 @@ def sync_device(device: torch.device) -> None:
 def producer_main(model: str, tp: int, device_name: str, raw_bytes: int, conn) -> None:
     try:
         from vllm.distributed.weight_transfer.base import layerwise_groups
-        from vllm.distributed.weight_transfer.sharded_rdt_nixl import (
+        from vllm.distributed.weight_transfer.pull.nixl import (
             NixlProducerServer,
         )
 
@@ -254,7 +254,7 @@ def expect(conn, kind: str, timeout: float = 600.0):
 
 
 def run(model: str, tp: int, device_name: str, rounds: int) -> dict[str, Any]:
-    from vllm.distributed.weight_transfer.sharded_rdt_nixl import (
+    from vllm.distributed.weight_transfer.pull.nixl import (
         NixlConsumerTransport,
     )
 

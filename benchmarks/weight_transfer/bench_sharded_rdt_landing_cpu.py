@@ -81,12 +81,12 @@ def _median(values: list[float]) -> float:
 def measure(setting: str, model_dir: Path, model: Any, rounds: int) -> dict:
     """Start an engine with ``SETTINGS[setting]`` and time its syncs."""
     from vllm.config import WeightTransferConfig
-    from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    from vllm.distributed.weight_transfer.sharded_rdt_trainer import (
+    from vllm.distributed.weight_transfer.api import (
+        CheckpointNamesSource,
         ShardedRDTTrainerInitInfo,
     )
-    from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
+    from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.testing import (
         assert_same_greedy,
         hf_greedy,

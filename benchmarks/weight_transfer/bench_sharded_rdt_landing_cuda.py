@@ -60,7 +60,7 @@ from bench_ipc_cuda import (
 
 
 def _load_plan(plans_dir: str, name: str):
-    from vllm.distributed.weight_transfer.sharded_rdt_plan import WorkerPlan
+    from vllm.distributed.weight_transfer.plan.worker_plan import WorkerPlan
 
     for suffix in (".json.gz", ".json"):
         path = Path(plans_dir) / f"{name}_tp1_rank0{suffix}"
@@ -75,14 +75,14 @@ def _land(params, baked, args):
     """Land every chunk of ``baked`` (restricted to ``params``) ``args.reps``
     times; the seconds of each landing, the copies that came out wrong, and
     the pull plan."""
-    from vllm.distributed.weight_transfer.copy_table import compile_copy_table
-    from vllm.distributed.weight_transfer.copy_table_exec import empty_dests
-    from vllm.distributed.weight_transfer.sharded_rdt_chunks import build_pull_plan
-    from vllm.distributed.weight_transfer.sharded_rdt_common import RdtRouter
-    from vllm.distributed.weight_transfer.sharded_rdt_ops import replay_slice
-    from vllm.distributed.weight_transfer.sharded_rdt_plan import build_plan
-    from vllm.distributed.weight_transfer.sharded_rdt_producer import pack_chunk
-    from vllm.distributed.weight_transfer.sharded_rdt_reload import (
+    from vllm.distributed.weight_transfer.plan.copy_exec import empty_dests
+    from vllm.distributed.weight_transfer.plan.copy_table import compile_copy_table
+    from vllm.distributed.weight_transfer.plan.ops import replay_slice
+    from vllm.distributed.weight_transfer.plan.worker_plan import build_plan
+    from vllm.distributed.weight_transfer.pull.chunks import build_pull_plan
+    from vllm.distributed.weight_transfer.pull.producer import pack_chunk
+    from vllm.distributed.weight_transfer.pull.routing import RdtRouter
+    from vllm.distributed.weight_transfer.sharded_rdt.lander import (
         IN_PLACE,
         ChunkLander,
     )

@@ -215,10 +215,10 @@ def run_mode(
     args: Any,
     options: dict[str, str] | None = None,
 ) -> dict:
+    from vllm.distributed.weight_transfer.api import IPCTrainerInitInfo
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.ipc_engine import (
-        IPCTrainerInitInfo,
         IPCTrainerWeightTransferEngine,
     )
     from vllm.distributed.weight_transfer.testing import (

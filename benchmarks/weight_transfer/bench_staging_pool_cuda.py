@@ -37,7 +37,10 @@ import torch
 from _bench_common import emit_json, utc_now
 from bench_staged_commit_cuda import layout
 
-from vllm.distributed.weight_transfer.staging_pool import StagingPool, buffer_kind
+from vllm.distributed.weight_transfer.worker.staging_pool import (
+    StagingPool,
+    buffer_kind,
+)
 
 
 def _sync() -> float:

@@ -36,14 +36,14 @@ from pathlib import Path
 
 import torch
 
+from vllm.distributed.weight_transfer.api import (
+    CheckpointNamesSource,
+    IPCTrainerInitInfo,
+)
 from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-from vllm.distributed.weight_transfer.ipc_engine import (
-    IPCTrainerInitInfo,
-    IPCTrainerWeightTransferEngine,
-)
-from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
+from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerWeightTransferEngine
 from vllm.distributed.weight_transfer.testing import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_PROMPTS,

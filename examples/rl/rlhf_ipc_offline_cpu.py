@@ -53,11 +53,13 @@ from pathlib import Path
 import torch
 
 from vllm.config import WeightTransferConfig
+from vllm.distributed.weight_transfer.api import (
+    CheckpointNamesSource,
+    IPCTrainerInitInfo,
+)
 from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource
 from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
 from vllm.distributed.weight_transfer.testing import (
     FreshLoadOracle,
     GreedyResult,
@@ -156,7 +158,7 @@ def main() -> int:
     served_dir: str | Path = model_dir
     int8_dir = None
     if args.int8_checkpoint:
-        from vllm.distributed.weight_transfer.int8_codes import Int8ChannelCodes
+        from vllm.distributed.weight_transfer.api import Int8ChannelCodes
         from vllm.distributed.weight_transfer.testing.int8_checkpoint import (
             save_int8_checkpoint,
         )
@@ -209,9 +211,7 @@ def main() -> int:
         print(f"before any update: vLLM == {checks}: True")
 
         if args.shared_params:
-            from vllm.distributed.weight_transfer.shared_params import (
-                SharedParameters,
-            )
+            from vllm.distributed.weight_transfer.api import SharedParameters
 
             # Kept for as long as the trainer trains; the optimizer's
             # in-place updates write into the segments the workers read.
@@ -229,7 +229,7 @@ def main() -> int:
             )
         source = weight_source(model)
         if args.trainer_codes:
-            from vllm.distributed.weight_transfer.fp8_codes import Fp8ChannelCodes
+            from vllm.distributed.weight_transfer.api import Fp8ChannelCodes
 
             # Linear weights leave the trainer as float8 codes and scales.
             source = Fp8ChannelCodes(source, dtype=torch.bfloat16)

@@ -35,13 +35,13 @@ from typing import Any
 
 import torch
 
-from vllm.distributed.weight_transfer.adapter_labels import split_adapter_label
-from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
-from vllm.distributed.weight_transfer.lora_trainer import (
+from vllm.distributed.weight_transfer.api import (
     LoRAAdapter,
     LoRAPusher,
     memory_path,
+    split_adapter_label,
 )
+from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
 from vllm.distributed.weight_transfer.testing import (
     TinyModelSpec,
     assert_bit_identical,

@@ -73,17 +73,17 @@ class TrainerRank:
         self, llm: Any, num_consumers: int, checksums: bool, codes: bool = False
     ) -> None:
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-        from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
-        from vllm.distributed.weight_transfer.sharded_rdt_trainer import (
+        from vllm.distributed.weight_transfer.api import (
+            CheckpointNamesSource,
             ShardedRDTTrainerInitInfo,
         )
-        from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
+        from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
 
         # Checkpoint names (HF keeps MoE experts fused in memory), as FP8
         # codes and scales if asked; this rank holds every other gather group.
         names: Any = CheckpointNamesSource(self.model)
         if codes:
-            from vllm.distributed.weight_transfer.fp8_codes import Fp8ChannelCodes
+            from vllm.distributed.weight_transfer.api import Fp8ChannelCodes
 
             names = Fp8ChannelCodes(names)
         source = HeldGroupsSource(names, self.rank, self.world, hold="half")

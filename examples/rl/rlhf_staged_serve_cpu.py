@@ -38,12 +38,10 @@ from pathlib import Path
 
 import torch
 
+from vllm.distributed.weight_transfer.api import IPCTrainerInitInfo
 from vllm.distributed.weight_transfer.base import ModuleSource
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-from vllm.distributed.weight_transfer.ipc_engine import (
-    IPCTrainerInitInfo,
-    IPCTrainerWeightTransferEngine,
-)
+from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerWeightTransferEngine
 from vllm.distributed.weight_transfer.testing import (
     DEFAULT_PROMPTS,
     TinyModelSpec,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm.distributed.weight_transfer.adapter_labels import (
+from vllm.distributed.weight_transfer.lora.labels import (
     label_with_adapters,
     split_adapter_label,
 )

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from vllm.distributed.weight_transfer.base import ParamMeta
-from vllm.distributed.weight_transfer.checkpoint_structure import (
+from vllm.distributed.weight_transfer.landing.checkpoint_structure import (
     check_manifest_dtypes,
     checkpoint_dtype_kinds,
     dtype_kind,

@@ -20,11 +20,11 @@ import torch
 from safetensors.torch import save_file
 
 from vllm.distributed.weight_transfer import ModuleSource
-from vllm.distributed.weight_transfer.checkpoint_structure import (
+from vllm.distributed.weight_transfer.landing.checkpoint_structure import (
     check_manifest_shapes,
     checkpoint_shapes,
 )
-from vllm.distributed.weight_transfer.fp8_codes import (
+from vllm.distributed.weight_transfer.quant.fp8 import (
     FP8_CODES,
     Fp8BlockCodes,
     quantize_fp8_per_block,

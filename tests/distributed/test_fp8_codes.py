@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from vllm.distributed.weight_transfer import ModuleSource
-from vllm.distributed.weight_transfer.codes_landing import CodesLanding, CodesRefused
-from vllm.distributed.weight_transfer.fp8_codes import (
+from vllm.distributed.weight_transfer.landing.codes import CodesLanding, CodesRefused
+from vllm.distributed.weight_transfer.quant.fp8 import (
     Fp8ChannelCodes,
     codes_name_of,
     quantize_fp8_per_channel,
@@ -132,7 +132,7 @@ def test_fused_cuda_quantizer_equals_the_torch_operations(dtype):
     rows below and above the float8 range, saturating values, a row wider
     than a power of two, and Qwen3-8B-wide rows)."""
     pytest.importorskip("triton")
-    from vllm.distributed.weight_transfer import fp8_codes
+    from vllm.distributed.weight_transfer.quant import fp8 as fp8_codes
 
     assert fp8_codes._fused_rows() is not None
     g = torch.Generator().manual_seed(1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vllm.distributed.weight_transfer import ModuleSource
-from vllm.distributed.weight_transfer.int8_codes import (
+from vllm.distributed.weight_transfer.quant.int8 import (
     INT8_HALF_RANGE,
     Int8ChannelCodes,
     Int8TensorCodes,
@@ -109,7 +109,7 @@ def test_per_tensor_codes_share_one_scale():
 def test_static_activation_parameters_follow_their_layer_codes(tmp_path):
     from safetensors.torch import save_file
 
-    from vllm.distributed.weight_transfer.int8_codes import read_static_activations
+    from vllm.distributed.weight_transfer.quant.int8 import read_static_activations
 
     net = torch.nn.Module()
     net.q_proj = torch.nn.Linear(8, 4, bias=False)
@@ -167,7 +167,7 @@ def test_the_fused_cuda_quantizer_equals_the_host(dtype):
     row of zeros, ties that round half to even, rows wider than a power of
     two and Qwen3-8B-wide rows."""
     pytest.importorskip("triton")
-    from vllm.distributed.weight_transfer import int8_codes
+    from vllm.distributed.weight_transfer.quant import int8 as int8_codes
 
     assert int8_codes._fused_rows() is not None
     g = torch.Generator().manual_seed(2)

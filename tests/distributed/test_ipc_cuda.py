@@ -31,8 +31,8 @@ pytestmark = [
 
 def _reader(conn) -> None:
     """Second process: import every update's buffers and send back CPU copies."""
-    from vllm.distributed.weight_transfer.ipc_dataplane import BufferImporter
-    from vllm.distributed.weight_transfer.ipc_wire import LayoutMemo
+    from vllm.distributed.weight_transfer.buffers.dataplane import BufferImporter
+    from vllm.distributed.weight_transfer.ipc.wire import LayoutMemo
     from vllm.distributed.weight_transfer.verification import (
         WorkerPublication,
         device_identity,
@@ -252,7 +252,7 @@ def _tensors() -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("checksums", [False, True])
 @pytest.mark.parametrize("packed", [True, False])
 def test_cuda_ipc_bytes_arrive_bit_exact_in_another_process(reader, packed, checksums):
-    from vllm.distributed.weight_transfer.cuda_ipc_buffer import physical_gpu_uuid
+    from vllm.distributed.weight_transfer.buffers.cuda_ipc import physical_gpu_uuid
 
     tensors = _tensors()
     client = PipeWorker(reader)
@@ -341,7 +341,7 @@ def test_shared_parameters_are_mapped_once_and_read_in_place(reader):
     goes back once both sides let go."""
     import gc
 
-    from vllm.distributed.weight_transfer.shared_params import SharedParameters
+    from vllm.distributed.weight_transfer.ipc.shared_params import SharedParameters
 
     # The checksums' first matrix product makes cuBLAS allocate its
     # workspaces (32 MiB and more on an H200), once per process: done here,
@@ -437,7 +437,7 @@ def test_a_pinned_source_sends_its_layout_once_then_only_its_id(reader):
     bit-exact through the kept mapping; a re-allocated parameter ends the
     short form (that sync goes whole, the moved tensor packed), and a failed
     sync makes the next one whole again, with a fresh export."""
-    from vllm.distributed.weight_transfer.shared_params import SharedParameters
+    from vllm.distributed.weight_transfer.ipc.shared_params import SharedParameters
 
     torch.manual_seed(1)
     model = Net().cuda()
@@ -498,7 +498,7 @@ def test_parameters_placed_in_several_segments_travel_as_one_message(reader):
     than the parameters, not twice them. Every sync is one message naming
     all segments, each mapped once and kept; the short form names them
     again; after a failed sync every segment is exported anew."""
-    from vllm.distributed.weight_transfer.shared_params import SharedParameters
+    from vllm.distributed.weight_transfer.ipc.shared_params import SharedParameters
 
     torch.manual_seed(2)
     # Eight 256 KiB matrices, two to a segment.
@@ -555,7 +555,7 @@ def test_adopted_parameters_are_read_where_they_are(reader):
     parameter's new storage is adopted before the next sync, which goes
     whole (nothing packed, never the old storage), and the old one is let
     go; the sync after is short again."""
-    from vllm.distributed.weight_transfer.shared_params import SharedParameters
+    from vllm.distributed.weight_transfer.ipc.shared_params import SharedParameters
 
     torch.manual_seed(3)
     model = Net().cuda()
@@ -620,7 +620,7 @@ def test_a_move_found_while_landing_is_aborted_then_sent_whole(reader):
     that check: the update is aborted (the reader drops every mapping, as
     the worker engine does), and the same ``send_weights`` goes whole with
     the new storage adopted and every storage exported anew, bit-exact."""
-    from vllm.distributed.weight_transfer.shared_params import SharedParameters
+    from vllm.distributed.weight_transfer.ipc.shared_params import SharedParameters
 
     torch.manual_seed(5)
     model = Net().cuda()

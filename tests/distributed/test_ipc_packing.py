@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vllm.distributed.weight_transfer.base import ParamMeta
-from vllm.distributed.weight_transfer.ipc_packing import (
+from vllm.distributed.weight_transfer.ipc.packing import (
     packed_buffer_nbytes,
     plan_transfer,
 )

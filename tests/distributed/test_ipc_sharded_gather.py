@@ -14,11 +14,11 @@ import traceback
 import pytest
 import torch
 
-from vllm.distributed.weight_transfer.sharded_gather import gather_full_into
 from vllm.distributed.weight_transfer.testing.direct_engine import (
     load_through_weight_loaders,
 )
 from vllm.distributed.weight_transfer.testing.multirank import free_port
+from vllm.distributed.weight_transfer.trainer.sharded_gather import gather_full_into
 
 WORLD = 2
 

@@ -28,13 +28,13 @@ from test_ipc_worker import (
 )
 
 from vllm.distributed.weight_transfer import ModuleSource
+from vllm.distributed.weight_transfer.ipc.shared_params import (
+    SharedParameters,
+    shared_place,
+)
 from vllm.distributed.weight_transfer.ipc_engine import (
     IPCTrainerInitInfo,
     IPCTrainerWeightTransferEngine,
-)
-from vllm.distributed.weight_transfer.shared_params import (
-    SharedParameters,
-    shared_place,
 )
 
 
@@ -391,7 +391,7 @@ def _message_part(shared: SharedParameters, model: torch.nn.Module):
     """What the trainer's send makes of ``model``'s tensors over ``shared``:
     an empty tensor at the end of the one before it, the order checked per
     segment."""
-    from vllm.distributed.weight_transfer.shared_params import SegmentOrder
+    from vllm.distributed.weight_transfer.ipc.shared_params import SegmentOrder
 
     order, found = SegmentOrder(shared), []
     for name, p in model.named_parameters():
@@ -968,7 +968,7 @@ def test_an_empty_tensor_between_shared_ones_keeps_the_chunk_unpacked():
 def _cuda_handle(counter_offset: int, persistent: bool = True):
     import base64
 
-    from vllm.distributed.weight_transfer.ipc_wire import CudaIpcHandle
+    from vllm.distributed.weight_transfer.ipc.wire import CudaIpcHandle
 
     b64 = base64.b64encode(b"x" * 64).decode("ascii")
     return CudaIpcHandle(
@@ -991,9 +991,9 @@ def test_a_kept_cuda_mapping_hands_each_new_counter_to_torch(monkeypatch):
     later message about it with a new reference counter goes through torch's
     import again (which finds its cached mapping and releases that counter);
     the same counter again does not. Non-persistent buffers are released."""
-    from vllm.distributed.weight_transfer import cuda_ipc_buffer
-    from vllm.distributed.weight_transfer.ipc_dataplane import BufferImporter
-    from vllm.distributed.weight_transfer.ipc_wire import handle_from_dict
+    from vllm.distributed.weight_transfer.buffers import cuda_ipc as cuda_ipc_buffer
+    from vllm.distributed.weight_transfer.buffers.dataplane import BufferImporter
+    from vllm.distributed.weight_transfer.ipc.wire import handle_from_dict
 
     imports: list[int] = []
 
@@ -1030,7 +1030,7 @@ def test_the_trainer_exports_anew_only_what_workers_did_not_keep():
     mappings per segment)."""
     import weakref
 
-    from vllm.distributed.weight_transfer.ipc_trainer import _SharedInSync
+    from vllm.distributed.weight_transfer.ipc.trainer import _SharedInSync
 
     class Owner:
         def __init__(self) -> None:

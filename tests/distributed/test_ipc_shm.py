@@ -10,19 +10,19 @@ import os
 import pytest
 import torch
 
-from vllm.distributed.weight_transfer import shm_buffer
-from vllm.distributed.weight_transfer.ipc_dataplane import (
+from vllm.distributed.weight_transfer.buffers import shm as shm_buffer
+from vllm.distributed.weight_transfer.buffers.dataplane import (
     BufferImporter,
     allocate_buffer,
     export_tensor,
 )
-from vllm.distributed.weight_transfer.ipc_wire import ShmHandle, cpu_device_key
-from vllm.distributed.weight_transfer.shm_buffer import (
+from vllm.distributed.weight_transfer.buffers.shm import (
     SHM_DIR,
     MappedSegment,
     SharedMemoryBuffer,
     reap_segments,
 )
+from vllm.distributed.weight_transfer.ipc.wire import ShmHandle, cpu_device_key
 from vllm.distributed.weight_transfer.testing.owner_child import (
     OwnerChild,
     exited_pid,

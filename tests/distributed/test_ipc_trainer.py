@@ -24,13 +24,13 @@ from vllm.distributed.weight_transfer import (
     WeightSource,
     WeightTransferTrainerFactory,
 )
-from vllm.distributed.weight_transfer.ipc_dataplane import BufferImporter
+from vllm.distributed.weight_transfer.buffers.dataplane import BufferImporter
+from vllm.distributed.weight_transfer.buffers.shm import SHM_DIR
+from vllm.distributed.weight_transfer.ipc.wire import IPCWeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.ipc_engine import (
     IPCTrainerInitInfo,
     IPCTrainerWeightTransferEngine,
 )
-from vllm.distributed.weight_transfer.ipc_wire import IPCWeightTransferUpdateInfo
-from vllm.distributed.weight_transfer.shm_buffer import SHM_DIR
 from vllm.distributed.weight_transfer.verification import (
     ChecksumMismatch,
     WeightState,

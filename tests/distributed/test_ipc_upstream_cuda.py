@@ -20,8 +20,8 @@ pytestmark = [
 
 def _reader(conn) -> None:
     """Second process: read every update as the worker engine does."""
-    from vllm.distributed.weight_transfer.ipc_dataplane import BufferImporter
-    from vllm.distributed.weight_transfer.ipc_wire import IPCWeightTransferUpdateInfo
+    from vllm.distributed.weight_transfer.buffers.dataplane import BufferImporter
+    from vllm.distributed.weight_transfer.ipc.wire import IPCWeightTransferUpdateInfo
 
     torch.cuda.set_device(0)
     importer = BufferImporter(torch.device("cuda", 0), local_rank=0)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from vllm.distributed.weight_transfer import ParamMeta, WeightSource
-from vllm.distributed.weight_transfer.ipc_trainer import (
+from vllm.distributed.weight_transfer.ipc.trainer import (
     IPCTrainerInitInfo,
     IPCTrainerWeightTransferEngine,
 )
@@ -95,7 +95,7 @@ def _read_with_upstream_consumer(msg: dict, importer) -> dict[str, torch.Tensor]
 
 
 def _read_as_fork(msg: dict, importer) -> dict[str, torch.Tensor]:
-    from vllm.distributed.weight_transfer.ipc_wire import IPCWeightTransferUpdateInfo
+    from vllm.distributed.weight_transfer.ipc.wire import IPCWeightTransferUpdateInfo
 
     info = IPCWeightTransferUpdateInfo.from_dict(msg)
     assert info.upstream_wire
@@ -115,7 +115,7 @@ def _read_as_fork(msg: dict, importer) -> dict[str, torch.Tensor]:
 
 def _reader(conn) -> None:
     """Second process: read every message three ways, send back CPU copies."""
-    from vllm.distributed.weight_transfer.ipc_dataplane import BufferImporter
+    from vllm.distributed.weight_transfer.buffers.dataplane import BufferImporter
 
     torch.cuda.set_device(0)
     uuid = str(torch.cuda.get_device_properties(0).uuid)

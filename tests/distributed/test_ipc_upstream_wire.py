@@ -21,14 +21,14 @@ import pytest
 import torch
 
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
-from vllm.distributed.weight_transfer.ipc_wire import (
+from vllm.distributed.weight_transfer.ipc.wire import (
     CudaIpcHandle,
     IPCWeightTransferUpdateInfo,
     cpu_device_key,
     upstream_args,
     upstream_handle,
 )
+from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 
 UUID = "GPU-00000000-1111-2222-3333-444444444444"
 

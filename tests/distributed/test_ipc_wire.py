@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from vllm.distributed.weight_transfer.ipc_dataplane import BufferImporter
-from vllm.distributed.weight_transfer.ipc_wire import (
+from vllm.distributed.weight_transfer.buffers.dataplane import BufferImporter
+from vllm.distributed.weight_transfer.ipc.wire import (
     CudaIpcHandle,
     IPCWeightTransferInitInfo,
     IPCWeightTransferUpdateInfo,

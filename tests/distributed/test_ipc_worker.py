@@ -17,19 +17,19 @@ import pytest
 import torch
 
 from vllm.distributed.weight_transfer import ModuleSource, WeightSource
+from vllm.distributed.weight_transfer.ipc.wire import cpu_device_key
 from vllm.distributed.weight_transfer.ipc_engine import (
     IPCTrainerInitInfo,
     IPCTrainerWeightTransferEngine,
     IPCWeightTransferEngine,
 )
-from vllm.distributed.weight_transfer.ipc_wire import cpu_device_key
-from vllm.distributed.weight_transfer.layerwise_session import LayerwiseReloadSession
+from vllm.distributed.weight_transfer.landing.completeness import IncompleteUpdateError
+from vllm.distributed.weight_transfer.landing.layerwise import LayerwiseReloadSession
 from vllm.distributed.weight_transfer.testing.direct_engine import (
     DirectEngineClient,
     direct_ipc_engine,
     load_through_weight_loaders,
 )
-from vllm.distributed.weight_transfer.update_completeness import IncompleteUpdateError
 from vllm.distributed.weight_transfer.verification import (
     ManifestMismatch,
     WeightsFencedError,
@@ -395,7 +395,7 @@ def test_a_layer_updated_without_all_its_parameters_is_refused_not_committed():
 
 def _raw_update(engine, tensors: dict[str, torch.Tensor], dtype_names=None):
     """One headerless packed update of ``tensors`` through shared memory."""
-    from vllm.distributed.weight_transfer.shm_buffer import SharedMemoryBuffer
+    from vllm.distributed.weight_transfer.buffers.shm import SharedMemoryBuffer
 
     flat = [
         t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()
@@ -558,8 +558,8 @@ def test_a_failure_after_a_planned_landing_fences_until_a_full_resync(keep):
     """A planned landing that fails part-way fences: tensor by tensor
     (a packed buffer freed after each sync), and as the chunks' programs
     bound over the packed buffer the trainer keeps (the CPU default)."""
-    from vllm.distributed.weight_transfer.chunk_programs import BoundChunk
-    from vllm.distributed.weight_transfer.planned_landing import LandingPlan
+    from vllm.distributed.weight_transfer.ipc.chunk_programs import BoundChunk
+    from vllm.distributed.weight_transfer.landing.planned import LandingPlan
 
     target, trainer = planned_ready(0), TinyNet(1)
     engine = make_engine(target, landing="planned")
@@ -597,8 +597,8 @@ def test_with_checksums_a_planned_landing_is_read_back_and_a_wrong_byte_fences(k
     flipped after the landing wrote it, as a wrong copy table would) fails
     the update naming the tensor, and fences; without the flip the same
     syncs pass the check."""
-    from vllm.distributed.weight_transfer.chunk_programs import BoundChunk
-    from vllm.distributed.weight_transfer.planned_landing import LandingPlan
+    from vllm.distributed.weight_transfer.ipc.chunk_programs import BoundChunk
+    from vllm.distributed.weight_transfer.landing.planned import LandingPlan
 
     target, trainer = planned_ready(0), TinyNet(1)
     engine = make_engine(target, landing="planned")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vllm.config import WeightTransferConfig
-from vllm.distributed.weight_transfer.layerwise_session import LayerwiseReloadSession
+from vllm.distributed.weight_transfer.landing.layerwise import LayerwiseReloadSession
 
 
 def session(timeout_s=None, aborts=None) -> LayerwiseReloadSession:
@@ -137,7 +137,7 @@ def test_parameters_registered_as_none_are_put_back_when_the_session_closes():
 def test_static_activation_int8_layers_are_named_as_unreloadable():
     from types import SimpleNamespace
 
-    from vllm.distributed.weight_transfer.layerwise_session import (
+    from vllm.distributed.weight_transfer.landing.layerwise import (
         UnreloadableLayersError,
         refuse_unreloadable_layers,
         unreloadable_layers,

@@ -22,7 +22,7 @@ from test_ipc_worker import (
     state,
 )
 
-from vllm.distributed.weight_transfer.lora_adapters import (
+from vllm.distributed.weight_transfer.lora.adapters import (
     AdapterConfig,
     AdapterHeader,
     AdapterPushes,
@@ -36,7 +36,7 @@ from vllm.distributed.weight_transfer.lora_adapters import (
     memory_adapters,
     memory_path,
 )
-from vllm.distributed.weight_transfer.lora_trainer import LoRAAdapter, push_lora_adapter
+from vllm.distributed.weight_transfer.lora.pusher import LoRAAdapter, push_lora_adapter
 
 CONFIG = AdapterConfig(rank=2, alpha=4.0, target_modules=("q_proj", "v_proj"))
 Q = "base_model.model.layers.0.q_proj"
@@ -366,7 +366,7 @@ def test_a_clash_inside_an_engine_step_serves_the_pushed_adapter_without_raising
     """A raise while a step activates its adapters stops the engine: a
     preload of a clashing id is refused, the same load inside a step is
     served the pushed adapter and logged."""
-    from vllm.distributed.weight_transfer import lora_adapters
+    from vllm.distributed.weight_transfer.lora import adapters as lora_adapters
     from vllm.lora.worker_manager import WorkerLoRAManager
 
     install_memory_loader()
@@ -463,7 +463,7 @@ class BusyEngine(RefusingClient):
 
 
 def test_a_push_never_abandons_an_update_another_trainer_holds_open():
-    from vllm.distributed.weight_transfer.stale_updates import UpdateStillOpen
+    from vllm.distributed.weight_transfer.trainer.start_update import UpdateStillOpen
 
     client = BusyEngine()
     with pytest.raises(UpdateStillOpen, match="wait_s=0.3"):

@@ -20,12 +20,12 @@ import torch
 from test_ipc_worker import EngineClient, TinyNet, make_engine, push, reload_ready
 
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
-from vllm.distributed.weight_transfer.lora_adapters import (
+from vllm.distributed.weight_transfer.lora.adapters import (
     AdapterConfig,
     AdapterStaging,
     memory_adapters,
 )
-from vllm.distributed.weight_transfer.lora_trainer import (
+from vllm.distributed.weight_transfer.lora.pusher import (
     LoRAAdapter,
     LoRAPusher,
     push_lora_adapter,

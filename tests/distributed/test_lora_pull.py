@@ -20,13 +20,13 @@ import pytest
 import torch
 
 from vllm.distributed.weight_transfer.base import ParamMeta
-from vllm.distributed.weight_transfer.lora_pull import (
+from vllm.distributed.weight_transfer.lora.pull import (
     AdapterPull,
     AdapterPuller,
     AdapterServer,
     payload_views,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_producer import Producer
+from vllm.distributed.weight_transfer.pull.producer import Producer
 from vllm.distributed.weight_transfer.verification import (
     Receipt,
     TrainerPublication,

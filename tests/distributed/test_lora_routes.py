@@ -13,13 +13,16 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
-from vllm.distributed.weight_transfer.lora_adapters import (
+from vllm.distributed.weight_transfer.lora.adapters import (
     REFUSED_MARK,
     AdapterConfig,
     AdapterHeader,
     memory_path,
 )
-from vllm.distributed.weight_transfer.lora_routes import LORA_ID_HEADER, AdapterIdGuard
+from vllm.distributed.weight_transfer.serving.lora_routes import (
+    LORA_ID_HEADER,
+    AdapterIdGuard,
+)
 from vllm.lora.request import LoRARequest
 from vllm.utils.counter import AtomicCounter
 

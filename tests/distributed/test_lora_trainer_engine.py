@@ -15,9 +15,9 @@ from vllm.distributed.weight_transfer import (
     ModuleSource,
     WeightTransferTrainerFactory,
 )
-from vllm.distributed.weight_transfer.lora_adapters import AdapterConfig
-from vllm.distributed.weight_transfer.lora_trainer import LoRAAdapter
-from vllm.distributed.weight_transfer.lora_trainer_engine import (
+from vllm.distributed.weight_transfer.lora.adapters import AdapterConfig
+from vllm.distributed.weight_transfer.lora.pusher import LoRAAdapter
+from vllm.distributed.weight_transfer.lora.trainer import (
     LoRASource,
     LoRATrainerInitInfo,
     LoRATrainerWeightTransferEngine,

@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm.distributed.weight_transfer.kv_scrub import (
+from vllm.distributed.weight_transfer.serving.non_finite_outputs import NonFiniteOutputs
+from vllm.distributed.weight_transfer.worker.kv_scrub import (
     kv_caches,
     zero_non_finite,
     zero_non_finite_kv,
 )
-from vllm.distributed.weight_transfer.non_finite_outputs import NonFiniteOutputs
 
 
 class _Engine:

@@ -15,19 +15,19 @@ import pytest
 import torch
 
 from vllm.distributed.weight_transfer import ModuleSource
-from vllm.distributed.weight_transfer.fp8_codes import (
+from vllm.distributed.weight_transfer.quant.fp8 import (
     Fp8BlockCodes,
     Fp8ChannelCodes,
     quantize_fp8_per_block,
     quantize_fp8_per_channel,
 )
-from vllm.distributed.weight_transfer.int8_codes import (
+from vllm.distributed.weight_transfer.quant.int8 import (
     Int8ChannelCodes,
     Int8TensorCodes,
     quantize_int8_per_channel,
     quantize_int8_per_tensor,
 )
-from vllm.distributed.weight_transfer.quantized_values import (
+from vllm.distributed.weight_transfer.quant.values import (
     BadQuantizedValues,
     bad_values,
     checked_views,
@@ -165,8 +165,8 @@ def test_the_trainer_refuses_a_bad_static_activation_scale():
 def test_a_sharded_rdt_chunk_is_read_for_its_scales_and_codes():
     """``packed_values`` reads the checked slices of a pulled chunk from its
     bytes (the ``sharded_rdt`` worker refuses them before the chunk lands)."""
-    from vllm.distributed.weight_transfer.sharded_rdt_chunks import PackedSlice
-    from vllm.distributed.weight_transfer.sharded_rdt_ops import SliceSpec
+    from vllm.distributed.weight_transfer.plan.ops import SliceSpec
+    from vllm.distributed.weight_transfer.pull.chunks import PackedSlice
 
     codes, scale = quantize_fp8_per_channel(torch.randn(8, 16))
     scale = scale.clone()

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from vllm.distributed.weight_transfer import rpc_replies
+from vllm.distributed.weight_transfer.serving import rpc_replies
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor, WorkerProc
 
 OK = WorkerProc.ResponseStatus.SUCCESS
@@ -140,5 +140,5 @@ def test_install_patches_once_and_is_a_registered_plugin(unpatched):
     assert MultiprocExecutor.collective_rpc is patched
     plugins = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
     assert plugins["weight_transfer_rpc_replies"] == (
-        "vllm.distributed.weight_transfer.rpc_replies:install"
+        "vllm.distributed.weight_transfer.serving.rpc_replies:install"
     )

@@ -13,10 +13,10 @@ import pytest
 import torch
 from test_ipc_worker import TinyNet
 
-from vllm.distributed.weight_transfer.shadow_layers import ShadowLayers
-from vllm.distributed.weight_transfer.update_completeness import (
+from vllm.distributed.weight_transfer.landing.completeness import (
     IncompleteUpdateError,
 )
+from vllm.distributed.weight_transfer.worker.shadows import ShadowLayers
 
 
 class Linear(torch.nn.Module):

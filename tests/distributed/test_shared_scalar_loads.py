@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.distributed.weight_transfer.layerwise_session import SharedScalarLoads
+from vllm.distributed.weight_transfer.landing.layerwise import SharedScalarLoads
 
 
 class _Fused(torch.nn.Module):

@@ -24,19 +24,19 @@ from test_ipc_worker import (
 )
 
 from vllm.distributed.weight_transfer import ModuleSource
-from vllm.distributed.weight_transfer import staged_update as staged_module
 from vllm.distributed.weight_transfer.ipc_engine import (
     IPCTrainerInitInfo,
     IPCTrainerWeightTransferEngine,
     IPCWeightTransferEngine,
 )
-from vllm.distributed.weight_transfer.staged_update import (
-    StagedUpdate,
-    StagingDoesNotFit,
-)
 from vllm.distributed.weight_transfer.verification import (
     PREPARE_FIELD,
     is_prepare_request,
+)
+from vllm.distributed.weight_transfer.worker import staged as staged_module
+from vllm.distributed.weight_transfer.worker.staged import (
+    StagedUpdate,
+    StagingDoesNotFit,
 )
 
 
@@ -369,7 +369,7 @@ def test_fp8_codes_are_staged_and_land_at_the_commit(monkeypatch):
     are staged, the old weights serve until the commit, and the commit copies
     the pieces straight into the served tensors (the rest through the
     reload)."""
-    from vllm.distributed.weight_transfer import codes_landing
+    from vllm.distributed.weight_transfer.landing import codes as codes_landing
 
     target, trainer = reload_ready(0), TinyNet(1)
     before = state(target)

@@ -14,13 +14,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm.distributed.weight_transfer.staged_update import (
+from vllm.distributed.weight_transfer.worker.staged import (
     StagedUpdate,
     StagingDoesNotFit,
     check_staging_fits_at_start,
     reserved_later,
 )
-from vllm.distributed.weight_transfer.staging_pool import StagingPool, buffer_kind
+from vllm.distributed.weight_transfer.worker.staging_pool import (
+    StagingPool,
+    buffer_kind,
+)
 
 pytestmark = [
     pytest.mark.cuda,

@@ -17,12 +17,15 @@ from test_staged_update import (
     trainer_for,
 )
 
-from vllm.distributed.weight_transfer import staged_update as staged_module
-from vllm.distributed.weight_transfer.staged_update import (
+from vllm.distributed.weight_transfer.worker import staged as staged_module
+from vllm.distributed.weight_transfer.worker.staged import (
     StagedUpdate,
     StagingDoesNotFit,
 )
-from vllm.distributed.weight_transfer.staging_pool import StagingPool, buffer_kind
+from vllm.distributed.weight_transfer.worker.staging_pool import (
+    StagingPool,
+    buffer_kind,
+)
 
 CPU = torch.device("cpu")
 ROW = buffer_kind((4,), torch.float32, CPU, False)

@@ -4,7 +4,10 @@
 
 import pytest
 
-from vllm.distributed.weight_transfer.stale_updates import UpdateStillOpen, start_update
+from vllm.distributed.weight_transfer.trainer.start_update import (
+    UpdateStillOpen,
+    start_update,
+)
 
 
 class Server:

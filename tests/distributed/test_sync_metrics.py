@@ -11,9 +11,9 @@ from fastapi import FastAPI, HTTPException
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
-from vllm.distributed.weight_transfer import sync_metrics
 from vllm.distributed.weight_transfer.base import ParamMeta
-from vllm.distributed.weight_transfer.sync_metrics import (
+from vllm.distributed.weight_transfer.serving import metrics as sync_metrics
+from vllm.distributed.weight_transfer.serving.metrics import (
     ROUTE_OPERATIONS,
     RouteSyncObserver,
     SyncRecord,

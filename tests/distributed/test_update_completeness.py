@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm.distributed.weight_transfer.update_completeness import (
+from vllm.distributed.weight_transfer.landing.completeness import (
     FusedGroups,
     IncompleteUpdateError,
 )

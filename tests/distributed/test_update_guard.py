@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import verification_samples
 
-from vllm.distributed.weight_transfer.update_guard import WeightUpdateGuard
+from vllm.distributed.weight_transfer.serving.update_guard import WeightUpdateGuard
 
 HOLD_HEADER = b"x-vllm-weight-commit-hold"
 WEIGHTS = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[1]]}
@@ -463,7 +463,7 @@ def test_an_update_closed_at_the_deadline_is_no_longer_open_in_the_status(payloa
     aborted."""
     from prometheus_client import CollectorRegistry
 
-    from vllm.distributed.weight_transfer.sync_metrics import (
+    from vllm.distributed.weight_transfer.serving.metrics import (
         RouteSyncObserver,
         WeightSyncMetricsMiddleware,
         WeightTransferMetrics,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm.distributed.weight_transfer.base import ParamMeta
-from vllm.distributed.weight_transfer.full_resync import ModelVersions
+from vllm.distributed.weight_transfer.trainer.lifecycle import ModelVersions
 from vllm.distributed.weight_transfer.verification.fence import (
     MAX_VERSION_AHEAD_US,
     WeightFence,

@@ -26,12 +26,12 @@ from vllm.distributed.weight_transfer.clients import (
     OfflineLLMWeightSyncClient,
     RayVLLMWeightSyncClient,
 )
-from vllm.distributed.weight_transfer.full_resync import commit_update
-from vllm.distributed.weight_transfer.ipc_wire import IPCWeightTransferUpdateInfo
-from vllm.distributed.weight_transfer.update_guard import (
+from vllm.distributed.weight_transfer.ipc.wire import IPCWeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.serving.update_guard import (
     COMMIT_HOLD_HEADER,
     COMMIT_HOLD_VALUE,
 )
+from vllm.distributed.weight_transfer.trainer.lifecycle import commit_update
 
 
 class _Handler(BaseHTTPRequestHandler):

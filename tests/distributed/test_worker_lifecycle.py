@@ -21,8 +21,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm.distributed.weight_transfer.ipc_worker import IPCWeightTransferEngine
-from vllm.distributed.weight_transfer.sharded_rdt_engine import (
+from vllm.distributed.weight_transfer.ipc.worker import IPCWeightTransferEngine
+from vllm.distributed.weight_transfer.sharded_rdt.worker import (
     ShardedRDTWeightTransferEngine,
 )
 from vllm.distributed.weight_transfer.verification import (

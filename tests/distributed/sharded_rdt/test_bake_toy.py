@@ -14,13 +14,13 @@ import torch
 from torch import nn
 
 from vllm.distributed.weight_transfer.base import ParamMeta
-from vllm.distributed.weight_transfer.sharded_rdt_bake import (
+from vllm.distributed.weight_transfer.plan.bake import (
     IncompletePlanError,
     bake_worker_plan,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_common import RdtRouter
-from vllm.distributed.weight_transfer.sharded_rdt_lazy import UnplannableLoaderError
-from vllm.distributed.weight_transfer.sharded_rdt_reload import IN_PLACE
+from vllm.distributed.weight_transfer.plan.lazy import UnplannableLoaderError
+from vllm.distributed.weight_transfer.pull.routing import RdtRouter
+from vllm.distributed.weight_transfer.sharded_rdt.lander import IN_PLACE
 from vllm.distributed.weight_transfer.testing.sharded_rdt_checks import land_chunks
 from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
 from vllm.model_executor.model_loader.reload.layerwise import (

@@ -15,25 +15,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.distributed.weight_transfer.copy_table import compile_chunk_table
-from vllm.distributed.weight_transfer.copy_table_exec import (
+from vllm.distributed.weight_transfer.plan.copy_exec import (
     CopyProgram,
     triton_available,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_chunks import build_pull_plan
-from vllm.distributed.weight_transfer.sharded_rdt_common import RdtRouter
-from vllm.distributed.weight_transfer.sharded_rdt_ops import (
+from vllm.distributed.weight_transfer.plan.copy_table import compile_chunk_table
+from vllm.distributed.weight_transfer.plan.ops import (
     SliceSpec,
     ViewOp,
     replay_slice,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_plan import (
+from vllm.distributed.weight_transfer.plan.worker_plan import (
     Region,
     SliceCopy,
     build_plan,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_producer import pack_chunk
-from vllm.distributed.weight_transfer.sharded_rdt_reload import IN_PLACE, ChunkLander
+from vllm.distributed.weight_transfer.pull.chunks import build_pull_plan
+from vllm.distributed.weight_transfer.pull.producer import pack_chunk
+from vllm.distributed.weight_transfer.pull.routing import RdtRouter
+from vllm.distributed.weight_transfer.sharded_rdt.lander import IN_PLACE, ChunkLander
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and triton_available()),

@@ -14,8 +14,8 @@ import pytest
 import torch
 from test_planned_landing import MIXED, Mixed, _bake
 
-from vllm.distributed.weight_transfer.chunk_programs import ChunkPrograms
-from vllm.distributed.weight_transfer.copy_table_exec import triton_available
+from vllm.distributed.weight_transfer.ipc.chunk_programs import ChunkPrograms
+from vllm.distributed.weight_transfer.plan.copy_exec import triton_available
 
 
 def _flat(tensors: dict[str, torch.Tensor], gap: int = 0):
@@ -150,7 +150,7 @@ def test_a_name_whose_copies_cast_lands_the_ordinary_way():
 def test_a_chunk_layout_key_is_equal_only_for_the_same_fields():
     from types import SimpleNamespace
 
-    from vllm.distributed.weight_transfer.chunk_programs import ChunkLayout
+    from vllm.distributed.weight_transfer.ipc.chunk_programs import ChunkLayout
 
     def view(name="a", dtype=torch.float32, shape=(2, 2), offset=0, buffer=0):
         return SimpleNamespace(

@@ -4,22 +4,24 @@
 
 import pytest
 
-from vllm.distributed.weight_transfer.sharded_rdt_chunks import (
+from vllm.distributed.weight_transfer.plan.ops import SliceSpec, ViewOp
+from vllm.distributed.weight_transfer.plan.worker_plan import (
+    Region,
+    SliceCopy,
+    build_plan,
+)
+from vllm.distributed.weight_transfer.pull.chunks import (
     PACK_ALIGN,
     PullChunk,
     build_pull_plan,
     make_chunk,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_common import (
+from vllm.distributed.weight_transfer.pull.routing import (
     RdtRouter,
-    ShardedRDTWeightTransferInitInfo,
     check_ray_rdt_version,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_ops import SliceSpec, ViewOp
-from vllm.distributed.weight_transfer.sharded_rdt_plan import (
-    Region,
-    SliceCopy,
-    build_plan,
+from vllm.distributed.weight_transfer.sharded_rdt.wire import (
+    ShardedRDTWeightTransferInitInfo,
 )
 
 NAMES = ["embed.weight", "layers.0.a", "layers.0.b", "layers.1.a", "layers.1.b"]

@@ -10,12 +10,8 @@ import pytest
 import torch
 from test_bake_toy import CHECKPOINT, Toy, _metas
 
-from vllm.distributed.weight_transfer.copy_table import (
-    CHUNK_SOURCE,
-    compile_chunk_table,
-    compile_copy_table,
-)
-from vllm.distributed.weight_transfer.copy_table_exec import (
+from vllm.distributed.weight_transfer.plan.bake import bake_worker_plan
+from vllm.distributed.weight_transfer.plan.copy_exec import (
     CopyProgram,
     build_tasks,
     empty_dests,
@@ -23,20 +19,24 @@ from vllm.distributed.weight_transfer.copy_table_exec import (
     land_fallback,
     triton_available,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_bake import bake_worker_plan
-from vllm.distributed.weight_transfer.sharded_rdt_ops import (
+from vllm.distributed.weight_transfer.plan.copy_table import (
+    CHUNK_SOURCE,
+    compile_chunk_table,
+    compile_copy_table,
+)
+from vllm.distributed.weight_transfer.plan.ops import (
     SliceSpec,
     Span,
     ViewOp,
     dtype_from_name,
     replay_slice,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_plan import (
+from vllm.distributed.weight_transfer.plan.worker_plan import (
     Region,
     SliceCopy,
     build_plan,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_reload import IN_PLACE
+from vllm.distributed.weight_transfer.sharded_rdt.lander import IN_PLACE
 from vllm.distributed.weight_transfer.testing.sharded_rdt_checks import land_chunks
 
 

@@ -5,7 +5,7 @@
 import pytest
 import torch
 
-from vllm.distributed.weight_transfer.sharded_rdt_lazy import (
+from vllm.distributed.weight_transfer.plan.lazy import (
     CopyRecorder,
     LazyWeight,
     UnplannableLoaderError,

@@ -15,7 +15,7 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from vllm.distributed.weight_transfer.sharded_rdt_nixl import (
+from vllm.distributed.weight_transfer.pull.nixl import (
     ControlListener,
     connect,
 )
@@ -121,7 +121,7 @@ def test_an_unreachable_loopback_producer_names_producer_host():
     default loopback address; the error says which setting fixes it."""
     from types import SimpleNamespace
 
-    from vllm.distributed.weight_transfer.sharded_rdt_nixl import _NixlLink
+    from vllm.distributed.weight_transfer.pull.nixl import _NixlLink
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

@@ -80,7 +80,7 @@ def _serve_one_sync(server, delay: float = 0.0):
 
 @pytest.fixture
 def server_factory():
-    from vllm.distributed.weight_transfer.sharded_rdt_nixl import NixlProducerServer
+    from vllm.distributed.weight_transfer.pull.nixl import NixlProducerServer
 
     servers = []
 
@@ -139,7 +139,7 @@ def test_a_pull_the_producer_cannot_answer_leaves_the_connection_served(
 
 
 def test_killing_the_producer_mid_sync_fails_the_consumer(tmp_path):
-    from vllm.distributed.weight_transfer.sharded_rdt_nixl import (
+    from vllm.distributed.weight_transfer.pull.nixl import (
         NixlConsumerTransport,
     )
 

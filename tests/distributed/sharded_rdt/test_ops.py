@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from vllm.distributed.weight_transfer.sharded_rdt_lazy import CopyRecorder, LazyWeight
-from vllm.distributed.weight_transfer.sharded_rdt_ops import (
+from vllm.distributed.weight_transfer.plan.lazy import CopyRecorder, LazyWeight
+from vllm.distributed.weight_transfer.plan.ops import (
     VIEW_OPS,
     SliceSpec,
     Span,

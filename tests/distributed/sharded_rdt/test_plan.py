@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from vllm.distributed.weight_transfer.sharded_rdt_ops import SliceSpec, ViewOp
-from vllm.distributed.weight_transfer.sharded_rdt_plan import (
+from vllm.distributed.weight_transfer.plan.ops import SliceSpec, ViewOp
+from vllm.distributed.weight_transfer.plan.worker_plan import (
     ParamCoverage,
     PartialModule,
     Region,

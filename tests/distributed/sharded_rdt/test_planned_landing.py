@@ -16,15 +16,15 @@ import torch
 from test_bake_toy import CHECKPOINT, Toy, _metas, _param
 from torch import nn
 
-from vllm.distributed.weight_transfer.planned_landing import LandingPlan
-from vllm.distributed.weight_transfer.sharded_rdt_chunks import build_pull_plan
-from vllm.distributed.weight_transfer.sharded_rdt_common import RdtRouter
-from vllm.distributed.weight_transfer.sharded_rdt_plan import leaving_unprocessed
-from vllm.distributed.weight_transfer.sharded_rdt_producer import pack_chunk
-from vllm.distributed.weight_transfer.sharded_rdt_reload import ChunkLander
-from vllm.distributed.weight_transfer.update_completeness import (
+from vllm.distributed.weight_transfer.landing.completeness import (
     IncompleteUpdateError,
 )
+from vllm.distributed.weight_transfer.landing.planned import LandingPlan
+from vllm.distributed.weight_transfer.plan.worker_plan import leaving_unprocessed
+from vllm.distributed.weight_transfer.pull.chunks import build_pull_plan
+from vllm.distributed.weight_transfer.pull.producer import pack_chunk
+from vllm.distributed.weight_transfer.pull.routing import RdtRouter
+from vllm.distributed.weight_transfer.sharded_rdt.lander import ChunkLander
 from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
 
 
@@ -189,7 +189,7 @@ def test_a_staged_update_stages_only_the_slices_this_rank_keeps():
     """``StagedUpdate.load_planned`` stages the planned slices of each direct
     name (rank 1 keeps half of ``pair.b``'s columns), not whole tensors, and
     the commit lands them as the model's own loaders would."""
-    from vllm.distributed.weight_transfer.staged_update import StagedUpdate
+    from vllm.distributed.weight_transfer.worker.staged import StagedUpdate
 
     reference = Mixed()
     reference.load_weights(MIXED.items())

@@ -10,22 +10,22 @@ import time
 import pytest
 import torch
 
-from vllm.distributed.weight_transfer.sharded_rdt_chunks import (
-    PullPlan,
-    build_pull_plan,
-)
-from vllm.distributed.weight_transfer.sharded_rdt_common import RdtRouter
-from vllm.distributed.weight_transfer.sharded_rdt_ops import SliceSpec, ViewOp
-from vllm.distributed.weight_transfer.sharded_rdt_plan import (
+from vllm.distributed.weight_transfer.plan.ops import SliceSpec, ViewOp
+from vllm.distributed.weight_transfer.plan.worker_plan import (
     Region,
     SliceCopy,
     build_plan,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_producer import (
+from vllm.distributed.weight_transfer.pull.chunks import (
+    PullPlan,
+    build_pull_plan,
+)
+from vllm.distributed.weight_transfer.pull.producer import (
     Producer,
     ProducerError,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_transport import (
+from vllm.distributed.weight_transfer.pull.routing import RdtRouter
+from vllm.distributed.weight_transfer.pull.transport import (
     InProcessServer,
     InProcessTransport,
 )

@@ -52,7 +52,7 @@ def ray_cluster():
 
 
 def test_rdt_pulls_between_ray_actors(ray_cluster):
-    from vllm.distributed.weight_transfer.sharded_rdt_ray import RdtProducerServer
+    from vllm.distributed.weight_transfer.pull.ray import RdtProducerServer
     from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
         ToyRdtConsumer,
     )

@@ -21,33 +21,33 @@ from vllm.distributed.weight_transfer.base import (
     ParamMeta,
     WeightSource,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_chunks import build_pull_plan
-from vllm.distributed.weight_transfer.sharded_rdt_common import (
-    RdtRouter,
-    ShardedRDTWeightTransferInitInfo,
-)
-from vllm.distributed.weight_transfer.sharded_rdt_engine import (
-    choose_transport,
-    planned_bytes,
-)
-from vllm.distributed.weight_transfer.sharded_rdt_ops import (
+from vllm.distributed.weight_transfer.plan.ops import (
     SliceSpec,
     ViewOp,
     dtype_from_name,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_plan import (
+from vllm.distributed.weight_transfer.plan.worker_plan import (
     Region,
     SliceCopy,
     build_plan,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_producer import Packed, Producer
-from vllm.distributed.weight_transfer.sharded_rdt_trainer import (
+from vllm.distributed.weight_transfer.pull.chunks import build_pull_plan
+from vllm.distributed.weight_transfer.pull.producer import Packed, Producer
+from vllm.distributed.weight_transfer.pull.routing import RdtRouter
+from vllm.distributed.weight_transfer.pull.transport import (
+    InProcessTransport,
+)
+from vllm.distributed.weight_transfer.sharded_rdt.trainer import (
     ShardedRDTTrainerInitInfo,
     ShardedRDTTrainerWeightTransferEngine,
     ownership_table,
 )
-from vllm.distributed.weight_transfer.sharded_rdt_transport import (
-    InProcessTransport,
+from vllm.distributed.weight_transfer.sharded_rdt.wire import (
+    ShardedRDTWeightTransferInitInfo,
+)
+from vllm.distributed.weight_transfer.sharded_rdt.worker import (
+    choose_transport,
+    planned_bytes,
 )
 from vllm.distributed.weight_transfer.verification import (
     ChecksumMismatch,

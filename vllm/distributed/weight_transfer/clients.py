@@ -66,7 +66,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdatePayload,
     WeightTransferUpdateRequest,
 )
-from vllm.distributed.weight_transfer.update_guard import (
+from vllm.distributed.weight_transfer.serving.update_guard import (
     COMMIT_HOLD_HEADER,
     COMMIT_HOLD_VALUE,
 )

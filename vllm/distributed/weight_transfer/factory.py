@@ -210,12 +210,12 @@ class WeightTransferTrainerFactory:
 BUILTIN_BACKENDS: tuple[tuple[str, str, str, str | None, str | None], ...] = (
     ("nccl", "nccl_engine", "NCCLWeightTransferEngine",
      "nccl_engine", "NCCLTrainerWeightTransferEngine"),
-    ("ipc", "ipc_engine", "IPCWeightTransferEngine",
-     "ipc_engine", "IPCTrainerWeightTransferEngine"),
+    ("ipc", "ipc.worker", "IPCWeightTransferEngine",
+     "ipc.trainer", "IPCTrainerWeightTransferEngine"),
     ("sparse_nccl", "sparse_nccl_engine", "SparseNCCLWeightTransferEngine",
      "sparse_nccl_engine", "SparseNCCLTrainerWeightTransferEngine"),
-    ("sharded_rdt", "sharded_rdt_engine", "ShardedRDTWeightTransferEngine",
-     "sharded_rdt_trainer", "ShardedRDTTrainerWeightTransferEngine"),
+    ("sharded_rdt", "sharded_rdt.worker", "ShardedRDTWeightTransferEngine",
+     "sharded_rdt.trainer", "ShardedRDTTrainerWeightTransferEngine"),
     ("nccl_m2n", "m2n_engine", "M2NWeightTransferEngine",
      "m2n_trainer", "M2NTrainerWeightTransferEngine"),
     ("modelexpress", "modelexpress_engine", "ModelExpressWeightTransferEngine",
@@ -229,7 +229,7 @@ for _name, _wmod, _wcls, _tmod, _tcls in BUILTIN_BACKENDS:
             _name, f"{_PACKAGE}.{_tmod}", _tcls
         )
 # LoRA adapter pushes: trainer side only (any ipc or sharded_rdt engine with
-# enable_lora takes them; lora_trainer_engine).
+# enable_lora takes them; lora/trainer.py).
 WeightTransferTrainerFactory.register_engine(
-    "lora", f"{_PACKAGE}.lora_trainer_engine", "LoRATrainerWeightTransferEngine"
+    "lora", f"{_PACKAGE}.lora.trainer", "LoRATrainerWeightTransferEngine"
 )

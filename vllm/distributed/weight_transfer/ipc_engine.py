@@ -55,17 +55,17 @@ trainer ranks are bounded by ``timeout_s`` (or the caller's group timeout); the
 HTTP and Ray clients bound every call to the server.
 """
 
-from vllm.distributed.weight_transfer.ipc_trainer import (
+from vllm.distributed.weight_transfer.ipc.trainer import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_TIMEOUT_S,
     IPCTrainerInitInfo,
     IPCTrainerWeightTransferEngine,
 )
-from vllm.distributed.weight_transfer.ipc_wire import (
+from vllm.distributed.weight_transfer.ipc.wire import (
     IPCWeightTransferInitInfo,
     IPCWeightTransferUpdateInfo,
 )
-from vllm.distributed.weight_transfer.ipc_worker import IPCWeightTransferEngine
+from vllm.distributed.weight_transfer.ipc.worker import IPCWeightTransferEngine
 
 __all__ = [
     "DEFAULT_PACKED_BUFFER_SIZE_BYTES",

@@ -43,7 +43,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from vllm.distributed.weight_transfer.sync_metrics import route_sync_observer
+from vllm.distributed.weight_transfer.serving.metrics import route_sync_observer
 
 router = APIRouter()
 

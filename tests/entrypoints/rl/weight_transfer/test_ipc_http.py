@@ -480,7 +480,7 @@ def test_update_after_failures_succeeds(server, trainer, trainer_model):
 def test_moe_tensor_parallel_update():
     """Qwen3-MoE at TP=2: experts travel under checkpoint names, each TP worker
     reads the same shared-memory buffer and keeps its shard."""
-    from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
+    from vllm.distributed.weight_transfer.trainer.sources import CheckpointNamesSource
 
     model_dir = build_tiny_model(TinyModelSpec(arch="qwen3_moe"))
     model = load_hf_model(model_dir, "float32")
@@ -776,8 +776,8 @@ class AbandonedMidSync:
         self.inner.update_weights(update_info)
         if self.label is not None or not is_weights(update_info):
             return
-        from vllm.distributed.weight_transfer.full_resync import abort_update
-        from vllm.distributed.weight_transfer.stale_updates import (
+        from vllm.distributed.weight_transfer.trainer.lifecycle import abort_update
+        from vllm.distributed.weight_transfer.trainer.start_update import (
             UpdateStillOpen,
             start_update,
         )

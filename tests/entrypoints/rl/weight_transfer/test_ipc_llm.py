@@ -33,7 +33,6 @@ from vllm.distributed.weight_transfer import (
 )
 from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
 from vllm.distributed.weight_transfer.testing import (
     FreshLoadOracle,
     GreedyResult,
@@ -63,6 +62,7 @@ from vllm.distributed.weight_transfer.testing.served_layers import (
     short_messages,
 )
 from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
+from vllm.distributed.weight_transfer.trainer.sources import CheckpointNamesSource
 
 pytestmark = pytest.mark.slow
 
@@ -503,7 +503,7 @@ def test_trainer_parameters_in_shared_memory_are_read_in_place(rig):
     message names together and the workers keep mapped."""
     import copy
 
-    from vllm.distributed.weight_transfer.shared_params import SharedParameters
+    from vllm.distributed.weight_transfer.ipc.shared_params import SharedParameters
 
     dense = rig.combo.arch == "qwen3"
     model = copy.deepcopy(rig.trainer_model)
@@ -614,7 +614,7 @@ def test_a_refused_message_under_the_layout_id_changes_no_later_short_form(rig):
         pytest.skip("runs on the dense bf16 TP=1 engine only")
     import copy
 
-    from vllm.distributed.weight_transfer.shared_params import SharedParameters
+    from vllm.distributed.weight_transfer.ipc.shared_params import SharedParameters
 
     model = copy.deepcopy(rig.trainer_model)
     shared = SharedParameters.place(model)

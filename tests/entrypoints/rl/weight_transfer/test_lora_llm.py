@@ -44,9 +44,9 @@ import torch
 from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-from vllm.distributed.weight_transfer.lora_adapters import AdapterConfig
-from vllm.distributed.weight_transfer.lora_pull import ADAPTER_PULL_KEY
-from vllm.distributed.weight_transfer.lora_trainer import (
+from vllm.distributed.weight_transfer.lora.adapters import AdapterConfig
+from vllm.distributed.weight_transfer.lora.pull import ADAPTER_PULL_KEY
+from vllm.distributed.weight_transfer.lora.pusher import (
     LoRAAdapter,
     LoRAPusher,
     memory_path,
@@ -291,7 +291,7 @@ def test_two_adapters_are_updated_independently(rig):
 def test_the_trainer_engine_shape_pushes_a_peft_model_every_round(rig):
     """``trainer_init(LoRATrainerInitInfo(...), source=LoRASource...)`` then
     ``send_weights()`` after each optimizer step, as for base weights."""
-    from vllm.distributed.weight_transfer.lora_trainer_engine import (
+    from vllm.distributed.weight_transfer.lora.trainer import (
         LoRASource,
         LoRATrainerInitInfo,
         LoRATrainerWeightTransferEngine,
@@ -335,7 +335,7 @@ def _labels_on_outputs(rig, lora_request: Any = None) -> list[str]:
 
 
 def test_outputs_name_the_adapter_versions_pushed_with_label_outputs(rig):
-    from vllm.distributed.weight_transfer.adapter_labels import (
+    from vllm.distributed.weight_transfer.lora.labels import (
         label_with_adapters,
         split_adapter_label,
     )

@@ -36,12 +36,12 @@ from vllm.distributed.weight_transfer import (
 )
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
-from vllm.distributed.weight_transfer.int8_codes import (
+from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+from vllm.distributed.weight_transfer.quant.int8 import (
     Int8ChannelCodes,
     Int8TensorCodes,
     read_static_activations,
 )
-from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 from vllm.distributed.weight_transfer.testing import (
     FreshLoadOracle,
     TinyModelSpec,
@@ -346,12 +346,12 @@ def test_vllm_serve_int8_engine_updated_by_sharded_rdt_like_a_fresh_load(
     loading a checkpoint of the same codes fresh."""
     pytest.importorskip("nixl")
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.sharded_rdt_trainer import (
+    from vllm.distributed.weight_transfer.sharded_rdt.trainer import (
         ShardedRDTTrainerInitInfo,
         ShardedRDTTrainerWeightTransferEngine,
     )
-    from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
     from vllm.distributed.weight_transfer.testing.server import serve
+    from vllm.distributed.weight_transfer.trainer.sources import CheckpointNamesSource
 
     base = build_tiny_model(TinyModelSpec(arch="qwen3"))
     trainer_model = load_hf_model(base, "float32")

@@ -40,13 +40,13 @@ from vllm.distributed.weight_transfer import (
 )
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
-from vllm.distributed.weight_transfer.fp8_codes import (
-    Fp8ChannelCodes,
-    quantize_fp8_per_channel,
-)
 from vllm.distributed.weight_transfer.ipc_engine import (
     IPCTrainerInitInfo,
     IPCTrainerWeightTransferEngine,
+)
+from vllm.distributed.weight_transfer.quant.fp8 import (
+    Fp8ChannelCodes,
+    quantize_fp8_per_channel,
 )
 from vllm.distributed.weight_transfer.testing import (
     FreshLoadOracle,
@@ -313,13 +313,13 @@ def test_vllm_serve_fp8_engine_updated_by_sharded_rdt_like_a_fresh_load():
     commit, the same oracle."""
     pytest.importorskip("nixl")
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.sharded_rdt_trainer import (
+    from vllm.distributed.weight_transfer.sharded_rdt.trainer import (
         ShardedRDTTrainerInitInfo,
         ShardedRDTTrainerWeightTransferEngine,
     )
-    from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
     from vllm.distributed.weight_transfer.testing.fresh_load import http_worker_call
     from vllm.distributed.weight_transfer.testing.server import serve
+    from vllm.distributed.weight_transfer.trainer.sources import CheckpointNamesSource
 
     model_dir = build_tiny_model(TinyModelSpec(arch="qwen3"))
     trainer_model = load_hf_model(model_dir, "float32")
@@ -407,7 +407,7 @@ def bad_scales_pulled_over_sharded_rdt_are_refused_unfenced(
 
     import requests
 
-    from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
+    from vllm.distributed.weight_transfer.trainer.sources import CheckpointNamesSource
     from vllm.distributed.weight_transfer.verification import is_fenced_version
 
     oracle = server.fresh_load_oracle()

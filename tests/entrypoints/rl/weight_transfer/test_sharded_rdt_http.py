@@ -66,11 +66,11 @@ def sharded_rdt_trainer(server: Any, model: Any, client: Any = None) -> Any:
     to ``server`` through ``client`` (default: plain HTTP)."""
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.sharded_rdt_trainer import (
+    from vllm.distributed.weight_transfer.sharded_rdt.trainer import (
         ShardedRDTTrainerInitInfo,
         ShardedRDTTrainerWeightTransferEngine,
     )
-    from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
+    from vllm.distributed.weight_transfer.trainer.sources import CheckpointNamesSource
 
     engine = WeightTransferTrainerFactory.trainer_init(
         ShardedRDTTrainerInitInfo(

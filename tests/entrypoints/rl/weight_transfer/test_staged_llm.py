@@ -48,7 +48,6 @@ from test_ipc_verified_llm import (
 
 from vllm.config import WeightTransferConfig
 from vllm.distributed.weight_transfer import ModuleSource, ParamMeta, WeightSource
-from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
 from vllm.distributed.weight_transfer.testing import (
     GreedyResult,
     assert_bit_identical,
@@ -68,6 +67,7 @@ from vllm.distributed.weight_transfer.testing.served_layers import (
     planned_landing_state,
 )
 from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
+from vllm.distributed.weight_transfer.trainer.sources import CheckpointNamesSource
 
 pytestmark = pytest.mark.slow
 

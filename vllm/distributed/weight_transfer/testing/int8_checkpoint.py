@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from vllm.distributed.weight_transfer.fp8_codes import is_linear_weight
+from vllm.distributed.weight_transfer.quant.fp8 import is_linear_weight
 
 # Weights symmetric int8 per output channel, activations int8 per token at
 # run time; the LM head stays in the model's dtype.

@@ -50,8 +50,8 @@ class ByteFlippingClient:
         self.inner.update_weights(update_info)
 
     def _flip(self, update_info: dict[str, Any]) -> None:
-        from vllm.distributed.weight_transfer.ipc_dataplane import BufferImporter
-        from vllm.distributed.weight_transfer.ipc_wire import (
+        from vllm.distributed.weight_transfer.buffers.dataplane import BufferImporter
+        from vllm.distributed.weight_transfer.ipc.wire import (
             IPCWeightTransferUpdateInfo,
         )
         from vllm.distributed.weight_transfer.verification import pop_publication
@@ -74,7 +74,7 @@ class ByteFlippingClient:
 
 def fail_load_once(worker: Any, call: int) -> None:
     """For ``llm.collective_rpc``: the worker's ``call``-th load raises, once."""
-    from vllm.distributed.weight_transfer.layerwise_session import (
+    from vllm.distributed.weight_transfer.landing.layerwise import (
         LayerwiseReloadSession,
     )
 
@@ -96,7 +96,7 @@ def fail_load_once(worker: Any, call: int) -> None:
 def fail_stage_once(worker: Any, call: int) -> None:
     """For ``llm.collective_rpc``: the worker's ``call``-th staged load (from
     1) stages its tensors, then raises, once."""
-    from vllm.distributed.weight_transfer.staged_update import StagedUpdate
+    from vllm.distributed.weight_transfer.worker.staged import StagedUpdate
 
     original = StagedUpdate.load
     calls = [0]

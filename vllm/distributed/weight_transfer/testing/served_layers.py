@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.distributed.weight_transfer.ipc_wire import ShmHandle
+from vllm.distributed.weight_transfer.ipc.wire import ShmHandle
 
 
 def linear_layer_states(worker: Any) -> dict[str, dict[str, Any]]:
@@ -16,7 +16,9 @@ def linear_layer_states(worker: Any) -> dict[str, dict[str, Any]]:
     torch's linear, and whether its post-load processing keeps the loaded
     bytes (tried on a copy under the engine's config)."""
     from vllm.config import set_current_vllm_config
-    from vllm.distributed.weight_transfer.cpu_linear import post_load_keeps_bytes
+    from vllm.distributed.weight_transfer.landing.cpu_linear import (
+        post_load_keeps_bytes,
+    )
     from vllm.model_executor.layers.linear import LinearBase
 
     model = worker.model_runner.model

@@ -332,16 +332,18 @@ class TrainerRank:
         (``fp8_codes.Fp8ChannelCodes``)."""
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
-        from vllm.distributed.weight_transfer.sharded_rdt_trainer import (
+        from vllm.distributed.weight_transfer.sharded_rdt.trainer import (
             ShardedRDTTrainerInitInfo,
         )
-        from vllm.distributed.weight_transfer.sources import CheckpointNamesSource
+        from vllm.distributed.weight_transfer.trainer.sources import (
+            CheckpointNamesSource,
+        )
 
         if self.engine is not None:
             self.engine.shutdown()
         names: WeightSource = CheckpointNamesSource(self.model)
         if fp8_codes:
-            from vllm.distributed.weight_transfer.fp8_codes import Fp8ChannelCodes
+            from vllm.distributed.weight_transfer.quant.fp8 import Fp8ChannelCodes
 
             names = Fp8ChannelCodes(names)
         source = HeldGroupsSource(names, self.rank, self.world, hold)
@@ -457,8 +459,8 @@ class ToyRdtConsumer:
     ) -> dict[str, torch.Tensor]:
         """Pull every chunk (with ``checksums``, check each producer checksum
         against the bytes that arrived), then deliver ``receipt`` if given."""
-        from vllm.distributed.weight_transfer.sharded_rdt_chunks import PullChunk
-        from vllm.distributed.weight_transfer.sharded_rdt_ray import (
+        from vllm.distributed.weight_transfer.pull.chunks import PullChunk
+        from vllm.distributed.weight_transfer.pull.ray import (
             RdtConsumerTransport,
         )
 

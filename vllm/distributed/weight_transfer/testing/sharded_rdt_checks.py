@@ -46,9 +46,9 @@ from vllm.distributed.weight_transfer.testing.tiny_models import (
 )
 
 if TYPE_CHECKING:
-    from vllm.distributed.weight_transfer.sharded_rdt_common import RdtRouter
-    from vllm.distributed.weight_transfer.sharded_rdt_plan import WorkerPlan
-    from vllm.distributed.weight_transfer.sharded_rdt_reload import ModuleSteps
+    from vllm.distributed.weight_transfer.plan.worker_plan import WorkerPlan
+    from vllm.distributed.weight_transfer.pull.routing import RdtRouter
+    from vllm.distributed.weight_transfer.sharded_rdt.lander import ModuleSteps
 
 _SENTINEL_FLOAT = -1234.5
 _SENTINEL_INT = 77
@@ -306,7 +306,7 @@ def load_checkpoint_format(
     """Run ``fill`` against sentinel-filled checkpoint-format parameters (the
     ones layerwise reload materializes) and return a copy of all of them; the
     model is restored afterwards."""
-    from vllm.distributed.weight_transfer.sharded_rdt_bake import (
+    from vllm.distributed.weight_transfer.plan.bake import (
         checkpoint_format_session,
     )
     from vllm.model_executor.model_loader.reload.layerwise import (
@@ -348,10 +348,10 @@ def land_chunks(
     producer and a lone consumer), each chunk packed by the producer's
     ``pack_chunk`` and landed, in order, by the engine's ``ChunkLander`` with
     ``steps``."""
-    from vllm.distributed.weight_transfer.sharded_rdt_chunks import build_pull_plan
-    from vllm.distributed.weight_transfer.sharded_rdt_common import RdtRouter
-    from vllm.distributed.weight_transfer.sharded_rdt_producer import pack_chunk
-    from vllm.distributed.weight_transfer.sharded_rdt_reload import ChunkLander
+    from vllm.distributed.weight_transfer.pull.chunks import build_pull_plan
+    from vllm.distributed.weight_transfer.pull.producer import pack_chunk
+    from vllm.distributed.weight_transfer.pull.routing import RdtRouter
+    from vllm.distributed.weight_transfer.sharded_rdt.lander import ChunkLander
 
     pulls = build_pull_plan(plan, router or RdtRouter(1, 1), consumer_id=0)
     lander = ChunkLander(model, plan, pulls, steps)
@@ -374,11 +374,11 @@ def _check_case(report: CaseReport, folder: str, tp_size: int) -> None:
     import time
 
     from vllm.distributed.weight_transfer.base import ParamMeta
-    from vllm.distributed.weight_transfer.sharded_rdt_bake import (
+    from vllm.distributed.weight_transfer.plan.bake import (
         IncompletePlanError,
         bake_worker_plan,
     )
-    from vllm.distributed.weight_transfer.sharded_rdt_reload import IN_PLACE
+    from vllm.distributed.weight_transfer.sharded_rdt.lander import IN_PLACE
 
     dtype = getattr(torch, report.dtype)
     model, config = _build_model(folder, report.dtype, tp_size)
@@ -445,7 +445,7 @@ def _bake_on_meta(
     worker: str,
 ) -> None:
     """Bake this rank's plan again on a meta-built model (no weight storage)."""
-    from vllm.distributed.weight_transfer.sharded_rdt_bake import bake_worker_plan
+    from vllm.distributed.weight_transfer.plan.bake import bake_worker_plan
 
     meta_model, meta_config = build_meta_model(folder, report.dtype, tp_size)
     report.meta_param_devices = sorted({str(t.device) for t in meta_model.parameters()})
@@ -483,7 +483,7 @@ def _worker_checkpoint(worker: Any, seed: int | None) -> dict[str, torch.Tensor]
 def worker_bake(worker: Any) -> dict[str, Any]:
     """Bake this worker's plan, keep it on the worker, and report on it."""
     from vllm.distributed.weight_transfer.base import ParamMeta
-    from vllm.distributed.weight_transfer.sharded_rdt_bake import bake_worker_plan
+    from vllm.distributed.weight_transfer.plan.bake import bake_worker_plan
 
     model = worker.model_runner.model
     checkpoint = _worker_checkpoint(worker, seed=None)
@@ -506,7 +506,7 @@ def worker_update(worker: Any, seed: int | None, via_plan: bool) -> None:
     with the lander's default layerwise reload steps) or by ``load`` of the
     same checkpoint tensors (``model.load_weights``, the reference)."""
     from vllm.config import set_current_vllm_config
-    from vllm.distributed.weight_transfer.layerwise_session import (
+    from vllm.distributed.weight_transfer.landing.layerwise import (
         LayerwiseReloadSession,
     )
 

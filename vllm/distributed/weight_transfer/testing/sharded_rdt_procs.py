@@ -16,18 +16,18 @@ from typing import Any
 
 import torch
 
-from vllm.distributed.weight_transfer.sharded_rdt_chunks import (
-    PullChunk,
-    PullPlan,
-    build_pull_plan,
-)
-from vllm.distributed.weight_transfer.sharded_rdt_common import RdtRouter
-from vllm.distributed.weight_transfer.sharded_rdt_ops import SliceSpec, ViewOp
-from vllm.distributed.weight_transfer.sharded_rdt_plan import (
+from vllm.distributed.weight_transfer.plan.ops import SliceSpec, ViewOp
+from vllm.distributed.weight_transfer.plan.worker_plan import (
     Region,
     SliceCopy,
     build_plan,
 )
+from vllm.distributed.weight_transfer.pull.chunks import (
+    PullChunk,
+    PullPlan,
+    build_pull_plan,
+)
+from vllm.distributed.weight_transfer.pull.routing import RdtRouter
 
 
 def toy_names(num_layers: int) -> list[str]:
@@ -75,7 +75,7 @@ def consumer_main(
     "stall" (stop after the first chunk, keep the connection open);
     "bad-sync-id" (first a pull naming sync ``"1"``, a string, whose refusal
     is reported as ("refused", error), then the normal pulls)."""
-    from vllm.distributed.weight_transfer.sharded_rdt_nixl import (
+    from vllm.distributed.weight_transfer.pull.nixl import (
         NixlConsumerTransport,
     )
 
@@ -118,7 +118,7 @@ def producer_main(
 ) -> None:
     """Serve the toy tensors: report the endpoint, then on "sync" run one sync,
     publishing a group every 0.3 s, and report "synced" or the error."""
-    from vllm.distributed.weight_transfer.sharded_rdt_nixl import NixlProducerServer
+    from vllm.distributed.weight_transfer.pull.nixl import NixlProducerServer
 
     try:
         server = NixlProducerServer(producer_kwargs, host="127.0.0.1")
@@ -146,7 +146,7 @@ def raw_read_main(
     """Read ``nbytes`` at ``addr`` of the agent described by ``metadata`` with
     one NIXL READ, ``repeats`` times, into a registered CPU buffer; report the
     seconds of each read (the benchmark's baseline)."""
-    from vllm.distributed.weight_transfer.sharded_rdt_nixl import make_agent, register
+    from vllm.distributed.weight_transfer.pull.nixl import make_agent, register
 
     try:
         agent = make_agent(f"raw-reader-{time.time_ns()}")

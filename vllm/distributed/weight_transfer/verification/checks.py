@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 
+from vllm.distributed.weight_transfer.common.wire_fields import check_int, dtype_name
 from vllm.distributed.weight_transfer.verification.wire import (
     ChecksumMismatch,
     IncompleteUpdate,
@@ -30,7 +31,6 @@ from vllm.distributed.weight_transfer.verification.wire import (
     coverage_digest,
     some_names,
 )
-from vllm.distributed.weight_transfer.wire_fields import check_int, dtype_name
 
 Delivery = Literal["full", "sliced"]
 

@@ -57,7 +57,7 @@ import torch
 
 # The module, not SyncRecord: sync_metrics imports this package, so when it is
 # imported first it is only half-initialized here.
-from vllm.distributed.weight_transfer import sync_metrics
+from vllm.distributed.weight_transfer.serving import metrics as sync_metrics
 from vllm.distributed.weight_transfer.verification.checks import (
     Delivery,
     ManifestChecker,

@@ -54,7 +54,10 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from vllm.distributed.weight_transfer.owner_lock import create_owned, reap_unowned
+from vllm.distributed.weight_transfer.buffers.owner_lock import (
+    create_owned,
+    reap_unowned,
+)
 from vllm.distributed.weight_transfer.verification.wire import (
     PublicationHeader,
     Receipt,

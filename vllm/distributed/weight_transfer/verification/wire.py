@@ -48,7 +48,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from vllm.distributed.weight_transfer.wire_fields import (
+from vllm.distributed.weight_transfer.common.wire_fields import (
     check_fields,
     check_int,
     dtype_from_name,

@@ -1,0 +1,14 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The ``ipc`` backend: a colocated trainer shares its buffers with the
+workers (CUDA IPC or shared memory).
+
+- ``trainer``: ``IPCTrainerInitInfo`` and the trainer engine;
+- ``worker``: ``IPCWeightTransferEngine``, which maps and lands messages;
+- ``wire``: the update messages, handles and the upstream-0.32 form;
+- ``packing``: which tensors travel in which chunk;
+- ``shared_params``: a trainer's parameters in shared allocations;
+- ``chunk_programs``: planned landing of chunks that stay mapped.
+
+``ipc_engine`` (upstream's import path) re-exports the engines.
+"""

@@ -1,0 +1,726 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Direct NIXL transport: the inference side needs no Ray at all.
+
+Each trainer rank runs a NIXL agent next to its `Producer` and a small control
+socket (``multiprocessing.connection`` with an auth key, JSON messages). Each
+worker runs its own NIXL agent. Per consumer and producer, one connection:
+
+    consumer                              producer
+    {"op": "register", chunks, digest} -> Producer.register; serve buffers are
+                                          registered with NIXL once
+                                       <- {"buffers": [...]}
+    {"op": "pull", "seq": s, "id": i}  -> Producer.pack (waits for the group)
+                                       <- {"id": i, "addr", "nbytes", "checksum"}
+    NIXL READ of the packed bytes into the consumer's registered receive buffer
+    {"op": "done", "seq": s}           -> Producer.read_done (no reply)
+    {"op": "abort", "reason", "sync"}  -> Producer.fail (own connection)
+    {"op": "receipt", "receipt", "id"} -> Producer.deliver_receipt (own
+                                       <- {"id"}      connection, at finish)
+
+The consumer sends its next pull to a producer before reading the current
+chunk, so the producer packs one chunk while the previous one is read. The
+producer answers requests in order on a thread per connection and handles
+notices as they arrive, so a pull waiting for its group never holds back the
+``done`` that frees the group before it.
+
+A dropped connection of a consumer that still had chunks to read fails the
+producer's sync at once; a dead producer shows up on the consumer as a dropped
+connection. Every wait on either side is bounded by ``stall_timeout_s``.
+
+The control socket is reachable by anyone who can reach the host, so the
+producer's ``ControlListener`` only accepts TCP connections in its loop; each
+connection authenticates (the ``multiprocessing`` HMAC challenge, both ways)
+on a thread of its own within ``HANDSHAKE_TIMEOUT_S``. A connection that
+closes at once, answers with the wrong key or stays silent is logged and
+dropped without holding up the next one. At most ``MAX_PENDING_HANDSHAKES``
+connections authenticate at once; one beyond that is closed on arrival, so a
+flood of connections costs the producer a bounded number of threads (and
+delays consumers until it stops, never past their own deadline, which names
+the producer). A consumer's ``connect`` bounds the TCP connect and the
+handshake the same way.
+Bytes move only by NIXL READ (UCX); the control messages are a few hundred
+bytes per chunk.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import queue
+import secrets
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from typing import Any
+
+import torch
+
+from vllm.distributed.weight_transfer.pull.chunks import PullChunk
+from vllm.distributed.weight_transfer.pull.producer import Producer
+from vllm.distributed.weight_transfer.pull.transport import (
+    ConsumerTransport,
+    ProducerLink,
+    ProducerServer,
+)
+from vllm.distributed.weight_transfer.verification import (
+    describe_error,
+)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_REPLY_GRACE_S = 5.0
+# How long a new control connection may take to authenticate, either side.
+HANDSHAKE_TIMEOUT_S = 10.0
+# How many connections may be authenticating at the same time.
+MAX_PENDING_HANDSHAKES = 64
+
+
+def _mem(tensor: torch.Tensor) -> tuple[str, int]:
+    """NIXL memory type and device id of ``tensor``."""
+    if tensor.device.type == "cpu":
+        return "DRAM", 0
+    return "VRAM", tensor.device.index or 0
+
+
+# The NIXL agent's progress thread sleeps this long between polls. nixl_agent
+# hard-codes 0, a busy loop that costs about a quarter of a CPU core per agent
+# for as long as it lives (every inference worker and trainer rank holds one);
+# 1 ms brings that to about 1% with no measurable effect on READ throughput
+# (256 MiB CPU reads between two processes, measured on the 2-core CI machine).
+PROGRESS_THREAD_DELAY_US = 1000
+_AGENT_LOCK = threading.Lock()
+
+
+def make_agent(name: str) -> Any:
+    """A NIXL agent with the UCX backend and a sleeping progress thread."""
+    try:
+        import nixl._api as nixl_api
+    except ImportError as e:
+        raise RuntimeError(
+            "sharded_rdt's NIXL transport needs the `nixl` package on both the "
+            "trainer and the inference side (`pip install nixl`)"
+        ) from e
+    bind = nixl_api.nixlBind
+    base = bind.nixlAgentConfig
+
+    class _DelayedProgress(base):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:  # noqa: N802 - the binding's name
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:  # noqa: N802
+            base.pthrDelay.__set__(self, max(value, PROGRESS_THREAD_DELAY_US))
+
+    # nixl_agent builds its config from this class; swap it only while ours
+    # is constructed.
+    with _AGENT_LOCK:
+        bind.nixlAgentConfig = _DelayedProgress
+        try:
+            return nixl_api.nixl_agent(
+                name, nixl_api.nixl_agent_config(backends=["UCX"])
+            )
+        finally:
+            bind.nixlAgentConfig = base
+
+
+def register(agent: Any, tensor: torch.Tensor) -> Any:
+    mem, dev = _mem(tensor)
+    nbytes = tensor.numel() * tensor.element_size()
+    return agent.register_memory([(tensor.data_ptr(), nbytes, dev, "")], mem)
+
+
+def _send(conn: Connection, message: dict[str, Any]) -> None:
+    conn.send_bytes(json.dumps(message).encode())
+
+
+def _recv(conn: Connection) -> dict[str, Any]:
+    message = json.loads(conn.recv_bytes())
+    if not isinstance(message, dict):
+        raise ValueError(
+            f"control message is a {type(message).__name__}, not an object"
+        )
+    return message
+
+
+def _set_io_timeout(conn: Connection, timeout_s: float | None) -> None:
+    """Bound every blocking read and write on ``conn`` by ``timeout_s``
+    (None: unbounded). A read or write that times out raises
+    ``BlockingIOError``."""
+    seconds = timeout_s or 0.0
+    value = struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000))
+    # A second socket object on a duplicate of the descriptor; the options
+    # belong to the shared socket.
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+
+
+# Addresses that reach only the machine itself.
+_LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def connect(address: tuple[str, int], authkey: bytes, timeout_s: float) -> Connection:
+    """An authenticated control connection to ``address``; the TCP connect
+    and the handshake each take at most ``timeout_s``, else ``OSError``
+    (``TimeoutError`` / ``BlockingIOError``) or ``AuthenticationError``."""
+    sock = socket.create_connection(address, timeout=timeout_s)
+    sock.settimeout(None)
+    conn = Connection(sock.detach())
+    try:
+        _set_io_timeout(conn, timeout_s)
+        answer_challenge(conn, authkey)
+        deliver_challenge(conn, authkey)
+        _set_io_timeout(conn, None)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+class ControlListener:
+    """Accepts authenticated control connections on ``(host, any port)``
+    and hands each to ``serve`` on a thread of its own; see the module
+    docstring. ``serve`` owns the connection it is given."""
+
+    def __init__(
+        self,
+        host: str,
+        authkey: bytes,
+        serve: Callable[[Connection], None],
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
+    ) -> None:
+        self._authkey = authkey
+        self._serve = serve
+        self._handshake_timeout_s = handshake_timeout_s
+        self._handshake_slots = threading.BoundedSemaphore(max_pending_handshakes)
+        self._max_pending = max_pending_handshakes
+        self.refused_connections = 0
+        self._closed = threading.Event()
+        self._sock = socket.create_server((host, 0), backlog=64)
+        # Lets the loop notice ``close`` without a connection arriving.
+        self._sock.settimeout(0.5)
+        self.address: tuple[str, int] = self._sock.getsockname()[:2]
+        self._thread = threading.Thread(
+            target=self._accept_loop, name="sharded-rdt-accept", daemon=True
+        )
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, peer = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError as e:
+                if not self._closed.is_set():
+                    logger.warning(
+                        "sharded_rdt producer failed to accept a connection: %s", e
+                    )
+                    time.sleep(0.1)  # e.g. out of descriptors; try again
+                continue
+            if not self._handshake_slots.acquire(blocking=False):
+                self._refuse(sock, peer)
+                continue
+            threading.Thread(
+                target=self._admit,
+                args=(sock, peer),
+                name="sharded-rdt-serve",
+                daemon=True,
+            ).start()
+
+    def _refuse(self, sock: socket.socket, peer: Any) -> None:
+        # Counted before the close, so whoever sees the close sees the count.
+        self.refused_connections += 1
+        sock.close()
+        # The first refusal, then one line per hundred: a flood must not
+        # flood the log too.
+        if self.refused_connections % 100 == 1:
+            logger.warning(
+                "sharded_rdt producer closed a control connection from %s on "
+                "arrival: %d connections are already authenticating (%d "
+                "refused so far)",
+                peer,
+                self._max_pending,
+                self.refused_connections,
+            )
+
+    def _admit(self, sock: socket.socket, peer: Any) -> None:
+        sock.settimeout(None)
+        conn = Connection(sock.detach())
+        try:
+            _set_io_timeout(conn, self._handshake_timeout_s)
+            deliver_challenge(conn, self._authkey)
+            answer_challenge(conn, self._authkey)
+            _set_io_timeout(conn, None)
+        except Exception as e:
+            logger.warning(
+                "sharded_rdt producer dropped a control connection from %s that "
+                "did not authenticate within %.1fs: %r",
+                peer,
+                self._handshake_timeout_s,
+                e,
+            )
+            conn.close()
+            return
+        finally:
+            self._handshake_slots.release()
+        if self._closed.is_set():
+            conn.close()
+            return
+        self._serve(conn)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._sock.close()
+
+
+# -- producer side -------------------------------------------------------------
+
+
+class NixlProducerServer(ProducerServer):
+    """Serves one `Producer` to consumers over NIXL; see the module docstring."""
+
+    def __init__(self, producer_kwargs: dict[str, Any], host: str) -> None:
+        self.agent_name = (
+            f"sharded-rdt-producer-{uuid.uuid4().hex[:8]}-rk{producer_kwargs['rank']}"
+        )
+        self._agent: Any = make_agent(self.agent_name)
+        self._registrations: list[Any] = []
+        self._agent_lock = threading.Lock()
+        self.producer = Producer(**producer_kwargs, on_new_buffer=self._register)
+        self._authkey = secrets.token_bytes(16)
+        self._host = host
+        self._closed = threading.Event()
+        self._connections: list[Connection] = []
+        self._connections_lock = threading.Lock()
+        self._listener = ControlListener(host, self._authkey, self._serve)
+
+    def endpoint(self) -> dict[str, Any]:
+        return {
+            "transport": "nixl",
+            "host": self._host,
+            "port": self._listener.address[1],
+            "authkey": self._authkey.hex(),
+            "agent": self.agent_name,
+        }
+
+    def _register(self, tensor: torch.Tensor) -> None:
+        with self._agent_lock:
+            self._registrations.append(register(self._agent, tensor))
+
+    def _serve(self, conn: Connection) -> None:
+        """Read one connection's messages. Notices (``done``, ``abort``) are
+        handled at once; requests go to a second thread that answers them in
+        order, so a pull waiting for its group never delays the ``done`` that
+        releases the group before it."""
+        with self._connections_lock:
+            if self._closed.is_set():
+                conn.close()
+                return
+            self._connections.append(conn)
+        consumer_id: int | None = None
+        requests: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        send_lock = threading.Lock()
+        answerer = threading.Thread(
+            target=self._answer,
+            args=(conn, requests, send_lock),
+            name="sharded-rdt-answer",
+            daemon=True,
+        )
+        answerer.start()
+        try:
+            while not self._closed.is_set():
+                if not conn.poll(0.5):
+                    continue
+                message = _recv(conn)
+                consumer_id = message.get("consumer_id", consumer_id)
+                if "id" in message:
+                    requests.put(message)
+                    continue
+                try:
+                    self._handle(message.get("op"), message)
+                except Exception as e:
+                    # Any notice, however malformed, is logged and dropped:
+                    # this thread serves the consumer's later messages too.
+                    logger.warning("sharded_rdt notice %s failed: %s", message, e)
+        except (EOFError, OSError):
+            if consumer_id is not None and not self._closed.is_set():
+                self.producer.consumer_lost(consumer_id, "disconnected")
+        except ValueError as e:  # not JSON, or not an object
+            logger.warning("sharded_rdt producer dropped a connection: %s", e)
+            if consumer_id is not None and not self._closed.is_set():
+                self.producer.consumer_lost(consumer_id, f"malformed message: {e}")
+        finally:
+            requests.put(None)
+            self._close_connection(conn)
+
+    def _close_connection(self, conn: Connection) -> None:
+        """Closes ``conn`` exactly once: its serving thread and `close` may
+        both reach here, and a second ``close`` of the same descriptor would
+        raise (or hit a descriptor reused since)."""
+        with self._connections_lock:
+            if conn not in self._connections:
+                return
+            self._connections.remove(conn)
+            conn.close()
+
+    def _answer(
+        self,
+        conn: Connection,
+        requests: queue.Queue[dict[str, Any] | None],
+        send_lock: threading.Lock,
+    ) -> None:
+        while (message := requests.get()) is not None:
+            try:
+                reply = self._handle(message.get("op"), message) or {}
+            except Exception as e:
+                # Every request gets an answer, an error included: if this
+                # thread died, the consumer's later pulls would wait unanswered
+                # until their deadline, sync after sync.
+                reply = {"error": describe_error(e)}
+            reply["id"] = message["id"]
+            try:
+                with send_lock:
+                    _send(conn, reply)
+            except (EOFError, OSError):
+                return
+
+    def _handle(self, op: Any, message: dict[str, Any]) -> dict[str, Any] | None:
+        producer = self.producer
+        if op == "register":
+            chunks = [PullChunk.from_json(c) for c in message["chunks"]]
+            buffers = producer.register(
+                message["consumer_id"], chunks, message["digest"]
+            )
+            with self._agent_lock:
+                metadata = self._agent.get_agent_metadata()
+            return {
+                "buffers": len(buffers),
+                "metadata": base64.b64encode(metadata).decode(),
+            }
+        if op == "pull":
+            packed = producer.pack(
+                message["consumer_id"], message["seq"], message.get("sync")
+            )
+            mem, dev = _mem(packed.view)
+            return {
+                "addr": packed.view.data_ptr(),
+                "nbytes": packed.view.numel(),
+                "mem": mem,
+                "dev": dev,
+                "checksum": packed.checksum,
+            }
+        if op == "receipt":
+            producer.deliver_receipt(message["receipt"])
+            return {}
+        if op == "done":
+            producer.read_done(message["consumer_id"], message["seq"])
+            return None
+        if op == "abort":
+            producer.fail(
+                f"consumer {message.get('consumer_id')} aborted: {message['reason']}",
+                sync_id=message.get("sync"),
+            )
+            return None
+        raise ValueError(f"unknown sharded_rdt control op {op!r}")
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self.producer.close()
+        self._listener.close()
+        with self._connections_lock:
+            open_connections = list(self._connections)
+        for conn in open_connections:
+            self._close_connection(conn)
+        with self._agent_lock:
+            for reg in self._registrations:
+                try:
+                    self._agent.deregister_memory(reg)
+                except Exception as e:
+                    logger.debug("NIXL deregister failed: %s", e)
+            self._registrations = []
+            # Dropping the agent stops its progress thread, which otherwise
+            # polls for the life of the process.
+            self._agent = None
+
+
+# -- consumer side -------------------------------------------------------------
+
+
+class _NixlLink(ProducerLink):
+    def __init__(
+        self,
+        transport: NixlConsumerTransport,
+        producer_index: int,
+        endpoint: dict[str, Any],
+    ) -> None:
+        self.transport = transport
+        self.producer_index = producer_index
+        self.endpoint = endpoint
+        self.consumer_id = transport.consumer_id
+        self._address = (endpoint["host"], int(endpoint["port"]))
+        self._authkey = bytes.fromhex(endpoint["authkey"])
+        self._conn = self._connect("connect")
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._ahead: tuple[int, int] | None = None  # (seq, request id) in flight
+        self.remote_agent: str | None = None
+
+    def _send_request(self, message: dict[str, Any]) -> int:
+        with self._lock:
+            self._next_id += 1
+            request_id = self._next_id
+            try:
+                _send(
+                    self._conn,
+                    {**message, "id": request_id, "consumer_id": self.consumer_id},
+                )
+            except (EOFError, OSError) as e:
+                raise self._lost(message["op"], e) from e
+        return request_id
+
+    def _await_reply(
+        self, request_id: int, what: str, timeout_s: float
+    ) -> dict[str, Any]:
+        """The reply to ``request_id``; replies to requests abandoned by an
+        earlier failure are skipped."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._conn.poll(remaining):
+                    raise TimeoutError(
+                        f"producer {self.producer_index} did not answer {what} "
+                        f"within {timeout_s:.1f}s"
+                    )
+                reply = _recv(self._conn)
+                if reply.get("id") == request_id:
+                    break
+        except (EOFError, OSError) as e:
+            raise self._lost(what, e) from e
+        if "error" in reply:
+            raise RuntimeError(
+                f"producer {self.producer_index} refused {what}: {reply['error']}"
+            )
+        return reply
+
+    def _connect(self, what: str) -> Connection:
+        timeout_s = min(self.transport.stall_timeout_s, HANDSHAKE_TIMEOUT_S)
+        try:
+            return connect(self._address, self._authkey, timeout_s)
+        except Exception as e:
+            hint = ""
+            if self._address[0] in _LOOPBACK_HOSTS:
+                hint = (
+                    ". The producer published a loopback address (the default "
+                    "producer_host): a worker on another node needs "
+                    "ShardedRDTTrainerInitInfo(producer_host=<an address it can "
+                    "reach>) or transport='rdt'"
+                )
+            raise RuntimeError(
+                f"could not open a control connection to producer "
+                f"{self.producer_index} ({self._address[0]}:{self._address[1]}) "
+                f"for {what} within {timeout_s:.1f}s: {e!r}; the trainer rank is "
+                f"gone, unreachable, or its endpoint's authkey does not match{hint}"
+            ) from e
+
+    def _lost(self, what: str, error: BaseException) -> RuntimeError:
+        return RuntimeError(
+            f"lost the connection to producer {self.producer_index} "
+            f"({self._address[0]}:{self._address[1]}) during {what}; the trainer "
+            f"rank most likely died: {error!r}"
+        )
+
+    def _request(self, message: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        request_id = self._send_request(message)
+        return self._await_reply(request_id, message["op"], timeout_s)
+
+    def _notify(self, message: dict[str, Any]) -> None:
+        with self._lock:
+            try:
+                _send(self._conn, {**message, "consumer_id": self.consumer_id})
+            except (EOFError, OSError) as e:
+                raise self._lost(message["op"], e) from e
+
+    def register(
+        self, consumer_id: int, chunks: Sequence[PullChunk], digest: str
+    ) -> None:
+        reply = self._request(
+            {
+                "op": "register",
+                "chunks": [c.to_json() for c in chunks],
+                "digest": digest,
+            },
+            self.transport.stall_timeout_s,
+        )
+        # The producer's metadata describes its memory registrations, so it is
+        # taken after the serve buffers for these chunks exist.
+        if self.remote_agent is not None:
+            self.transport.agent.remove_remote_agent(self.remote_agent)
+        self.remote_agent = self.transport.agent.add_remote_agent(
+            base64.b64decode(reply["metadata"])
+        )
+
+    def pull(
+        self,
+        chunk: PullChunk,
+        into: torch.Tensor,
+        next_chunk: PullChunk | None = None,
+    ) -> str | None:
+        timeout_s = self.transport.stall_timeout_s + _REPLY_GRACE_S
+        what = f"pull of seq {chunk.seq}"
+        if chunk.seq == 0:
+            self._ahead = None  # a new sync; a request left from a failed one is void
+        if self._ahead is not None and self._ahead[0] == chunk.seq:
+            request_id = self._ahead[1]
+        else:
+            request_id = self._send_request(
+                {"op": "pull", "seq": chunk.seq, "sync": self.sync_id}
+            )
+        self._ahead = None
+        reply = self._await_reply(request_id, what, timeout_s)
+        if next_chunk is not None:
+            # The producer packs the next chunk while this one is read.
+            self._ahead = (
+                next_chunk.seq,
+                self._send_request({"op": "pull", "seq": next_chunk.seq}),
+            )
+        if reply["nbytes"] != chunk.nbytes:
+            raise RuntimeError(
+                f"producer {self.producer_index} packed {reply['nbytes']} bytes for "
+                f"chunk seq {chunk.seq} (group {chunk.group}) but the plan says "
+                f"{chunk.nbytes}"
+            )
+        if chunk.nbytes:
+            assert self.remote_agent is not None, "pull before register"
+            self.transport.read(
+                self.remote_agent,
+                into[: chunk.nbytes],
+                (reply["addr"], chunk.nbytes, reply["dev"]),
+                reply["mem"],
+            )
+        self._notify({"op": "done", "seq": chunk.seq})
+        return reply.get("checksum")
+
+    def abort(self, reason: str) -> None:
+        self._ahead = None
+        # A connection of its own: the pulling thread may hold this link's.
+        with self._connect("abort") as conn:
+            _send(
+                conn,
+                {
+                    "op": "abort",
+                    "consumer_id": self.consumer_id,
+                    "reason": reason,
+                    "sync": self.sync_id,
+                },
+            )
+
+    def deliver_receipt(self, receipt: dict[str, Any]) -> None:
+        # A connection of its own, so that a pull request left over from a
+        # failed sync never holds the receipt back. It names no consumer: its
+        # closing is not a consumer leaving mid-sync.
+        timeout_s = self.transport.stall_timeout_s + _REPLY_GRACE_S
+        try:
+            with self._connect("receipt delivery") as conn:
+                _send(conn, {"op": "receipt", "receipt": receipt, "id": 1})
+                if not conn.poll(timeout_s):
+                    raise TimeoutError(
+                        f"producer {self.producer_index} did not take the "
+                        f"receipt within {timeout_s:.1f}s"
+                    )
+                reply = _recv(conn)
+        except (EOFError, OSError) as e:
+            raise self._lost("receipt delivery", e) from e
+        if "error" in reply:
+            raise RuntimeError(
+                f"producer {self.producer_index} refused the receipt: {reply['error']}"
+            )
+
+    def close(self) -> None:
+        self._conn.close()
+        if self.remote_agent is None:
+            return
+        try:
+            self.transport.agent.remove_remote_agent(self.remote_agent)
+        except Exception as e:
+            logger.debug("NIXL remove_remote_agent failed: %s", e)
+
+
+class NixlConsumerTransport(ConsumerTransport):
+    """A worker's NIXL agent; see the module docstring."""
+
+    name = "nixl"
+
+    def __init__(self, consumer_id: int, stall_timeout_s: float) -> None:
+        self.consumer_id = consumer_id
+        self.stall_timeout_s = stall_timeout_s
+        self.agent: Any = make_agent(
+            f"sharded-rdt-consumer{consumer_id}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        )
+        self._registrations: list[Any] = []
+
+    def receive_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self._registrations.append(register(self.agent, buffer))
+        return buffer
+
+    def connect(self, producer_index: int, endpoint: Any) -> ProducerLink:
+        if not isinstance(endpoint, dict) or endpoint.get("transport") != "nixl":
+            raise ValueError(
+                f"producer_endpoints[{producer_index}] = {endpoint!r} is not a NIXL "
+                "endpoint"
+            )
+        return _NixlLink(self, producer_index, endpoint)
+
+    def read(
+        self,
+        remote_agent: str,
+        into: torch.Tensor,
+        remote: tuple[int, int, int],
+        remote_mem: str,
+    ) -> None:
+        """NIXL READ of ``remote`` (addr, nbytes, device) into ``into``."""
+        mem, dev = _mem(into)
+        local = self.agent.get_xfer_descs([(into.data_ptr(), remote[1], dev)], mem)
+        far = self.agent.get_xfer_descs([remote], remote_mem)
+        handle = self.agent.initialize_xfer("READ", local, far, remote_agent)
+        try:
+            state = self.agent.transfer(handle)
+            deadline = time.monotonic() + self.stall_timeout_s
+            pause = 0.0
+            while state != "DONE":
+                if state == "ERR":
+                    raise RuntimeError(f"NIXL READ from {remote_agent} failed")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"NIXL READ of {remote[1]} bytes from {remote_agent} did "
+                        f"not finish within {self.stall_timeout_s:.1f}s"
+                    )
+                time.sleep(pause)
+                pause = min(pause * 2 or 1e-5, 1e-3)
+                state = self.agent.check_xfer_state(handle)
+        finally:
+            self.agent.release_xfer_handle(handle)
+
+    def close(self) -> None:
+        if self.agent is None:
+            return
+        for reg in self._registrations:
+            try:
+                self.agent.deregister_memory(reg)
+            except Exception as e:
+                logger.debug("NIXL deregister failed: %s", e)
+        self._registrations = []
+        self.agent = None  # stops the agent's progress thread

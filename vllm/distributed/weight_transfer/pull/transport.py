@@ -1,0 +1,203 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""How a consumer reaches the producers: one narrow interface, three transports.
+
+A worker engine sees a transport as:
+
+* ``ConsumerTransport.receive_buffer(nbytes)``: a uint8 buffer the transport
+  can write pulled bytes into (registered with NIXL once, for the NIXL-based
+  transports);
+* ``ConsumerTransport.connect(producer_index, endpoint)`` -> a `ProducerLink`;
+* ``ProducerLink.register(consumer_id, chunks, digest)`` at init;
+* ``ProducerLink.pull(chunk, into, next_chunk)`` per chunk: returns once the
+  packed bytes of ``chunk`` are in ``into``, and the producer has been told
+  they were read; the result is the producer's payload checksum of those
+  bytes (None when checksums are off, or when ``checksums`` is False);
+* ``ProducerLink.abort(reason)`` when the worker gives up on a sync;
+* ``ProducerLink.deliver_receipt(receipt)`` at the end of a sync: the worker's
+  verified-publication receipt (a JSON-safe dict) goes to the producer's
+  `ReceiptInbox`, bounded by the transport's control timeout.
+
+A trainer rank serves its `Producer` through a `ProducerServer`, whose
+``endpoint()`` (JSON) rides the worker init info and whose ``receipts`` is
+the inbox the sending rank collects receipts from.
+
+Implementations: `InProcessServer` / `InProcessTransport` here (producer and
+consumer in one process, for tests), ``sharded_rdt_nixl`` (direct NIXL agents,
+any executor) and ``sharded_rdt_ray`` (Ray Direct Transport).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from vllm.distributed.weight_transfer.pull.chunks import PullChunk
+from vllm.distributed.weight_transfer.pull.producer import Producer
+from vllm.distributed.weight_transfer.verification import (
+    ReceiptInbox,
+)
+
+
+class ProducerLink(ABC):
+    """A consumer's connection to one producer."""
+
+    sync_id: int | None = None  # the sync the next pulls belong to, if known
+    # Whether the current sync carries payload checksums; a transport whose
+    # pull reply cannot carry the checksum asks for it only then.
+    checksums: bool = False
+
+    @abstractmethod
+    def register(
+        self, consumer_id: int, chunks: Sequence[PullChunk], digest: str
+    ) -> None: ...
+
+    @abstractmethod
+    def pull(
+        self,
+        chunk: PullChunk,
+        into: torch.Tensor,
+        next_chunk: PullChunk | None = None,
+    ) -> str | None:
+        """Land ``chunk``'s packed bytes in ``into`` (uint8, ``chunk.nbytes``)
+        and return the producer's checksum of them (None when off).
+        ``next_chunk``, the consumer's next pull from this producer, may be
+        requested early so that it is packed while this one is read."""
+
+    def abort(self, reason: str) -> None:  # noqa: B027
+        """Tell the producer this consumer gave up on the current sync."""
+
+    @abstractmethod
+    def deliver_receipt(self, receipt: dict[str, Any]) -> None:
+        """Hand a receipt to the producer's inbox; raises if it cannot within
+        the transport's control timeout."""
+
+    def close(self) -> None:  # noqa: B027
+        pass
+
+
+class ConsumerTransport(ABC):
+    """A consumer's side of a transport; see the module docstring."""
+
+    name: str
+
+    def receive_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    @abstractmethod
+    def connect(self, producer_index: int, endpoint: Any) -> ProducerLink: ...
+
+    def close(self) -> None:  # noqa: B027
+        pass
+
+
+class ProducerServer(ABC):
+    """Makes one trainer rank's `Producer` reachable by consumers. The trainer
+    drives the producer through the server (``begin_sync``, ``wait_credit``,
+    ``publish``, ``end_sync``, ``fail``), since it may live in another process."""
+
+    producer: Any  # the `Producer`, or a handle on one in another process
+
+    @abstractmethod
+    def endpoint(self) -> dict[str, Any]:
+        """JSON-safe address consumers connect to."""
+
+    def begin_sync(
+        self, live_consumer_ids: Sequence[int], sync_id: int | None = None
+    ) -> None:
+        self.producer.begin_sync(live_consumer_ids, sync_id)
+
+    def wait_credit(self) -> None:
+        self.producer.wait_credit()
+
+    def publish(self, group: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.producer.publish(group, tensors)
+
+    def end_sync(self) -> None:
+        self.producer.end_sync()
+
+    def fail(self, reason: str) -> None:
+        self.producer.fail(reason)
+
+    @property
+    def receipts(self) -> ReceiptInbox:
+        """Where the receipts workers deliver to this producer arrive."""
+        return self.producer.receipts
+
+    def close(self) -> None:  # noqa: B027
+        pass
+
+
+# -- in-process ---------------------------------------------------------------
+
+_REGISTRY: dict[str, Producer] = {}
+_REGISTRY_LOCK = threading.Lock()
+_COUNTER = itertools.count()
+
+
+class InProcessServer(ProducerServer):
+    """Serves a producer to consumers in the same process."""
+
+    def __init__(self, producer: Producer) -> None:
+        self.producer = producer
+        with _REGISTRY_LOCK:
+            self._key = f"inprocess-{next(_COUNTER)}-rk{producer.rank}"
+            _REGISTRY[self._key] = producer
+
+    def endpoint(self) -> dict[str, Any]:
+        return {"transport": "inprocess", "key": self._key}
+
+    def close(self) -> None:
+        with _REGISTRY_LOCK:
+            _REGISTRY.pop(self._key, None)
+
+
+class _InProcessLink(ProducerLink):
+    def __init__(self, producer: Producer) -> None:
+        self.producer = producer
+        self.consumer_id = -1
+
+    def register(
+        self, consumer_id: int, chunks: Sequence[PullChunk], digest: str
+    ) -> None:
+        self.consumer_id = consumer_id
+        self.producer.register(consumer_id, chunks, digest)
+
+    def pull(
+        self,
+        chunk: PullChunk,
+        into: torch.Tensor,
+        next_chunk: PullChunk | None = None,
+    ) -> str | None:
+        packed = self.producer.pack(self.consumer_id, chunk.seq, self.sync_id)
+        into.copy_(packed.view)
+        self.producer.read_done(self.consumer_id, chunk.seq)
+        return packed.checksum
+
+    def abort(self, reason: str) -> None:
+        self.producer.fail(
+            f"consumer {self.consumer_id} aborted: {reason}", sync_id=self.sync_id
+        )
+
+    def deliver_receipt(self, receipt: dict[str, Any]) -> None:
+        self.producer.deliver_receipt(receipt)
+
+
+class InProcessTransport(ConsumerTransport):
+    name = "inprocess"
+
+    def connect(self, producer_index: int, endpoint: Any) -> ProducerLink:
+        key = endpoint.get("key") if isinstance(endpoint, dict) else None
+        with _REGISTRY_LOCK:
+            producer = _REGISTRY.get(key) if key else None
+        if producer is None:
+            raise RuntimeError(
+                f"no in-process producer {key!r} for producer {producer_index}; "
+                "transport='inprocess' needs the trainer in the worker's process"
+            )
+        return _InProcessLink(producer)
