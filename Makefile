@@ -21,6 +21,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check $(FORK_PY)
 	$(VENV)/bin/mypy $(FORK_PY)
 	$(PY) tools/fork/check_spdx.py $(shell git ls-files)
+	$(PY) tools/fork/check_results.py
 
 test: lint
 	$(PY) -m pytest tests --durations=40 $(PYTEST_ARGS)
