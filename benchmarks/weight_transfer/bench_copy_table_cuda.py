@@ -55,6 +55,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import RESULTS  # noqa: E402
 from bench_plan_scale import MODELS, checkpoint_metas  # noqa: E402
 
+from vllm.distributed.weight_transfer.landing.regions import (  # noqa: E402
+    region_view,
+)
 from vllm.distributed.weight_transfer.plan.copy_exec import (  # noqa: E402
     CopyProgram,
     empty_dests,
@@ -68,9 +71,6 @@ from vllm.distributed.weight_transfer.plan.ops import (  # noqa: E402
 )
 from vllm.distributed.weight_transfer.plan.worker_plan import (  # noqa: E402
     WorkerPlan,
-)
-from vllm.distributed.weight_transfer.sharded_rdt.lander import (  # noqa: E402
-    region_view,
 )
 
 DEFAULT_CASES = (

@@ -7,7 +7,5 @@ a worker maps.
   two data planes;
 - ``shm``: POSIX shared-memory buffers (CPU) and the reaper of dead trainers'
   segments;
-- ``cuda_ipc``: CUDA IPC buffers;
-- ``owner_lock``: who owns a shared file or directory (a held ``flock``), so
-  a reaper removes only what nobody holds.
+- ``cuda_ipc``: CUDA IPC buffers.
 """

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from vllm.distributed.weight_transfer.buffers.owner_lock import (
+from vllm.distributed.weight_transfer.common.owner_lock import (
     create_owned,
     reap_unowned,
 )

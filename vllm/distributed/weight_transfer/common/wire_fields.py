@@ -9,7 +9,7 @@ torch only."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -65,3 +65,9 @@ def remember_newest(memo: dict[Any, Any], key: Any, value: Any, limit: int) -> N
     while memo and len(memo) >= limit:
         memo.pop(next(iter(memo)))
     memo[key] = value
+
+
+def first_few(items: Sequence[str], n: int, sep: str = ", ") -> str:
+    """The first ``n`` of ``items`` joined by ``sep``, and how many more."""
+    more = f" and {len(items) - n} more" if len(items) > n else ""
+    return sep.join(items[:n]) + more

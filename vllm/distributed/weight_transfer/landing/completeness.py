@@ -24,6 +24,8 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from vllm.distributed.weight_transfer.common.wire_fields import first_few
+
 _EXPERT_NAME_RE = re.compile(
     r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)\.(?P<leaf>[^.]+)"
 )
@@ -197,12 +199,6 @@ def layers_lacking(lacking: Sequence[str], layers: int) -> IncompleteUpdateError
         "every tensor of each layer it touches (send them at their "
         "current values where they did not change)"
     )
-
-
-def first_few(items: Sequence[str], n: int, sep: str = ", ") -> str:
-    """The first ``n`` of ``items`` joined by ``sep``, and how many more."""
-    more = f" and {len(items) - n} more" if len(items) > n else ""
-    return sep.join(items[:n]) + more
 
 
 def describe_missing(missing: Mapping[str, Sequence[str]], what: str) -> str:

@@ -57,6 +57,7 @@ from vllm.distributed.weight_transfer.landing.completeness import (
     first_few,
     partly_written,
 )
+from vllm.distributed.weight_transfer.landing.regions import region_view
 from vllm.distributed.weight_transfer.plan.ops import (
     SliceSpec,
     bit_pattern,
@@ -64,7 +65,6 @@ from vllm.distributed.weight_transfer.plan.ops import (
     tensor_place,
 )
 from vllm.distributed.weight_transfer.plan.worker_plan import SliceCopy, WorkerPlan
-from vllm.distributed.weight_transfer.sharded_rdt.lander import region_view
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)

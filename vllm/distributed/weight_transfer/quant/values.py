@@ -31,8 +31,10 @@ from typing import Any
 
 import torch
 
-from vllm.distributed.weight_transfer.common.wire_fields import dtype_from_name
-from vllm.distributed.weight_transfer.landing.completeness import first_few
+from vllm.distributed.weight_transfer.common.wire_fields import (
+    dtype_from_name,
+    first_few,
+)
 from vllm.distributed.weight_transfer.verification import ManifestMismatch
 
 # The names of quantization scales in vLLM's quantized checkpoint formats.

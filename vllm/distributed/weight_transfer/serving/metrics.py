@@ -1,9 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Sync metrics: one log line per sync on each side, Prometheus on the server.
-
-``SyncRecord`` times one sync on one side (trainer or worker) phase by phase
-and renders one log line: bytes, seconds, GB/s and phase times.
+"""Sync metrics on the server: Prometheus samples from the RL routes. (The
+per-sync log line of each side is ``verification.record.SyncRecord``.)
 
 Prometheus metrics live in the process that serves ``/metrics``: the API
 server. Worker engines run in worker processes whose registries ``vllm serve``
@@ -41,18 +39,14 @@ process saw the whole sync.
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from threading import Lock
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
-# Submodules, not the package: verification.publication uses SyncRecord, so
-# this module may be imported while the package is still initializing.
 from vllm.distributed.weight_transfer.common.asgi import json_object, post_route
 from vllm.distributed.weight_transfer.common.messages import (
     ADAPTER_KEY,
@@ -67,85 +61,7 @@ from vllm.distributed.weight_transfer.verification.fence import (
 from vllm.distributed.weight_transfer.verification.wire import (
     PUBLICATION_FIELD,
     PublicationHeader,
-    describe_error,
 )
-
-# ---------------------------------------------------------------------------
-# per-sync record (both sides)
-
-
-@dataclass
-class SyncRecord:
-    """Timing of one sync on one side; ``phase`` blocks accumulate."""
-
-    backend: str
-    side: str
-    publication_id: str | None = None
-    model_version: int | None = None
-    nbytes: int = 0
-    phases: dict[str, float] = field(default_factory=dict)
-    seconds: float | None = None
-    ok: bool | None = None
-    error: str | None = None
-    failed_phase: str | None = None
-    _started: float = field(default_factory=time.perf_counter, repr=False)
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Time a block as ``name``; an exception marks the phase as failed."""
-        started = time.perf_counter()
-        try:
-            yield
-        except BaseException:
-            if self.failed_phase is None:
-                self.failed_phase = name
-            raise
-        finally:
-            self.phases[name] = self.phases.get(name, 0.0) + (
-                time.perf_counter() - started
-            )
-
-    def bind(self, header: PublicationHeader) -> None:
-        self.publication_id = header.publication_id
-        self.model_version = header.model_version
-
-    def finish(self, ok: bool = True, error: BaseException | str | None = None) -> None:
-        self.seconds = time.perf_counter() - self._started
-        self.ok = ok
-        if error is not None:
-            self.error = " ".join(describe_error(error).split())[:500]
-
-    @property
-    def gb_per_s(self) -> float:
-        if not self.seconds:
-            return 0.0
-        return self.nbytes / self.seconds / 1e9
-
-    def log_line(self) -> str:
-        seconds = self.seconds if self.seconds is not None else 0.0
-        what = f"weight sync [{self.backend} {self.side}]"
-        if self.publication_id is not None:
-            what += f" publication {self.publication_id[:12]}"
-        if self.model_version is not None:
-            what += f" v{self.model_version}"
-        phases = ", ".join(f"{k} {v:.3f} s" for k, v in self.phases.items())
-        if self.ok is False:
-            where = f" in phase {self.failed_phase}" if self.failed_phase else ""
-            return (
-                f"{what}: FAILED after {seconds:.3f} s{where} "
-                f"({self.nbytes / 1e9:.3f} GB moved): {self.error}; {phases}"
-            )
-        return (
-            f"{what}: {self.nbytes / 1e9:.3f} GB in {seconds:.3f} s "
-            f"({self.gb_per_s:.2f} GB/s); {phases}"
-        )
-
-    def log(self, logger: logging.Logger) -> None:
-        if self.ok is False:
-            logger.error("%s", self.log_line())
-        else:
-            logger.info("%s", self.log_line())
-
 
 # ---------------------------------------------------------------------------
 # Prometheus (API server process)

@@ -55,9 +55,6 @@ from typing import Any
 
 import torch
 
-# The module, not SyncRecord: sync_metrics imports this package, so when it is
-# imported first it is only half-initialized here.
-from vllm.distributed.weight_transfer.serving import metrics as sync_metrics
 from vllm.distributed.weight_transfer.verification.checks import (
     Delivery,
     ManifestChecker,
@@ -86,6 +83,7 @@ from vllm.distributed.weight_transfer.verification.receipts import (
     missing_workers,
     sink_for,
 )
+from vllm.distributed.weight_transfer.verification.record import SyncRecord
 from vllm.distributed.weight_transfer.verification.wire import (
     ChecksumMismatch,
     Manifest,
@@ -159,7 +157,7 @@ class TrainerPublication:
         self.header = header
         self.box = box
         self.inbox = inbox
-        self.record = sync_metrics.SyncRecord(backend=header.backend, side="trainer")
+        self.record = SyncRecord(backend=header.backend, side="trainer")
         self.record.bind(header)
         self.record.nbytes = header.payload_bytes
         self._sent_manifest = False
@@ -384,7 +382,7 @@ class WorkerPublication:
         self._producer_call = producer_call
         self.header: PublicationHeader | None = None
         self.checker: ManifestChecker | None = None
-        self.record: sync_metrics.SyncRecord | None = None
+        self.record: SyncRecord | None = None
         # The payload checksums of the message being received, by buffer.
         self.message_checksums: list[str] | None = None
         # The receipt went out at the trainer's prepare message; the commit
@@ -399,7 +397,7 @@ class WorkerPublication:
         self.header = None
         self.checker = None
         self._receipt_sent = False
-        self.record = sync_metrics.SyncRecord(
+        self.record = SyncRecord(
             backend=self.backend, side=f"worker {self.worker_rank}"
         )
 

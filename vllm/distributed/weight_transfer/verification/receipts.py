@@ -54,7 +54,7 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from vllm.distributed.weight_transfer.buffers.owner_lock import (
+from vllm.distributed.weight_transfer.common.owner_lock import (
     create_owned,
     reap_unowned,
 )
