@@ -51,6 +51,12 @@ from vllm.distributed.weight_transfer.pull.chunks import (
     chunks_digest,
     make_chunk,
 )
+from vllm.distributed.weight_transfer.pull.registry import (
+    ConsumerSettings,
+    ServerSettings,
+    make_consumer,
+    make_server,
+)
 from vllm.distributed.weight_transfer.pull.transport import ProducerLink
 from vllm.distributed.weight_transfer.verification import describe_error
 from vllm.logger import init_logger
@@ -199,26 +205,25 @@ class AdapterServer:
     def __init__(
         self, *, host: str, stall_timeout_s: float, device: torch.device
     ) -> None:
-        from vllm.distributed.weight_transfer.pull.nixl import (
-            NixlProducerServer,
-        )
-
         self.stall_timeout_s = stall_timeout_s
-        self._server = NixlProducerServer(
-            dict(
-                rank=0,
-                names=[PAYLOAD],
-                group_lens=[1],
-                served_names=[PAYLOAD],
-                num_slots=1,
-                gather_lookahead=0,
-                stall_timeout_s=stall_timeout_s,
-                # Every consumer pulls the same chunk: one shared serve slot.
-                workers_per_replica=1,
-                device=device,
-                exact_buffers=True,
+        self._server = make_server(
+            "nixl",
+            ServerSettings(
+                dict(
+                    rank=0,
+                    names=[PAYLOAD],
+                    group_lens=[1],
+                    served_names=[PAYLOAD],
+                    num_slots=1,
+                    gather_lookahead=0,
+                    stall_timeout_s=stall_timeout_s,
+                    # Every consumer pulls the same chunk: one shared serve slot.
+                    workers_per_replica=1,
+                    device=device,
+                    exact_buffers=True,
+                ),
+                host=host,
             ),
-            host=host,
         )
         self._sync_id = 0
 
@@ -342,12 +347,8 @@ class AdapterPuller:
 
     def _link_for(self, pull: AdapterPull) -> ProducerLink:
         if self._transport is None:
-            from vllm.distributed.weight_transfer.pull.nixl import (
-                NixlConsumerTransport,
-            )
-
-            self._transport = NixlConsumerTransport(
-                self.consumer_id, pull.stall_timeout_s
+            self._transport = make_consumer(
+                "nixl", ConsumerSettings(self.consumer_id, pull.stall_timeout_s)
             )
         self._transport.stall_timeout_s = pull.stall_timeout_s
         endpoint = dict(pull.endpoint)

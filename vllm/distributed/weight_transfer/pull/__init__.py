@@ -9,5 +9,7 @@ Nothing here imports NIXL or Ray on import.
 - ``producer``: one trainer rank's producer: gather groups in, packed chunks
   out;
 - ``transport``: the one interface a consumer uses to reach producers;
+- ``registry``: transports by name ("inprocess", "nixl", "rdt", and the
+  "auto" rule), each side made by name, modules imported on first lookup;
 - ``nixl``, ``ray``: the two remote transports.
 """

@@ -57,7 +57,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -72,6 +72,12 @@ from vllm.distributed.weight_transfer.verification import (
     describe_error,
 )
 from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.distributed.weight_transfer.pull.registry import (
+        ConsumerSettings,
+        ServerSettings,
+    )
 
 logger = init_logger(__name__)
 
@@ -724,3 +730,13 @@ class NixlConsumerTransport(ConsumerTransport):
                 logger.debug("NIXL deregister failed: %s", e)
         self._registrations = []
         self.agent = None  # stops the agent's progress thread
+
+
+def nixl_consumer(settings: ConsumerSettings) -> ConsumerTransport:
+    """The "nixl" transport's consumer factory (see `pull.registry`)."""
+    return NixlConsumerTransport(settings.consumer_id, settings.stall_timeout_s)
+
+
+def nixl_server(settings: ServerSettings) -> ProducerServer:
+    """The "nixl" transport's server factory (see `pull.registry`)."""
+    return NixlProducerServer(settings.producer_kwargs, host=settings.host)

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import functools
 import os
+import uuid
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,6 +48,12 @@ from vllm.distributed.weight_transfer.verification import (
     ReceiptTimeoutError,
 )
 from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.distributed.weight_transfer.pull.registry import (
+        ConsumerSettings,
+        ServerSettings,
+    )
 
 logger = init_logger(__name__)
 
@@ -373,3 +380,25 @@ class RdtConsumerTransport(ConsumerTransport):
         # opt-in; the produce method needs it.
         actor._ray_enable_tensor_transport = True
         return _RdtLink(self, producer_index, actor)
+
+
+def rdt_consumer(settings: ConsumerSettings) -> ConsumerTransport:
+    """The "rdt" transport's consumer factory (see `pull.registry`)."""
+    return RdtConsumerTransport(
+        settings.consumer_id,
+        namespace=settings.namespace,
+        produce_method_name=settings.produce_method_name,
+        stall_timeout_s=settings.stall_timeout_s,
+    )
+
+
+def rdt_server(settings: ServerSettings) -> ProducerServer:
+    """The "rdt" transport's server factory (see `pull.registry`): spawns the
+    rank's producer actor under a fresh name."""
+    rank = settings.producer_kwargs["rank"]
+    return RdtProducerServer(
+        settings.producer_kwargs,
+        name=f"vllm_rdt_producer_{uuid.uuid4().hex[:12]}_rk{rank}",
+        namespace=settings.namespace,
+        max_concurrency=settings.max_concurrency,
+    )

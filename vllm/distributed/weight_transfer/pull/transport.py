@@ -23,8 +23,9 @@ A trainer rank serves its `Producer` through a `ProducerServer`, whose
 the inbox the sending rank collects receipts from.
 
 Implementations: `InProcessServer` / `InProcessTransport` here (producer and
-consumer in one process, for tests), ``sharded_rdt_nixl`` (direct NIXL agents,
-any executor) and ``sharded_rdt_ray`` (Ray Direct Transport).
+consumer in one process, for tests), ``pull.nixl`` (direct NIXL agents, any
+executor) and ``pull.ray`` (Ray Direct Transport); ``pull.registry`` names
+them and makes either side of each by name.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import itertools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +43,12 @@ from vllm.distributed.weight_transfer.pull.producer import Producer
 from vllm.distributed.weight_transfer.verification import (
     ReceiptInbox,
 )
+
+if TYPE_CHECKING:
+    from vllm.distributed.weight_transfer.pull.registry import (
+        ConsumerSettings,
+        ServerSettings,
+    )
 
 
 class ProducerLink(ABC):
@@ -201,3 +208,13 @@ class InProcessTransport(ConsumerTransport):
                 "transport='inprocess' needs the trainer in the worker's process"
             )
         return _InProcessLink(producer)
+
+
+def inprocess_consumer(settings: ConsumerSettings) -> ConsumerTransport:
+    """The "inprocess" transport's consumer factory (see `pull.registry`)."""
+    return InProcessTransport()
+
+
+def inprocess_server(settings: ServerSettings) -> ProducerServer:
+    """The "inprocess" transport's server factory (see `pull.registry`)."""
+    return InProcessServer(Producer(**settings.producer_kwargs))

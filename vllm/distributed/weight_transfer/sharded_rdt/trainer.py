@@ -39,7 +39,6 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import time
-import uuid
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
@@ -54,7 +53,12 @@ from vllm.distributed.weight_transfer.base import (
     layerwise_groups,
 )
 from vllm.distributed.weight_transfer.plan.ops import dtype_name
-from vllm.distributed.weight_transfer.pull.producer import Producer
+from vllm.distributed.weight_transfer.pull.registry import (
+    ServerSettings,
+    make_server,
+    resolve_server_transport,
+    transport_entry,
+)
 from vllm.distributed.weight_transfer.pull.routing import (
     DEFAULT_GATHER_LOOKAHEAD,
     DEFAULT_NUM_RDT_BUFFERS,
@@ -63,7 +67,6 @@ from vllm.distributed.weight_transfer.pull.routing import (
     TRANSPORTS,
 )
 from vllm.distributed.weight_transfer.pull.transport import (
-    InProcessServer,
     ProducerServer,
 )
 from vllm.distributed.weight_transfer.sharded_rdt.wire import (
@@ -345,24 +348,15 @@ class ShardedRDTTrainerWeightTransferEngine(
             device=info.serve_device or "cpu",
             checksums=info.verify_checksums,
         )
-        if info.transport == "inprocess":
-            return InProcessServer(Producer(**kwargs))
-        if info.transport == "rdt":
-            from vllm.distributed.weight_transfer.pull.ray import (
-                RdtProducerServer,
-            )
-
-            return RdtProducerServer(
+        return make_server(
+            resolve_server_transport(info.transport),
+            ServerSettings(
                 kwargs,
-                name=f"vllm_rdt_producer_{uuid.uuid4().hex[:12]}_rk{self.rank}",
+                host=info.producer_host or "127.0.0.1",
                 namespace=info.trainer_actor_namespace,
                 max_concurrency=info.num_consumers * info.num_rdt_buffers + 4,
-            )
-        from vllm.distributed.weight_transfer.pull.nixl import (
-            NixlProducerServer,
+            ),
         )
-
-        return NixlProducerServer(kwargs, host=info.producer_host or "127.0.0.1")
 
     def get_worker_init_payload(self) -> dict[str, Any]:
         """The worker init info (a JSON-safe dict) for
@@ -371,7 +365,7 @@ class ShardedRDTTrainerWeightTransferEngine(
         if not self._endpoints:
             raise RuntimeError("get_worker_init_payload before trainer_init")
         info = self.init_info
-        rdt = info.transport == "rdt"
+        rdt = transport_entry(resolve_server_transport(info.transport)).actor_endpoints
         return ShardedRDTWeightTransferInitInfo(
             trainer_actor_names=[e["actor_name"] for e in self._endpoints]
             if rdt

@@ -65,7 +65,6 @@ the Ray executor with Ray producer actors, over Ray Direct Transport.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from typing import Any
@@ -74,50 +73,44 @@ import torch
 
 from vllm.config import VllmConfig
 from vllm.config.weight_transfer import WeightTransferConfig
-from vllm.distributed.weight_transfer.base import ParamMeta
 from vllm.distributed.weight_transfer.common.wire_fields import check_int
-from vllm.distributed.weight_transfer.landing.checkpoint_structure import (
-    check_manifest_dtypes,
-    checkpoint_dtype_kinds,
-    module_dtype_kinds,
-)
 from vllm.distributed.weight_transfer.landing.codes import CodesLanding, CodesRefused
 from vllm.distributed.weight_transfer.landing.layerwise import (
     LayerwiseReloadSession,
 )
 from vllm.distributed.weight_transfer.landing.planned import LandingPlan
-from vllm.distributed.weight_transfer.plan.bake import bake_worker_plan
 from vllm.distributed.weight_transfer.plan.ops import (
     dtype_from_name,
-    dtype_name,
 )
 from vllm.distributed.weight_transfer.plan.worker_plan import (
     WorkerPlan,
     leaving_unprocessed,
-    with_direct_copies,
 )
 from vllm.distributed.weight_transfer.pull.chunks import (
     PullPlan,
-    build_pull_plan,
 )
+from vllm.distributed.weight_transfer.pull.registry import transport_entry
 from vllm.distributed.weight_transfer.pull.routing import (
-    RdtRouter,
     buffer_alloc_bytes,
-    check_ray_rdt_version,
 )
 from vllm.distributed.weight_transfer.pull.transport import (
     ConsumerTransport,
-    InProcessTransport,
     ProducerLink,
 )
 from vllm.distributed.weight_transfer.quant.values import (
     packed_values,
     refuse_bad_values,
 )
+from vllm.distributed.weight_transfer.sharded_rdt.consumer import (
+    choose_transport,
+    make_consumer_transport,
+    plan_consumer,
+    planned_bytes,
+)
 from vllm.distributed.weight_transfer.sharded_rdt.lander import (
     ChunkLander,
-    deferred_modules,
 )
+from vllm.distributed.weight_transfer.sharded_rdt.pulls import run_pulls
 from vllm.distributed.weight_transfer.sharded_rdt.wire import (
     ShardedRDTWeightTransferInitInfo,
     ShardedRDTWeightTransferUpdateInfo,
@@ -145,68 +138,6 @@ __all__ = [
     "ShardedRDTWeightTransferInitInfo",
     "ShardedRDTWeightTransferUpdateInfo",
 ]
-
-
-def choose_transport(info: ShardedRDTWeightTransferInitInfo, executor: Any) -> str:
-    """The transport a worker uses: the init info's, or for "auto" RDT under
-    vLLM's Ray executor when the trainer spawned Ray producers, else NIXL."""
-    if info.transport != "auto":
-        return info.transport
-    if executor == "ray" and info.trainer_actor_names:
-        return "rdt"
-    if info.producer_endpoints:
-        if all(e.get("transport") == "inprocess" for e in info.producer_endpoints):
-            return "inprocess"
-        return "nixl"
-    if info.trainer_actor_names:
-        return "rdt"
-    raise ValueError(
-        "sharded_rdt init_info names no producers (trainer_actor_names and "
-        "producer_endpoints are empty); pass the trainer's "
-        "get_worker_init_payload()"
-    )
-
-
-def make_consumer_transport(
-    name: str, info: ShardedRDTWeightTransferInitInfo, consumer_id: int
-) -> ConsumerTransport:
-    if name == "inprocess":
-        return InProcessTransport()
-    if name == "nixl":
-        from vllm.distributed.weight_transfer.pull.nixl import (
-            NixlConsumerTransport,
-        )
-
-        return NixlConsumerTransport(consumer_id, info.stall_timeout_s)
-    if name == "rdt":
-        from vllm.distributed.weight_transfer.pull.ray import (
-            RdtConsumerTransport,
-        )
-
-        return RdtConsumerTransport(
-            consumer_id,
-            namespace=info.trainer_actor_namespace,
-            produce_method_name=info.produce_method_name,
-            stall_timeout_s=info.stall_timeout_s,
-        )
-    raise ValueError(f"unknown sharded_rdt transport {name!r}")
-
-
-def planned_bytes(pulls: PullPlan) -> dict[str, int]:
-    """Bytes this worker receives of each checkpoint tensor per sync (slices
-    of zero bytes are never sent, so they do not count)."""
-    out: dict[str, int] = {}
-    for chunk in pulls.chunks:
-        for packed in chunk.slices:
-            if packed.spec.nbytes:
-                source = packed.spec.source
-                out[source] = out.get(source, 0) + packed.spec.nbytes
-    return out
-
-
-class _Failed:
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
 
 
 class ShardedRDTWeightTransferEngine(
@@ -293,10 +224,18 @@ class ShardedRDTWeightTransferEngine(
         transport_name = choose_transport(
             init_info, parallel.distributed_executor_backend
         )
-        if transport_name == "rdt":
-            check_ray_rdt_version()
+        transport_entry(transport_name).check_ready()
         started = time.perf_counter()
-        consumer_id, metas, baked, pulled, pulls, codes = self._plan_consumer(init_info)
+        plan = plan_consumer(
+            init_info,
+            model=self.model,
+            model_config=self.model_config,
+            parallel=parallel,
+            vllm_config=self.vllm_config,
+            device=self.device,
+        )
+        consumer_id, metas, pulls = plan.consumer_id, plan.metas, plan.pulls
+        baked, pulled, codes = plan.baked, plan.pulled, plan.codes
         landing = self._planned_landing(baked)
 
         # Every check so far is pure: an init they refuse leaves the previous
@@ -367,81 +306,6 @@ class ShardedRDTWeightTransferEngine(
             return pulled
         return leaving_unprocessed(pulled, landing.writers)
 
-    def _plan_consumer(
-        self, init_info: ShardedRDTWeightTransferInitInfo
-    ) -> tuple[
-        int, list[ParamMeta], WorkerPlan, WorkerPlan, PullPlan, CodesLanding | None
-    ]:
-        """This worker's consumer id, the trainer's tensors, the plan baked
-        from the loaders, that plan with the codes' direct copies (what is
-        pulled), the pull plan and the landing of trainer-side FP8 codes
-        (None without codes); touches nothing but the plan's own
-        recording."""
-        parallel = self.parallel_config
-        num_consumers = init_info.num_consumers or parallel.world_size_across_dp
-        num_replicas = max(1, init_info.num_replicas)
-        workers_per_replica = max(1, num_consumers // num_replicas)
-        local_index = (
-            getattr(parallel, "data_parallel_index", 0) * parallel.world_size
-            + parallel.rank
-        )
-        consumer_id = init_info.replica_rank * workers_per_replica + local_index
-        metas = [
-            ParamMeta(name, dtype_from_name(d), tuple(shape))
-            for name, d, shape in zip(
-                init_info.names, init_info.dtype_names, init_info.shapes, strict=True
-            )
-        ]
-        worker = f"consumer {consumer_id}"
-        # Trainer-side FP8 codes land straight in the served codes; refused
-        # here, naming each layer, when this engine cannot take them.
-        codes = CodesLanding.plan(
-            self.model,
-            [(m.name, dtype_name(m.dtype), tuple(m.shape)) for m in metas],
-            worker=worker,
-            vllm_config=self.vllm_config,
-        )
-        loaded = [m for m in metas if codes is None or m.name not in codes.names]
-        # A dtype of another kind than the served tensor's (float bytes
-        # declared int32) would be planned as a cast: refuse it here.
-        kinds = checkpoint_dtype_kinds(self.model_config)
-        if kinds is None:
-            kinds = module_dtype_kinds(self.model)
-        check_manifest_dtypes(
-            Manifest.from_params(loaded), kinds, "(init_weight_transfer_engine)"
-        )
-        plan = bake_worker_plan(
-            self.model,
-            loaded,
-            worker=worker,
-            vllm_config=self.vllm_config,
-            device=self.device,
-        )
-        deferred = deferred_modules(self.model, plan)
-        if deferred:
-            raise NotImplementedError(
-                f"sharded_rdt cannot land weights of attention layers whose "
-                f"processing is deferred to the end of a reload: {deferred[:3]}"
-            )
-        pulled = plan
-        if codes is not None:
-            pulled = with_direct_copies(
-                plan,
-                init_info.names,
-                [c for c, _ in codes.slice_copies(self.model)],
-            )
-        router = RdtRouter(
-            init_info.num_producers,
-            num_consumers,
-            owner_sets=init_info.owner_sets,
-            name_owner_class=init_info.name_owner_class,
-            names=init_info.names,
-            group_lens=init_info.group_lens,
-            workers_per_replica=workers_per_replica if num_replicas > 1 else 0,
-        )
-        pulls = build_pull_plan(pulled, router, consumer_id)
-        return consumer_id, metas, plan, pulled, pulls, codes
-
     def _connect(
         self,
         init_info: ShardedRDTWeightTransferInitInfo,
@@ -455,7 +319,7 @@ class ShardedRDTWeightTransferEngine(
         transport = make_consumer_transport(transport_name, init_info, consumer_id)
         endpoints: list[Any] = (
             list(init_info.trainer_actor_names)
-            if transport_name == "rdt"
+            if transport_entry(transport_name).actor_endpoints
             else list(init_info.producer_endpoints)
         )
         links: list[ProducerLink] = []
@@ -593,7 +457,17 @@ class ShardedRDTWeightTransferEngine(
         assert self.pulls is not None
         header = self.pub.header
         try:
-            pulled, timing = self._run_pulls(lander, session, stop)
+            pulled, timing = run_pulls(
+                self.pulls.chunks,
+                self._links,
+                self._buffers,
+                lambda i, data, checksum, timing: self._land(
+                    lander, session, i, data, checksum, timing
+                ),
+                consumer_id=self.consumer_id,
+                stall_timeout_s=self.stall_timeout_s,
+                cancel=stop,
+            )
         except BaseException as e:
             if stop is not None:  # a background pull: tell the producers now
                 self._on_update_failed(describe_error(e))
@@ -628,106 +502,6 @@ class ShardedRDTWeightTransferEngine(
         self._release()
 
     # -- internals -----------------------------------------------------------
-
-    def _run_pulls(
-        self,
-        lander: ChunkLander,
-        session: UpdateSession,
-        cancel: threading.Event | None = None,
-    ) -> tuple[dict[int, int], dict[str, float]]:
-        """Pull every chunk in order on a background thread, at most one per
-        receive buffer ahead, and land each one here as it arrives. Returns the
-        bytes pulled per producer and the seconds spent pulling and landing.
-        ``cancel`` set: stop within half a second, raising ``RuntimeError``."""
-        assert self.pulls is not None
-        chunks = self.pulls.chunks
-        pulled: dict[int, int] = {}
-        timing = {"pull": 0.0, "land": 0.0}
-        if not chunks:
-            return pulled, timing
-        # Each chunk's successor from the same producer, requested early.
-        following: list[Any] = [None] * len(chunks)
-        last_of: dict[int, int] = {}
-        for i, chunk in enumerate(chunks):
-            if chunk.producer in last_of:
-                following[last_of[chunk.producer]] = chunk
-            last_of[chunk.producer] = i
-        free = threading.Semaphore(len(self._buffers))
-        # A device buffer's landing is queued on the device: before a pull
-        # writes into the buffer again (RDMA does not wait for queued device
-        # work), the puller waits for the event recorded after that landing.
-        landed: list[Any] = [None] * len(self._buffers)
-        ready: queue.Queue[tuple[int, torch.Tensor, str | None] | _Failed] = (
-            queue.Queue()
-        )
-        stop = threading.Event()
-
-        def puller() -> None:
-            try:
-                for i, chunk in enumerate(chunks):
-                    while not free.acquire(timeout=0.5):
-                        if stop.is_set():
-                            return
-                    if stop.is_set():
-                        return
-                    slot = i % len(self._buffers)
-                    if landed[slot] is not None:
-                        landed[slot].synchronize()
-                        landed[slot] = None
-                    into = self._buffers[slot][: chunk.nbytes]
-                    t0 = time.perf_counter()
-                    checksum = self._links[chunk.producer].pull(
-                        chunk, into, following[i]
-                    )
-                    timing["pull"] += time.perf_counter() - t0
-                    ready.put((i, into, checksum))
-            except BaseException as e:
-                ready.put(_Failed(e))
-
-        thread = threading.Thread(target=puller, name="sharded-rdt-pull", daemon=True)
-        thread.start()
-        try:
-            for _ in chunks:
-                item = self._next_chunk(ready, cancel)
-                if isinstance(item, _Failed):
-                    raise item.error
-                i, data, checksum = item
-                self._land(lander, session, i, data, checksum, timing)
-                pulled[chunks[i].producer] = (
-                    pulled.get(chunks[i].producer, 0) + chunks[i].payload_bytes
-                )
-                if data.is_cuda:
-                    event = torch.cuda.Event()
-                    event.record(torch.cuda.current_stream(data.device))
-                    landed[i % len(self._buffers)] = event
-                free.release()
-        finally:
-            stop.set()
-            thread.join(timeout=1.0)
-        return pulled, timing
-
-    def _next_chunk(
-        self, ready: queue.Queue[Any], cancel: threading.Event | None
-    ) -> Any:
-        """The next pulled chunk, within the stall timeout, unless cancelled."""
-        deadline = time.monotonic() + self.stall_timeout_s
-        while True:
-            if cancel is not None and cancel.is_set():
-                raise RuntimeError(
-                    f"sharded_rdt consumer {self.consumer_id}: the staged pull "
-                    "was cancelled (the update was aborted)"
-                )
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(
-                    f"sharded_rdt consumer {self.consumer_id}: no chunk arrived "
-                    f"for {self.stall_timeout_s:.1f}s; a producer most likely "
-                    "died or stalled"
-                )
-            try:
-                return ready.get(timeout=min(left, 0.5))
-            except queue.Empty:
-                continue
 
     def _land(
         self,
