@@ -101,11 +101,8 @@ caller to pause (or staging).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.weight_transfer.common.asgi import (
@@ -119,13 +116,17 @@ from vllm.distributed.weight_transfer.common.asgi import (
 )
 from vllm.distributed.weight_transfer.common.messages import (
     ABORT_FIELD,
-    PREPARE_FIELD,
     WEIGHT_TRANSFER_METHODS,
     MessageKind,
     UnclassifiableUpdate,
     classify_update,
     expected_messages,
-    first_message,
+)
+from vllm.distributed.weight_transfer.serving.generation_hold import (
+    Hold,
+    Reply,
+    cancel_deadline,
+    end_pause,
 )
 from vllm.distributed.weight_transfer.serving.metrics import (
     RouteSyncObserver,
@@ -133,11 +134,13 @@ from vllm.distributed.weight_transfer.serving.metrics import (
 )
 
 # Submodules, not the package: this module is imported by the API server.
-from vllm.distributed.weight_transfer.verification.fence import fenced_version
-from vllm.distributed.weight_transfer.verification.wire import (
-    PUBLICATION_FIELD,
-    PublicationHeader,
+from vllm.distributed.weight_transfer.serving.update_ledger import (
+    UpdateLedger,
+    abort_text,
+    publication_id,
+    update_info_of,
 )
+from vllm.distributed.weight_transfer.verification.fence import fenced_version
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -150,84 +153,6 @@ GUARDED_BACKENDS = ("ipc", "sharded_rdt")
 # through the HTTP client's ``server_holds_commit``).
 COMMIT_HOLD_HEADER = "x-vllm-weight-commit-hold"
 COMMIT_HOLD_VALUE = "server"
-# In the 409 answer to a start while an update is open; what
-# ``stale_updates.start_update`` recognizes (vLLM's worker says the same).
-STILL_OPEN_TEXT = "already active"
-# How many closed publications the guard remembers, to name why their late
-# messages are refused.
-_CLOSED_KEPT = 64
-
-
-@dataclass
-class _Hold:
-    """An open in-place update the guard watches: base weights landing (with
-    generation held), or a LoRA adapter push being staged (nothing held until
-    its finish)."""
-
-    # Whether generation is held: the guard paused it, or found it paused.
-    paused: bool = False
-    # Whether the guard paused generation (and so resumes it at the release).
-    owns_pause: bool = False
-    # Whether an ``update_weights`` carrying base weights succeeded.
-    accepted: bool = False
-    # Whether an ``update_weights`` carrying a LoRA adapter succeeded.
-    adapter: bool = False
-    # The publication the update's messages named, for the fence label.
-    publication_id: str = "unknown"
-    # Weight route calls now being answered (the deadline waits for them).
-    calls_in_flight: int = 0
-    deadline: asyncio.TimerHandle | None = None
-    # The expiry task, once the deadline fired (kept so it is not collected).
-    expiry: asyncio.Future | None = None
-
-
-@dataclass
-class _OpenUpdate:
-    """The update the workers hold open, as the routes saw it."""
-
-    opened: float
-    publication_id: str | None = None
-    adapter: str | None = None
-    # The reason of an abort message the workers took (finish closes it).
-    aborted: str | None = None
-
-    def describe(self) -> str:
-        what = (
-            f"publication {self.publication_id}"
-            if self.publication_id
-            else "no publication named yet"
-        )
-        if self.adapter:
-            what += f", LoRA adapter {self.adapter!r}"
-        if self.aborted:
-            what += f", aborted ({self.aborted}) but not finished"
-        return f"{what}, open {time.monotonic() - self.opened:.1f} s"
-
-
-@dataclass
-class _Reply:
-    """What a route answered: its status and the start of its body."""
-
-    status: int = 500
-    body: bytes = b""
-
-    @property
-    def ok(self) -> bool:
-        return 200 <= self.status < 300
-
-    def error(self) -> str:
-        """The error message of a failed answer, on one line."""
-        text = self.body.decode("utf-8", "replace")
-        try:
-            value = json.loads(text)
-        except ValueError:
-            value = None
-        if isinstance(value, dict):
-            inner = value.get("error", value.get("detail", value))
-            if isinstance(inner, dict):
-                inner = inner.get("message", inner)
-            text = str(inner)
-        return " ".join(f"HTTP {self.status}: {text}".split())[:300]
 
 
 class WeightUpdateGuard:
@@ -237,12 +162,9 @@ class WeightUpdateGuard:
         self.app = app
         # Told what the guard closes itself (the process's observer if None).
         self.observer = observer
-        self._hold: _Hold | None = None
-        # The update the workers hold open (None when none is).
-        self._open: _OpenUpdate | None = None
-        # How the last update ended, and how each recent publication did.
-        self._last_end: str | None = None
-        self._ended: OrderedDict[str, str] = OrderedDict()
+        self._hold: Hold | None = None
+        # The open update and how the last ones ended.
+        self._ledger = UpdateLedger()
         # Serializes hold, release and expiry; never held across a route call.
         self._lock = asyncio.Lock()
         self._warned_multi_server = False
@@ -295,21 +217,15 @@ class WeightUpdateGuard:
     async def _start(
         self, route: str, scope: dict, receive: Receive, send: Send
     ) -> None:
-        if self._open is not None:
-            message = (
-                f"a weight update is {STILL_OPEN_TEXT} on this server "
-                f"({self._open.describe()}); {route.lstrip('/')} refused. Close "
-                "it first (update_weights {'abort': '<reason>'}, then "
-                "finish_weight_update; stale_updates.start_update does this "
-                "for a trainer taking over from a dead one), or wait for it"
-            )
+        message = self._ledger.start_refusal(route)
+        if message is not None:
             logger.info("Refused %s: %s", route, message)
             await json_response(send, 409, message)
             return
 
-        async def then(reply: _Reply) -> None:
+        async def then(reply: Reply) -> None:
             if reply.ok:
-                self._open = _OpenUpdate(time.monotonic())
+                self._ledger.opened()
 
         await self._call(scope, receive, send, then)
 
@@ -318,14 +234,14 @@ class WeightUpdateGuard:
     ) -> None:
         body, replay = await read_body(receive)
         try:
-            update_info = _update_info(body)
+            update_info = update_info_of(body)
             kind = classify_update(update_info, expected_messages(engine.vllm_config))
         except UnclassifiableUpdate as e:
             await json_response(
                 send, 422, f"update_weights refused before reaching the workers: {e}"
             )
             return
-        refusal = self._refusal(kind, update_info)
+        refusal = self._ledger.refusal(kind, update_info)
         if refusal is not None:
             await json_response(send, 409, refusal)
             return
@@ -348,7 +264,7 @@ class WeightUpdateGuard:
                 )
                 return
 
-        async def then(reply: _Reply) -> None:
+        async def then(reply: Reply) -> None:
             hold = self._hold
             if reply.ok and lands and hold is not None:
                 if kind is MessageKind.ADAPTER:
@@ -356,9 +272,9 @@ class WeightUpdateGuard:
                 else:
                     hold.accepted = True
             if reply.ok:
-                self._note(kind, update_info)
+                self._ledger.note(kind, update_info)
             if kind is MessageKind.ABORT and reply.ok:
-                await self._fence_label(engine, f"aborted: {_abort_text(update_info)}")
+                await self._fence_label(engine, f"aborted: {abort_text(update_info)}")
             if not reply.ok:
                 # vLLM's worker closes the update whenever update_weights raises.
                 await self._ended_on_workers(
@@ -372,13 +288,13 @@ class WeightUpdateGuard:
     async def _weight_call(
         self, engine: Any, route: str, scope: dict, receive: Receive, send: Send
     ) -> None:
-        async def then(reply: _Reply) -> None:
+        async def then(reply: Reply) -> None:
             if route == "/pause" and reply.ok and self._hold is not None:
                 # The client owns this pause now; it resumes when it wants to.
                 self._hold.owns_pause = False
             finished = route == "/finish_weight_update"
             if finished and reply.ok:
-                self._end("finished")
+                self._ledger.end("finished")
             await self._after_call(engine, ended=finished, ok=reply.ok)
 
         await self._call(scope, receive, send, then)
@@ -391,7 +307,9 @@ class WeightUpdateGuard:
         served (or, in place, label a fenced model as new)."""
         body, replay = await read_body(receive)
         if json_object(body).get("weight_version") is not None:
-            reason = self._open.aborted if self._open is not None else None
+            reason = (
+                self._ledger.open.aborted if self._ledger.open is not None else None
+            )
             await json_response(
                 send,
                 409,
@@ -414,8 +332,10 @@ class WeightUpdateGuard:
             return  # the call still in flight decides when it answers
         if ended and ok:
             await self._release(engine, "the update ended")
-        elif self._open is None:
-            await self._fence_label(engine, self._last_end or "the update closed")
+        elif self._ledger.open is None:
+            await self._fence_label(
+                engine, self._ledger.last_end or "the update closed"
+            )
             await self._release(engine, "the update closed on the workers")
         else:
             self._arm_deadline(engine)
@@ -440,9 +360,9 @@ class WeightUpdateGuard:
             )
             return
 
-        async def then(reply: _Reply) -> None:
+        async def then(reply: Reply) -> None:
             if reply.ok:
-                self._end("finished")
+                self._ledger.end("finished")
             await self._release(engine, "the staged update's commit answered")
 
         await self._call(scope, receive, send, then)
@@ -463,71 +383,10 @@ class WeightUpdateGuard:
 
     # -- the open update -------------------------------------------------------
 
-    def _refusal(self, kind: MessageKind, update_info: Any) -> str | None:
-        """Why a message that may land or prepare anything is refused: no
-        update is open, it names a publication that already ended, or it is
-        a prepare naming another publication than the open update's."""
-        if kind is MessageKind.ABORT:
-            return None  # closing what may be open is always allowed
-        publication = _publication_id(update_info)
-        if publication is not None and publication in self._ended:
-            return (
-                f"publication {publication} already ended on this server "
-                f"({self._ended[publication]}); none of its messages are "
-                "taken any more. Start a new sync: start_weight_update, every "
-                "tensor, finish_weight_update"
-            )
-        if self._open is None:
-            last = f"; the last one {self._last_end}" if self._last_end else ""
-            return (
-                f"no weight update is open on this server{last}. Call "
-                "start_weight_update first"
-            )
-        known = self._open.publication_id
-        if kind is MessageKind.PREPARE and known is not None:
-            named = first_message(update_info)[PREPARE_FIELD]
-            if named != known:
-                # Answered here, so the open update goes on: a refusal from
-                # the workers would close it (vLLM's Worker closes an update
-                # whose update_weights raised).
-                return (
-                    f"update_info.{PREPARE_FIELD} names publication {named!r} "
-                    f"but the open update is publication {known}; refused "
-                    "before reaching the workers, and the open update goes on"
-                )
-        return None
-
-    def _note(self, kind: MessageKind, update_info: Any) -> None:
-        """Remember what an accepted message says about the open update."""
-        opened = self._open
-        if opened is None:
-            return
-        publication = _publication_id(update_info)
-        if publication is not None and opened.publication_id is None:
-            opened.publication_id = publication
-        if kind is MessageKind.ADAPTER:
-            adapter = first_message(update_info).get("adapter")
-            if isinstance(adapter, dict) and opened.adapter is None:
-                opened.adapter = str(adapter.get("name"))
-        if kind is MessageKind.ABORT:
-            opened.aborted = _abort_text(update_info)
-
-    def _end(self, how: str) -> None:
-        """The workers closed the open update; remember ``how`` (a phrase
-        that follows "the last one": "finished", "expired (...)")."""
-        opened, self._open = self._open, None
-        if how == "finished" and opened is not None and opened.aborted is not None:
-            how = f"was aborted ({opened.aborted})"
-        self._last_end = how
-        if opened is not None and opened.publication_id is not None:
-            self._ended[opened.publication_id] = how
-            while len(self._ended) > _CLOSED_KEPT:
-                self._ended.popitem(last=False)
-
     async def _ended_on_workers(self, engine: Any, cause: str) -> None:
         """The workers closed the update without a commit: fence the label if
         base weights had landed, and release (once no call is in flight)."""
-        self._end(cause)
+        self._ledger.end(cause)
         await self._after_call(engine, ended=False, ok=False)
 
     async def _fence_label(self, engine: Any, cause: str) -> None:
@@ -552,14 +411,14 @@ class WeightUpdateGuard:
         scope: dict,
         receive: Receive,
         send: Send,
-        then: Callable[[_Reply], Awaitable[None]],
+        then: Callable[[Reply], Awaitable[None]],
     ) -> None:
         """Run the route with the deadline suspended, then ``then(reply)``
         (release, or re-arm the deadline) before the client hears the end of
         the answer: a finish returns once generation serves again, and the
         middlewares around see the same order. ``then`` runs once, also when
         the route raises."""
-        reply = _Reply()
+        reply = Reply()
         hold = self._hold
         pending = True
 
@@ -590,7 +449,7 @@ class WeightUpdateGuard:
 
         if hold is not None:
             hold.calls_in_flight += 1
-            _cancel(hold)
+            cancel_deadline(hold)
         try:
             await self.app(scope, receive, forward)
         finally:
@@ -604,7 +463,7 @@ class WeightUpdateGuard:
         release."""
         async with self._lock:
             if self._hold is None:
-                self._hold = _Hold()
+                self._hold = Hold()
             hold = self._hold
             if pause and not hold.paused:
                 owns = not await engine.is_paused()
@@ -615,7 +474,7 @@ class WeightUpdateGuard:
                     "Holding generation for a weight update%s",
                     "" if owns else " (already paused by a client)",
                 )
-            publication = _publication_id(update_info)
+            publication = publication_id(update_info)
             if publication is not None:
                 self._hold.publication_id = publication
 
@@ -624,21 +483,17 @@ class WeightUpdateGuard:
             hold, self._hold = self._hold, None
             if hold is None:
                 return
-            _cancel(hold)
+            cancel_deadline(hold)
             if not hold.owns_pause:
                 return
             logger.info("Resuming generation: %s", why)
-            try:
-                # Frozen requests hold KV computed by the previous weights.
-                await engine.reset_prefix_cache(reset_running_requests=True)
-            finally:
-                await _resume_once_more(engine)
+            await end_pause(engine)
 
     def _arm_deadline(self, engine: Any) -> None:
         hold = self._hold
         if hold is None or hold.calls_in_flight:
             return
-        _cancel(hold)
+        cancel_deadline(hold)
         timeout_s = float(_config(engine).update_timeout_s)
         loop = asyncio.get_running_loop()
 
@@ -648,7 +503,7 @@ class WeightUpdateGuard:
 
         hold.deadline = loop.call_later(timeout_s, expire)
 
-    async def _expire(self, engine: Any, hold: _Hold, timeout_s: float) -> None:
+    async def _expire(self, engine: Any, hold: Hold, timeout_s: float) -> None:
         """The update went ``timeout_s`` without a call: abort it, fence the
         label if base weights had been accepted, and release."""
         if self._hold is not hold or hold.calls_in_flight:
@@ -674,7 +529,7 @@ class WeightUpdateGuard:
             # The update may have closed meanwhile; the label below still
             # tells what happened to the weights that had landed.
             logger.exception("Closing the expired weight update failed")
-        self._end(f"expired ({silence})")
+        self._ledger.end(f"expired ({silence})")
         try:
             if hold.accepted:
                 await engine.update_weight_version(
@@ -700,7 +555,7 @@ class WeightUpdateGuard:
 
     def _aborted_open(self) -> bool:
         """Whether the open update took an abort and awaits its finish."""
-        return self._open is not None and self._open.aborted is not None
+        return self._ledger.aborted_open()
 
     def _adapter_push_open(self) -> bool:
         """Whether the open update carried a LoRA adapter and holds nothing
@@ -754,47 +609,3 @@ def _route(scope: dict) -> str | None:
 
 def _config(engine: Any) -> Any:
     return engine.vllm_config.weight_transfer_config
-
-
-def _cancel(hold: _Hold) -> None:
-    if hold.deadline is not None:
-        hold.deadline.cancel()
-        hold.deadline = None
-
-
-async def _resume_once_more(engine: Any) -> None:
-    try:
-        await engine.resume_generation()
-    except Exception:
-        logger.exception("resume_generation failed; trying once more")
-        await engine.resume_generation()
-
-
-def _update_info(body: bytes) -> Any:
-    """The body's ``update_info``; ``UnclassifiableUpdate`` without one."""
-    value = json_object(body)
-    if "update_info" not in value:
-        raise UnclassifiableUpdate(
-            "the body must be a JSON object with an update_info field, got "
-            f"{body[:80]!r}"
-        )
-    return value["update_info"]
-
-
-def _abort_text(update_info: Any) -> str:
-    """The reason an abort message gives (any of its messages)."""
-    reason = first_message(update_info).get(ABORT_FIELD)
-    return reason if isinstance(reason, str) else f"malformed abort {reason!r}"
-
-
-def _publication_id(update_info: Any) -> str | None:
-    """The id a valid publication header in the message names, if any."""
-    items = update_info if isinstance(update_info, list) else [update_info]
-    for item in items:
-        if isinstance(item, dict) and PUBLICATION_FIELD in item:
-            try:
-                header = PublicationHeader.from_dict(item[PUBLICATION_FIELD])
-            except (TypeError, ValueError):
-                continue  # the worker refuses it; the label says "unknown"
-            return header.publication_id
-    return None

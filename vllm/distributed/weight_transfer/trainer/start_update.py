@@ -35,7 +35,7 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 # Refused starts while an update is open say this: vLLM's Worker and the
-# weight update guard's 409 (``update_guard.STILL_OPEN_TEXT``).
+# weight update guard's 409 (``update_ledger.STILL_OPEN_TEXT``).
 _STILL_OPEN_TEXT = "already active"
 # How long ``start_update(..., take_over=False)`` waits for an open update to
 # close by default, and how often it asks again meanwhile.
