@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_ipc_worker import TinyNet
 
 from vllm.distributed.weight_transfer.landing.completeness import (
     IncompleteUpdateError,
 )
 from vllm.distributed.weight_transfer.worker.shadows import ShadowLayers
+
+from ..ipc.test_worker import TinyNet
 
 
 class Linear(torch.nn.Module):

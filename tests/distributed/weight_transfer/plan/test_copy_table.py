@@ -8,7 +8,6 @@ import random
 import numpy as np
 import pytest
 import torch
-from test_bake_toy import CHECKPOINT, Toy, _metas
 
 from vllm.distributed.weight_transfer.plan.bake import bake_worker_plan
 from vllm.distributed.weight_transfer.plan.copy_exec import (
@@ -38,6 +37,8 @@ from vllm.distributed.weight_transfer.plan.worker_plan import (
 )
 from vllm.distributed.weight_transfer.sharded_rdt.lander import IN_PLACE
 from vllm.distributed.weight_transfer.testing.sharded_rdt_checks import land_chunks
+
+from .test_bake import CHECKPOINT, Toy, _metas
 
 
 def _source_metas(checkpoint):

@@ -6,8 +6,8 @@ workers (whose refusal would close the update) and the open sync goes on."""
 
 from __future__ import annotations
 
-import verification_samples
-from test_update_guard import HELD_THEN_RELEASED, WEIGHTS, RecordingEngine, Server, run
+from ..verification import samples as verification_samples
+from .test_update_guard import HELD_THEN_RELEASED, WEIGHTS, RecordingEngine, Server, run
 
 OPEN_ID = "pub-0123456789"
 STRAY_ID = "pub-stray-9876543210"

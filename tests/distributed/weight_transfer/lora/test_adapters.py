@@ -13,14 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from test_ipc_worker import (
-    EngineClient,
-    TinyNet,
-    make_engine,
-    push,
-    reload_ready,
-    state,
-)
 
 from vllm.distributed.weight_transfer.lora.adapters import (
     AdapterConfig,
@@ -37,6 +29,15 @@ from vllm.distributed.weight_transfer.lora.adapters import (
     memory_path,
 )
 from vllm.distributed.weight_transfer.lora.pusher import LoRAAdapter, push_lora_adapter
+
+from ..ipc.test_worker import (
+    EngineClient,
+    TinyNet,
+    make_engine,
+    push,
+    reload_ready,
+    state,
+)
 
 CONFIG = AdapterConfig(rank=2, alpha=4.0, target_modules=("q_proj", "v_proj"))
 Q = "base_model.model.layers.0.q_proj"

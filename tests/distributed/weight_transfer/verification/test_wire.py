@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from verification_samples import METAS, header, manifest
 
 from vllm.distributed.weight_transfer.base import ParamMeta
 from vllm.distributed.weight_transfer.verification.wire import (
@@ -21,6 +20,8 @@ from vllm.distributed.weight_transfer.verification.wire import (
     describe_error,
     pop_publication,
 )
+
+from .samples import METAS, header, manifest
 
 # -- manifest -----------------------------------------------------------------
 

@@ -13,7 +13,6 @@ for ``sharded_rdt``, ``test_sharded_rdt_llm.py`` and
 
 import pytest
 import torch
-from test_bake_toy import CHECKPOINT, Toy, _metas, _param
 from torch import nn
 
 from vllm.distributed.weight_transfer.landing.completeness import (
@@ -26,6 +25,8 @@ from vllm.distributed.weight_transfer.pull.producer import pack_chunk
 from vllm.distributed.weight_transfer.pull.routing import RdtRouter
 from vllm.distributed.weight_transfer.sharded_rdt.lander import ChunkLander
 from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+
+from ..plan.test_bake import CHECKPOINT, Toy, _metas, _param
 
 
 class Doubling:

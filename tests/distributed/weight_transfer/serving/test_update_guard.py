@@ -11,9 +11,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import verification_samples
 
 from vllm.distributed.weight_transfer.serving.update_guard import WeightUpdateGuard
+
+from ..verification import samples as verification_samples
 
 HOLD_HEADER = b"x-vllm-weight-commit-hold"
 WEIGHTS = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[1]]}

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from verification_samples import METAS, header, manifest
 
 from vllm.distributed.weight_transfer.verification.checks import (
     ManifestChecker,
@@ -25,6 +24,8 @@ from vllm.distributed.weight_transfer.verification.wire import (
     ReceiptError,
     coverage_digest,
 )
+
+from .samples import METAS, header, manifest
 
 
 def land_all(checker: ManifestChecker) -> None:

@@ -9,13 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_ipc_worker import EngineClient, NoReload, TinyNet, planned_ready, state
-from test_staged_update import (
-    FailsAtMessage,
-    assert_state,
-    staged_engine,
-    trainer_for,
-)
 
 from vllm.distributed.weight_transfer.worker import staged as staged_module
 from vllm.distributed.weight_transfer.worker.staged import (
@@ -25,6 +18,14 @@ from vllm.distributed.weight_transfer.worker.staged import (
 from vllm.distributed.weight_transfer.worker.staging_pool import (
     StagingPool,
     buffer_kind,
+)
+
+from ..ipc.test_worker import EngineClient, NoReload, TinyNet, planned_ready, state
+from .test_staged import (
+    FailsAtMessage,
+    assert_state,
+    staged_engine,
+    trainer_for,
 )
 
 CPU = torch.device("cpu")

@@ -18,14 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-from test_ipc_worker import (
-    EngineClient,
-    TinyNet,
-    make_engine,
-    planned_ready,
-    reload_ready,
-    state,
-)
 
 from vllm.distributed.weight_transfer import ModuleSource
 from vllm.distributed.weight_transfer.ipc.shared_params import (
@@ -35,6 +27,15 @@ from vllm.distributed.weight_transfer.ipc.shared_params import (
 from vllm.distributed.weight_transfer.ipc_engine import (
     IPCTrainerInitInfo,
     IPCTrainerWeightTransferEngine,
+)
+
+from .test_worker import (
+    EngineClient,
+    TinyNet,
+    make_engine,
+    planned_ready,
+    reload_ready,
+    state,
 )
 
 
@@ -943,9 +944,9 @@ def _with_empty(net):
 
 
 def test_an_empty_tensor_between_shared_ones_keeps_the_chunk_unpacked():
-    from test_ipc_worker import LoaderNet
-
     from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+
+    from .test_worker import LoaderNet
 
     target = _with_empty(LoaderNet(0))
     record_metadata_for_reloading(target)

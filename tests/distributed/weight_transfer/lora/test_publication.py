@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-from test_ipc_worker import EngineClient, TinyNet, make_engine, push, reload_ready
 
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 from vllm.distributed.weight_transfer.lora.adapters import (
@@ -36,6 +35,8 @@ from vllm.distributed.weight_transfer.verification import (
     ReceiptTimeoutError,
     coverage_digest,
 )
+
+from ..ipc.test_worker import EngineClient, TinyNet, make_engine, push, reload_ready
 
 CONFIG = AdapterConfig(rank=2, alpha=4.0, target_modules=("a",))
 PREFIX = "receipts-"

@@ -12,10 +12,11 @@ whose copies are not byte moves to the ordinary path. The engine path
 
 import pytest
 import torch
-from test_planned_landing import MIXED, Mixed, _bake
 
 from vllm.distributed.weight_transfer.ipc.chunk_programs import ChunkPrograms
 from vllm.distributed.weight_transfer.plan.copy_exec import triton_available
+
+from ..landing.test_planned import MIXED, Mixed, _bake
 
 
 def _flat(tensors: dict[str, torch.Tensor], gap: int = 0):

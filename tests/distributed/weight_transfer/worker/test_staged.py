@@ -14,14 +14,6 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from test_ipc_worker import (
-    EngineClient,
-    NoReload,
-    TinyNet,
-    planned_ready,
-    reload_ready,
-    state,
-)
 
 from vllm.distributed.weight_transfer import ModuleSource
 from vllm.distributed.weight_transfer.ipc_engine import (
@@ -37,6 +29,15 @@ from vllm.distributed.weight_transfer.worker import staged as staged_module
 from vllm.distributed.weight_transfer.worker.staged import (
     StagedUpdate,
     StagingDoesNotFit,
+)
+
+from ..ipc.test_worker import (
+    EngineClient,
+    NoReload,
+    TinyNet,
+    planned_ready,
+    reload_ready,
+    state,
 )
 
 
