@@ -31,7 +31,6 @@ from vllm.distributed.weight_transfer.clients import (
 )
 from vllm.distributed.weight_transfer.ipc.shared_params import SharedParameters
 from vllm.distributed.weight_transfer.ipc.trainer import IPCTrainerInitInfo
-from vllm.distributed.weight_transfer.lora.adapters import memory_path
 from vllm.distributed.weight_transfer.lora.labels import split_adapter_label
 from vllm.distributed.weight_transfer.lora.pusher import (
     LoRAAdapter,
@@ -42,6 +41,7 @@ from vllm.distributed.weight_transfer.lora.trainer import (
     LoRASource,
     LoRATrainerInitInfo,
 )
+from vllm.distributed.weight_transfer.lora.wire import memory_path
 from vllm.distributed.weight_transfer.quant.fp8 import Fp8BlockCodes, Fp8ChannelCodes
 from vllm.distributed.weight_transfer.quant.int8 import (
     Int8ChannelCodes,

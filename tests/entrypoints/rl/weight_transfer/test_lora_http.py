@@ -43,13 +43,13 @@ import requests
 import torch
 
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-from vllm.distributed.weight_transfer.lora.adapters import memory_path
 from vllm.distributed.weight_transfer.lora.labels import split_adapter_label
 from vllm.distributed.weight_transfer.lora.pusher import (
     LoRAAdapter,
     LoRAPusher,
     push_lora_adapter,
 )
+from vllm.distributed.weight_transfer.lora.wire import memory_path
 from vllm.distributed.weight_transfer.serving.lora_routes import LORA_ID_HEADER
 from vllm.distributed.weight_transfer.testing import (
     GreedyResult,
@@ -283,7 +283,7 @@ def test_a_memory_path_never_pushed_is_refused_and_the_server_keeps_serving(serv
     loads it at once (upstream's ``/v1/load_lora_adapter`` preloads), the
     worker finds no such adapter, and the server answers 404 with the cause,
     never loading it inside a generation step; base requests keep serving."""
-    from vllm.distributed.weight_transfer.lora.adapters import memory_path
+    from vllm.distributed.weight_transfer.lora.wire import memory_path
 
     base = completions_greedy(server.base_url, server.model)
     answer = requests.post(

@@ -44,7 +44,6 @@ import torch
 from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 from vllm.distributed.weight_transfer.clients import OfflineLLMWeightSyncClient
 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-from vllm.distributed.weight_transfer.lora.adapters import AdapterConfig
 from vllm.distributed.weight_transfer.lora.pull import ADAPTER_PULL_KEY
 from vllm.distributed.weight_transfer.lora.pusher import (
     LoRAAdapter,
@@ -52,6 +51,7 @@ from vllm.distributed.weight_transfer.lora.pusher import (
     memory_path,
     push_lora_adapter,
 )
+from vllm.distributed.weight_transfer.lora.wire import AdapterConfig
 from vllm.distributed.weight_transfer.testing import (
     GreedyResult,
     TinyModelSpec,

@@ -4,7 +4,9 @@
 
 - ``pusher``: the trainer side (``LoRAPusher``, ``push_lora_adapter``);
 - ``trainer``: the same pushes in the trainer-engine shape of base syncs;
-- ``adapters``: the worker side, into the LoRA manager;
+- ``wire``: the adapter header and the checks of what a push carries;
+- ``adapters``: the worker side of a push (staging, commit);
+- ``memory``: adapters held in memory, their ids, the LoRA manager's loader;
 - ``publication``: the receipt a worker writes for a verified push;
 - ``pull``: pushes across machines, pulled over NIXL;
 - ``labels``: weight version labels that also name adapter versions.

@@ -76,16 +76,6 @@ from vllm.distributed.weight_transfer.buffers.dataplane import (
     device_key,
     sync_device,
 )
-from vllm.distributed.weight_transfer.lora.adapters import (
-    ADAPTER_KEY,
-    PEFT_PREFIX,
-    REFUSED_MARK,
-    AdapterConfig,
-    AdapterHeader,
-    AdapterRefused,
-    memory_path,
-    module_of,
-)
 from vllm.distributed.weight_transfer.lora.labels import (
     label_with_adapters,
     split_adapter_label,
@@ -95,6 +85,16 @@ from vllm.distributed.weight_transfer.lora.pull import (
     AdapterPull,
     AdapterServer,
     served_workers,
+)
+from vllm.distributed.weight_transfer.lora.wire import (
+    ADAPTER_KEY,
+    PEFT_PREFIX,
+    REFUSED_MARK,
+    AdapterConfig,
+    AdapterHeader,
+    AdapterRefused,
+    memory_path,
+    module_of,
 )
 from vllm.distributed.weight_transfer.trainer.lifecycle import (
     ModelVersions,

@@ -37,7 +37,7 @@ from vllm.distributed.weight_transfer.common.asgi import (
     post_route,
     read_body,
 )
-from vllm.distributed.weight_transfer.lora.adapters import (
+from vllm.distributed.weight_transfer.lora.wire import (
     ADAPTER_KEY,
     REFUSED_MARK,
     AdapterHeader,

@@ -88,17 +88,14 @@ from vllm.distributed.weight_transfer.landing.layerwise import (
     refuse_unreloadable_layers,
     unreloadable_layers,
 )
-from vllm.distributed.weight_transfer.lora.adapters import (
-    AdapterHeader,
-    AdapterPushes,
-    adapter_header,
-)
+from vllm.distributed.weight_transfer.lora.adapters import AdapterPushes
 from vllm.distributed.weight_transfer.lora.pull import (
     ADAPTER_PULL_KEY,
     AdapterPull,
     AdapterPuller,
     payload_views,
 )
+from vllm.distributed.weight_transfer.lora.wire import AdapterHeader, adapter_header
 from vllm.distributed.weight_transfer.verification import (
     WeightsFencedError,
     WeightState,
