@@ -278,15 +278,14 @@ def _left_out(covered: frozenset, views: list) -> int:
 def _worker(conn, params) -> None:
     torch.cuda.set_device(0)
     dest = {n: torch.empty(s, dtype=DTYPE, device="cuda") for n, s in params}
-    from vllm.distributed.weight_transfer.buffers.dataplane import (
-        BufferImporter,
-        read_message,
-    )
+    from vllm.distributed.weight_transfer.buffers.dataplane import BufferImporter
     from vllm.distributed.weight_transfer.ipc.chunk_programs import chunk_in_mapping
-    from vllm.distributed.weight_transfer.ipc.wire import (
-        IPCWeightTransferUpdateInfo,
+    from vllm.distributed.weight_transfer.ipc.layout_memo import (
         LayoutMemo,
+        layout_fact,
     )
+    from vllm.distributed.weight_transfer.ipc.reads import read_message
+    from vllm.distributed.weight_transfer.ipc.wire import IPCWeightTransferUpdateInfo
 
     importer = BufferImporter(torch.device("cuda", 0), local_rank=0)
     last_reads = None
@@ -380,8 +379,8 @@ def _worker(conn, params) -> None:
                     verified["first_bad"] += now["first_bad"]
                 # As the worker engine does: the names the program leaves
                 # out, found once per layout.
-                names_left += info.layout_fact(
-                    ("left out", bound.names), partial(_left_out, bound.names)
+                names_left += layout_fact(
+                    info, ("left out", bound.names), partial(_left_out, bound.names)
                 )
                 torch.cuda.synchronize()
                 landed = time.perf_counter()

@@ -16,13 +16,13 @@ from vllm.distributed.weight_transfer.buffers.dataplane import (
     allocate_buffer,
     export_tensor,
 )
+from vllm.distributed.weight_transfer.buffers.handles import ShmHandle, cpu_device_key
 from vllm.distributed.weight_transfer.buffers.shm import (
     SHM_DIR,
     MappedSegment,
     SharedMemoryBuffer,
     reap_segments,
 )
-from vllm.distributed.weight_transfer.ipc.wire import ShmHandle, cpu_device_key
 from vllm.distributed.weight_transfer.testing.owner_child import (
     OwnerChild,
     exited_pid,

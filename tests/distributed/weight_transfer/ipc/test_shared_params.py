@@ -969,7 +969,7 @@ def test_an_empty_tensor_between_shared_ones_keeps_the_chunk_unpacked():
 def _cuda_handle(counter_offset: int, persistent: bool = True):
     import base64
 
-    from vllm.distributed.weight_transfer.ipc.wire import CudaIpcHandle
+    from vllm.distributed.weight_transfer.buffers.handles import CudaIpcHandle
 
     b64 = base64.b64encode(b"x" * 64).decode("ascii")
     return CudaIpcHandle(
@@ -994,7 +994,7 @@ def test_a_kept_cuda_mapping_hands_each_new_counter_to_torch(monkeypatch):
     the same counter again does not. Non-persistent buffers are released."""
     from vllm.distributed.weight_transfer.buffers import cuda_ipc as cuda_ipc_buffer
     from vllm.distributed.weight_transfer.buffers.dataplane import BufferImporter
-    from vllm.distributed.weight_transfer.ipc.wire import handle_from_dict
+    from vllm.distributed.weight_transfer.buffers.handles import handle_from_dict
 
     imports: list[int] = []
 

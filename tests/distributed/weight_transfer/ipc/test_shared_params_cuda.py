@@ -32,7 +32,7 @@ pytestmark = [
 def _reader(conn) -> None:
     """Second process: import every update's buffers and send back CPU copies."""
     from vllm.distributed.weight_transfer.buffers.dataplane import BufferImporter
-    from vllm.distributed.weight_transfer.ipc.wire import LayoutMemo
+    from vllm.distributed.weight_transfer.ipc.layout_memo import LayoutMemo
     from vllm.distributed.weight_transfer.verification import (
         WorkerPublication,
         device_identity,

@@ -20,14 +20,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-from vllm.distributed.weight_transfer.ipc.wire import (
+from vllm.distributed.weight_transfer.buffers.handles import (
     CudaIpcHandle,
-    IPCWeightTransferUpdateInfo,
     cpu_device_key,
+)
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+from vllm.distributed.weight_transfer.ipc.upstream_wire import (
     upstream_args,
     upstream_handle,
 )
+from vllm.distributed.weight_transfer.ipc.wire import IPCWeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 
 UUID = "GPU-00000000-1111-2222-3333-444444444444"

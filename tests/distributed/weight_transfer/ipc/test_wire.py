@@ -10,15 +10,17 @@ import pytest
 import torch
 
 from vllm.distributed.weight_transfer.buffers.dataplane import BufferImporter
-from vllm.distributed.weight_transfer.ipc.wire import (
+from vllm.distributed.weight_transfer.buffers.handles import (
     CudaIpcHandle,
-    IPCWeightTransferInitInfo,
-    IPCWeightTransferUpdateInfo,
-    LayoutMemo,
     ShmHandle,
     cpu_device_key,
-    layout_digest,
     select_cpu_key,
+)
+from vllm.distributed.weight_transfer.ipc.layout_memo import LayoutMemo
+from vllm.distributed.weight_transfer.ipc.wire import (
+    IPCWeightTransferInitInfo,
+    IPCWeightTransferUpdateInfo,
+    layout_digest,
 )
 from vllm.distributed.weight_transfer.verification import (
     abort_reason,

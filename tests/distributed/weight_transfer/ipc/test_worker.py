@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vllm.distributed.weight_transfer import ModuleSource, WeightSource
-from vllm.distributed.weight_transfer.ipc.wire import cpu_device_key
+from vllm.distributed.weight_transfer.buffers.handles import cpu_device_key
 from vllm.distributed.weight_transfer.ipc_engine import (
     IPCTrainerInitInfo,
     IPCTrainerWeightTransferEngine,

@@ -7,5 +7,7 @@ a worker maps.
   two data planes;
 - ``shm``: POSIX shared-memory buffers (CPU) and the reaper of dead trainers'
   segments;
-- ``cuda_ipc``: CUDA IPC buffers.
+- ``cuda_ipc``: CUDA IPC buffers;
+- ``handles``: the buffer handle formats (``ShmHandle``, ``CudaIpcHandle``)
+  and the device keys they travel under.
 """

@@ -27,7 +27,7 @@ import base64
 
 import torch
 
-from vllm.distributed.weight_transfer.ipc.wire import CudaIpcHandle
+from vllm.distributed.weight_transfer.buffers.handles import CudaIpcHandle
 
 
 def physical_gpu_uuid(device_index: int) -> str:

@@ -51,11 +51,11 @@ from typing import Any
 
 import torch
 
+from vllm.distributed.weight_transfer.buffers.handles import SHM_NAME_PREFIX, ShmHandle
 from vllm.distributed.weight_transfer.common.owner_lock import (
     create_owned,
     reap_unowned,
 )
-from vllm.distributed.weight_transfer.ipc.wire import SHM_NAME_PREFIX, ShmHandle
 
 SHM_DIR = "/dev/shm"
 # The names SharedMemoryBuffer gives its segments.

@@ -5,7 +5,11 @@ workers (CUDA IPC or shared memory).
 
 - ``trainer``: ``IPCTrainerInitInfo`` and the trainer engine;
 - ``worker``: ``IPCWeightTransferEngine``, which maps and lands messages;
-- ``wire``: the update messages, handles and the upstream-0.32 form;
+- ``wire``: the init and update messages;
+- ``upstream_wire``: upstream 0.32's form of the messages, both sides;
+- ``layout_memo``: a worker's memory of committed layouts and per-layout
+  values;
+- ``reads``: the buffers one message reads on a worker, mapped;
 - ``packing``: which tensors travel in which chunk;
 - ``shared_params``: a trainer's parameters in shared allocations;
 - ``chunk_programs``: planned landing of chunks that stay mapped.

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from vllm.distributed.weight_transfer.ipc.layout_memo import layout_fact
 from vllm.distributed.weight_transfer.plan.copy_exec import CopyProgram
 from vllm.distributed.weight_transfer.plan.copy_table import compile_copy_table
 from vllm.distributed.weight_transfer.plan.ops import dtype_name
@@ -112,7 +113,7 @@ def chunk_in_mapping(
     in the mappings (tensors at offsets their dtype cannot start at are left
     out). ``ChunkPrograms.anywhere`` takes the key's last element, the layout
     alone."""
-    layout = info.layout_fact(ChunkLayout, ChunkLayout)
+    layout = layout_fact(info, ChunkLayout, ChunkLayout)
     key = (mapped, layout)
 
     def sources(names: Sequence[str]) -> dict[str, torch.Tensor]:

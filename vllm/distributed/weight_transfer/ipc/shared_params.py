@@ -78,8 +78,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
     materialize_full_tensor,
 )
+from vllm.distributed.weight_transfer.buffers.handles import BufferHandle, ShmHandle
 from vllm.distributed.weight_transfer.buffers.shm import SharedMemoryBuffer
-from vllm.distributed.weight_transfer.ipc.wire import BufferHandle, ShmHandle
 
 ALIGN = 64
 # Placing fills one segment of at most this many bytes before allocating the

@@ -82,14 +82,16 @@ from vllm.distributed.weight_transfer.ipc.shared_params import (
     SharedPlace,
     shared_place,
 )
+from vllm.distributed.weight_transfer.ipc.upstream_wire import (
+    check_upstream_device,
+    upstream_unpacked_message,
+    upstream_wire_handle,
+)
 from vllm.distributed.weight_transfer.ipc.wire import (
-    CudaIpcHandle,
     IPCWeightTransferUpdateInfo,
     dtype_from_name,
     dtype_name,
-    handle_from_dict,
     layout_digest,
-    upstream_args,
 )
 from vllm.distributed.weight_transfer.trainer.group import (
     TrainerGroup,
@@ -718,13 +720,8 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
 
     def _check_wire_device(self, tensor: torch.Tensor) -> None:
         """The upstream wire carries CUDA IPC handles only."""
-        if self.upstream_wire and tensor.device.type != "cuda":
-            raise ValueError(
-                f"wire='upstream' sends CUDA IPC handles, the only kind upstream "
-                f"0.32's worker reads, but the source yielded a tensor on "
-                f"{tensor.device}; update a fork server with wire='fork', which "
-                "moves CPU tensors through shared memory"
-            )
+        if self.upstream_wire:
+            check_upstream_device(tensor)
 
     def _wire_handle(
         self,
@@ -738,9 +735,7 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         tensor of ``shape`` (default: the flat packed buffer)."""
         if not self.upstream_wire:
             return handle
-        parsed = handle_from_dict(handle, f"the handle for {key}")
-        assert isinstance(parsed, CudaIpcHandle)  # _check_wire_device
-        return upstream_args(parsed, dtype, shape)
+        return upstream_wire_handle(handle, key, dtype, shape)
 
     def _abort_on_server(self, reason: str) -> None:
         """Best effort: leave the server serving its previous weights."""
@@ -1406,12 +1401,12 @@ def _unpacked_chunk_message(
     """The update message of an unpacked chunk: one handle map per tensor.
     Upstream's wire has no ``tensor_sizes`` here (the handles carry them)."""
     if upstream_wire:
-        return {
-            "names": chunk.names,
-            "dtype_names": [s.dtype_name for s in chunk.slots],
-            "shapes": [list(s.shape) for s in chunk.slots],
-            "ipc_handles": handles,
-        }
+        return upstream_unpacked_message(
+            chunk.names,
+            [s.dtype_name for s in chunk.slots],
+            [list(s.shape) for s in chunk.slots],
+            handles,
+        )
     return IPCWeightTransferUpdateInfo(
         names=chunk.names,
         dtype_names=[s.dtype_name for s in chunk.slots],

@@ -76,7 +76,7 @@ it when it fails after ``start_weight_update``; the worker then puts every layer
 that has not completed back on its previous weights.
 
 Upstream vLLM 0.32's form is also read, so an upstream trainer can drive a
-fork worker (see ``upstream_handle``): ``ipc_handles`` whose values are
+fork worker (see ``upstream_wire``): ``ipc_handles`` whose values are
 ``torch.multiprocessing.reductions.reduce_tensor`` argument tuples (CUDA only),
 with no ``offsets`` (tensors back to back, unaligned). Such tuples are Python
 objects, so they reach a worker only through a transport that already carries
@@ -88,19 +88,14 @@ refuses it otherwise; a ``None`` value is the same as no field.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import copy
 import hashlib
 import itertools
 import json
 import math
-import pickle
-import re
-import socket
-from collections.abc import Callable, Hashable, Mapping
-from dataclasses import MISSING, dataclass, fields
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -108,22 +103,23 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
+from vllm.distributed.weight_transfer.buffers.handles import (
+    BufferHandle,
+    ShmHandle,
+    handle_from_dict,
+)
 from vllm.distributed.weight_transfer.common.wire_fields import (
     check_fields,
     check_int,
     dtype_from_name,
     dtype_name,
-    remember_newest,
 )
-
-# Prefix of every shared-memory segment this backend creates (under /dev/shm).
-SHM_NAME_PREFIX = "vllm-wt-"
-_SHM_NAME_RE = re.compile(r"vllm-wt-[A-Za-z0-9_.-]{1,200}")
-# The trainer rank at the end of a CPU device key.
-_RANK_RE = re.compile(r"[0-9]{1,6}")
-
-CPU_KEY_PREFIX = "cpu:"
-
+from vllm.distributed.weight_transfer.ipc.upstream_wire import (
+    _is_upstream_form,
+    _raw_map,
+    _unpickle_handles,
+    upstream_handle,
+)
 
 # ---------------------------------------------------------------------------
 # dtypes
@@ -134,187 +130,7 @@ def tensor_nbytes(dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> int
 
 
 # ---------------------------------------------------------------------------
-# device keys
-
-
-def cpu_device_key(trainer_rank: int, hostname: str | None = None) -> str:
-    """Key of trainer rank ``trainer_rank``'s shared-memory buffers."""
-    return f"{CPU_KEY_PREFIX}{hostname or socket.gethostname()}:{trainer_rank}"
-
-
-def select_cpu_key(
-    keys: list[str], local_rank: int, hostname: str | None = None
-) -> str | None:
-    """The CPU key a worker with ``local_rank`` on ``hostname`` reads, or None.
-
-    Keys of this host must be ranks ``0..R-1``; the worker reads ``local_rank mod R``.
-    """
-    prefix = f"{CPU_KEY_PREFIX}{hostname or socket.gethostname()}:"
-    ranks = []
-    for key in keys:
-        if not key.startswith(prefix):
-            continue
-        rank = key[len(prefix) :]
-        if not _RANK_RE.fullmatch(rank):
-            raise ValueError(
-                f"update_info.ipc_handles has CPU key {key!r}; after "
-                f"{prefix!r} it must end in a trainer rank (ASCII digits)"
-            )
-        ranks.append(int(rank))
-    ranks.sort()
-    if not ranks:
-        return None
-    if ranks != list(range(len(ranks))):
-        raise ValueError(
-            f"update_info.ipc_handles has CPU keys for trainer ranks {ranks} on "
-            f"this host; expected ranks 0..{len(ranks) - 1}"
-        )
-    return f"{prefix}{local_rank % len(ranks)}"
-
-
-# ---------------------------------------------------------------------------
-# buffer handles
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _unb64(value: object, where: str) -> bytes:
-    if not isinstance(value, str):
-        raise ValueError(f"{where} must be a base64 string, got {type(value).__name__}")
-    try:
-        return base64.b64decode(value, validate=True)
-    except binascii.Error as e:
-        raise ValueError(f"{where} is not valid base64: {e}") from e
-
-
-@dataclass(frozen=True)
-class ShmHandle:
-    """A shared-memory segment ``/dev/shm/<name>`` of ``nbytes`` bytes.
-
-    ``persistent``: the segment outlives the sync (the trainer's own
-    parameters, placed there by ``shared_params``), so a worker may keep it
-    mapped for the next update instead of mapping it again."""
-
-    kind: ClassVar[str] = "shm"
-    name: str
-    nbytes: int
-    persistent: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _SHM_NAME_RE.fullmatch(self.name):
-            raise ValueError(
-                f"shm handle name {self.name!r} is not a segment of this backend "
-                f"(expected {SHM_NAME_PREFIX}<letters, digits, _ . ->)"
-            )
-        check_int(self.nbytes, "shm handle nbytes")
-        if not isinstance(self.persistent, bool):
-            raise ValueError(
-                f"shm handle persistent must be true or false, got {self.persistent!r}"
-            )
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kind": self.kind, "name": self.name}
-        out["nbytes"] = self.nbytes
-        if self.persistent:
-            out["persistent"] = True
-        return out
-
-
-@dataclass(frozen=True)
-class CudaIpcHandle:
-    """A CUDA allocation exported with ``torch.multiprocessing.reductions``.
-
-    The fields are ``reduce_tensor``'s rebuild arguments for a flat uint8 tensor
-    of ``nbytes`` bytes, with the binary ones base64-encoded. ``device`` is the
-    exporter's device index; the importer substitutes its own.
-
-    ``persistent``: the allocation outlives the sync (a trainer's own
-    parameters, placed in one allocation by ``shared_params``), so a worker
-    may keep it mapped for the next update instead of mapping it again. Each
-    message still carries a fresh ``ref_counter`` of its own, which a worker
-    that kept the mapping releases at once.
-    """
-
-    kind: ClassVar[str] = "cuda"
-    nbytes: int
-    device: int
-    storage_handle: str
-    storage_size_bytes: int
-    storage_offset_bytes: int
-    tensor_offset: int
-    ref_counter_handle: str
-    ref_counter_offset: int
-    event_handle: str | None
-    event_sync_required: bool
-    persistent: bool = False
-
-    def __post_init__(self) -> None:
-        for name in (
-            "nbytes",
-            "device",
-            "storage_size_bytes",
-            "storage_offset_bytes",
-            "tensor_offset",
-            "ref_counter_offset",
-        ):
-            check_int(getattr(self, name), f"cuda handle {name}")
-        _unb64(self.storage_handle, "cuda handle storage_handle")
-        _unb64(self.ref_counter_handle, "cuda handle ref_counter_handle")
-        if self.event_handle is not None:
-            _unb64(self.event_handle, "cuda handle event_handle")
-        if not isinstance(self.event_sync_required, bool):
-            raise ValueError("cuda handle event_sync_required must be a bool")
-        if not isinstance(self.persistent, bool):
-            raise ValueError(
-                f"cuda handle persistent must be true or false, got {self.persistent!r}"
-            )
-        if self.tensor_offset + self.nbytes > self.storage_size_bytes:
-            raise ValueError(
-                f"cuda handle covers bytes [{self.tensor_offset}, "
-                f"{self.tensor_offset + self.nbytes}) of a "
-                f"{self.storage_size_bytes}-byte storage"
-            )
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kind": self.kind}
-        out.update({f.name: getattr(self, f.name) for f in fields(self)})
-        if not self.persistent:
-            del out["persistent"]  # written only when set, as for shm handles
-        return out
-
-
-BufferHandle = ShmHandle | CudaIpcHandle
-_HANDLE_TYPES: dict[str, type[ShmHandle] | type[CudaIpcHandle]] = {
-    "shm": ShmHandle,
-    "cuda": CudaIpcHandle,
-}
-
-
-def handle_from_dict(d: object, where: str) -> BufferHandle:
-    """Parse one handle object; ``ValueError`` naming ``where`` if malformed."""
-    if isinstance(d, ShmHandle | CudaIpcHandle):
-        return d
-    if not isinstance(d, dict):
-        raise ValueError(
-            f"{where} must be a handle object with a 'kind' field, got "
-            f"{type(d).__name__} (pickled or raw torch handles are not accepted)"
-        )
-    kind = d.get("kind")
-    cls = _HANDLE_TYPES.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise ValueError(
-            f"{where}.kind is {kind!r}; expected one of {sorted(_HANDLE_TYPES)}"
-        )
-    body = {k: v for k, v in d.items() if k != "kind"}
-    names = {f.name for f in fields(cls)}
-    required = {f.name for f in fields(cls) if f.default is MISSING}
-    check_fields(body, names, required, where)
-    try:
-        return cls(**body)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from e
+# handle maps
 
 
 def _packed_handles(d: object, where: str, n_buffers: int | None) -> dict[str, Any]:
@@ -414,204 +230,6 @@ def _handle_map(d: object, where: str) -> dict[str, BufferHandle]:
 
 
 # ---------------------------------------------------------------------------
-# upstream 0.32's handles: reduce_tensor argument tuples
-
-# Length of the argument tuple ``reduce_tensor`` returns for a CUDA tensor.
-_REDUCE_ARGS_LEN = 15
-
-INSECURE_SERIALIZATION_FLAG = "VLLM_ALLOW_INSECURE_SERIALIZATION"
-
-
-def insecure_serialization_allowed() -> bool:
-    """Upstream's opt-in to unpickling (``VLLM_ALLOW_INSECURE_SERIALIZATION=1``)."""
-    from vllm import envs
-
-    return bool(envs.VLLM_ALLOW_INSECURE_SERIALIZATION)
-
-
-def is_upstream_handle(value: object) -> bool:
-    """Whether ``value`` is a raw upstream handle (a tuple), not a JSON handle."""
-    return isinstance(value, tuple)
-
-
-def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for dim in reversed(size):
-        strides.append(step)
-        step *= max(dim, 1)
-    return tuple(reversed(strides))
-
-
-def upstream_handle(value: object, where: str) -> CudaIpcHandle:
-    """The ``CudaIpcHandle`` of the bytes an upstream handle describes.
-
-    Upstream 0.32 sends ``reduce_tensor(t)[1]``, the 15 rebuild arguments of a
-    CUDA tensor (or the whole ``(rebuild_fn, args)`` pair); ``t`` is a
-    contiguous parameter (unpacked) or the flat uint8 buffer (packed). The
-    handle covers ``t``'s bytes, starting at its storage offset.
-    """
-    if (
-        isinstance(value, tuple)
-        and len(value) == 2
-        and callable(value[0])
-        and isinstance(value[1], tuple)
-    ):
-        value = value[1]
-    if not isinstance(value, tuple) or len(value) != _REDUCE_ARGS_LEN:
-        got = len(value) if isinstance(value, tuple) else type(value).__name__
-        raise ValueError(
-            f"{where} must be the {_REDUCE_ARGS_LEN} arguments reduce_tensor "
-            f"returns for a CUDA tensor, got {got!r}"
-        )
-    (
-        _tensor_cls,
-        size,
-        stride,
-        tensor_offset,
-        _storage_cls,
-        dtype,
-        device,
-        storage_handle,
-        storage_size_bytes,
-        storage_offset_bytes,
-        _requires_grad,
-        ref_counter_handle,
-        ref_counter_offset,
-        event_handle,
-        event_sync_required,
-    ) = value
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{where}: argument 5 (dtype) is {dtype!r}, not a dtype")
-    try:
-        size = tuple(int(d) for d in size)
-        stride = tuple(int(s) for s in stride)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: size and stride must be integers: {e}") from e
-    want = _contiguous_strides(size)
-    if any(d > 1 and s != w for d, s, w in zip(size, stride, want, strict=False)):
-        raise ValueError(
-            f"{where} describes a non-contiguous tensor (size {list(size)}, "
-            f"stride {list(stride)}); only contiguous tensors can be read"
-        )
-    for name, blob in (
-        ("storage handle", storage_handle),
-        ("ref counter handle", ref_counter_handle),
-    ):
-        if not isinstance(blob, bytes):
-            raise ValueError(f"{where}: the {name} must be bytes, got {blob!r:.40}")
-    if event_handle is not None and not isinstance(event_handle, bytes):
-        raise ValueError(f"{where}: the event handle must be bytes or None")
-    itemsize = dtype.itemsize
-    try:
-        return CudaIpcHandle(
-            nbytes=math.prod(size) * itemsize,
-            device=check_int(device, f"{where} device"),
-            storage_handle=_b64(storage_handle),
-            storage_size_bytes=check_int(storage_size_bytes, f"{where} storage size"),
-            storage_offset_bytes=check_int(
-                storage_offset_bytes, f"{where} storage offset"
-            ),
-            tensor_offset=check_int(tensor_offset, f"{where} tensor offset") * itemsize,
-            ref_counter_handle=_b64(ref_counter_handle),
-            ref_counter_offset=check_int(
-                ref_counter_offset, f"{where} ref counter offset"
-            ),
-            event_handle=_b64(event_handle) if event_handle is not None else None,
-            event_sync_required=bool(event_sync_required),
-        )
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from e
-
-
-def upstream_args(
-    handle: CudaIpcHandle,
-    dtype: torch.dtype = torch.uint8,
-    shape: tuple[int, ...] | None = None,
-) -> tuple:
-    """``handle`` as upstream's handle: the ``reduce_tensor`` arguments of a
-    contiguous ``dtype`` tensor of ``shape`` over the handle's bytes (default:
-    flat uint8, the packed buffer). Upstream's unpacked worker loads the
-    tensor these arguments rebuild as is, so they carry its dtype and shape."""
-    itemsize = dtype.itemsize
-    if shape is None:
-        if handle.nbytes % itemsize:
-            raise ValueError(
-                f"a {handle.nbytes}-byte handle is not a whole number of {dtype}"
-            )
-        shape = (handle.nbytes // itemsize,)
-    if math.prod(shape) * itemsize != handle.nbytes:
-        raise ValueError(
-            f"shape {list(shape)} of {dtype} does not cover the handle's "
-            f"{handle.nbytes} bytes"
-        )
-    if handle.tensor_offset % itemsize:
-        raise ValueError(
-            f"the handle starts {handle.tensor_offset} bytes into its storage, "
-            f"not at a {dtype} element"
-        )
-    return (
-        torch.Tensor,
-        torch.Size(shape),
-        _contiguous_strides(tuple(shape)),
-        handle.tensor_offset // itemsize,
-        torch.storage.TypedStorage,
-        dtype,
-        handle.device,
-        base64.b64decode(handle.storage_handle),
-        handle.storage_size_bytes,
-        handle.storage_offset_bytes,
-        False,
-        base64.b64decode(handle.ref_counter_handle),
-        handle.ref_counter_offset,
-        base64.b64decode(handle.event_handle) if handle.event_handle else None,
-        handle.event_sync_required,
-    )
-
-
-def _unpickle_handles(pickled: object) -> Any:
-    if not insecure_serialization_allowed():
-        raise ValueError(
-            "update_info.ipc_handles_pickled is not accepted: unpickling runs "
-            "code chosen by the sender, so this worker refuses it unless the "
-            f"server runs with {INSECURE_SERIALIZATION_FLAG}=1 (upstream 0.32's "
-            "opt-in). Send `ipc_handles` as JSON handle objects, as "
-            "IPCTrainerWeightTransferEngine does, or set the flag to accept "
-            "upstream 0.32's HTTP client."
-        )
-    if not isinstance(pickled, str):
-        raise ValueError(
-            "update_info.ipc_handles_pickled must be a base64 string, got "
-            f"{type(pickled).__name__}"
-        )
-    return pickle.loads(_unb64(pickled, "update_info.ipc_handles_pickled"))
-
-
-def _raw_map(d: object, where: str) -> None:
-    """Check the shape of one map of upstream handles (not their contents)."""
-    if not isinstance(d, dict) or not d:
-        raise ValueError(
-            f"{where} must be a non-empty map of device keys to handles, got {d!r:.80}"
-        )
-    for key, handle in d.items():
-        if not isinstance(key, str):
-            raise ValueError(f"{where} has a non-string device key {key!r}")
-        if not is_upstream_handle(handle):
-            raise ValueError(
-                f"{where}[{key!r}] is a {type(handle).__name__}; one update "
-                "carries either JSON handle objects or upstream reduce_tensor "
-                "tuples, not both"
-            )
-
-
-def _is_upstream_form(handles: object) -> bool:
-    maps = handles if isinstance(handles, list) else [handles]
-    return any(
-        isinstance(m, dict) and any(is_upstream_handle(h) for h in m.values())
-        for m in maps
-    )
-
-
-# ---------------------------------------------------------------------------
 # messages
 
 
@@ -645,137 +263,8 @@ class TensorView:
     nbytes: int
 
 
-_Fact = TypeVar("_Fact")
-
 _UPDATE_REQUIRED = {"names", "dtype_names", "shapes"}
-# The short form of a packed message whose layout the worker committed before.
-_COMPACT_FIELDS = {"layout", "layout_digest", "ipc_handles"}
-_COMPACT_REQUIRED = {"layout", "layout_digest"}
-_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 _MAX_LAYOUT_ID = 128
-
-
-class LayoutMemo:
-    """Parses update messages, reusing the checked views of an earlier
-    message with the same layout (``IPCWeightTransferUpdateInfo.from_dict``'s
-    ``like``): with the trainer's parameters in a buffer the worker keeps
-    mapped, every chunk lists the same tensors at the same offsets at every
-    sync, and checking thousands of names, shapes and offsets again is most
-    of a worker's per-tensor cost. One earlier message is kept per chunk
-    (first name, last name, count), at most ``max_entries``; and one per
-    ``layout`` id a message carried, at most ``max_layouts``, with its
-    ``layout_digest``, which a short message
-    (``{"layout": id, "layout_digest": digest, "ipc_handles": ...}``) names.
-
-    Only committed syncs teach the memo: ``parse`` reads it and records
-    nothing; the worker calls ``landed`` for each message once its weights
-    landed, ``commit`` when its update committed, and ``discard`` when the
-    update failed, was aborted or another one started. A message refused,
-    or landed in an update that never committed, leaves the memo exactly
-    as it was, so it cannot change what a later short message lands."""
-
-    def __init__(self, max_entries: int = 256, max_layouts: int = 16) -> None:
-        self.max_entries = max_entries
-        self.max_layouts = max_layouts
-        self._by_chunk: dict[tuple, IPCWeightTransferUpdateInfo] = {}
-        # Per layout id: the full message that set it, and its digest.
-        self._by_layout: dict[str, tuple[IPCWeightTransferUpdateInfo, str]] = {}
-        # Full packed messages of the open update that landed, in order.
-        self._landed: list[IPCWeightTransferUpdateInfo] = []
-        self.reused = 0  # messages parsed from an earlier one's views
-        self.compact = 0  # of those, short messages naming a layout id
-
-    def parse(self, d: object) -> IPCWeightTransferUpdateInfo:
-        """``d`` checked and parsed, reusing what committed syncs taught."""
-        if isinstance(d, dict) and "layout" in d and "names" not in d:
-            return self._parse_compact(d)
-        key = _chunk_key(d)
-        like = self._by_chunk.get(key) if key is not None else None
-        info = IPCWeightTransferUpdateInfo.from_dict(d, like=like)
-        if like is not None and info._views is like._views:
-            self.reused += 1
-        return info
-
-    def landed(self, info: IPCWeightTransferUpdateInfo) -> None:
-        """``info``'s weights landed in the open update: its layout joins the
-        memo if that update commits. Short messages teach nothing (their
-        layout is in the memo already)."""
-        if info.packed and not info.upstream_wire and not info.short_form:
-            self._landed.append(info)
-
-    def commit(self) -> None:
-        """The open update committed: what landed in it is remembered."""
-        landed, self._landed = self._landed, []
-        for info in landed:
-            key = _chunk_key({"names": info.names})
-            if key is not None:
-                remember_newest(self._by_chunk, key, info, self.max_entries)
-            if info.layout is not None:
-                entry = (info, info.layout_digest())
-                remember_newest(self._by_layout, info.layout, entry, self.max_layouts)
-
-    def discard(self) -> None:
-        """The open update failed, was aborted or gave way to a new one:
-        nothing it landed is remembered."""
-        self._landed = []
-
-    def _parse_compact(self, d: dict[str, Any]) -> IPCWeightTransferUpdateInfo:
-        """A short message: the layout of the full message committed under
-        its id, if ``layout_digest`` is that message's digest, with the new
-        handles (checked to cover every tensor), or, over several buffers and
-        without handles, that message's own (marked ``reuses_handles``: the
-        worker must hold them all mapped)."""
-        check_fields(d, _COMPACT_FIELDS, _COMPACT_REQUIRED, "update_info")
-        layout = d["layout"]
-        entry = self._by_layout.get(layout) if isinstance(layout, str) else None
-        if entry is None:
-            raise ValueError(
-                f"update_info names layout {layout!r} without names, but this "
-                "worker committed no full message with that layout (it keeps "
-                f"the last {self.max_layouts}); send the full message, with "
-                "names, dtype_names, shapes, tensor_sizes and offsets"
-            )
-        known, digest = entry
-        _check_digest(d["layout_digest"], digest, layout)
-        if "ipc_handles" not in d:
-            if known._n_buffers == 1 and not _lists_buffers(known.ipc_handles):
-                raise ValueError(
-                    "update_info names a layout of one buffer without "
-                    "ipc_handles; only a layout over several buffers may reuse "
-                    "the handles of the message that set it"
-                )
-            short = known._reusing_handles()
-        else:
-            handles = d["ipc_handles"]
-            if not isinstance(handles, dict) or _is_upstream_form(handles):
-                raise ValueError(
-                    "update_info.ipc_handles of a message naming a layout must "
-                    "be one object of the fork's handles (a packed buffer)"
-                )
-            short = known._with_handles(handles)
-        short.short_form = True
-        self.reused += 1
-        self.compact += 1
-        return short
-
-
-def _check_digest(got: object, want: str, layout: str) -> None:
-    """A short message's ``layout_digest`` must be the digest of the full
-    message committed under its layout id: it binds the short form to that
-    exact layout, whatever else was sent under the id."""
-    if not isinstance(got, str) or not _DIGEST_RE.fullmatch(got):
-        raise ValueError(
-            f"update_info.layout_digest must be 64 lowercase hex digits (the "
-            f"sha256 layout_digest of the full message), got {got!r:.80}"
-        )
-    if got != want:
-        raise ValueError(
-            f"update_info.layout_digest is {got[:16]}... but the layout this "
-            f"worker committed under id {layout!r} has digest {want[:16]}...: "
-            "the short form names another layout than the one held; send the "
-            "full message, with names, dtype_names, shapes, tensor_sizes and "
-            "offsets"
-        )
 
 
 def layout_digest(message: Mapping[str, Any]) -> str:
@@ -818,16 +307,6 @@ def _handle_identity(handle: BufferHandle) -> list[Any]:
         handle.tensor_offset,
         handle.nbytes,
     ]
-
-
-def _chunk_key(d: object) -> tuple | None:
-    names = d.get("names") if isinstance(d, dict) else None
-    if not isinstance(names, list) or not names:
-        return None
-    first, last = names[0], names[-1]
-    if not isinstance(first, str) or not isinstance(last, str):
-        return None
-    return (first, last, len(names))
 
 
 @dataclass
@@ -924,7 +403,8 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         self.short_form = False
         # Where each buffer's tensors end (``_check_cover``).
         self._ends: list[int] | None = None
-        # ``layout_fact``'s values; messages parsed from one layout share it.
+        # ``layout_memo.layout_fact``'s values; messages parsed from one
+        # layout share it.
         self._layout_facts: dict[Hashable, Any] = {}
         if self.ipc_handles is None:
             raise ValueError("update_info.ipc_handles is missing: it must be provided")
@@ -1183,30 +663,6 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                 "ipc_handles": self.ipc_handles,
             }
         )
-
-    def layout_fact(
-        self,
-        key: Hashable,
-        compute: Callable[[list[TensorView]], _Fact],
-        still: Callable[[_Fact], bool] | None = None,
-    ) -> _Fact:
-        """``compute(views)``, computed once for every message that shares
-        this message's layout (``layout_views``) and kept with it under
-        ``key``; computed again when ``still(kept)`` says the kept value no
-        longer applies. ``compute`` must read the views alone (names, dtypes,
-        shapes, offsets), never the handles. A ``compute`` that raises keeps
-        nothing. So a value is the same whichever message of the layout
-        computed it: one computed for a message that is then refused (its
-        views shared with a committed message's, ``LayoutMemo``) is the
-        value any later message would compute, and cannot change what that
-        message lands."""
-        facts = self._layout_facts
-        if key in facts:
-            kept = facts[key]
-            if still is None or still(kept):
-                return kept
-        value = facts[key] = compute(self._views)
-        return value
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (what clients send); upstream handles stay tuples."""

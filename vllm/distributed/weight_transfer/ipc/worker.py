@@ -29,9 +29,6 @@ from vllm.config.weight_transfer import WeightTransferConfig
 from vllm.distributed.weight_transfer.base import ParamMeta
 from vllm.distributed.weight_transfer.buffers.dataplane import (
     BufferImporter,
-    MessageReads,
-    indexed_buffers,
-    read_message,
     sync_device,
 )
 from vllm.distributed.weight_transfer.ipc.chunk_programs import (
@@ -39,10 +36,15 @@ from vllm.distributed.weight_transfer.ipc.chunk_programs import (
     ChunkPrograms,
     chunk_in_mapping,
 )
+from vllm.distributed.weight_transfer.ipc.layout_memo import LayoutMemo, layout_fact
+from vllm.distributed.weight_transfer.ipc.reads import (
+    MessageReads,
+    indexed_buffers,
+    read_message,
+)
 from vllm.distributed.weight_transfer.ipc.wire import (
     IPCWeightTransferInitInfo,
     IPCWeightTransferUpdateInfo,
-    LayoutMemo,
 )
 from vllm.distributed.weight_transfer.landing.checkpoint_structure import (
     DTYPE_KIND_RULE,
@@ -294,13 +296,14 @@ class IPCWeightTransferEngine(
         buffers = reads.buffers
         if self.pub.checks_payloads:
             n = len(buffers)
-            spans = update_info.layout_fact(("spans", n), lambda vs: _spans(vs, n))
+            spans = layout_fact(update_info, ("spans", n), lambda vs: _spans(vs, n))
             for i, (start, end) in enumerate(spans):
                 self.pub.check_buffer(i, buffers[i][start:end])
         bound = self._bound_chunk(session, update_info, reads)
         if bound is not None:
             covered = bound.names
-            views = update_info.layout_fact(
+            views = layout_fact(
+                update_info,
                 ("not bound", covered),
                 lambda vs: [v for v in vs if v.name not in covered],
             )
@@ -309,7 +312,7 @@ class IPCWeightTransferEngine(
         if check_direct := self._direct_to_check:
             landed_check += [w for w in weights if w[0] in check_direct]
         # Scales and float8 codes hold what a quantizer gives, or nothing lands.
-        checked = update_info.layout_fact("quantized values", checked_views)
+        checked = layout_fact(update_info, "quantized values", checked_views)
         refuse_bad_values(_typed_views(buffers, checked), "update_info")
         self._mark_landed()
         with self._phase("load"):
@@ -319,7 +322,7 @@ class IPCWeightTransferEngine(
         if landed_check:
             self._check_landed(landed_check)
         del buffers, landed_check
-        self.pub.landed_whole(whole, update_info.layout_fact("nbytes", _total_nbytes))
+        self.pub.landed_whole(whole, layout_fact(update_info, "nbytes", _total_nbytes))
         self.layouts.landed(update_info)
         if not update_info.packed:
             # One-shot buffers: nothing refers to them any more.
@@ -357,8 +360,10 @@ class IPCWeightTransferEngine(
         covered = bound.names
         return _typed_views(
             buffers,
-            update_info.layout_fact(
-                ("bound", covered), lambda vs: [v for v in vs if v.name in covered]
+            layout_fact(
+                update_info,
+                ("bound", covered),
+                lambda vs: [v for v in vs if v.name in covered],
             ),
         )
 
@@ -407,7 +412,8 @@ class IPCWeightTransferEngine(
         if checker is None:
             return None
         manifest = checker.manifest
-        return update_info.layout_fact(
+        return layout_fact(
+            update_info,
             WholeTensors,
             checker.whole_tensors,
             still=lambda kept: kept.manifest is manifest,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.distributed.weight_transfer.ipc.wire import ShmHandle
+from vllm.distributed.weight_transfer.buffers.handles import ShmHandle
 
 
 def linear_layer_states(worker: Any) -> dict[str, dict[str, Any]]:
