@@ -15,8 +15,10 @@ import multiprocessing
 import os
 import platform
 import resource
+import shlex
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -254,13 +256,60 @@ def device_times(fn: Any, repeats: int) -> list[float]:
 
 
 def git_commit() -> str | None:
-    """The checkout this run imports (``-dirty`` when it has local changes)."""
+    """The commit this run imports (``git rev-parse --short HEAD``), with
+    ``+dirty`` when tracked files differ from it; None outside a checkout."""
     try:
-        return subprocess.check_output(
-            ["git", "-C", str(REPO), "describe", "--always", "--dirty"], text=True
+        head = subprocess.check_output(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            text=True,
+            stderr=subprocess.DEVNULL,
         ).strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "diff", "--quiet", "HEAD"],
+            stderr=subprocess.DEVNULL,
+        ).returncode
     except (OSError, subprocess.CalledProcessError):
         return None
+    return head + ("+dirty" if dirty else "")
+
+
+def device_name() -> str:
+    """The card a CUDA run uses, else the CPU machine in words."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"CPU, {os.cpu_count()} cores ({platform.platform()})"
+
+
+def device_tag() -> str:
+    """The device part of a result file's name: the card's model in lower
+    case on CUDA (``h200``, ``h100``), else ``cpu-<N>core``."""
+    if torch.cuda.is_available():
+        words = torch.cuda.get_device_name(0).split()
+        models = [w for w in words if any(c.isdigit() for c in w)]
+        return (models[0] if models else words[-1]).lower()
+    return f"cpu-{os.cpu_count()}core"
+
+
+def result_path(script: str, variant: str | None = None) -> Path:
+    """``benchmarks/results/<bench>/<device>[-<variant>].json``, where
+    ``<bench>`` is ``script``'s file name without ``bench_`` and ``.py``."""
+    bench = Path(script).stem.removeprefix("bench_")
+    name = device_tag() + (f"-{variant}" if variant else "")
+    return RESULTS / bench / f"{name}.json"
+
+
+def provenance() -> dict[str, Any]:
+    """What every result file records first: the commit, the device, the
+    command line and the UTC date of the run."""
+    argv = list(sys.argv)
+    with contextlib.suppress(ValueError):
+        argv[0] = os.path.relpath(argv[0], REPO)
+    return {
+        "commit": git_commit() or "unknown (not run in a git checkout)",
+        "device": device_name(),
+        "command": " ".join(shlex.quote(a) for a in ["python", *argv]),
+        "date": utc_now(),
+    }
 
 
 def machine_info(*only: str) -> dict[str, Any]:
@@ -296,15 +345,23 @@ def run_record(
     }
 
 
+def stamped(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` led by ``provenance()``; fields ``doc`` already holds (a commit
+    or device the script recorded itself) keep their values."""
+    stamp = provenance()
+    return {**stamp, **doc, **{k: v for k, v in stamp.items() if doc.get(k) is None}}
+
+
 def write_json(doc: dict[str, Any], out: str | os.PathLike[str]) -> None:
-    """Write ``doc`` to ``out`` as indented JSON, creating its folder."""
+    """Write ``stamped(doc)`` to ``out`` as indented JSON, creating its
+    folder."""
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
-        f.write(json.dumps(doc, indent=2) + "\n")
+        f.write(json.dumps(stamped(doc), indent=2) + "\n")
 
 
 def emit_json(doc: dict[str, Any], out: str | os.PathLike[str] | None) -> None:
-    """Print ``doc`` and, when ``out`` is given, write it there."""
-    print(json.dumps(doc, indent=2))
+    """Print ``stamped(doc)`` and, when ``out`` is given, write it there."""
+    print(json.dumps(stamped(doc), indent=2))
     if out:
         write_json(doc, out)

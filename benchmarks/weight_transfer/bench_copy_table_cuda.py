@@ -52,7 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench_common import RESULTS  # noqa: E402
+from _bench_common import RESULTS, result_path, write_json  # noqa: E402
 from bench_plan_scale import MODELS, checkpoint_metas  # noqa: E402
 
 from vllm.distributed.weight_transfer.landing.regions import (  # noqa: E402
@@ -81,7 +81,7 @@ DEFAULT_CASES = (
 )
 # The committed fork packed-ipc measurement on the same GPU type (another run,
 # 24 of Qwen3-30B-A3B's 48 layers: same per-layer shapes, half the bytes).
-FORK_PACKED_RESULT = RESULTS / "ipc_cuda_h200.json"
+FORK_PACKED_RESULT = RESULTS / "ipc_cuda" / "h200.json"
 
 
 DEVICE = "cuda"
@@ -345,7 +345,7 @@ def main() -> None:
     )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--out", default=str(RESULTS / "copy_table_h200.json"))
+    ap.add_argument("--out", default=str(result_path(__file__)))
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test only")
     ap.add_argument(
         "--first-groups",
@@ -392,8 +392,7 @@ def main() -> None:
             }
             print(r["traceback"], flush=True)
         doc["results"].append(r)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=2))
+        write_json(doc, args.out)
         gc.collect()
         _empty_cache()
     print(

@@ -21,7 +21,7 @@ packed, one copy per byte). For each engine:
 * ``oracle_match``: greedy tokens and logprobs after the last sync equal a
   Hugging Face forward pass of the trainer's weights (fp32 tolerance).
 
-Ratios printed and written to ``benchmarks/results/cpu_linear_cpu.json``:
+Ratios printed and written to ``benchmarks/results/cpu_linear/<device>.json``:
 ``plain_over_packed_decode`` (generation speed kept),
 ``plain_over_packed_sync`` and ``planned_over_packed_sync`` (sync time left),
 ``planned_over_plain_sync`` (what the planned landing saves over the reload
@@ -44,10 +44,12 @@ from typing import Any, Literal
 
 from _bench_common import (
     REPO,
+    RESULTS,
     bench_model,
     emit_json,
     git_commit,
     median_memcpy_s,
+    result_path,
     rounded,
     run_record,
     sync_times_s,
@@ -69,7 +71,9 @@ def parse_args() -> argparse.Namespace:
         help="engines to measure (ratios need both of their engines)",
     )
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
-    p.add_argument("--out-name", default="cpu_linear_cpu.json")
+    p.add_argument(
+        "--out-name", default=str(result_path(__file__).relative_to(RESULTS))
+    )
     return p.parse_args()
 
 

@@ -26,7 +26,7 @@ reported. After the last sync vLLM's greedy output is compared with a Hugging
 Face forward pass of the trainer's weights (``oracle_match``).
 
 Run: ``python benchmarks/weight_transfer/bench_cpu_sweep.py [--sizes 0.25 1 4]
-[--rounds 3]``; the result goes to ``benchmarks/results/cpu_sweep.json``.
+[--rounds 3]``; the result goes to ``benchmarks/results/cpu_sweep/<device>.json``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ from typing import Any
 
 from _bench_common import (
     QWEN3_BENCH_SHAPE,
-    RESULTS,
     TimedClient,
     bench_model,
     child_rss_bytes,
@@ -56,6 +55,7 @@ from _bench_common import (
     max_rss_bytes,
     memcpy_times_s,
     raw_nixl_read_s,
+    result_path,
     utc_now,
     write_json,
 )
@@ -478,7 +478,7 @@ def main() -> int:
         "--steps", nargs="+", choices=STEPS, default=list(STEPS), help="what to run"
     )
     p.add_argument("--step-timeout-s", type=float, default=1800)
-    p.add_argument("--out", type=Path, default=RESULTS / "cpu_sweep.json")
+    p.add_argument("--out", type=Path, default=result_path(__file__))
     # Internal: run one step in this process (the orchestrator spawns these).
     p.add_argument("--step", choices=STEPS, help=argparse.SUPPRESS)
     p.add_argument("--num-layers", type=int, help=argparse.SUPPRESS)

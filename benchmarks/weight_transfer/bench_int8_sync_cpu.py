@@ -18,7 +18,7 @@ offline ``LLM`` in bfloat16 over ``ipc``, one engine after the other:
   cast to bfloat16 (the engine's dtype), landed through the reload.
 
 Each mode syncs a warm-up and ``--rounds`` rounds (the weights changed before
-each). Printed and written to ``benchmarks/results/int8_sync_cpu.json``: per
+each). Printed and written to ``benchmarks/results/int8_sync_cpu/<device>.json``: per
 mode the bytes moved (the manifest's total), the sync times, the time inside
 the client calls (the workers' side) and the rest (the trainer: reading,
 casting or quantizing, packing); ``int8_codes`` over ``bf16`` for bytes and
@@ -47,12 +47,12 @@ from typing import Any
 
 import torch
 from _bench_common import (
-    RESULTS,
     TimedClient,
     bench_model,
     cast_source,
     emit_json,
     git_commit,
+    result_path,
     rounded,
     run_record,
     sync_times_s,
@@ -65,7 +65,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3, help="measured rounds")
     p.add_argument("--num-layers", type=int, default=18)
-    p.add_argument("--out", type=Path, default=RESULTS / "int8_sync_cpu.json")
+    p.add_argument("--out", type=Path, default=result_path(__file__))
     return p.parse_args()
 
 

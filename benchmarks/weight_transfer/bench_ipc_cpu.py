@@ -8,7 +8,7 @@ trainer, this process, holds the same model in Hugging Face form and calls
 ``send_weights()`` through ``OfflineLLMWeightSyncClient``: the bytes go through
 a packed shared-memory buffer into the workers' layerwise reload.
 
-Printed and written to ``benchmarks/results/ipc_cpu_<model>_tp<N>.json``:
+Printed and written to ``benchmarks/results/ipc_cpu/<device>-tp<N>.json``:
 
 * ``sync_s``: wall time of each ``send_weights()`` (start -> update* ->
   finish, including vLLM's layerwise reload); the first round is a warm-up and
@@ -52,6 +52,7 @@ from _bench_common import (
     TimedClient,
     bench_model,
     child_rss_bytes,
+    device_tag,
     emit_json,
     git_commit,
     max_rss_bytes,
@@ -199,7 +200,7 @@ def main() -> int:
         "child_rss_bytes": workers_rss,
         "oracle_match": oracle_match,
     }
-    path = args.out / f"ipc_cpu_{model_dir.name}_tp{args.tp}.json"
+    path = args.out / "ipc_cpu" / f"{device_tag()}-tp{args.tp}.json"
     emit_json(result, path)
     print(f"wrote {path}")
     return 0 if oracle_match else 1

@@ -110,7 +110,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from _bench_common import emit_json
+from _bench_common import emit_json, result_path
 
 DTYPE = torch.bfloat16
 
@@ -1121,7 +1121,7 @@ def _plan_path(plans_dir: str | None, model: str) -> str | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=str(result_path(__file__)))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument(
         "--buffer-gib",

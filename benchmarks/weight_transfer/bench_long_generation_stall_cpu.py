@@ -33,7 +33,7 @@ gaps, what the long request was doing then (prefill, or how many tokens it
 had streamed).
 
 Each call appends its run to ``--out`` (default
-``benchmarks/results/long_generation_stall_cpu.json``) and recomputes the
+``benchmarks/results/long_generation_stall_cpu/<device>.json``) and recomputes the
 medians per label.
 
 To tell where a stall sits, each run also records: the API server's own
@@ -75,7 +75,13 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from _bench_common import RESULTS, emit_json, git_commit, rounded, run_record
+from _bench_common import (
+    emit_json,
+    git_commit,
+    result_path,
+    rounded,
+    run_record,
+)
 
 from vllm.distributed.weight_transfer.testing import TinyModelSpec, build_tiny_model
 from vllm.distributed.weight_transfer.testing.server import serve
@@ -454,7 +460,7 @@ def main() -> int:
         "of CPU starvation, not a vLLM setting)",
     )
     p.add_argument("--log-dir", default="/tmp/long_generation_stall_logs")
-    p.add_argument("--out", default=str(RESULTS / "long_generation_stall_cpu.json"))
+    p.add_argument("--out", default=str(result_path(__file__)))
     p.add_argument(
         "--autogroup-nice",
         type=int,

@@ -29,7 +29,7 @@ in-place change of its tensors:
 Both pushes are verified publications (every worker's receipt checked before
 the commit), as by default.
 
-Written to ``benchmarks/results/lora_cpu.json``.
+Written to ``benchmarks/results/lora_cpu/<device>.json``.
 
 Run: ``python benchmarks/weight_transfer/bench_lora_cpu.py [--ranks 8 64]``
 """
@@ -46,7 +46,15 @@ import time
 from pathlib import Path
 
 import torch
-from _bench_common import REPO, bench_model, emit_json, git_commit, rounded, run_record
+from _bench_common import (
+    REPO,
+    bench_model,
+    device_tag,
+    emit_json,
+    git_commit,
+    rounded,
+    run_record,
+)
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -188,7 +196,7 @@ def main() -> int:
         "targets": TARGETS,
         **results,
     }
-    emit_json(doc, str(args.out / "lora_cpu.json"))
+    emit_json(doc, str(args.out / "lora_cpu" / f"{device_tag()}.json"))
     same = all(r["same_output"] and r["same_output_nixl"] for r in results.values())
     return 0 if same else 1
 

@@ -22,7 +22,7 @@ Measured side by side, seconds per ``send_weights()`` after a warm-up:
 
 Every sync is checked: the served parameters equal the trainer's. Prints the
 ratios of each mode to ``shared_source`` and writes
-``benchmarks/results/many_tensors_cpu.json``.
+``benchmarks/results/many_tensors_cpu/<device>.json``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,13 @@ import time
 from typing import Any
 
 import torch
-from _bench_common import RESULTS, emit_json, git_commit, rounded, run_record
+from _bench_common import (
+    emit_json,
+    git_commit,
+    result_path,
+    rounded,
+    run_record,
+)
 
 from vllm.distributed.weight_transfer import ModuleSource
 from vllm.distributed.weight_transfer.api import IPCTrainerInitInfo, SharedParameters
@@ -116,7 +122,7 @@ def main() -> int:
         "--tensors", type=int, default=9434, help="parameters (two per layer)"
     )
     parser.add_argument("--syncs", type=int, default=5)
-    parser.add_argument("--out", default=str(RESULTS / "many_tensors_cpu.json"))
+    parser.add_argument("--out", default=str(result_path(__file__)))
     args = parser.parse_args()
     layers = args.tensors // 2
     modes = ["packed", "shared_module_source", "shared_source"]

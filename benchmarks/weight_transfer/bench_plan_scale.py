@@ -25,7 +25,7 @@ engine would bake.
 
 Run: ``python benchmarks/weight_transfer/bench_plan_scale.py [--cases
 qwen3-8b:1 qwen3-8b:2 ...] [--plans-dir /tmp/plans]``; the result goes to
-``benchmarks/results/plan_scale_cpu.json``. With ``--plans-dir`` the plans of
+``benchmarks/results/plan_scale/<device>.json``. With ``--plans-dir`` the plans of
 the Qwen3 cases are written there as ``<model>_tp<N>_rank<R>.json`` (compact
 ``WorkerPlan.to_json``) for replay elsewhere.
 """
@@ -43,7 +43,13 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from _bench_common import RESULTS, git_commit, machine_info, max_rss_bytes
+from _bench_common import (
+    git_commit,
+    machine_info,
+    max_rss_bytes,
+    result_path,
+    write_json,
+)
 
 QWEN3_8B: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -452,7 +458,7 @@ def main() -> None:
     )
     parser.add_argument("--plans-dir", default=None)
     parser.add_argument("--timeout", type=float, default=1800.0)
-    parser.add_argument("--out", default=str(RESULTS / "plan_scale_cpu.json"))
+    parser.add_argument("--out", default=str(result_path(__file__)))
     args = parser.parse_args()
 
     started_utc = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -475,9 +481,7 @@ def main() -> None:
         "cases": rows,
     }
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(json.dumps(doc, indent=2) + "\n")
+        write_json(doc, args.out)
 
 
 if __name__ == "__main__":

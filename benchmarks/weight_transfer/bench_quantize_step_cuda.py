@@ -12,7 +12,7 @@ bfloat16), with nothing else running:
 
 * ``flat_copy_bf16``: one device copy of the bfloat16 bytes, the data plane
   of a full-precision sync (the fork's one-copy path reaches 83-86% of it on
-  these shapes, ``ipc_cuda_pinned_h200.json``);
+  these shapes, ``3d9eb0e:benchmarks/results/ipc_cuda_pinned_h200.json``);
 * ``quantize_per_channel``: the bfloat16 weights already landed, each
   quantized into preallocated codes and scales with torch operations (a
   reference quantizer: vLLM's fused kernel is not available on this machine,
@@ -58,7 +58,7 @@ import os
 import statistics
 
 import torch
-from _bench_common import device_times, emit_json
+from _bench_common import device_times, emit_json, result_path
 
 HIDDEN, INTERMEDIATE, LAYERS = 4096, 12288, 36
 Q_OUT, KV_OUT = 32 * 128, 8 * 128
@@ -206,7 +206,7 @@ def _differing(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=str(result_path(__file__)))
     args = parser.parse_args()
     torch.cuda.set_device(0)
     gen = torch.Generator(device="cuda").manual_seed(0)

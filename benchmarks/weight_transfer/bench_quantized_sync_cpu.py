@@ -18,7 +18,7 @@ in a row (the weights changed before each):
   copy them straight into the served codes (``codes_landing``); embeddings
   and norms go as float32.
 
-Printed and written to ``benchmarks/results/quantized_sync_cpu.json``: per
+Printed and written to ``benchmarks/results/quantized_sync_cpu/<device>.json``: per
 mode the bytes moved (the manifest's total), the sync times (first round a
 warm-up), the time inside the client calls (the workers' side) and the rest
 (the trainer: reading, casting or quantizing, packing); the ratios of bytes
@@ -45,13 +45,13 @@ from pathlib import Path
 from typing import Any
 
 from _bench_common import (
-    RESULTS,
     TimedClient,
     bench_model,
     cast_source,
     emit_json,
     git_commit,
     median_memcpy_s,
+    result_path,
     rounded,
     run_record,
     sync_times_s,
@@ -64,7 +64,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3, help="measured rounds")
     p.add_argument("--num-layers", type=int, default=18)
-    p.add_argument("--out", type=Path, default=RESULTS / "quantized_sync_cpu.json")
+    p.add_argument("--out", type=Path, default=result_path(__file__))
     return p.parse_args()
 
 

@@ -22,7 +22,7 @@ tokens at that rate), and that time over the commit's own device copy of the
 same model's 16.4 GB, measured in the same run (``recompute_over_commit``).
 
 Run (on the GPU machine): ``python3 benchmarks/weight_transfer/
-bench_recompute_cuda.py --out benchmarks/results/recompute_h200.json``
+bench_recompute_cuda.py --out benchmarks/results/recompute_cuda/h200.json``
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-from _bench_common import device_times, emit_json, utc_now
+from _bench_common import device_times, emit_json, result_path, utc_now
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 4096, 12288, 36, 32, 8, 128
 EPS = 1e-6
@@ -144,7 +144,7 @@ def main() -> int:
     p.add_argument("--tokens-per-step", type=int, default=16384)
     p.add_argument("--prefixes", default="1024,4096,16384")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=str(result_path(__file__)))
     args = p.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)

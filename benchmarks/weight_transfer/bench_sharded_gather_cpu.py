@@ -16,7 +16,7 @@ gather, pack, hand out. Side by side in one run, seconds per
   tensor per tensor) and a copy into the slot, as before.
 
 Prints the ratio ``in_slot / full_tensor`` and the peak RSS growth of a
-sync, and writes ``benchmarks/results/sharded_gather_cpu.json``.
+sync, and writes ``benchmarks/results/sharded_gather_cpu/<device>.json``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,13 @@ import sys
 import time
 from typing import Any
 
-from _bench_common import RESULTS, emit_json, git_commit, rounded, run_record
+from _bench_common import (
+    emit_json,
+    git_commit,
+    result_path,
+    rounded,
+    run_record,
+)
 
 from vllm.distributed.weight_transfer.testing.multirank import free_port
 
@@ -161,7 +167,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--syncs", type=int, default=5)
-    parser.add_argument("--out", default=str(RESULTS / "sharded_gather_cpu.json"))
+    parser.add_argument("--out", default=str(result_path(__file__)))
     args = parser.parse_args()
     modes = {
         mode: run_mode(mode, args.layers, args.syncs)

@@ -11,7 +11,7 @@ checked against a Hugging Face forward pass.
 
 Run: ``python benchmarks/weight_transfer/bench_sharded_pull.py [--tp 2]
 [--num-layers 8] [--rounds 3]``; the result goes to
-``benchmarks/results/sharded_rdt_cpu_<model>_tp<N>.json``.
+``benchmarks/results/sharded_pull/<device>-tp<N>.json``.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import time
 from typing import Any
 
 from _bench_common import (
-    RESULTS,
     bench_model,
     git_commit,
     raw_nixl_read_s,
+    result_path,
     run_record,
     write_json,
 )
@@ -151,7 +151,7 @@ def main() -> None:
         },
         "oracle_match": oracle_match,
     }
-    out = RESULTS / f"sharded_rdt_cpu_{model_dir.name}_tp{args.tp}.json"
+    out = result_path(__file__, f"tp{args.tp}")
     write_json(result, out)
     update = [round(w["update_weights_gib_s"], 3) for w in per_worker]
     pulls_only = [round(w["pull_only_gib_s"], 3) for w in per_worker]

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-from _bench_common import emit_json
+from _bench_common import emit_json, result_path
 
 DTYPE = torch.bfloat16
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -371,7 +371,7 @@ def main() -> None:
     p.add_argument("--model", choices=sorted(MODELS), default="small")
     p.add_argument("--tp", type=int, nargs="+", default=[2])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=str(result_path(__file__)))
     args = p.parse_args()
     results = [run(args.model, tp, args.device, args.rounds) for tp in args.tp]
     doc = {

@@ -29,7 +29,7 @@ two engines' medians.
 
 Run: ``python benchmarks/weight_transfer/bench_sharded_rdt_landing_cpu.py
 [--rounds 3] [--num-layers 18]``; writes
-``benchmarks/results/sharded_rdt_landing_cpu.json``.
+``benchmarks/results/sharded_rdt_landing_cpu/<device>.json``.
 """
 
 from __future__ import annotations
@@ -45,11 +45,13 @@ from typing import Any, Literal
 
 from _bench_common import (
     REPO,
+    RESULTS,
     bench_model,
     emit_json,
     git_commit,
     median_memcpy_s,
     raw_nixl_read_s,
+    result_path,
     run_record,
     sync_times_s,
 )
@@ -70,7 +72,9 @@ def parse_args() -> argparse.Namespace:
         "--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS)
     )
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
-    p.add_argument("--out-name", default="sharded_rdt_landing_cpu.json")
+    p.add_argument(
+        "--out-name", default=str(result_path(__file__).relative_to(RESULTS))
+    )
     return p.parse_args()
 
 

@@ -50,7 +50,7 @@ import sys
 from pathlib import Path
 
 import torch
-from _bench_common import device_times, emit_json
+from _bench_common import device_times, emit_json, result_path
 from bench_ipc_cuda import (
     ModelShape,
     make_tensors,
@@ -226,7 +226,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--moe-layers", type=int, default=24)
     p.add_argument("--models", default="8b,30b")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=str(result_path(__file__)))
     args = p.parse_args()
     runs = model_runs(args.models, args.moe_layers)
     doc = {

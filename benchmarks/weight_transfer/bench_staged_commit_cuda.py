@@ -23,7 +23,7 @@ reload, which copies each byte twice and runs vLLM's per-layer processing;
 these numbers are the floor a commit that only copies would reach.
 
 Run (on the GPU machine): ``python3 benchmarks/weight_transfer/
-bench_staged_commit_cuda.py --out benchmarks/results/staged_commit_h200.json``
+bench_staged_commit_cuda.py --out benchmarks/results/staged_commit_cuda/h200.json``
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import argparse
 import statistics
 
 import torch
-from _bench_common import device_times, emit_json, utc_now
+from _bench_common import device_times, emit_json, result_path, utc_now
 
 # Qwen3-8B's shapes (hidden 4096, intermediate 12288, 36 layers, 32 query and
 # 8 key/value heads of 128, vocabulary 151936), served at TP=1.
@@ -84,7 +84,7 @@ def layout() -> Layout:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=str(result_path(__file__)))
     args = p.parse_args()
     dev = torch.device("cuda")
     dtype = torch.bfloat16

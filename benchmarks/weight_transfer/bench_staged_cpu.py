@@ -26,7 +26,7 @@ the end of one completion and the first token of the next as well), and
 tokens per second during the sync and while idle. The idle readings come
 from a window right before each sync (as long as the previous sync; the
 streams settle for 2 s on either side). The JSON in
-``benchmarks/results/staged_cpu.json`` carries the issue's two ratios for the
+``benchmarks/results/staged_cpu/<device>.json`` carries the issue's two ratios for the
 staged mode, as medians over the rounds:
 
 * ``max_generation_gap_over_sync``: the longest wait for a token during a
@@ -49,7 +49,7 @@ With ``--settings one-copy`` both modes run with ``cpu_linear="plain"`` and
 served tensors instead of running vLLM's layerwise reload. The ratios are then
 over the stop-the-world sync with the same settings; a third server, with the
 defaults, gives ``max_generation_gap_over_default_sync`` (results in
-``benchmarks/results/staged_one_copy_cpu.json``).
+``benchmarks/results/staged_cpu/<device>-one-copy.json``).
 
 Run: ``python benchmarks/weight_transfer/bench_staged_cpu.py [--rounds 3]
 [--settings one-copy]``
@@ -65,11 +65,11 @@ from itertools import pairwise
 from typing import Any
 
 from _bench_common import (
-    RESULTS,
     bench_model,
     child_rss_bytes,
     emit_json,
     git_commit,
+    result_path,
     rounded,
     run_record,
 )
@@ -348,8 +348,7 @@ def main() -> int:
     args = p.parse_args()
     one_copy = args.settings == "one-copy"
     if args.out is None:
-        name = "staged_one_copy_cpu.json" if one_copy else "staged_cpu.json"
-        args.out = str(RESULTS / name)
+        args.out = str(result_path(__file__, "one-copy" if one_copy else None))
     commit = git_commit()
     bench = bench_model(args.num_layers)
     model_dir, model = bench.dir, bench.model

@@ -22,7 +22,7 @@ sync's staging time with the pool over without it), and checks that every
 staged byte equals its source.
 
 Run (on the GPU machine): ``python3 benchmarks/weight_transfer/
-bench_staging_pool_cuda.py --out benchmarks/results/staging_pool_h200.json``
+bench_staging_pool_cuda.py --out benchmarks/results/staging_pool_cuda/h200.json``
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from _bench_common import emit_json, utc_now
+from _bench_common import emit_json, result_path, utc_now
 from bench_staged_commit_cuda import layout
 
 from vllm.distributed.weight_transfer.worker.staging_pool import (
@@ -100,7 +100,7 @@ def stage_pooled(
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--syncs", type=int, default=4)
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=str(result_path(__file__)))
     args = p.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
