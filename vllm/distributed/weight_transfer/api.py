@@ -15,7 +15,8 @@ one import serves it:
   checkpoint's), ``SharedParameters`` (a trainer's parameters in shared
   allocations, for ``ipc``);
 - trainer-side quantized codes: ``Fp8ChannelCodes``, ``Fp8BlockCodes``,
-  ``Int8ChannelCodes``, ``Int8TensorCodes``;
+  ``Int8ChannelCodes``, ``Int8TensorCodes``, and ``read_static_activations``
+  for a checkpoint's static activation scales;
 - LoRA adapter pushes: ``LoRAAdapter``, ``LoRAPusher``, ``push_lora_adapter``,
   ``memory_path``, ``LoRASource``, ``LoRATrainerInitInfo``, and
   ``split_adapter_label`` to read a served version label.
@@ -42,7 +43,11 @@ from vllm.distributed.weight_transfer.lora.trainer import (
     LoRATrainerInitInfo,
 )
 from vllm.distributed.weight_transfer.lora.wire import memory_path
-from vllm.distributed.weight_transfer.quant.fp8 import Fp8BlockCodes, Fp8ChannelCodes
+from vllm.distributed.weight_transfer.quant.fp8 import (
+    Fp8BlockCodes,
+    Fp8ChannelCodes,
+    read_static_activations,
+)
 from vllm.distributed.weight_transfer.quant.int8 import (
     Int8ChannelCodes,
     Int8TensorCodes,
@@ -70,5 +75,6 @@ __all__ = [
     "SharedParameters",
     "memory_path",
     "push_lora_adapter",
+    "read_static_activations",
     "split_adapter_label",
 ]
