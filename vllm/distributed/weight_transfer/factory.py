@@ -26,6 +26,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
     WeightTransferEngine,
 )
+from vllm.distributed.weight_transfer.common.messages import MessageKind
+from vllm.distributed.weight_transfer.worker.handlers import register_message_handler
 from vllm.logger import init_logger
 
 if TYPE_CHECKING:
@@ -232,4 +234,9 @@ for _name, _wmod, _wcls, _tmod, _tcls in BUILTIN_BACKENDS:
 # enable_lora takes them; lora/trainer.py).
 WeightTransferTrainerFactory.register_engine(
     "lora", f"{_PACKAGE}.lora.trainer", "LoRATrainerWeightTransferEngine"
+)
+
+# Message kinds the worker lifecycle hands to a feature (``worker.handlers``).
+register_message_handler(
+    MessageKind.ADAPTER, f"{_PACKAGE}.lora.worker_handler", "AdapterMessages"
 )

@@ -7,6 +7,7 @@
 - ``wire``: the adapter header and the checks of what a push carries;
 - ``adapters``: the worker side of a push (staging, commit);
 - ``memory``: adapters held in memory, their ids, the LoRA manager's loader;
+- ``worker_handler``: the worker lifecycle's handler of adapter messages;
 - ``publication``: the receipt a worker writes for a verified push;
 - ``pull``: pushes across machines, pulled over NIXL;
 - ``labels``: weight version labels that also name adapter versions.

@@ -46,10 +46,12 @@ untouched; when a weight had landed, the engine is fenced and finish raises
 then finish, then a full update); after the trainer's abort message finish
 closes quietly either way.
 
-LoRA adapters (``lora_adapters``): a message with an ``adapter`` header
-goes to the backend's ``receive_adapter`` instead of ``receive_weights``, or,
-when it carries an ``adapter_pull`` (a trainer on another machine), to
-``lora_pull.AdapterPuller``, whatever the backend. Its
+Messages of a kind a feature registered (``worker.handlers``; LoRA
+registers the ``adapter`` kind, ``lora.worker_handler``) go to that kind's
+handler instead of ``receive_weights``, after the same checks (not aborted,
+not prepared, fence open). A LoRA adapter message goes to the backend's
+``receive_adapter``, or, when it carries an ``adapter_pull`` (a trainer on
+another machine), to ``lora.pull.AdapterPuller``, whatever the backend. Its
 tensors are staged apart from the model and checked on the push's last
 message; ``finish_weight_update`` makes the adapter the version that serves.
 Any failure or abort before that drops the staging; the model is never
@@ -80,22 +82,11 @@ from vllm.distributed.weight_transfer.common.messages import (
     message_kind,
     worker_index,
 )
-from vllm.distributed.weight_transfer.landing.checkpoint_structure import (
-    checkpoint_shapes,
-)
 from vllm.distributed.weight_transfer.landing.layerwise import (
     LayerwiseReloadSession,
     refuse_unreloadable_layers,
     unreloadable_layers,
 )
-from vllm.distributed.weight_transfer.lora.adapters import AdapterPushes
-from vllm.distributed.weight_transfer.lora.pull import (
-    ADAPTER_PULL_KEY,
-    AdapterPull,
-    AdapterPuller,
-    payload_views,
-)
-from vllm.distributed.weight_transfer.lora.wire import AdapterHeader, adapter_header
 from vllm.distributed.weight_transfer.verification import (
     WeightsFencedError,
     WeightState,
@@ -104,6 +95,11 @@ from vllm.distributed.weight_transfer.verification import (
     describe_error,
     fenced_message,
     is_prepare_request,
+)
+from vllm.distributed.weight_transfer.worker.handlers import (
+    MessageHandler,
+    handles,
+    make_handler,
 )
 from vllm.distributed.weight_transfer.worker.kv_scrub import zero_non_finite_kv
 from vllm.distributed.weight_transfer.worker.staged import (
@@ -156,10 +152,9 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         self._unreloadable: list[str] | None = None
         # Set once the update's receipt went out (the prepare message).
         self._prepared = False
-        # LoRA adapter pushes (``lora_adapters``), made on first use.
-        self._adapters: AdapterPushes | None = None
-        # Pulls of adapters from a trainer on another machine (``lora_pull``).
-        self._adapter_puller: AdapterPuller | None = None
+        # Handlers of the registered message kinds (``worker.handlers``),
+        # each made at the first message of its kind.
+        self._handlers: dict[MessageKind, MessageHandler] = {}
 
     # -- backend hooks -------------------------------------------------------
 
@@ -179,14 +174,12 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
     def _on_update_closed(self) -> None:
         """The update is over (finished, failed, aborted or shut down)."""
 
-    def receive_adapter(
-        self, header: AdapterHeader, update_info: dict[str, Any]
-    ) -> None:
+    def receive_adapter(self, header: Any, update_info: dict[str, Any]) -> None:
         """Read one adapter message's tensors (``update_info``, its
-        publication header already taken off) and hand them to
+        publication header ``header`` already taken off) and hand them to
         ``self.adapters.receive``, after checking the bytes against
-        ``self.adapters.expected_checksum`` (backends that carry adapters
-        override)."""
+        ``self.adapters.expected_checksum`` (backends that map a trainer's
+        buffers override; the ``adapter`` kind's handler calls it)."""
         raise ValueError(
             f"the {self.backend_name} backend does not map a trainer's buffers "
             f"(adapter {header.name!r}); push adapters to it with "
@@ -203,25 +196,22 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         return self._pub
 
     @property
-    def adapters(self) -> AdapterPushes:
-        """This worker's LoRA adapter pushes (staging, commit)."""
-        if self._adapters is None:
-            lora_config = getattr(self.vllm_config, "lora_config", None)
-            self._adapters = AdapterPushes(
-                model=self.model,
-                base_shapes=checkpoint_shapes(self.model_config),
-                max_rank=getattr(lora_config, "max_lora_rank", None),
-                # Adapter receipts name workers as expected_workers(client)
-                # counts them, whichever backend this is.
-                worker_rank=global_worker_rank(self.vllm_config),
-                worker_device=self.pub.worker_device,
-                receipt_root=self.pub.receipt_root,
-            )
-        return self._adapters
+    def adapters(self) -> Any:
+        """The pushes the ``adapter`` kind's handler stages and commits, for
+        backends that read adapter messages' bytes (``receive_adapter``)."""
+        handler: Any = self._handler_for(MessageKind.ADAPTER)
+        return handler.pushes
 
-    def _discard_adapter(self, reason: str | None = None) -> None:
-        if self._adapters is not None:
-            self._adapters.discard(reason)
+    def _handler_for(self, kind: MessageKind) -> MessageHandler:
+        """The handler of ``kind``'s messages, made on first use."""
+        handler = self._handlers.get(kind)
+        if handler is None:
+            handler = self._handlers[kind] = make_handler(kind, self)
+        return handler
+
+    def _discard_handled(self, reason: str | None = None) -> None:
+        for handler in self._handlers.values():
+            handler.discard(reason)
 
     @property
     def fence_status(self) -> dict[str, Any]:
@@ -273,7 +263,7 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         self._landed = False
         self._aborted = None
         self._prepared = False
-        self._discard_adapter("a new update started")
+        self._discard_handled("a new update started")
         self._on_start()
         timeout_s = getattr(self.config, "update_timeout_s", None)
         session: UpdateSession
@@ -313,8 +303,15 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
                 what = f"{self.backend_name} prepare"
                 self.pub.fence.check_open(what)
                 session = self._session_for(what)
-                adapter = self._adapters.publication if self._adapters else None
-                self.pub.check_prepare(update_info, adapter.header if adapter else None)
+                header = next(
+                    (
+                        h
+                        for h in (x.prepare_header() for x in self._handlers.values())
+                        if h is not None
+                    ),
+                    None,
+                )
+                self.pub.check_prepare(update_info, header)
                 self._prepare(session)
                 return
             if self._prepared:
@@ -326,18 +323,9 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
             # No update open, or fenced: refused before anything changes (the
             # failure path below then only tells the backend).
             self.pub.fence.check_open(f"{self.backend_name} update_weights")
-            header = (
-                adapter_header(update_info) if kind is MessageKind.ADAPTER else None
-            )
-            if header is not None:
-                # A LoRA adapter: staged apart from the model, committed at
-                # the finish; its publication is the adapter's own.
-                self._session_for(f"adapter {header.name!r}")
-                message = self.adapters.begin(header, update_info)
-                if ADAPTER_PULL_KEY in message:
-                    self._pull_adapter(header, message)
-                else:
-                    self.receive_adapter(header, message)
+            # A registered kind (a LoRA adapter) goes to its handler, which
+            # may give it back to land as base weights.
+            if handles(kind) and self._handler_for(kind).handle(update_info):
                 return
             checker = self.pub.checker
             message = self.pub.begin_message(update_info)
@@ -381,17 +369,15 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
                 # An earlier failure closed the update with the weights intact.
                 return
             try:
-                if self._adapters is not None:
-                    # An adapter push cut short is refused before anything;
-                    # a verified one writes its receipt unless prepared.
-                    self._adapters.prepare()
+                for handler in self._handlers.values():
+                    handler.prepare()
                 if isinstance(session, StagedUpdate) and session.is_open:
                     self._commit_staged(session)
                 elif session is not None and session.is_open:
                     session.finish()
             except BaseException as e:
                 self.pub.fail(e, weights_intact=not self._landed)
-                self._discard_adapter(describe_error(e))
+                self._discard_handled(describe_error(e))
                 if isinstance(e, Exception) and not str(e).strip():
                     raise RuntimeError(
                         f"{self.backend_name} finish_weight_update failed: "
@@ -401,44 +387,18 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
             self.pub.finish()
             # NaN or infinity the old weights wrote into the KV cache dies here.
             zero_non_finite_kv(self.vllm_config)
-            if self._adapters is not None:
-                self._adapters.commit()
+            for handler in self._handlers.values():
+                handler.commit()
         finally:
-            self._discard_adapter()
+            self._discard_handled()
             self._on_update_closed()
 
     def shutdown(self) -> None:
         self._close_session("the engine is shutting down")
         self.staging_pool.drop()
         self._on_update_closed()
-        puller, self._adapter_puller = self._adapter_puller, None
-        if puller is not None:
-            puller.close()
-
-    def _pull_adapter(self, header: AdapterHeader, message: dict[str, Any]) -> None:
-        """An adapter message from a trainer on another machine: pull the
-        packed adapter over NIXL, check its bytes against the trainer's
-        checksum when it sent one, and stage its tensors; receipts go back
-        through the producer it came from."""
-        pull = AdapterPull.from_dict(message[ADAPTER_PULL_KEY])
-        # Checked against the header before a byte is pulled.
-        self.adapters.check_layout(header, message, payload_bytes=pull.nbytes)
-        puller = self._adapter_puller
-        if puller is None:
-            puller = self._adapter_puller = AdapterPuller(self.device)
-        publication = self.adapters.publication
-        if publication is not None:
-            publication.producer_call = puller.deliver_receipt
-        payload = puller.pull(pull)
-        tensors = payload_views(payload, message)
-        expected = self.adapters.expected_checksum(header)
-        if expected is not None:
-            from vllm.distributed.weight_transfer.verification.checksum import (
-                payload_checksum,
-            )
-
-            self.adapters.check_checksum(header, expected, payload_checksum(payload))
-        self.adapters.receive(header, tensors)
+        for handler in self._handlers.values():
+            handler.close()
 
     # -- internals -----------------------------------------------------------
 
@@ -455,8 +415,8 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
     def _prepare(self, session: UpdateSession) -> None:
         """Check what this worker holds and write its receipt; nothing is
         committed (the trainer's prepare message, or a staged finish)."""
-        if self._adapters is not None:
-            self._adapters.prepare()
+        for handler in self._handlers.values():
+            handler.prepare()
         if isinstance(session, StagedUpdate):
             session.prepare()
         self.pub.prepare()
@@ -495,7 +455,7 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         self.pub.fail(reason, weights_intact=not (landed and self._landed))
 
     def _close_session(self, reason: str) -> None:
-        self._discard_adapter(reason)
+        self._discard_handled(reason)
         session, self._session = self._session, None
         if session is not None:
             session.abort(reason)
