@@ -15,8 +15,9 @@ Docs are ``README.md``, ``benchmarks/README.md`` and every ``*.md`` under
 history (``git show <sha>:<path>`` prints it); it is not checked here.
 
 A figure is a number on the citing line (a table row is one line) written
-with a unit right after it: ``%``, ``x`` (a ratio), ``s``, ``ms``, ``us``,
-``GB``, ``GiB``, ``MB``, ``MiB``, ``GB/s`` or ``GiB/s``. When a line cites
+with a unit right after it, or each end of a range written ``<a>-<b><unit>``.
+The units: ``%``, ``x`` (a ratio), ``s``, ``ms``, ``us``, ``GB``, ``GiB``,
+``MB``, ``MiB``, ``GB/s`` or ``GiB/s``. When a line cites
 several result files, each figure must occur in one of them. A figure occurs
 in a file when some number in the file's JSON, rounded to the figure's
 decimal places, equals it, read in the figure's unit: a fraction or a
@@ -39,8 +40,10 @@ REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 
 CITE = re.compile(r"(?<![\w:/.-])(?:benchmarks/)?results/([\w./-]*?\.json)")
+NUMBER = r"\d[\d,]*(?:\.\d+)?"
 FIGURE = re.compile(
-    r"(?<![\w.,/-])(\d[\d,]*(?:\.\d+)?)\s?(GiB/s|GB/s|GiB|GB|MiB|MB|ms|us|µs|%|x|s)(?![\w/])"
+    rf"(?<![\w.,/-])({NUMBER})(?:\s?-\s?({NUMBER}))?\s?"
+    r"(GiB/s|GB/s|GiB|GB|MiB|MB|ms|us|µs|%|x|s)(?![\w/])"
 )
 
 # unit -> what a file's number is multiplied by to read it in that unit
@@ -112,11 +115,13 @@ def main() -> int:
                 continue
             values = [v for p in present for v in loaded[p]]
             for m in FIGURE.finditer(CITE.sub(" ", line)):
-                if not occurs(m.group(1), m.group(2), values):
-                    errors.append(
-                        f"{rel}:{lineno}: figure {m.group(0).strip()} is not in "
-                        + ", ".join(f"results/{p}" for p in present)
-                    )
+                low, high, unit = m.groups()
+                for text in (low, high) if high else (low,):
+                    if not occurs(text, unit, values):
+                        errors.append(
+                            f"{rel}:{lineno}: figure {text}{unit} is not in "
+                            + ", ".join(f"results/{p}" for p in present)
+                        )
     for path in sorted(kept - cited):
         errors.append(f"benchmarks/results/{path}: cited by no doc")
     for e in errors:
