@@ -90,7 +90,7 @@ def test_expected_messages_counts_every_worker_of_every_replica():
 
 
 def test_the_vocabulary_is_the_one_the_workers_use():
-    from vllm.distributed.weight_transfer.lora import adapters as lora_adapters
+    from vllm.distributed.weight_transfer.lora import wire as lora_adapters
     from vllm.distributed.weight_transfer.verification import fence
 
     assert lora_adapters.ADAPTER_KEY == ADAPTER_KEY

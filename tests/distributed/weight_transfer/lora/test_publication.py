@@ -19,16 +19,14 @@ import pytest
 import torch
 
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
-from vllm.distributed.weight_transfer.lora.adapters import (
-    AdapterConfig,
-    AdapterStaging,
-    memory_adapters,
-)
+from vllm.distributed.weight_transfer.lora.adapters import AdapterStaging
+from vllm.distributed.weight_transfer.lora.memory import memory_adapters
 from vllm.distributed.weight_transfer.lora.pusher import (
     LoRAAdapter,
     LoRAPusher,
     push_lora_adapter,
 )
+from vllm.distributed.weight_transfer.lora.wire import AdapterConfig
 from vllm.distributed.weight_transfer.testing.ipc_faults import ByteFlippingClient
 from vllm.distributed.weight_transfer.verification import (
     ReceiptError,
@@ -36,7 +34,7 @@ from vllm.distributed.weight_transfer.verification import (
     coverage_digest,
 )
 
-from ..ipc.test_worker import EngineClient, TinyNet, make_engine, push, reload_ready
+from ..ipc.worker_rig import EngineClient, TinyNet, make_engine, push, reload_ready
 
 CONFIG = AdapterConfig(rank=2, alpha=4.0, target_modules=("a",))
 PREFIX = "receipts-"

@@ -15,13 +15,13 @@ from vllm.distributed.weight_transfer import (
     ModuleSource,
     WeightTransferTrainerFactory,
 )
-from vllm.distributed.weight_transfer.lora.adapters import AdapterConfig
 from vllm.distributed.weight_transfer.lora.pusher import LoRAAdapter
 from vllm.distributed.weight_transfer.lora.trainer import (
     LoRASource,
     LoRATrainerInitInfo,
     LoRATrainerWeightTransferEngine,
 )
+from vllm.distributed.weight_transfer.lora.wire import AdapterConfig
 
 CONFIG = AdapterConfig(rank=2, alpha=4.0, target_modules=("q_proj",))
 Q = "base_model.model.layers.0.q_proj"

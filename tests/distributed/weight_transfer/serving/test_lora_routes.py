@@ -13,7 +13,7 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
-from vllm.distributed.weight_transfer.lora.adapters import (
+from vllm.distributed.weight_transfer.lora.wire import (
     REFUSED_MARK,
     AdapterConfig,
     AdapterHeader,

@@ -37,6 +37,10 @@ from vllm.distributed.weight_transfer.pull.routing import RdtRouter
 from vllm.distributed.weight_transfer.pull.transport import (
     InProcessTransport,
 )
+from vllm.distributed.weight_transfer.sharded_rdt.consumer import (
+    choose_transport,
+    planned_bytes,
+)
 from vllm.distributed.weight_transfer.sharded_rdt.trainer import (
     ShardedRDTTrainerInitInfo,
     ShardedRDTTrainerWeightTransferEngine,
@@ -44,10 +48,6 @@ from vllm.distributed.weight_transfer.sharded_rdt.trainer import (
 )
 from vllm.distributed.weight_transfer.sharded_rdt.wire import (
     ShardedRDTWeightTransferInitInfo,
-)
-from vllm.distributed.weight_transfer.sharded_rdt.worker import (
-    choose_transport,
-    planned_bytes,
 )
 from vllm.distributed.weight_transfer.verification import (
     ChecksumMismatch,
