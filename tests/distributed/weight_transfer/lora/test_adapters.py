@@ -15,20 +15,24 @@ import pytest
 import torch
 
 from vllm.distributed.weight_transfer.lora.adapters import (
-    AdapterConfig,
-    AdapterHeader,
     AdapterPushes,
-    AdapterRefused,
     AdapterStaging,
+)
+from vllm.distributed.weight_transfer.lora.memory import (
     AdapterVersion,
     MemoryAdapters,
-    adapter_header,
-    check_adapter,
     install_memory_loader,
     memory_adapters,
-    memory_path,
 )
 from vllm.distributed.weight_transfer.lora.pusher import LoRAAdapter, push_lora_adapter
+from vllm.distributed.weight_transfer.lora.wire import (
+    AdapterConfig,
+    AdapterHeader,
+    AdapterRefused,
+    adapter_header,
+    check_adapter,
+    memory_path,
+)
 
 from ..ipc.test_worker import (
     EngineClient,
@@ -367,7 +371,7 @@ def test_a_clash_inside_an_engine_step_serves_the_pushed_adapter_without_raising
     """A raise while a step activates its adapters stops the engine: a
     preload of a clashing id is refused, the same load inside a step is
     served the pushed adapter and logged."""
-    from vllm.distributed.weight_transfer.lora import adapters as lora_adapters
+    from vllm.distributed.weight_transfer.lora import memory as lora_adapters
     from vllm.lora.worker_manager import WorkerLoRAManager
 
     install_memory_loader()
