@@ -61,7 +61,7 @@ from vllm.distributed.weight_transfer.landing.layerwise import (
     LayerwiseReloadSession,
 )
 from vllm.distributed.weight_transfer.landing.planned import LandingPlan
-from vllm.distributed.weight_transfer.lora.adapters import ADAPTER_KEY, AdapterHeader
+from vllm.distributed.weight_transfer.lora.wire import ADAPTER_KEY, AdapterHeader
 from vllm.distributed.weight_transfer.plan.ops import dtype_from_name
 from vllm.distributed.weight_transfer.quant.values import (
     checked_views,
