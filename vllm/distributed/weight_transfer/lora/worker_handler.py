@@ -22,6 +22,7 @@ from vllm.distributed.weight_transfer.lora.pull import (
 )
 from vllm.distributed.weight_transfer.lora.wire import AdapterHeader, adapter_header
 from vllm.distributed.weight_transfer.worker.handlers import MessageHandler
+from vllm.distributed.weight_transfer.worker.lifecycle import global_worker_rank
 
 
 class AdapterMessages(MessageHandler):
@@ -40,10 +41,6 @@ class AdapterMessages(MessageHandler):
         if self._pushes is None:
             engine = self.engine
             lora_config = getattr(engine.vllm_config, "lora_config", None)
-            from vllm.distributed.weight_transfer.worker.lifecycle import (
-                global_worker_rank,
-            )
-
             self._pushes = AdapterPushes(
                 model=engine.model,
                 base_shapes=checkpoint_shapes(engine.model_config),
