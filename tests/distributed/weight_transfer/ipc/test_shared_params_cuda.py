@@ -1,16 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The CUDA data plane: bytes exported by the trainer engine through CUDA IPC are
-read, bit for bit, by a second process that rebuilds them from the JSON handles
-(packed and unpacked). The reader plays a worker engine's verified-publication
-side too: it checks each update's header, checksums the mapped bytes on the
-GPU when the trainer sent checksums, and attests with a receipt at finish.
-Needs an NVIDIA GPU; skipped without one."""
+"""Shared CUDA parameters over the CUDA data plane: a second process maps the
+trainer's parameters once and reads them in place, a pinned source sends its
+layout once then only its id, parameters in several segments travel as one
+message, adopted parameters are read where they are, and a move found while
+landing aborts the update and the next one goes whole. Needs an NVIDIA GPU;
+skipped without one."""
 
 from __future__ import annotations
 
-import json
-import multiprocessing as mp
 from functools import partial
 
 import pytest
@@ -23,166 +21,17 @@ from vllm.distributed.weight_transfer.ipc_engine import (
 )
 from vllm.distributed.weight_transfer.verification import payload_checksum
 
+from .cuda_rig import (
+    CudaSource,
+    PipeWorker,
+    _answer,
+    _stats,
+)
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-
-def _reader(conn) -> None:
-    """Second process: import every update's buffers and send back CPU copies."""
-    from vllm.distributed.weight_transfer.buffers.dataplane import BufferImporter
-    from vllm.distributed.weight_transfer.ipc.layout_memo import LayoutMemo
-    from vllm.distributed.weight_transfer.verification import (
-        WorkerPublication,
-        device_identity,
-        is_prepare_request,
-    )
-
-    torch.cuda.set_device(0)
-    device = torch.device("cuda", 0)
-    importer = BufferImporter(device, local_rank=0)
-    pub = WorkerPublication(
-        backend="ipc", worker_rank=0, worker_device=device_identity(device)
-    )
-    prepared = None  # the receipt written at the prepare message
-    # As the worker engine parses: a short message names a layout parsed before.
-    layouts = LayoutMemo()
-    while True:
-        msg = conn.recv()
-        if msg is None:
-            importer.close()
-            conn.send(("closed", None))
-            return
-        if msg == "start":
-            pub.start()
-            layouts.discard()
-            prepared = None
-            conn.send(("ok", None))
-            continue
-        if msg == "drop":
-            importer.close()
-            layouts.discard()
-            pub.fail(RuntimeError("aborted"), weights_intact=True)
-            conn.send(("ok", None))
-            continue
-        if msg == "stats":
-            conn.send(("ok", (importer.mappings_opened, len(importer.kept()))))
-            continue
-        if msg == "short_messages":
-            conn.send(("ok", layouts.compact))
-            continue
-        if msg == "finish":  # as the worker engine does at finish_weight_update
-            importer.close(keep_persistent=True)
-            try:
-                # The receipt went out at the trainer's prepare message.
-                receipt = pub.finish() or prepared
-            except Exception as e:  # a failed update: report, keep serving
-                layouts.discard()
-                conn.send(("error", f"{type(e).__name__}: {e}"))
-                continue
-            layouts.commit()
-            conn.send(("ok", receipt.checksums_verified if receipt else None))
-            continue
-        try:
-            update_info = json.loads(msg)
-            if is_prepare_request(update_info):
-                # The trainer's prepare message: the receipt is written now.
-                prepared = pub.prepare()
-                conn.send(("ok", ([], {})))
-                continue
-            info = layouts.parse(pub.begin_message(update_info))
-            keys, bufs = [], []
-            for hmap in info.buffers():
-                key, handle = importer.select(hmap, "ipc_handles")
-                keys.append(key)
-                bufs.append(importer.open(handle))
-            out = {}
-            for i, buf in enumerate(bufs):
-                # What the trainer checksummed: the chunk's own bytes, which
-                # start mid-buffer for a chunk in the second half (overlap).
-                mine = [v for v in info.views() if v.buffer == i]
-                start = min(v.offset for v in mine)
-                end = max(v.offset + v.nbytes for v in mine)
-                pub.check_buffer(i, buf[start:end])
-            for v in info.views():
-                pub.admit(v.name, v.dtype, v.shape, v.nbytes)
-                raw = bufs[v.buffer][v.offset : v.offset + v.nbytes]
-                out[v.name] = raw.view(v.dtype).view(v.shape).cpu()
-                pub.landed(v.name, v.nbytes)
-            torch.cuda.synchronize()
-            layouts.landed(info)
-            del bufs, raw
-            if not info.packed:
-                importer.close()
-            conn.send(("ok", (keys, out)))
-        except Exception as e:  # report, keep serving
-            pub.fail(e, weights_intact=True)
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-
-
-def _answer(conn, what: str):
-    """The reader's answer, or an error if it does not come (a dead reader
-    would otherwise leave the test waiting forever)."""
-    if not conn.poll(120):
-        raise TimeoutError(f"the reader did not answer {what} within 120 s")
-    return conn.recv()
-
-
-class PipeWorker:
-    """A client whose update_weights runs in the reader process."""
-
-    def __init__(self, conn) -> None:
-        self.conn = conn
-        self.received: dict[str, torch.Tensor] = {}
-        self.keys: set[str] = set()
-        self.calls: list[str] = []
-        self.versions: list[str] = []
-        self.checksums_verified: int | None = None
-        # Raise on the next update_weights call (a failing transport).
-        self.fail_next = False
-
-    def init_weight_transfer_engine(self, init_info):
-        self.calls.append("init")
-
-    def start_weight_update(self):
-        self.calls.append("start")
-        self.conn.send("start")
-        assert _answer(self.conn, "start") == ("ok", None)
-
-    def update_weights(self, update_info):
-        self.calls.append("update" if "abort" not in update_info else "abort")
-        if "abort" in update_info:
-            # As the worker engine does on a failed update: drop every mapping.
-            self.conn.send("drop")
-            assert _answer(self.conn, "drop") == ("ok", None)
-            return
-        if self.fail_next:
-            self.fail_next = False
-            raise RuntimeError("injected failure")
-        self.conn.send(json.dumps(update_info))  # the wire is plain JSON
-        status, payload = _answer(self.conn, "update_weights")
-        if status != "ok":
-            raise RuntimeError(payload)
-        keys, tensors = payload
-        self.keys.update(keys)
-        self.received.update(tensors)
-
-    def finish_weight_update(self, weight_version=None):
-        # The trainer hands the new version to the commit itself.
-        if weight_version is not None:
-            self.versions.append(weight_version)
-        self.calls.append("finish")
-        self.conn.send("finish")
-        status, answer = _answer(self.conn, "finish")
-        assert status == "ok", answer
-        self.checksums_verified = answer
-
-    def update_weight_version(self, new_version):
-        self.versions.append(new_version)
-
-    def get_world_size(self):
-        return 1
 
 
 def _pinned_trainer(
@@ -215,84 +64,6 @@ def _short_messages(reader) -> int:
     return count
 
 
-class CudaSource(WeightSource):
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def metadata(self):
-        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
-
-    def __iter__(self):
-        yield from self.tensors.items()
-
-
-@pytest.fixture(scope="module")
-def reader():
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_reader, args=(child,), daemon=True)
-    proc.start()
-    yield parent
-    parent.send(None)
-    assert parent.recv()[0] == "closed"
-    proc.join(60)
-
-
-def _tensors() -> dict[str, torch.Tensor]:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    out = {}
-    for i in range(6):
-        dtype = torch.bfloat16 if i % 2 else torch.float32
-        t = torch.randn(64, 32 + i, generator=gen, device="cuda").to(dtype)
-        out[f"layers.{i}.weight"] = t
-    out["norm.weight"] = torch.randn(7, generator=gen, device="cuda")
-    return out
-
-
-@pytest.mark.parametrize("checksums", [False, True])
-@pytest.mark.parametrize("packed", [True, False])
-def test_cuda_ipc_bytes_arrive_bit_exact_in_another_process(reader, packed, checksums):
-    from vllm.distributed.weight_transfer.buffers.cuda_ipc import physical_gpu_uuid
-
-    tensors = _tensors()
-    client = PipeWorker(reader)
-    engine = IPCTrainerWeightTransferEngine.trainer_init(
-        IPCTrainerInitInfo(
-            rank=0,
-            packed=packed,
-            packed_buffer_size_bytes=20_000,
-            verify_checksums=checksums,
-        ),
-        client=client,
-        source=CudaSource(tensors),
-    )
-    engine.send_weights(weight_version="v1")
-    assert engine.last_plan is not None and len(engine.last_plan.chunks) > 1
-    assert client.calls[-1] == "finish" and "abort" not in client.calls
-    assert client.versions == ["v1"]  # set after the receipt verified
-    buffers = len(engine.last_plan.chunks) if packed else len(tensors)
-    assert client.checksums_verified == (buffers if checksums else 0)
-    assert client.keys == {physical_gpu_uuid(0)}
-    for name, t in tensors.items():
-        assert torch.equal(client.received[name], t.cpu()), name
-
-
-def test_second_send_reuses_nothing_stale(reader):
-    tensors = _tensors()
-    client = PipeWorker(reader)
-    engine = IPCTrainerWeightTransferEngine.trainer_init(
-        IPCTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=20_000),
-        client=client,
-        source=CudaSource(tensors),
-    )
-    engine.send_weights()
-    for t in tensors.values():
-        t.mul_(-1)
-    engine.send_weights()
-    for name, t in tensors.items():
-        assert torch.equal(client.received[name], t.cpu()), name
-
-
 class Net(torch.nn.Module):
     """Parameters of two dtypes, a bias-less layer, and one 4 MiB matrix."""
 
@@ -321,14 +92,6 @@ class ParamSource(WeightSource):
     def __iter__(self):
         for name, p in self.module.named_parameters():
             yield name, p.detach()
-
-
-def _stats(reader) -> tuple[int, int]:
-    """(mappings the reader opened so far, mappings it keeps now)."""
-    reader.send("stats")
-    status, stats = _answer(reader, "stats")
-    assert status == "ok"
-    return tuple(stats)
 
 
 def test_shared_parameters_are_mapped_once_and_read_in_place(reader):
@@ -654,82 +417,3 @@ def test_a_move_found_while_landing_is_aborted_then_sent_whole(reader):
     step_and_sync()
     assert engine.checked_while_landing == 2
     shared.close()
-
-
-def test_a_kept_packed_buffer_is_mapped_once_and_exported_anew_after_a_failure(
-    reader,
-):
-    """``keep_packed_buffer=True`` on CUDA: the trainer packs into the same
-    allocation at every sync and exports it once (a persistent handle); the
-    reader keeps it mapped, so the second sync opens nothing and reads the
-    new bytes. A failed sync drops the buffer on both sides; the next one
-    packs into a new, freshly exported buffer. The memory goes back once
-    both sides let go."""
-    import gc
-
-    payload_checksum(torch.zeros(1 << 16, dtype=torch.uint8, device="cuda"))
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    tensors = _tensors()
-    client = PipeWorker(reader)
-    engine = IPCTrainerWeightTransferEngine.trainer_init(
-        IPCTrainerInitInfo(
-            rank=0,
-            packed=True,
-            packed_buffer_size_bytes=20_000,
-            keep_packed_buffer=True,
-            verify_checksums=True,
-        ),
-        client=client,
-        source=CudaSource(tensors),
-    )
-
-    def assert_received() -> None:
-        for name, t in tensors.items():
-            assert torch.equal(client.received[name], t.cpu()), name
-
-    opened_before, _ = _stats(reader)
-    engine.send_weights()
-    assert_received()
-    assert engine.last_plan is not None and len(engine.last_plan.chunks) > 1
-    kept = engine._kept_buffer
-    assert kept is not None and kept.handle.persistent
-    export = kept.handle
-    assert _stats(reader) == (opened_before + 1, 1), "one mapping, kept"
-
-    for t in tensors.values():
-        t.mul_(-1)
-    engine.send_weights()
-    assert_received()
-    assert _stats(reader) == (opened_before + 1, 1), "the kept mapping is reused"
-    assert engine._kept_buffer is kept and kept.handle is export, "exported once"
-
-    client.fail_next = True
-    with pytest.raises(RuntimeError, match="injected"):
-        engine.send_weights()
-    assert _stats(reader)[1] == 0 and engine._kept_buffer is None
-    for t in tensors.values():
-        t.add_(1)
-    engine.send_weights()
-    assert_received()
-    assert engine._kept_buffer is not None and engine._kept_buffer is not kept
-    assert _stats(reader) == (opened_before + 2, 1)
-
-    # Let go on both sides: the trainer frees its buffer, and a sync that
-    # does not name it makes the reader drop its mapping.
-    engine.shutdown()
-    del engine, kept, export
-    other = torch.arange(16, dtype=torch.float32, device="cuda")
-    other_engine = IPCTrainerWeightTransferEngine.trainer_init(
-        IPCTrainerInitInfo(rank=0, packed=True, keep_packed_buffer=False),
-        client=client,
-        source=CudaSource({"x": other}),
-    )
-    other_engine.send_weights()
-    assert _stats(reader)[1] == 0, "the reader dropped the buffer"
-    del other_engine, other
-    tensors.clear()
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.ipc_collect()
-    assert torch.cuda.memory_allocated() - base < (1 << 20), "memory went back"

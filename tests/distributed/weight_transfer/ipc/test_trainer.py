@@ -2,18 +2,14 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The ipc trainer engine against a loopback worker (no vLLM engine): bytes
 arrive intact in both modes, chunks are flushed before the next tensor is
-materialized, and a source that disagrees with its metadata is rejected naming
-the tensor, with the server told to abort. The loopback checks the publication
-header and attests with a receipt like a worker engine, so the trainer's
-verified-publication steps run too: the version is stamped only after the
-receipt verified, checksums catch a changed byte, and a failure fences the
-served version."""
+materialized (overlapped or one at a time), the shared-memory buffer is reused
+or freed as asked, a source that disagrees with its metadata is rejected
+naming the tensor with the server told to abort, and the upstream wire's
+limits are kept. The verified-publication steps are in
+``test_trainer_verification.py``."""
 
-import gc
-import json
 import os
 import time
-import weakref
 
 import pytest
 import torch
@@ -21,137 +17,22 @@ import torch
 from vllm.distributed.weight_transfer import (
     ModuleSource,
     ParamMeta,
-    WeightSource,
     WeightTransferTrainerFactory,
 )
-from vllm.distributed.weight_transfer.buffers.dataplane import BufferImporter
 from vllm.distributed.weight_transfer.buffers.shm import SHM_DIR
-from vllm.distributed.weight_transfer.ipc.wire import IPCWeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.ipc_engine import (
     IPCTrainerInitInfo,
     IPCTrainerWeightTransferEngine,
 )
 from vllm.distributed.weight_transfer.verification import (
-    ChecksumMismatch,
-    WeightState,
-    WorkerPublication,
     is_fenced_version,
-    is_prepare_request,
 )
 
-
-class LoopbackClient:
-    """Plays one worker: checks each update's publication header, copies its
-    tensors from JSON, and attests with a receipt at finish. ``corrupt`` is
-    called with each mapped buffer before it is read (fault injection)."""
-
-    def __init__(self, events=None, corrupt=None):
-        self.events = events if events is not None else []
-        self.calls = []
-        self.received = {}
-        self.init_info = None
-        self.versions = []
-        self.corrupt = corrupt
-        self.pub = WorkerPublication(
-            backend="ipc", worker_rank=0, worker_device="cpu:loopback:0"
-        )
-
-    def init_weight_transfer_engine(self, init_info):
-        self.init_info = init_info
-        self.calls.append("init")
-
-    def start_weight_update(self):
-        self.calls.append("start")
-        self.pub.start()
-
-    def update_weights(self, update_info):
-        if "abort" in update_info:
-            self.calls.append("abort")
-            if self.pub.fence.state == WeightState.UPDATING:
-                self.pub.fail(update_info["abort"], weights_intact=True)
-            return
-        if is_prepare_request(update_info):
-            self.calls.append("prepare")
-            self.pub.prepare()
-            return
-        self.calls.append("update")
-        message = self.pub.begin_message(json.loads(json.dumps(update_info)))
-        info = IPCWeightTransferUpdateInfo.from_dict(message)
-        self.events.append(("update", tuple(info.names)))
-        importer = BufferImporter(torch.device("cpu"), local_rank=0, writable=True)
-        handles = [importer.select(b, "ipc_handles")[1] for b in info.buffers()]
-        buffers = [importer.open(h) for h in handles]
-        try:
-            for i, buf in enumerate(buffers):
-                if self.corrupt is not None:
-                    self.corrupt(buf)
-                mine = [v for v in info.views() if v.buffer == i]
-                start = min(v.offset for v in mine)
-                end = max(v.offset + v.nbytes for v in mine)
-                self.pub.check_buffer(i, buf[start:end])
-            self.pub.touch()  # as an in-place worker: the weights change now
-            for v in info.views():
-                self.pub.admit(v.name, v.dtype, v.shape, v.nbytes)
-                raw = buffers[v.buffer][v.offset : v.offset + v.nbytes]
-                self.received[v.name] = raw.view(v.dtype).view(v.shape).clone()
-                self.pub.landed(v.name, v.nbytes)
-        except BaseException as e:
-            self.pub.fail(e, weights_intact=True)
-            raise
-        finally:
-            del buffers
-            importer.close()
-
-    def finish_weight_update(self, weight_version=None):
-        self.calls.append(
-            "finish" if weight_version is None else f"finish:{weight_version}"
-        )
-        if self.pub.fence.state == WeightState.UPDATING:
-            self.pub.finish()
-        if weight_version is not None:  # upstream's finish sets the version
-            self.versions.append(weight_version)
-
-    def update_weight_version(self, new_version):
-        self.versions.append(new_version)
-
-    def get_world_size(self):
-        return 1
-
-
-class RecordingSource(WeightSource):
-    """Yields fresh copies of ``tensors`` and records when each is made."""
-
-    def __init__(self, tensors, events, meta_override=None, yield_override=None):
-        self.tensors = tensors
-        self.events = events
-        self.meta_override = meta_override or {}
-        self.yield_override = yield_override
-        self.alive = []
-
-    def metadata(self):
-        metas = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
-        return [self.meta_override.get(m.name, m) for m in metas]
-
-    def __iter__(self):
-        items = self.yield_override or list(self.tensors.items())
-        for name, t in items:
-            gc.collect()
-            live = [r for r in self.alive if r() is not None]
-            self.events.append(("materialize", name, len(live)))
-            fresh = t.clone()
-            self.alive.append(weakref.ref(fresh))
-            yield name, fresh
-            del fresh
-
-
-def model_tensors(n=6):
-    gen = torch.Generator().manual_seed(0)
-    out = {}
-    for i in range(n):
-        dtype = torch.bfloat16 if i % 2 else torch.float32
-        out[f"layers.{i}.weight"] = torch.randn(8, 4 + i, generator=gen).to(dtype)
-    out["norm.weight"] = torch.randn(3, generator=gen)
-    return out
+from .trainer_rig import (
+    LoopbackClient,
+    RecordingSource,
+    model_tensors,
+)
 
 
 def shm_files():
@@ -356,84 +237,6 @@ def test_server_failure_is_raised_and_the_update_aborted():
     assert "worker said no" in client.versions[0]
 
 
-@pytest.mark.parametrize("packed", [True, False])
-def test_checksums_catch_a_byte_changed_after_export(packed):
-    def flip(buf):
-        buf[3] ^= 0x10
-
-    client = LoopbackClient(corrupt=flip)
-    engine = IPCTrainerWeightTransferEngine.trainer_init(
-        IPCTrainerInitInfo(rank=0, packed=packed, verify_checksums=True),
-        client=client,
-        source=RecordingSource(model_tensors(2), []),
-    )
-    with pytest.raises(ChecksumMismatch, match="changed in transit"):
-        engine.send_weights(weight_version="v1")
-    assert client.calls[-2:] == ["abort", "finish"]
-    # The worker refused the first message before touching a weight, and its
-    # failure receipt says so: the served version is left alone.
-    assert client.versions == []
-
-
-@pytest.mark.parametrize("packed", [True, False])
-def test_checksummed_send_is_verified_by_the_receipt(packed):
-    client = LoopbackClient()
-    engine = IPCTrainerWeightTransferEngine.trainer_init(
-        IPCTrainerInitInfo(
-            rank=0, packed=packed, packed_buffer_size_bytes=300, verify_checksums=True
-        ),
-        client=client,
-        source=RecordingSource(model_tensors(), []),
-    )
-    engine.send_weights(weight_version="v1")
-    assert engine.last_publication is not None
-    verified = engine.last_publication.verified
-    assert verified is not None
-    # one checksum per payload buffer: per chunk packed, per tensor unpacked
-    buffers = client.calls.count("update") if packed else len(model_tensors())
-    assert verified.checksums_verified == buffers
-    assert client.versions == ["v1"]
-
-
-def test_model_versions_increase_across_trainer_engines():
-    client = LoopbackClient()
-    versions = []
-    for _ in range(2):  # a fresh trainer engine per send, as after a restart
-        engine = IPCTrainerWeightTransferEngine.trainer_init(
-            IPCTrainerInitInfo(rank=0),
-            client=client,
-            source=RecordingSource(model_tensors(1), []),
-        )
-        engine.send_weights(weight_version="step-1")  # a label, not the version
-        assert engine.last_publication is not None
-        versions.append(engine.last_publication.header.model_version)
-    assert versions[0] < versions[1]
-
-
-def test_explicit_model_versions_count_up_and_never_go_backwards():
-    client = LoopbackClient()
-
-    def trainer(start):
-        return IPCTrainerWeightTransferEngine.trainer_init(
-            IPCTrainerInitInfo(rank=0, model_version=start),
-            client=client,
-            source=RecordingSource(model_tensors(1), []),
-        )
-
-    engine = trainer(5)
-    engine.send_weights()
-    engine.send_weights()
-    assert engine.last_publication.header.model_version == 6
-    # the worker refuses an older version before anything lands
-    with pytest.raises(ValueError, match="versions never go backwards"):
-        trainer(3).send_weights()
-
-
-def test_init_info_checksums_need_the_publication():
-    with pytest.raises(ValueError, match="verify_checksums needs verify_publication"):
-        IPCTrainerInitInfo(rank=0, verify_checksums=True, verify_publication=False)
-
-
 def test_resident_parameters_are_packed_with_a_fused_copy_bit_exact():
     """Parameters (and views of them) cost no memory to hold, so a chunk's copies
     from them are batched; the bytes still arrive exactly, across chunks and
@@ -457,41 +260,6 @@ def test_resident_parameters_are_packed_with_a_fused_copy_bit_exact():
         with torch.no_grad():
             for p in module.parameters():
                 p.mul_(-2)
-
-
-def test_a_client_without_the_verification_calls_sends_unverified(caplog):
-    """A client written against upstream's four-method protocol still works."""
-
-    class UpstreamStyleClient(LoopbackClient):  # no get_world_size / version
-        get_world_size = None  # type: ignore[assignment]
-        update_weight_version = None  # type: ignore[assignment]
-
-    tensors = model_tensors(2)
-    client = UpstreamStyleClient()
-    engine = IPCTrainerWeightTransferEngine.trainer_init(
-        IPCTrainerInitInfo(rank=0),
-        client=client,
-        source=RecordingSource(tensors, []),
-    )
-    assert not engine.verify_publication
-    assert "without verified publication" in caplog.text
-    engine.send_weights(weight_version="v7")
-    assert client.calls[-1] == "finish:v7"
-    for name, t in tensors.items():
-        assert torch.equal(client.received[name], t), name
-
-
-def test_checksums_need_a_client_that_can_verify():
-    class UpstreamStyleClient(LoopbackClient):
-        get_world_size = None  # type: ignore[assignment]
-        update_weight_version = None  # type: ignore[assignment]
-
-    with pytest.raises(TypeError, match="verify_checksums needs"):
-        IPCTrainerWeightTransferEngine.trainer_init(
-            IPCTrainerInitInfo(rank=0, verify_checksums=True),
-            client=UpstreamStyleClient(),
-            source=RecordingSource(model_tensors(1), []),
-        )
 
 
 class SlowLoopbackClient(LoopbackClient):
@@ -601,85 +369,6 @@ def test_a_failing_update_in_flight_is_raised_and_aborted_after_it_returns():
     assert client.calls[-2:] == ["abort", "finish"]
     assert shm_files() == set()  # a failed sync drops the kept buffers
     assert is_fenced_version(client.versions[-1])
-
-
-class TwoEngineClient:
-    """Two loopback engines behind one client, as a Ray client over two
-    actors: every call goes to both, and each engine's one worker has rank 0
-    on its own device."""
-
-    def __init__(self, silent_second=False):
-        self.engines = [LoopbackClient(), LoopbackClient()]
-        self.handles = ["engine-a", "engine-b"]
-        for i, engine in enumerate(self.engines):
-            engine.pub = WorkerPublication(
-                backend="ipc", worker_rank=0, worker_device=f"cpu:engine{i}:0"
-            )
-        self.silent_second = silent_second
-
-    def _all(self, method, *args):
-        for i, engine in enumerate(self.engines):
-            if (
-                method == "update_weights"
-                and is_prepare_request(args[0])
-                and i == 1
-                and self.silent_second
-            ):
-                continue  # this engine never prepares: no receipt
-            getattr(engine, method)(*args)
-
-    def init_weight_transfer_engine(self, init_info):
-        self._all("init_weight_transfer_engine", init_info)
-
-    def start_weight_update(self):
-        self._all("start_weight_update")
-
-    def update_weights(self, update_info):
-        self._all("update_weights", update_info)
-
-    def finish_weight_update(self, weight_version=None):
-        self._all("finish_weight_update", weight_version)
-
-    def update_weight_version(self, new_version):
-        self._all("update_weight_version", new_version)
-
-    def get_world_size(self):
-        return 2
-
-
-def test_one_client_over_two_engines_is_verified_by_both_receipts():
-    tensors = model_tensors()
-    client = TwoEngineClient()
-    engine = IPCTrainerWeightTransferEngine.trainer_init(
-        IPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=300),
-        client=client,
-        source=RecordingSource(tensors, []),
-    )
-    engine.send_weights(weight_version="v1")
-    assert engine.last_publication is not None
-    verified = engine.last_publication.verified
-    assert verified is not None and verified.workers == (0, 0)
-    for loopback in client.engines:
-        assert loopback.versions == ["v1"]
-        for name, t in tensors.items():
-            assert torch.equal(loopback.received[name], t), name
-    engine.shutdown()
-
-
-def test_an_engine_without_a_receipt_fails_the_sync_naming_the_count():
-    client = TwoEngineClient(silent_second=True)
-    engine = IPCTrainerWeightTransferEngine.trainer_init(
-        IPCTrainerInitInfo(rank=0, receipt_timeout_s=0.5),
-        client=client,
-        source=RecordingSource(model_tensors(), []),
-    )
-    with pytest.raises(TimeoutError, match="1 of 2 worker"):
-        engine.send_weights(weight_version="v1")
-    # Neither engine committed: the trainer aborted both instead of finishing.
-    for one in client.engines:
-        assert "finish:v1" not in one.calls
-        assert one.calls[-2:] == ["abort", "finish"]
-    assert is_fenced_version(client.engines[0].versions[-1])
 
 
 def test_upstream_wire_refuses_cpu_tensors_and_aborts():

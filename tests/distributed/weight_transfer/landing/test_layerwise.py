@@ -93,7 +93,7 @@ def test_layers_outside_a_partial_update_keep_their_weights_without_warnings():
     by a plan, in a shadow, or unchanged), so the warnings are dropped."""
     import logging
 
-    from ..ipc.test_worker import reload_ready
+    from ..ipc.worker_rig import reload_ready
 
     model = reload_ready(0)
     kept = model.b.weight.detach().clone()

@@ -34,7 +34,7 @@ from vllm.distributed.weight_transfer.lora.wire import (
     memory_path,
 )
 
-from ..ipc.test_worker import (
+from ..ipc.worker_rig import (
     EngineClient,
     TinyNet,
     make_engine,

@@ -17,7 +17,7 @@ from vllm.distributed.weight_transfer.landing.completeness import (
 )
 from vllm.distributed.weight_transfer.worker.shadows import ShadowLayers
 
-from ..ipc.test_worker import TinyNet
+from ..ipc.worker_rig import TinyNet
 
 
 class Linear(torch.nn.Module):

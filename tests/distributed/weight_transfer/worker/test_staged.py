@@ -31,7 +31,7 @@ from vllm.distributed.weight_transfer.worker.staged import (
     StagingDoesNotFit,
 )
 
-from ..ipc.test_worker import (
+from ..ipc.worker_rig import (
     EngineClient,
     NoReload,
     TinyNet,

@@ -20,7 +20,7 @@ from vllm.distributed.weight_transfer.worker.staging_pool import (
     buffer_kind,
 )
 
-from ..ipc.test_worker import EngineClient, NoReload, TinyNet, planned_ready, state
+from ..ipc.worker_rig import EngineClient, NoReload, TinyNet, planned_ready, state
 from .test_staged import (
     FailsAtMessage,
     assert_state,
