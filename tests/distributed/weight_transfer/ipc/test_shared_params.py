@@ -243,7 +243,7 @@ def test_the_trainer_exports_anew_only_what_workers_did_not_keep():
     mappings per segment)."""
     import weakref
 
-    from vllm.distributed.weight_transfer.ipc.trainer import _SharedInSync
+    from vllm.distributed.weight_transfer.ipc.whole_sync import _SharedInSync
 
     class Owner:
         def __init__(self) -> None:

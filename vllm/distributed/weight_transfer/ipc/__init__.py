@@ -4,6 +4,11 @@
 workers (CUDA IPC or shared memory).
 
 - ``trainer``: ``IPCTrainerInitInfo`` and the trainer engine;
+- ``chunk_sender``: how the trainer sends one sync's chunks (packed or
+  named in place, overlapped);
+- ``whole_sync``: resending a whole sync by its layout id while nothing
+  moved;
+- ``source_walk``: the trainer's walk of a source in metadata order;
 - ``worker``: ``IPCWeightTransferEngine``, which maps and lands messages;
 - ``wire``: the init and update messages;
 - ``upstream_wire``: upstream 0.32's form of the messages, both sides;
