@@ -16,7 +16,6 @@ from vllm.distributed.weight_transfer.serving import metrics as sync_metrics
 from vllm.distributed.weight_transfer.serving.metrics import (
     ROUTE_OPERATIONS,
     RouteSyncObserver,
-    SyncRecord,
     WeightSyncMetricsMiddleware,
     WeightTransferMetrics,
 )
@@ -26,6 +25,7 @@ from vllm.distributed.weight_transfer.verification import (
     attach_publication,
     fenced_version,
 )
+from vllm.distributed.weight_transfer.verification.record import SyncRecord
 from vllm.entrypoints.rl.factories import register_rl_api_routers
 
 MANIFEST = Manifest.from_params([ParamMeta("w", torch.float32, (256,))])  # 1024 B
