@@ -20,8 +20,8 @@ The configs are written out by hand from the published model configs (sizes
 only, no quantization): Qwen3-8B, Qwen3-30B-A3B, and DeepSeek-V3 in bf16 (its
 fp8 block quantization left out, its multi-token-prediction layer not listed).
 A plan baked on a meta model equals the one baked on the loaded model
-(tests/distributed/sharded_rdt/test_planner_real_models.py), so these are the plans the
-engine would bake.
+(tests/distributed/weight_transfer/plan/test_planner_real_models.py), so these
+are the plans the engine would bake.
 
 Run: ``python benchmarks/weight_transfer/bench_plan_scale.py [--cases
 qwen3-8b:1 qwen3-8b:2 ...] [--plans-dir /tmp/plans]``; the result goes to

@@ -39,12 +39,12 @@ abort, a failed prepare or pre-commit check) drops the staging and leaves the
 engine unfenced; only a failure inside the commit fences.
 
 The rule for ``finish_weight_update`` after a failed update (tested for both
-backends in ``tests/distributed/test_worker_lifecycle.py``): when nothing had
-landed, the update is already closed and finish returns quietly, the model
-untouched; when a weight had landed, the engine is fenced and finish raises
-``WeightsFencedError`` naming the reason and the way out (an abort message,
-then finish, then a full update); after the trainer's abort message finish
-closes quietly either way.
+backends in ``tests/distributed/weight_transfer/worker/test_lifecycle.py``):
+when nothing had landed, the update is already closed and finish returns
+quietly, the model untouched; when a weight had landed, the engine is fenced and
+finish raises ``WeightsFencedError`` naming the reason and the way out (an abort
+message, then finish, then a full update); after the trainer's abort message
+finish closes quietly either way.
 
 Messages of a kind a feature registered (``worker.handlers``; LoRA
 registers the ``adapter`` kind, ``lora.worker_handler``) go to that kind's
