@@ -16,9 +16,8 @@ keeps working, because the factories only ever use it as a mapping.
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, MutableMapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from vllm.distributed.weight_transfer.base import (
     TrainerWeightTransferEngine,
@@ -27,6 +26,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
 )
 from vllm.distributed.weight_transfer.common.messages import MessageKind
+from vllm.distributed.weight_transfer.common.registry import (
+    NameRegistry,
+    import_attribute,
+)
 from vllm.distributed.weight_transfer.worker.handlers import register_message_handler
 from vllm.logger import init_logger
 
@@ -39,68 +42,40 @@ logger = init_logger(__name__)
 
 _PACKAGE = "vllm.distributed.weight_transfer"
 
+E = TypeVar("E")
+
 
 def _lazy_loader(module_path: str, class_name: str) -> Callable[[], Any]:
-    """A loader that imports ``module_path`` when called (Python's module cache
-    makes every call after the first a lookup) and returns its ``class_name``."""
+    """A loader that imports ``module_path`` when called and returns its
+    ``class_name``."""
 
-    def load() -> Any:
-        module = importlib.import_module(module_path)
-        try:
-            return getattr(module, class_name)
-        except AttributeError as e:
-            raise AttributeError(
-                f"weight transfer backend module {module_path!r} has no class "
-                f"{class_name!r}"
-            ) from e
-
-    return load
-
-
-def _register(
-    registry: MutableMapping[str, Callable[[], Any]],
-    what: str,
-    name: str,
-    module_path_or_cls: str | type,
-    class_name: str | None,
-) -> None:
-    if name in registry:
-        raise ValueError(f"{what} '{name}' is already registered.")
-    if isinstance(module_path_or_cls, str):
-        if class_name is None:
-            raise ValueError(
-                "class_name is required when registering with module path "
-                f"({name!r} -> {module_path_or_cls!r})"
-            )
-        registry[name] = _lazy_loader(module_path_or_cls, class_name)
-        return
-    if class_name is not None:
-        raise ValueError(
-            f"class_name={class_name!r} is only valid when registering {name!r} "
-            "by module path"
+    def missing() -> AttributeError:
+        return AttributeError(
+            f"weight transfer backend module {module_path!r} has no class "
+            f"{class_name!r}"
         )
-    engine_cls = module_path_or_cls
-    registry[name] = lambda: engine_cls
+
+    return lambda: import_attribute(module_path, class_name, missing)
 
 
-def _resolve(
-    registry: MutableMapping[str, Callable[[], Any]], available: str, name: str
-) -> Any:
-    if name not in registry:
-        raise ValueError(
-            f"Invalid weight transfer backend: {name}. {available}: {sorted(registry)}"
+class _EngineFactory(Generic[E]):
+    """Register, list and look up engine classes by backend name in the
+    subclass's own ``_registry``; ``_what`` and ``_available`` word its
+    errors."""
+
+    _registry: dict[str, Callable[[], type[E]]]
+    _what: str
+    _available: str
+
+    @classmethod
+    def _names(cls) -> NameRegistry[Callable[[], type[E]]]:
+        return NameRegistry(
+            cls._registry,
+            taken=lambda name: f"{cls._what} '{name}' is already registered.",
+            unknown=lambda name, known: (
+                f"Invalid weight transfer backend: {name}. {cls._available}: {known}"
+            ),
         )
-    return registry[name]()
-
-
-class WeightTransferEngineFactory:
-    """Worker side: creates the engine that receives weights inside a vLLM worker.
-
-    An engine class is anything constructed as ``cls(config, vllm_config, device,
-    model)``; subclassing `WeightTransferEngine` is the usual way, not a
-    requirement."""
-
-    _registry: dict[str, Callable[[], type[WeightTransferEngine]]] = {}
 
     @classmethod
     def register_engine(
@@ -111,21 +86,44 @@ class WeightTransferEngineFactory:
     ) -> None:
         """Register a backend by ``(module_path, class_name)`` (imported on first
         use) or by class. Registering a taken name raises `ValueError`."""
-        _register(
-            cls._registry,
-            "Weight transfer engine",
-            name,
-            module_path_or_cls,
-            class_name,
-        )
+        names = cls._names()
+        names.check_free(name)
+        if isinstance(module_path_or_cls, str):
+            if class_name is None:
+                raise ValueError(
+                    "class_name is required when registering with module path "
+                    f"({name!r} -> {module_path_or_cls!r})"
+                )
+            names.add(name, _lazy_loader(module_path_or_cls, class_name))
+            return
+        if class_name is not None:
+            raise ValueError(
+                f"class_name={class_name!r} is only valid when registering "
+                f"{name!r} by module path"
+            )
+        engine_cls = module_path_or_cls
+        names.add(name, lambda: engine_cls)
 
     @classmethod
     def available_backends(cls) -> list[str]:
-        return sorted(cls._registry)
+        return cls._names().names()
 
     @classmethod
-    def get_engine_class(cls, name: str) -> type[WeightTransferEngine]:
-        return _resolve(cls._registry, "Available engines", name)
+    def get_engine_class(cls, name: str) -> type[E]:
+        return cls._names().get(name)()
+
+
+class WeightTransferEngineFactory(_EngineFactory[WeightTransferEngine]):
+    """Worker side: creates the engine that receives weights inside a vLLM worker.
+
+    An engine class is anything constructed as ``cls(config, vllm_config, device,
+    model)``; subclassing `WeightTransferEngine` is the usual way, not a
+    requirement."""
+
+    _registry: dict[str, Callable[[], type[WeightTransferEngine]]] = {}
+
+    _what = "Weight transfer engine"
+    _available = "Available engines"
 
     @classmethod
     def create_engine(
@@ -145,7 +143,7 @@ class WeightTransferEngineFactory:
         return engine_cls(config, vllm_config, device, model)
 
 
-class WeightTransferTrainerFactory:
+class WeightTransferTrainerFactory(_EngineFactory[TrainerWeightTransferEngine]):
     """Trainer side: builds the engine that sends weights, chosen by
     ``init_info.backend``.
 
@@ -155,29 +153,8 @@ class WeightTransferTrainerFactory:
 
     _registry: dict[str, Callable[[], type[TrainerWeightTransferEngine]]] = {}
 
-    @classmethod
-    def register_engine(
-        cls,
-        name: str,
-        module_path_or_cls: str | type,
-        class_name: str | None = None,
-    ) -> None:
-        """Same conventions as `WeightTransferEngineFactory.register_engine`."""
-        _register(
-            cls._registry,
-            "Weight transfer trainer engine",
-            name,
-            module_path_or_cls,
-            class_name,
-        )
-
-    @classmethod
-    def available_backends(cls) -> list[str]:
-        return sorted(cls._registry)
-
-    @classmethod
-    def get_engine_class(cls, name: str) -> type[TrainerWeightTransferEngine]:
-        return _resolve(cls._registry, "Available trainer engines", name)
+    _what = "Weight transfer trainer engine"
+    _available = "Available trainer engines"
 
     @classmethod
     def trainer_init(

@@ -20,11 +20,14 @@ registering imports neither NIXL nor Ray.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.weight_transfer.common.registry import (
+    NameRegistry,
+    import_attribute,
+)
 from vllm.distributed.weight_transfer.pull.routing import PRODUCE_METHOD_NAME
 
 if TYPE_CHECKING:
@@ -72,13 +75,13 @@ class TransportEntry:
     preflight: str | None = None
 
     def _load(self, attr: str) -> Any:
-        module = importlib.import_module(self.module_path)
-        try:
-            return getattr(module, attr)
-        except AttributeError:
-            raise ImportError(
+        return import_attribute(
+            self.module_path,
+            attr,
+            lambda: ImportError(
                 f"transport {self.name!r}: module {self.module_path!r} has no {attr!r}"
-            ) from None
+            ),
+        )
 
     def consumer_factory(self) -> Callable[[ConsumerSettings], ConsumerTransport]:
         return self._load(self.consumer)
@@ -94,6 +97,21 @@ class TransportEntry:
 _TRANSPORTS: dict[str, TransportEntry] = {}
 
 
+def _unknown_transport(name: str, names: list[str]) -> str:
+    known = ", ".join(repr(n) for n in names)
+    return (
+        f"unknown sharded_rdt transport {name!r}; known transports: {known} "
+        f"(or {AUTO!r}, which resolves to one of them)"
+    )
+
+
+_NAMES = NameRegistry(
+    _TRANSPORTS,
+    taken=lambda name: f"transport {name!r} is already registered",
+    unknown=_unknown_transport,
+)
+
+
 def register_transport(
     name: str,
     module_path: str,
@@ -107,28 +125,20 @@ def register_transport(
     names of its factories there; nothing is imported until a lookup."""
     if name == AUTO:
         raise ValueError(f"{AUTO!r} names the resolution rule, not a transport")
-    if name in _TRANSPORTS:
-        raise ValueError(f"transport {name!r} is already registered")
-    _TRANSPORTS[name] = TransportEntry(
-        name, module_path, consumer, server, actor_endpoints, preflight
+    _NAMES.add(
+        name,
+        TransportEntry(name, module_path, consumer, server, actor_endpoints, preflight),
     )
 
 
 def transport_names() -> list[str]:
-    return sorted(_TRANSPORTS)
+    return _NAMES.names()
 
 
 def transport_entry(name: str) -> TransportEntry:
     """The entry registered under ``name``; a ValueError that lists the known
     names when there is none."""
-    entry = _TRANSPORTS.get(name)
-    if entry is None:
-        known = ", ".join(repr(n) for n in transport_names())
-        raise ValueError(
-            f"unknown sharded_rdt transport {name!r}; known transports: {known} "
-            f"(or {AUTO!r}, which resolves to one of them)"
-        )
-    return entry
+    return _NAMES.get(name)
 
 
 def make_consumer(name: str, settings: ConsumerSettings) -> ConsumerTransport:
