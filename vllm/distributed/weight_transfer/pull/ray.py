@@ -38,6 +38,7 @@ from vllm.distributed.weight_transfer.pull.routing import (
 )
 from vllm.distributed.weight_transfer.pull.transport import (
     ConsumerTransport,
+    DrivesProducer,
     ProducerLink,
     ProducerServer,
 )
@@ -60,9 +61,10 @@ logger = init_logger(__name__)
 _GRACE_S = 5.0
 
 
-class _ProducerActorBase:
-    """The producer actor's plain methods (the produce method is added with its
-    Ray decorator in `producer_actor_class`)."""
+class _ProducerActorBase(DrivesProducer):
+    """The producer actor's plain methods, the trainer's sync calls among them
+    (the produce method is added with its Ray decorator in
+    `producer_actor_class`)."""
 
     def __init__(self, producer_kwargs: dict[str, Any]) -> None:
         self.producer = Producer(**producer_kwargs)
@@ -102,21 +104,6 @@ class _ProducerActorBase:
 
     def discard_receipts(self, publication_id: str) -> None:
         self.producer.receipts.discard(publication_id)
-
-    def begin_sync(self, live: list[int], sync_id: int | None = None) -> None:
-        self.producer.begin_sync(live, sync_id)
-
-    def wait_credit(self) -> None:
-        self.producer.wait_credit()
-
-    def publish(self, group: int, tensors: dict[str, torch.Tensor]) -> None:
-        self.producer.publish(group, tensors)
-
-    def end_sync(self) -> None:
-        self.producer.end_sync()
-
-    def fail(self, reason: str) -> None:
-        self.producer.fail(reason)
 
     def close(self) -> None:
         self.producer.close()

@@ -103,16 +103,12 @@ class ConsumerTransport(ABC):
         pass
 
 
-class ProducerServer(ABC):
-    """Makes one trainer rank's `Producer` reachable by consumers. The trainer
-    drives the producer through the server (``begin_sync``, ``wait_credit``,
-    ``publish``, ``end_sync``, ``fail``), since it may live in another process."""
+class DrivesProducer:
+    """The calls a trainer drives a `Producer` with during a sync, passed on to
+    ``self.producer``; both `ProducerServer` and the Ray producer actor offer
+    them."""
 
     producer: Any  # the `Producer`, or a handle on one in another process
-
-    @abstractmethod
-    def endpoint(self) -> dict[str, Any]:
-        """JSON-safe address consumers connect to."""
 
     def begin_sync(
         self, live_consumer_ids: Sequence[int], sync_id: int | None = None
@@ -130,6 +126,16 @@ class ProducerServer(ABC):
 
     def fail(self, reason: str) -> None:
         self.producer.fail(reason)
+
+
+class ProducerServer(DrivesProducer, ABC):
+    """Makes one trainer rank's `Producer` reachable by consumers. The trainer
+    drives the producer through the server (``begin_sync``, ``wait_credit``,
+    ``publish``, ``end_sync``, ``fail``), since it may live in another process."""
+
+    @abstractmethod
+    def endpoint(self) -> dict[str, Any]:
+        """JSON-safe address consumers connect to."""
 
     @property
     def receipts(self) -> ReceiptInbox:
