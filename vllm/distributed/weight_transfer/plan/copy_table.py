@@ -51,13 +51,13 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from math import prod
 from typing import Any
 
 import numpy as np
 import torch
 
 from vllm.distributed.weight_transfer.plan.ops import (
+    ShapedTensor,
     SliceSpec,
     dtype_from_name,
     dtype_name,
@@ -70,7 +70,7 @@ from vllm.distributed.weight_transfer.plan.worker_plan import (
 
 
 @dataclass(frozen=True)
-class TensorSpec:
+class TensorSpec(ShapedTensor):
     """A tensor the table reads or writes. For a source, ``shape`` is its
     checkpoint shape; for a destination, ``(numel,)`` with the fewest elements
     that hold every region written into it."""
@@ -78,14 +78,6 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str
-
-    @property
-    def numel(self) -> int:
-        return prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * dtype_from_name(self.dtype).itemsize
 
 
 @dataclass(frozen=True)

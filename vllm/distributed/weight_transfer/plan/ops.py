@@ -218,8 +218,24 @@ def replay(tensor: torch.Tensor, chain: Iterable[ViewOp]) -> torch.Tensor:
     return tensor
 
 
+class ShapedTensor:
+    """``numel`` and ``nbytes`` of a tensor described by ``shape`` and a dtype
+    name; the dataclasses that inherit it declare both fields."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_from_name(self.dtype).itemsize
+
+
 @dataclass(frozen=True)
-class SliceSpec:
+class SliceSpec(ShapedTensor):
     """One slice a worker consumes: checkpoint tensor ``source`` after ``chain``.
 
     ``shape`` and ``dtype`` are what the chain produces from a source of the
@@ -239,14 +255,6 @@ class SliceSpec:
         dtype_from_name(self.dtype)
         if any(s < 0 for s in self.shape):
             raise ValueError(f"slice of {self.source!r} has shape {self.shape}")
-
-    @property
-    def numel(self) -> int:
-        return prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * dtype_from_name(self.dtype).itemsize
 
     def describe(self) -> str:
         ops = ".".join(str(op) for op in self.chain)
