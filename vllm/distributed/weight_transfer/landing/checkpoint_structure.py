@@ -48,6 +48,15 @@ Shapes = dict[str, tuple[int, ...]]
 Kinds = dict[str, str]
 _LIST_LIMIT = 8
 
+
+def _listed(wrong: list[str]) -> str:
+    """The first ``_LIST_LIMIT`` of ``wrong`` joined by "; ", then how many more."""
+    listed = "; ".join(wrong[:_LIST_LIMIT])
+    if len(wrong) > _LIST_LIMIT:
+        listed += f"; and {len(wrong) - _LIST_LIMIT} more"
+    return listed
+
+
 # safetensors' names of the float formats of 8 bits or fewer, as torch names
 # them. Each is a kind of its own: a cast from or to one of them is never a
 # change of precision only (float8 codes are meaningless without their
@@ -184,9 +193,7 @@ def check_manifest_shapes(
         if e.name in shapes and shapes[e.name] != e.shape
     ]
     if wrong:
-        listed = "; ".join(wrong[:_LIST_LIMIT])
-        if len(wrong) > _LIST_LIMIT:
-            listed += f"; and {len(wrong) - _LIST_LIMIT} more"
+        listed = _listed(wrong)
         raise ManifestMismatch(
             f"publication {publication_id}'s manifest disagrees with the served "
             f"model's checkpoint on {len(wrong)} tensor shape(s): "
@@ -214,9 +221,7 @@ def check_manifest_dtypes(
     with a dtype of another kind (float32 bytes declared int32)."""
     wrong = wrong_dtype_kinds(((e.name, e.dtype) for e in manifest.entries), kinds)
     if wrong:
-        listed = "; ".join(wrong[:_LIST_LIMIT])
-        if len(wrong) > _LIST_LIMIT:
-            listed += f"; and {len(wrong) - _LIST_LIMIT} more"
+        listed = _listed(wrong)
         raise ManifestMismatch(
             f"publication {publication_id}'s manifest declares {len(wrong)} "
             f"tensor(s) with a dtype the served model cannot take: {listed}; "

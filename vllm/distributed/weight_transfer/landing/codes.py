@@ -50,13 +50,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 import torch
 
 from vllm.distributed.weight_transfer.base import ParamMeta
+from vllm.distributed.weight_transfer.landing.bound_places import RecordsPlaces
 from vllm.distributed.weight_transfer.landing.completeness import (
     IncompleteUpdateError,
     first_few,
@@ -69,7 +70,6 @@ from vllm.distributed.weight_transfer.plan.ops import (
     bit_pattern,
     dtype_name,
     replay,
-    tensor_place,
 )
 from vllm.distributed.weight_transfer.plan.worker_plan import Region, SliceCopy
 from vllm.distributed.weight_transfer.quant.fp8 import (
@@ -127,7 +127,7 @@ class _Bound:
 
 
 @dataclass
-class CodesLanding:
+class CodesLanding(RecordsPlaces):
     """Where a trainer layout's FP8 codes and scales land; see the module
     docstring. Build it with ``plan``."""
 
@@ -137,10 +137,6 @@ class CodesLanding:
     writers: dict[str, frozenset[str]]
     # (module, parameter name, tensor) of every served tensor written.
     targets: list[tuple[torch.nn.Module, str, torch.Tensor]]
-    # ``tensor_place`` of each target when the views were cut.
-    _bound_places: list[tuple] = field(
-        default_factory=list, init=False, repr=False, compare=False
-    )
 
     @cached_property
     def names(self) -> frozenset[str]:
@@ -289,7 +285,7 @@ class CodesLanding:
             writers={m: frozenset(n) for m, n in writers.items()},
             targets=list(targets.values()),
         )
-        landing._bound_places = [tensor_place(t) for _, _, t in landing.targets]
+        landing.record_places(landing.targets)
         logger.info(
             "FP8 codes land straight in %d served layer(s) (%d bytes per sync)",
             len(writers),
@@ -347,10 +343,9 @@ class CodesLanding:
     def still_bound(self) -> bool:
         """Whether every served tensor written is still the one its layer
         holds, in the memory the views were cut from."""
-        return (
-            all(getattr(m, p, None) is t for m, p, t in self.targets)
-            and [tensor_place(t) for _, _, t in self.targets] == self._bound_places
-        )
+        return all(
+            getattr(m, p, None) is t for m, p, t in self.targets
+        ) and self.places_unchanged(self.targets)
 
     @torch.no_grad()
     def land(self, name: str, tensor: torch.Tensor) -> None:

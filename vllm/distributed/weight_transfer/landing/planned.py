@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from vllm.distributed.weight_transfer.base import ParamMeta
+from vllm.distributed.weight_transfer.landing.bound_places import RecordsPlaces
 from vllm.distributed.weight_transfer.landing.completeness import (
     IncompleteUpdateError,
     first_few,
@@ -62,7 +63,6 @@ from vllm.distributed.weight_transfer.plan.ops import (
     SliceSpec,
     bit_pattern,
     replay_slice,
-    tensor_place,
 )
 from vllm.distributed.weight_transfer.plan.worker_plan import SliceCopy, WorkerPlan
 from vllm.logger import init_logger
@@ -85,7 +85,7 @@ class _Bound:
 
 
 @dataclass
-class LandingPlan:
+class LandingPlan(RecordsPlaces):
     """Which checkpoint names land straight in served tensors, and how; see
     the module docstring. Build it with ``bake``."""
 
@@ -105,10 +105,6 @@ class LandingPlan:
     # function of the names, and a sync usually sends the same ones).
     _passed_whole: set[str] | None = field(
         default=None, init=False, repr=False, compare=False
-    )
-    # ``tensor_place`` of each target when the views were cut.
-    _bound_places: list[tuple] = field(
-        default_factory=list, init=False, repr=False, compare=False
     )
 
     @cached_property
@@ -193,7 +189,7 @@ class LandingPlan:
             _targets=targets,
             served=served,
         )
-        landing._bound_places = [tensor_place(t) for _, _, t in targets]
+        landing.record_places(targets)
         logger.info(
             "planned landing for %s: %d of %d checkpoint tensors (%d bytes) land "
             "straight in %d served module(s); %d module(s) go through the "
@@ -224,7 +220,7 @@ class LandingPlan:
             all(map(operator.is_, map(dict.get, params, keys), tensors))
             and not any(map(operator.contains, shadows, keys))
             and all(getattr(m, p, None) is t for m, p, t in others)
-            and [tensor_place(t) for _, _, t in self._targets] == self._bound_places
+            and self.places_unchanged(self._targets)
         )
 
     @cached_property
