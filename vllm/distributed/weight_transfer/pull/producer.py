@@ -418,17 +418,25 @@ class Producer:
             self._progress()
         return Packed(slot_index, view, checksum)
 
+    def _known_chunk(
+        self, consumer_id: int, seq: int, asked: str
+    ) -> tuple[_Consumer, _Slot]:
+        """``consumer_id``'s state and the slot its chunk ``seq`` packs into
+        (call with ``_cond`` held); a `ProducerError` naming ``asked`` when
+        there is no such chunk."""
+        consumer = self._consumers.get(consumer_id)
+        if consumer is None or not 0 <= seq < len(consumer.chunks):
+            raise ProducerError(
+                f"{asked} for unknown chunk (consumer {consumer_id}, seq {seq}) "
+                f"on producer rank {self.rank}"
+            )
+        return consumer, self._shares[consumer.share].slots[seq % self.num_slots]
+
     def packed_checksum(self, consumer_id: int, seq: int) -> str | None:
         """The checksum of chunk ``seq`` as packed for ``consumer_id``, for a
         transport that returns the bytes alone; call it before ``read_done``."""
         with self._cond:
-            consumer = self._consumers.get(consumer_id)
-            if consumer is None or not 0 <= seq < len(consumer.chunks):
-                raise ProducerError(
-                    f"checksum asked for unknown chunk (consumer {consumer_id}, "
-                    f"seq {seq}) on producer rank {self.rank}"
-                )
-            slot = self._shares[consumer.share].slots[seq % self.num_slots]
+            _, slot = self._known_chunk(consumer_id, seq, "checksum asked")
             if slot.seq != seq or slot.packing:
                 raise ProducerError(
                     f"chunk seq {seq} of consumer {consumer_id} is not packed on "
@@ -445,14 +453,8 @@ class Producer:
         """``consumer_id`` has read chunk ``seq``; free its slot and, once every
         reader is done with the group, the group."""
         with self._cond:
-            consumer = self._consumers.get(consumer_id)
-            if consumer is None or not 0 <= seq < len(consumer.chunks):
-                raise ProducerError(
-                    f"read_done for unknown chunk (consumer {consumer_id}, seq {seq}) "
-                    f"on producer rank {self.rank}"
-                )
+            consumer, slot = self._known_chunk(consumer_id, seq, "read_done")
             gi = consumer.chunks[seq].group
-            slot = self._shares[consumer.share].slots[seq % self.num_slots]
             if slot.seq == seq:
                 slot.readers.discard(consumer_id)
             pending = self._pending.get(gi)

@@ -249,20 +249,17 @@ class WeightUpdateGuard:
         if lands and kind is MessageKind.ADAPTER:
             # Staged apart from the model until the finish: watched, not held.
             await self._take_hold(engine, update_info, pause=False)
-        elif lands:
-            try:
-                await self._take_hold(engine, update_info)
-            except Exception as e:
-                logger.exception("Could not hold generation for a weight update")
-                await json_response(
-                    send,
-                    503,
-                    "could not pause generation before landing weights "
-                    f"({type(e).__name__}: {e}); nothing was landed. Abort the "
-                    "update ({'abort': ...} then finish_weight_update) and "
-                    "retry, or pause generation yourself first",
-                )
-                return
+        elif lands and not await self._hold_or_503(
+            engine,
+            update_info,
+            send,
+            "a weight update",
+            "could not pause generation before landing weights",
+            "nothing was landed. Abort the update ({'abort': ...} then "
+            "finish_weight_update) and retry, or pause generation yourself "
+            "first",
+        ):
+            return
 
         async def then(reply: Reply) -> None:
             hold = self._hold
@@ -340,24 +337,42 @@ class WeightUpdateGuard:
         else:
             self._arm_deadline(engine)
 
+    async def _hold_or_503(
+        self,
+        engine: Any,
+        update_info: Any,
+        send: Send,
+        for_what: str,
+        failed: str,
+        consequence: str,
+    ) -> bool:
+        """Hold generation for ``for_what``; if that raises, log it, answer 503
+        "<failed> (<error>); <consequence>" and return False."""
+        try:
+            await self._take_hold(engine, update_info)
+        except Exception as e:
+            logger.exception("Could not hold generation for %s", for_what)
+            await json_response(
+                send, 503, f"{failed} ({type(e).__name__}: {e}); {consequence}"
+            )
+            return False
+        return True
+
     async def _commit(
         self, engine: Any, scope: dict, receive: Receive, send: Send
     ) -> None:
         """A staged engine's ``finish_weight_update``, or the finish of a LoRA
         adapter push: generation is held for just this call, and the KV the
         old weights computed is dropped before it resumes."""
-        try:
-            await self._take_hold(engine, None)
-        except Exception as e:
-            logger.exception("Could not hold generation for a commit")
-            await json_response(
-                send,
-                503,
-                "could not pause generation for the commit "
-                f"({type(e).__name__}: {e}); nothing was committed and the "
-                "staged update is still open: retry finish_weight_update, or "
-                "abort it",
-            )
+        if not await self._hold_or_503(
+            engine,
+            None,
+            send,
+            "a commit",
+            "could not pause generation for the commit",
+            "nothing was committed and the staged update is still open: retry "
+            "finish_weight_update, or abort it",
+        ):
             return
 
         async def then(reply: Reply) -> None:
