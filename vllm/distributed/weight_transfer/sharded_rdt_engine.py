@@ -4,6 +4,7 @@
 ``sharded_rdt/worker.py`` (engine), ``sharded_rdt/consumer.py`` (transport
 choice and consumer plan) and ``sharded_rdt/wire.py`` (messages)."""
 
+from vllm.distributed.weight_transfer.common.wire_fields import dtype_from_name
 from vllm.distributed.weight_transfer.sharded_rdt.consumer import (
     choose_transport,
     make_consumer_transport,
@@ -16,6 +17,9 @@ from vllm.distributed.weight_transfer.sharded_rdt.wire import (
 from vllm.distributed.weight_transfer.sharded_rdt.worker import (
     ShardedRDTWeightTransferEngine,
 )
+
+# upstream 0.32's tests import the dtype lookup under this private name
+_dtype_from_name = dtype_from_name
 
 __all__ = [
     "ShardedRDTWeightTransferEngine",

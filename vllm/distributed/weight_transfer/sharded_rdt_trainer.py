@@ -11,12 +11,12 @@ from vllm.distributed.weight_transfer.pull.routing import (
     TRANSPORTS,
 )
 from vllm.distributed.weight_transfer.sharded_rdt.trainer import (
-    DEFAULT_RECEIPT_TIMEOUT_S,
     ShardedRDTTrainerInitInfo,
     ShardedRDTTrainerWeightTransferEngine,
     metadata_digest,
     ownership_table,
 )
+from vllm.distributed.weight_transfer.verification import DEFAULT_RECEIPT_TIMEOUT_S
 
 __all__ = [
     "DEFAULT_GATHER_LOOKAHEAD",
