@@ -93,9 +93,9 @@ from vllm.distributed.weight_transfer.trainer.lifecycle import (
     abort_update,
     commit_update,
 )
+from vllm.distributed.weight_transfer.trainer.settings import VerifiedSyncSettings
 from vllm.distributed.weight_transfer.trainer.start_update import start_update
 from vllm.distributed.weight_transfer.verification import (
-    DEFAULT_RECEIPT_TIMEOUT_S,
     Manifest,
     TrainerPublication,
     describe_error,
@@ -118,7 +118,7 @@ __all__ = [
 
 
 @dataclass
-class IPCTrainerInitInfo(TrainerInitInfo):
+class IPCTrainerInitInfo(TrainerInitInfo, VerifiedSyncSettings):
     """Trainer-side settings of the ``ipc`` backend (never sent as is).
 
     ``packed`` and ``packed_buffer_size_bytes`` keep upstream's names; packing
@@ -128,17 +128,9 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     ``timeout_s`` bounds every wait among them, ``alignment_bytes`` aligns each
     tensor in the packed buffer.
 
-    Verified publication: ``verify_publication`` (default on) sends a
-    publication header and waits for every worker's receipt; turn it off only
-    for a server whose ipc workers do not understand the header.
-    ``verify_checksums`` adds payload checksums. ``model_version`` is the first
-    publication's model version (then one more per send); without it, the
-    version is the wall clock in microseconds (at least one more than the last),
-    so a new trainer engine, or one resumed from an older checkpoint, still
-    publishes a version the workers accept. ``weight_version`` stays a label:
-    RL steps can repeat after a resume, and workers refuse versions that go
-    backwards. ``receipt_timeout_s`` bounds the wait for receipts after
-    ``finish_weight_update`` returned.
+    Verified publication: ``verify_publication``, ``verify_checksums``,
+    ``model_version`` and ``receipt_timeout_s`` are ``VerifiedSyncSettings``'
+    (keyword-only).
 
     ``keep_packed_buffer`` keeps the packed buffer from one ``send_weights``
     to the next instead of freeing it after each sync; ``shutdown()`` frees
@@ -184,10 +176,6 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = DEFAULT_TIMEOUT_S
     alignment_bytes: int = DEFAULT_ALIGNMENT
     process_group: Any = field(default=None, repr=False, compare=False)
-    verify_publication: bool = True
-    verify_checksums: bool = False
-    model_version: int | None = None
-    receipt_timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S
     keep_packed_buffer: bool | None = None
     overlap_chunks: bool = True
     check_while_landing: bool = True
@@ -213,21 +201,7 @@ class IPCTrainerInitInfo(TrainerInitInfo):
             raise ValueError(
                 f"IPCTrainerInitInfo.timeout_s must be positive, got {self.timeout_s}"
             )
-        if self.verify_checksums and not self.verify_publication:
-            raise ValueError(
-                "IPCTrainerInitInfo.verify_checksums needs verify_publication=True: "
-                "checksums travel in the publication header"
-            )
-        if self.model_version is not None and self.model_version < 0:
-            raise ValueError(
-                "IPCTrainerInitInfo.model_version must be >= 0, got "
-                f"{self.model_version}"
-            )
-        if self.receipt_timeout_s <= 0:
-            raise ValueError(
-                "IPCTrainerInitInfo.receipt_timeout_s must be positive, got "
-                f"{self.receipt_timeout_s}"
-            )
+        super().__post_init__()
 
 
 class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]):

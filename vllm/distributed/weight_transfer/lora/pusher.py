@@ -101,6 +101,7 @@ from vllm.distributed.weight_transfer.trainer.lifecycle import (
     abort_update,
     commit_update,
 )
+from vllm.distributed.weight_transfer.trainer.settings import check_verified_sync
 from vllm.distributed.weight_transfer.trainer.start_update import (
     DEFAULT_WAIT_S,
     start_update,
@@ -300,8 +301,14 @@ class LoRAPusher:
         if not start_wait_s >= 0:
             raise ValueError(f"start_wait_s must be >= 0, got {start_wait_s}")
         self.start_wait_s = start_wait_s
-        if model_version is not None and model_version < 0:
-            raise ValueError(f"model_version must be >= 0, got {model_version}")
+        check_verified_sync(
+            type(self).__name__,
+            verify_publication=verify_publication,
+            verify_checksums=verify_checksums,
+            model_version=model_version,
+            receipt_timeout_s=receipt_timeout_s,
+            checksums_need_publication=False,
+        )
         if transport not in ("ipc", "nixl"):
             raise ValueError(
                 f"transport must be 'ipc' (colocated) or 'nixl' (across "

@@ -57,25 +57,26 @@ from vllm.distributed.weight_transfer.lora.pusher import (
     LoRAAdapter,
     LoRAPusher,
 )
+from vllm.distributed.weight_transfer.trainer.settings import VerifiedSyncSettings
 from vllm.distributed.weight_transfer.verification import (
-    DEFAULT_RECEIPT_TIMEOUT_S,
     VerifiedPublication,
 )
 
 
 @dataclass
-class LoRATrainerInitInfo(TrainerInitInfo):
-    """Trainer-side settings of LoRA adapter pushes (``LoRAPusher``'s)."""
+class LoRATrainerInitInfo(TrainerInitInfo, VerifiedSyncSettings):
+    """Trainer-side settings of LoRA adapter pushes (``LoRAPusher``'s); the
+    verified publication ones are ``VerifiedSyncSettings``' (keyword-only),
+    and checksums here travel apart from the publication, so they do not need
+    it."""
+
+    checksums_need_publication: ClassVar[bool] = False
 
     backend: ClassVar[str] = "lora"
 
     transport: Literal["ipc", "nixl"] = "ipc"
     producer_host: str = "127.0.0.1"
     stall_timeout_s: float = DEFAULT_PULL_STALL_TIMEOUT_S
-    verify_checksums: bool = False
-    verify_publication: bool = True
-    model_version: int | None = None
-    receipt_timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S
     label_outputs: bool = False
     start_wait_s: float = DEFAULT_START_WAIT_S
 

@@ -83,9 +83,9 @@ from vllm.distributed.weight_transfer.trainer.lifecycle import (
     abort_update,
     commit_update,
 )
+from vllm.distributed.weight_transfer.trainer.settings import VerifiedSyncSettings
 from vllm.distributed.weight_transfer.trainer.start_update import start_update
 from vllm.distributed.weight_transfer.verification import (
-    DEFAULT_RECEIPT_TIMEOUT_S,
     TrainerPublication,
     describe_error,
     device_identity,
@@ -104,7 +104,7 @@ __all__ = [
 
 
 @dataclass
-class ShardedRDTTrainerInitInfo(TrainerInitInfo):
+class ShardedRDTTrainerInitInfo(TrainerInitInfo, VerifiedSyncSettings):
     """Trainer-side settings (upstream's names), plus fork fields:
     ``transport`` ("auto" = direct NIXL producers, "rdt" = Ray actors,
     "inprocess" = tests), ``producer_host`` (address workers reach this rank's
@@ -112,14 +112,10 @@ class ShardedRDTTrainerInitInfo(TrainerInitInfo):
     serve buffers live; default CPU) and ``process_group`` (the trainer ranks'
     group; default all ranks of torch.distributed).
 
-    Verified publication: ``verify_publication`` (default on) sends a
-    publication header and waits for every live consumer's receipt;
-    ``verify_checksums`` adds a payload checksum per packed chunk.
-    ``model_version`` is the first publication's model version (then one more
-    per send); without it, the version is the wall clock in microseconds (at
-    least one more than the last), so a restarted trainer still publishes a
-    version the workers accept. ``receipt_timeout_s`` bounds the wait for
-    receipts after ``finish_weight_update`` returned."""
+    Verified publication: ``verify_publication``, ``verify_checksums``,
+    ``model_version`` and ``receipt_timeout_s`` are ``VerifiedSyncSettings``'
+    (keyword-only); receipts come from every live consumer, and checksums
+    cover each packed chunk."""
 
     backend: ClassVar[str] = "sharded_rdt"
     num_consumers: int
@@ -133,10 +129,6 @@ class ShardedRDTTrainerInitInfo(TrainerInitInfo):
     producer_host: str | None = None
     serve_device: str | None = None
     process_group: Any = field(default=None, repr=False, compare=False)
-    verify_publication: bool = True
-    verify_checksums: bool = False
-    model_version: int | None = None
-    receipt_timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.num_consumers < 1:
@@ -162,18 +154,7 @@ class ShardedRDTTrainerInitInfo(TrainerInitInfo):
             raise ValueError(
                 f"transport is {self.transport!r}; expected one of {list(TRANSPORTS)}"
             )
-        if self.verify_checksums and not self.verify_publication:
-            raise ValueError(
-                "ShardedRDTTrainerInitInfo.verify_checksums needs "
-                "verify_publication=True: checksums travel in the publication"
-            )
-        if self.model_version is not None and self.model_version < 0:
-            raise ValueError(
-                f"ShardedRDTTrainerInitInfo.model_version is {self.model_version}; "
-                "need >= 0"
-            )
-        if self.receipt_timeout_s <= 0:
-            raise ValueError(f"receipt_timeout_s is {self.receipt_timeout_s}; need > 0")
+        super().__post_init__()
 
 
 def metadata_digest(metas: list[ParamMeta]) -> str:
