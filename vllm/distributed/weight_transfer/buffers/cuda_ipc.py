@@ -24,10 +24,62 @@ process whatever ``CUDA_VISIBLE_DEVICES`` says.
 from __future__ import annotations
 
 import base64
+from typing import Any, NamedTuple
 
 import torch
 
 from vllm.distributed.weight_transfer.buffers.handles import CudaIpcHandle
+
+
+class ReduceTensorArgs(NamedTuple):
+    """The arguments ``reduce_tensor`` returns for a CUDA tensor (and
+    ``rebuild_cuda_tensor`` takes), by name."""
+
+    tensor_cls: Any
+    size: Any
+    stride: Any
+    tensor_offset: Any
+    storage_cls: Any
+    dtype: Any
+    device: Any
+    storage_handle: Any
+    storage_size_bytes: Any
+    storage_offset_bytes: Any
+    requires_grad: Any
+    ref_counter_handle: Any
+    ref_counter_offset: Any
+    event_handle: Any
+    event_sync_required: Any
+
+
+def rebuild_args(
+    handle: CudaIpcHandle,
+    *,
+    dtype: torch.dtype,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    tensor_offset: int,
+    device: int,
+) -> ReduceTensorArgs:
+    """The arguments that rebuild a tensor over ``handle``'s storage with
+    the given dtype, size, stride, element offset and device index."""
+    return ReduceTensorArgs(
+        torch.Tensor,
+        size,
+        stride,
+        tensor_offset,
+        torch.storage.TypedStorage,
+        dtype,
+        device,
+        base64.b64decode(handle.storage_handle),
+        handle.storage_size_bytes,
+        handle.storage_offset_bytes,
+        False,
+        base64.b64decode(handle.ref_counter_handle),
+        handle.ref_counter_offset,
+        base64.b64decode(handle.event_handle) if handle.event_handle else None,
+        handle.event_sync_required,
+    )
 
 
 def physical_gpu_uuid(device_index: int) -> str:
@@ -48,39 +100,23 @@ def export_cuda_bytes(
             f"contiguous={tensor.is_contiguous()}"
         )
     flat = tensor.reshape(-1).view(torch.uint8)
-    _, args = reduce_tensor(flat)
-    (
-        _tensor_cls,
-        _size,
-        _stride,
-        tensor_offset,
-        _storage_cls,
-        _dtype,
-        device,
-        storage_handle,
-        storage_size_bytes,
-        storage_offset_bytes,
-        _requires_grad,
-        ref_counter_handle,
-        ref_counter_offset,
-        event_handle,
-        event_sync_required,
-    ) = args
+    _, reduced = reduce_tensor(flat)
+    args = ReduceTensorArgs(*reduced)
     return CudaIpcHandle(
         nbytes=flat.numel(),
-        device=int(device),
-        storage_handle=base64.b64encode(storage_handle).decode("ascii"),
-        storage_size_bytes=int(storage_size_bytes),
-        storage_offset_bytes=int(storage_offset_bytes),
-        tensor_offset=int(tensor_offset),
-        ref_counter_handle=base64.b64encode(ref_counter_handle).decode("ascii"),
-        ref_counter_offset=int(ref_counter_offset),
+        device=int(args.device),
+        storage_handle=base64.b64encode(args.storage_handle).decode("ascii"),
+        storage_size_bytes=int(args.storage_size_bytes),
+        storage_offset_bytes=int(args.storage_offset_bytes),
+        tensor_offset=int(args.tensor_offset),
+        ref_counter_handle=base64.b64encode(args.ref_counter_handle).decode("ascii"),
+        ref_counter_offset=int(args.ref_counter_offset),
         event_handle=(
-            base64.b64encode(event_handle).decode("ascii")
-            if event_handle is not None
+            base64.b64encode(args.event_handle).decode("ascii")
+            if args.event_handle is not None
             else None
         ),
-        event_sync_required=bool(event_sync_required),
+        event_sync_required=bool(args.event_sync_required),
         persistent=persistent,
     )
 
@@ -90,19 +126,12 @@ def import_cuda_bytes(handle: CudaIpcHandle, device_index: int) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     return rebuild_cuda_tensor(
-        torch.Tensor,
-        (handle.nbytes,),
-        (1,),
-        handle.tensor_offset,
-        torch.storage.TypedStorage,
-        torch.uint8,
-        device_index,
-        base64.b64decode(handle.storage_handle),
-        handle.storage_size_bytes,
-        handle.storage_offset_bytes,
-        False,
-        base64.b64decode(handle.ref_counter_handle),
-        handle.ref_counter_offset,
-        base64.b64decode(handle.event_handle) if handle.event_handle else None,
-        handle.event_sync_required,
+        *rebuild_args(
+            handle,
+            dtype=torch.uint8,
+            size=(handle.nbytes,),
+            stride=(1,),
+            tensor_offset=handle.tensor_offset,
+            device=device_index,
+        )
     )

@@ -13,13 +13,16 @@ a fork trainer with ``wire="upstream"`` writes them (``upstream_args``,
 
 from __future__ import annotations
 
-import base64
 import math
 import pickle
 from typing import Any
 
 import torch
 
+from vllm.distributed.weight_transfer.buffers.cuda_ipc import (
+    ReduceTensorArgs,
+    rebuild_args,
+)
 from vllm.distributed.weight_transfer.buffers.handles import (
     CudaIpcHandle,
     _b64,
@@ -32,7 +35,7 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 # Length of the argument tuple ``reduce_tensor`` returns for a CUDA tensor.
-_REDUCE_ARGS_LEN = 15
+_REDUCE_ARGS_LEN = len(ReduceTensorArgs._fields)
 
 INSECURE_SERIALIZATION_FLAG = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 
@@ -78,23 +81,10 @@ def upstream_handle(value: object, where: str) -> CudaIpcHandle:
             f"{where} must be the {_REDUCE_ARGS_LEN} arguments reduce_tensor "
             f"returns for a CUDA tensor, got {got!r}"
         )
-    (
-        _tensor_cls,
-        size,
-        stride,
-        tensor_offset,
-        _storage_cls,
-        dtype,
-        device,
-        storage_handle,
-        storage_size_bytes,
-        storage_offset_bytes,
-        _requires_grad,
-        ref_counter_handle,
-        ref_counter_offset,
-        event_handle,
-        event_sync_required,
-    ) = value
+    args = ReduceTensorArgs(*value)
+    size, stride, dtype = args.size, args.stride, args.dtype
+    storage_handle, ref_counter_handle = args.storage_handle, args.ref_counter_handle
+    event_handle = args.event_handle
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"{where}: argument 5 (dtype) is {dtype!r}, not a dtype")
     try:
@@ -120,19 +110,22 @@ def upstream_handle(value: object, where: str) -> CudaIpcHandle:
     try:
         return CudaIpcHandle(
             nbytes=math.prod(size) * itemsize,
-            device=check_int(device, f"{where} device"),
+            device=check_int(args.device, f"{where} device"),
             storage_handle=_b64(storage_handle),
-            storage_size_bytes=check_int(storage_size_bytes, f"{where} storage size"),
-            storage_offset_bytes=check_int(
-                storage_offset_bytes, f"{where} storage offset"
+            storage_size_bytes=check_int(
+                args.storage_size_bytes, f"{where} storage size"
             ),
-            tensor_offset=check_int(tensor_offset, f"{where} tensor offset") * itemsize,
+            storage_offset_bytes=check_int(
+                args.storage_offset_bytes, f"{where} storage offset"
+            ),
+            tensor_offset=check_int(args.tensor_offset, f"{where} tensor offset")
+            * itemsize,
             ref_counter_handle=_b64(ref_counter_handle),
             ref_counter_offset=check_int(
-                ref_counter_offset, f"{where} ref counter offset"
+                args.ref_counter_offset, f"{where} ref counter offset"
             ),
             event_handle=_b64(event_handle) if event_handle is not None else None,
-            event_sync_required=bool(event_sync_required),
+            event_sync_required=bool(args.event_sync_required),
         )
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from e
@@ -164,23 +157,15 @@ def upstream_args(
             f"the handle starts {handle.tensor_offset} bytes into its storage, "
             f"not at a {dtype} element"
         )
-    return (
-        torch.Tensor,
-        torch.Size(shape),
-        _contiguous_strides(tuple(shape)),
-        handle.tensor_offset // itemsize,
-        torch.storage.TypedStorage,
-        dtype,
-        handle.device,
-        base64.b64decode(handle.storage_handle),
-        handle.storage_size_bytes,
-        handle.storage_offset_bytes,
-        False,
-        base64.b64decode(handle.ref_counter_handle),
-        handle.ref_counter_offset,
-        base64.b64decode(handle.event_handle) if handle.event_handle else None,
-        handle.event_sync_required,
+    args = rebuild_args(
+        handle,
+        dtype=dtype,
+        size=torch.Size(shape),
+        stride=_contiguous_strides(tuple(shape)),
+        tensor_offset=handle.tensor_offset // itemsize,
+        device=handle.device,
     )
+    return tuple(args)
 
 
 def _unpickle_handles(pickled: object) -> Any:

@@ -57,19 +57,8 @@ of its own ``SharedParameters`` whose layout every worker committed, and
 kept mapped, at the sync before; a refused short form fails that sync, and
 the next one sends the full message again.
 
-A *handle* names one exported byte buffer and is one of::
-
-    {"kind": "shm", "name": "vllm-wt-...", "nbytes": int}
-    {"kind": "cuda", "nbytes": int, "device": int, "storage_handle": b64, ...}
-
-A *device key* says which worker may read a handle. CUDA buffers are keyed by
-the physical GPU UUID (``str(torch.cuda.get_device_properties(i).uuid)``), so a
-worker reads the buffer of the trainer rank on its own GPU. CPU buffers are
-keyed ``"cpu:<hostname>:<trainer rank>"``: shared memory is visible to every
-process on the host, and the worker with local rank ``l`` reads the buffer of
-trainer rank ``l mod R``, where ``R`` is the number of CPU keys for its host
-(colocated trainer rank ``r`` pairs with worker local rank ``r``; a single
-trainer process serves every worker).
+Handles (the exported byte buffers) and the device keys saying which worker
+may read each are described in ``buffers/handles``.
 
 ``{"abort": "<reason>"}`` is the one other update message: the trainer sends
 it when it fails after ``start_weight_update``; the worker then puts every layer
