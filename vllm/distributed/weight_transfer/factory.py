@@ -16,6 +16,9 @@ keeps working, because the factories only ever use it as a mapping.
 
 from __future__ import annotations
 
+# Upstream's tests reach ``importlib`` through this module and patch its
+# ``import_module`` (which common.registry calls) to see what a lookup imports.
+import importlib  # noqa: F401
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
