@@ -257,7 +257,12 @@ def device_times(fn: Any, repeats: int) -> list[float]:
 
 def git_commit() -> str | None:
     """The commit this run imports (``git rev-parse --short HEAD``), with
-    ``+dirty`` when tracked files differ from it; None outside a checkout."""
+    ``+dirty`` when tracked files differ from it; None outside a checkout.
+    ``VLLM_FORK_COMMIT``, when set, wins: a GPU run imports the HEAD snapshot
+    ``tools/fork/device/prepare.sh --snapshot`` made, from a copy whose own
+    git metadata names another commit."""
+    if os.environ.get("VLLM_FORK_COMMIT"):
+        return os.environ["VLLM_FORK_COMMIT"]
     try:
         head = subprocess.check_output(
             ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],

@@ -14,6 +14,9 @@
 #     (.device-carry is git-ignored through .git/info/exclude).
 # Use on the device machine:
 #   PYTHONPATH=.device-carry/site:tools/fork/device/site:. python3 -m pytest ...
+# and, for benchmarks (the upstream baseline and the commit stamp):
+#   PYTHONPATH=.device-carry/site:.device-carry/upstream:tools/fork/device/site:. \
+#   VLLM_FORK_COMMIT="$(cat .device-carry/COMMIT) (HEAD snapshot)" python3 benchmarks/...
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
 cd "$root"
@@ -31,6 +34,10 @@ unzip -q -p "$wheel" vllm/distributed/weight_transfer/packed_tensor.py > "$upstr
 # done.
 if [[ "${1:-}" == "--snapshot" ]]; then
   git archive HEAD vllm/distributed/weight_transfer | tar -x -C .device-carry/site
+  # The device copy's git metadata is not this checkout's: benchmarks stamp
+  # their results with this commit instead (VLLM_FORK_COMMIT, see
+  # benchmarks/weight_transfer/_bench_common.git_commit).
+  git rev-parse --short HEAD > .device-carry/COMMIT
   rm -f "$dest/__init__.py"  # the stand-in package init spans the folders
 fi
 du -sh .device-carry
