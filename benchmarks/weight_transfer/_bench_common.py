@@ -303,9 +303,20 @@ def result_path(script: str, variant: str | None = None) -> Path:
     return RESULTS / bench / f"{name}.json"
 
 
+_PROVENANCE: dict[str, Any] = {}
+
+
 def provenance() -> dict[str, Any]:
     """What every result file records first: the commit, the device, the
-    command line and the UTC date of the run."""
+    command line and the UTC date of the run, taken once, when the script
+    imports this module, so that a long run names the commit it started at
+    (the checkout may move on while it runs)."""
+    if not _PROVENANCE:
+        _PROVENANCE.update(_provenance_now())
+    return dict(_PROVENANCE)
+
+
+def _provenance_now() -> dict[str, Any]:
     argv = list(sys.argv)
     with contextlib.suppress(ValueError):
         argv[0] = os.path.relpath(argv[0], REPO)
@@ -370,3 +381,6 @@ def emit_json(doc: dict[str, Any], out: str | os.PathLike[str] | None) -> None:
     print(json.dumps(stamped(doc), indent=2))
     if out:
         write_json(doc, out)
+
+
+provenance()
