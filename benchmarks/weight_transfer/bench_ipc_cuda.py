@@ -995,7 +995,7 @@ def run_model(
         # last of all: the worker's destinations become the served layout
         planned = {"land": "planned", "plan_path": plan_path, "sent": params}
         # the trainer's own storages shared where they are, nothing placed
-        # (run before the modes that place them: see the reordering below)
+        # (first: the shared modes below move the tensors)
         adopted = {**planned, "adopt": True}
         modes["fork_adopted_planned_pinned"] = (
             bench_shared_params,
@@ -1060,13 +1060,6 @@ def run_model(
             (tensors, parent, reps, buffer_bytes),
             {"plan_path": plan_path, "sent": params},
         )
-    # The adopt modes share the trainer's tensors where they are, so they run
-    # before the first mode that places those tensors in one allocation.
-    order = list(modes)
-    adopt = [m for m in order if m.startswith("fork_adopted")]
-    rest = [m for m in order if m not in adopt]
-    placing = rest.index("fork_shared_params")
-    modes = {m: modes[m] for m in rest[:placing] + adopt + rest[placing:]}
     if only is not None:
         modes = {k: v for k, v in modes.items() if k in only}
     for mode, (fn, fn_args, options) in modes.items():
