@@ -65,6 +65,7 @@ from vllm.distributed.weight_transfer.pull.chunks import PullChunk
 from vllm.distributed.weight_transfer.pull.producer import Producer
 from vllm.distributed.weight_transfer.pull.transport import (
     ConsumerTransport,
+    Offered,
     ProducerLink,
     ProducerServer,
 )
@@ -473,6 +474,7 @@ class _NixlLink(ProducerLink):
     ) -> None:
         self.transport = transport
         self.producer_index = producer_index
+        self.peer = f"producer {producer_index}"
         self.endpoint = endpoint
         self.consumer_id = transport.consumer_id
         self._address = (endpoint["host"], int(endpoint["port"]))
@@ -578,12 +580,7 @@ class _NixlLink(ProducerLink):
             base64.b64decode(reply["metadata"])
         )
 
-    def pull(
-        self,
-        chunk: PullChunk,
-        into: torch.Tensor,
-        next_chunk: PullChunk | None = None,
-    ) -> str | None:
+    def _request_pull(self, chunk: PullChunk, next_chunk: PullChunk | None) -> Offered:
         timeout_s = self.transport.stall_timeout_s + _REPLY_GRACE_S
         what = f"pull of seq {chunk.seq}"
         if chunk.seq == 0:
@@ -602,22 +599,22 @@ class _NixlLink(ProducerLink):
                 next_chunk.seq,
                 self._send_request({"op": "pull", "seq": next_chunk.seq}),
             )
-        if reply["nbytes"] != chunk.nbytes:
-            raise RuntimeError(
-                f"producer {self.producer_index} packed {reply['nbytes']} bytes for "
-                f"chunk seq {chunk.seq} (group {chunk.group}) but the plan says "
-                f"{chunk.nbytes}"
-            )
-        if chunk.nbytes:
+
+        def read_into(into: torch.Tensor) -> None:
+            if not chunk.nbytes:
+                return
             assert self.remote_agent is not None, "pull before register"
             self.transport.read(
                 self.remote_agent,
-                into[: chunk.nbytes],
+                into,
                 (reply["addr"], chunk.nbytes, reply["dev"]),
                 reply["mem"],
             )
-        self._notify({"op": "done", "seq": chunk.seq})
-        return reply.get("checksum")
+
+        return Offered(reply["nbytes"], read_into, lambda: reply.get("checksum"))
+
+    def _read_done(self, seq: int) -> None:
+        self._notify({"op": "done", "seq": seq})
 
     def abort(self, reason: str) -> None:
         self._ahead = None

@@ -39,6 +39,7 @@ from vllm.distributed.weight_transfer.pull.routing import (
 from vllm.distributed.weight_transfer.pull.transport import (
     ConsumerTransport,
     DrivesProducer,
+    Offered,
     ProducerLink,
     ProducerServer,
 )
@@ -257,6 +258,7 @@ class _RdtLink(ProducerLink):
     def __init__(self, transport: RdtConsumerTransport, index: int, actor: Any):
         self.transport = transport
         self.index = index
+        self.peer = f"producer actor {index}"
         self.actor = actor
         self.consumer_id = transport.consumer_id
 
@@ -284,32 +286,26 @@ class _RdtLink(ProducerLink):
         )
         self._get(ref, "register", self.transport.stall_timeout_s)
 
-    def pull(
-        self,
-        chunk: PullChunk,
-        into: torch.Tensor,
-        next_chunk: PullChunk | None = None,
-    ) -> str | None:
+    def _request_pull(self, chunk: PullChunk, next_chunk: PullChunk | None) -> Offered:
         method = getattr(self.actor, self.transport.produce_method_name)
         ref = method.remote(self.consumer_id, chunk.seq, self.sync_id)
         (packed,) = self._get(
             ref, f"pull of seq {chunk.seq}", self.transport.stall_timeout_s + _GRACE_S
         )
-        if packed.numel() != chunk.nbytes:
-            raise RuntimeError(
-                f"producer actor {self.index} sent {packed.numel()} bytes for seq "
-                f"{chunk.seq}; the plan says {chunk.nbytes}"
-            )
-        into.copy_(packed)
-        checksum = None
-        if self.checksums:
-            checksum = self._get(
+
+        def checksum() -> str | None:
+            if not self.checksums:
+                return None
+            return self._get(
                 self.actor.packed_checksum.remote(self.consumer_id, chunk.seq),
                 f"checksum of seq {chunk.seq}",
                 self.transport.stall_timeout_s,
             )
-        self.actor.read_done.remote(self.consumer_id, chunk.seq)
-        return checksum
+
+        return Offered(packed.numel(), lambda into: into.copy_(packed), checksum)
+
+    def _read_done(self, seq: int) -> None:
+        self.actor.read_done.remote(self.consumer_id, seq)
 
     def abort(self, reason: str) -> None:
         self.actor.abort.remote(self.consumer_id, reason, self.sync_id)

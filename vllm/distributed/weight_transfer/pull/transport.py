@@ -33,7 +33,8 @@ from __future__ import annotations
 import itertools
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,20 +52,35 @@ if TYPE_CHECKING:
     )
 
 
+@dataclass(frozen=True)
+class Offered:
+    """A producer's answer to a pull: how many bytes it packed, how to read
+    them into the consumer's buffer, and their checksum (asked for after the
+    read: a transport may fetch it with a call of its own)."""
+
+    nbytes: int
+    read_into: Callable[[torch.Tensor], object]
+    checksum: Callable[[], str | None]
+
+
 class ProducerLink(ABC):
-    """A consumer's connection to one producer."""
+    """A consumer's connection to one producer. A pull is the same on every
+    transport: ask the producer for the chunk (``_request_pull``), check it
+    packed the bytes the plan says, read them, take their checksum and tell
+    the producer they were read (``_read_done``); a transport supplies only
+    the two hooks."""
 
     sync_id: int | None = None  # the sync the next pulls belong to, if known
     # Whether the current sync carries payload checksums; a transport whose
     # pull reply cannot carry the checksum asks for it only then.
     checksums: bool = False
+    peer = "the producer"  # how errors name the producer this link reaches
 
     @abstractmethod
     def register(
         self, consumer_id: int, chunks: Sequence[PullChunk], digest: str
     ) -> None: ...
 
-    @abstractmethod
     def pull(
         self,
         chunk: PullChunk,
@@ -75,6 +91,25 @@ class ProducerLink(ABC):
         and return the producer's checksum of them (None when off).
         ``next_chunk``, the consumer's next pull from this producer, may be
         requested early so that it is packed while this one is read."""
+        offered = self._request_pull(chunk, next_chunk)
+        if offered.nbytes != chunk.nbytes:
+            raise RuntimeError(
+                f"{self.peer} packed {offered.nbytes} bytes for chunk seq "
+                f"{chunk.seq} (group {chunk.group}) but the plan says {chunk.nbytes}"
+            )
+        offered.read_into(into[: chunk.nbytes])
+        checksum = offered.checksum()
+        self._read_done(chunk.seq)
+        return checksum
+
+    @abstractmethod
+    def _request_pull(self, chunk: PullChunk, next_chunk: PullChunk | None) -> Offered:
+        """Ask the producer to pack ``chunk`` (and, where the transport can,
+        ``next_chunk`` ahead) and return its answer."""
+
+    @abstractmethod
+    def _read_done(self, seq: int) -> None:
+        """Tell the producer chunk ``seq`` was read, which frees its slot."""
 
     def abort(self, reason: str) -> None:  # noqa: B027
         """Tell the producer this consumer gave up on the current sync."""
@@ -181,16 +216,16 @@ class _InProcessLink(ProducerLink):
         self.consumer_id = consumer_id
         self.producer.register(consumer_id, chunks, digest)
 
-    def pull(
-        self,
-        chunk: PullChunk,
-        into: torch.Tensor,
-        next_chunk: PullChunk | None = None,
-    ) -> str | None:
+    def _request_pull(self, chunk: PullChunk, next_chunk: PullChunk | None) -> Offered:
         packed = self.producer.pack(self.consumer_id, chunk.seq, self.sync_id)
-        into.copy_(packed.view)
-        self.producer.read_done(self.consumer_id, chunk.seq)
-        return packed.checksum
+        return Offered(
+            packed.view.numel(),
+            lambda into: into.copy_(packed.view),
+            lambda: packed.checksum,
+        )
+
+    def _read_done(self, seq: int) -> None:
+        self.producer.read_done(self.consumer_id, seq)
 
     def abort(self, reason: str) -> None:
         self.producer.fail(
