@@ -1,0 +1,507 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""A chunk's changed elements only: encode, check, apply, and the wire form.
+
+A chunk is a contiguous byte range (``nbytes``) read as elements of ``unit``
+bytes (1, 2, 4 or 8: the itemsize of the chunk's dtype). A ``ChunkDelta``
+turns one version of those bytes (the *base*) into the next: the sorted,
+unique positions of the elements that differ, and their new values as bit
+patterns (an integer dtype of the unit's size, so NaN payloads and -0.0 travel
+exactly). It names the base it applies to by version and by the ``ws1``
+checksum of the base bytes (``verification.checksum``).
+
+Invariant: ``apply_delta`` writes into its target only after every check has
+passed, so a refused delta leaves the target byte for byte as it was. Refusals
+are ``ValueError``s that name the field; ``DeltaBaseMismatch`` (a
+``ValueError``) says the target does not hold the delta's base, and the
+caller should take the whole chunk instead.
+
+The three steps::
+
+    delta = encode_delta(base, new, unit=2, base_version=v)  # None: send whole
+    header, buffer = delta.to_wire()
+    ... the header (JSON) and the buffer (bytes) travel ...
+    delta = ChunkDelta.from_wire(header, buffer)  # checked on parse
+    apply_delta(target, delta, held_version=v)  # checked again, then written
+
+Encoding size: ``count * (position bytes + unit)``, position bytes being 4
+(int32) when the chunk has at most 2**31 elements, else 8. ``encode_delta``
+returns None when the whole chunk is no larger; a delta at least as large as
+its chunk is refused everywhere as oversized. Positions and values (rather
+than a bitmap) keep the apply to one vectorized index write whose cost
+follows the number of changed elements, not the chunk's size.
+
+Plain data and torch only: nothing here knows who serves or lands a chunk.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm.distributed.weight_transfer.common.wire_fields import (
+    check_fields,
+    check_int,
+    dtype_from_name,
+    dtype_name,
+)
+from vllm.distributed.weight_transfer.verification.checksum import (
+    ALGORITHM,
+    payload_checksum,
+)
+
+WIRE_FORMAT = 1
+# Element size in bytes -> the integer dtype that carries its bit patterns.
+VALUE_DTYPES: dict[int, torch.dtype] = {
+    1: torch.uint8,
+    2: torch.int16,
+    4: torch.int32,
+    8: torch.int64,
+}
+# The values start at a multiple of this offset in the wire buffer, so both
+# parts can be viewed in place whatever the unit.
+WIRE_ALIGN = 16
+# Elements compared per pass while encoding: on CPU a slab stays in cache;
+# elsewhere one pass over the chunk is cheapest (each pass synchronizes once).
+CPU_SLAB_BYTES = 4 * 1024 * 1024
+DEVICE_SLAB_BYTES = 1024 * 1024 * 1024
+_INT32_ELEMENTS = 2**31
+_DIGEST_RE = re.compile(rf"{ALGORITHM}:([0-9]+):[0-9a-f]{{16}}")
+_HEADER_FIELDS = (
+    "format",
+    "base_version",
+    "base_digest",
+    "nbytes",
+    "unit",
+    "count",
+    "positions_dtype",
+    "values_offset",
+    "buffer_nbytes",
+)
+
+
+class DeltaBaseMismatch(ValueError):
+    """The target does not hold the bytes a delta applies to: take the whole
+    chunk instead."""
+
+
+def positions_dtype(nbytes: int, unit: int) -> torch.dtype:
+    """The dtype of a delta's positions for a chunk of ``nbytes`` bytes:
+    int32 when every element index fits, else int64."""
+    return torch.int32 if nbytes // unit <= _INT32_ELEMENTS else torch.int64
+
+
+def encoded_nbytes(count: int, nbytes: int, unit: int) -> int:
+    """Bytes of a delta with ``count`` changed elements (positions and values)."""
+    return count * (positions_dtype(nbytes, unit).itemsize + unit)
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkDelta:
+    """The changed elements of one chunk against the base it applies to.
+
+    ``positions`` are element indices (units, not bytes), strictly increasing;
+    ``values[i]`` is the new bit pattern of element ``positions[i]``. Both are
+    1-D, contiguous and on one device. Construction checks the fields' types,
+    sizes and agreement (no pass over the tensors); ``check_delta`` also checks
+    the positions themselves and the base.
+    """
+
+    base_version: int
+    base_digest: str
+    nbytes: int
+    unit: int
+    positions: torch.Tensor
+    values: torch.Tensor
+
+    def __post_init__(self) -> None:
+        _check_structure(self)
+
+    @property
+    def count(self) -> int:
+        """How many elements change."""
+        return self.positions.numel()
+
+    @property
+    def encoded_nbytes(self) -> int:
+        """Bytes of positions and values (what the whole chunk is weighed
+        against)."""
+        return self.positions.nbytes + self.values.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.positions.device
+
+    def to_wire(self) -> tuple[dict[str, Any], torch.Tensor]:
+        """A JSON-safe header and one flat uint8 buffer on the delta's device:
+        the positions at offset 0, the values at ``header["values_offset"]``
+        (zero padding between)."""
+        values_offset = _values_offset(self.positions.nbytes)
+        buffer = torch.zeros(
+            values_offset + self.values.nbytes, dtype=torch.uint8, device=self.device
+        )
+        buffer[: self.positions.nbytes].copy_(self.positions.view(torch.uint8))
+        buffer[values_offset:].copy_(self.values.view(torch.uint8))
+        header = {
+            "format": WIRE_FORMAT,
+            "base_version": self.base_version,
+            "base_digest": self.base_digest,
+            "nbytes": self.nbytes,
+            "unit": self.unit,
+            "count": self.count,
+            "positions_dtype": dtype_name(self.positions.dtype),
+            "values_offset": values_offset,
+            "buffer_nbytes": buffer.numel(),
+        }
+        return header, buffer
+
+    @classmethod
+    def from_wire(
+        cls, header: object, buffer: torch.Tensor | bytes | bytearray | memoryview
+    ) -> ChunkDelta:
+        """The delta a ``to_wire`` header and buffer describe, after every
+        check ``check_delta`` makes that needs no target. The positions and
+        values are views into ``buffer`` (a copy if it is a bytes object or
+        not 16-byte aligned)."""
+        h = check_fields(header, _HEADER_FIELDS, _HEADER_FIELDS, "delta header")
+        if h["format"] != WIRE_FORMAT:
+            raise ValueError(
+                f"delta.format is {h['format']!r}; this reader knows {WIRE_FORMAT}"
+            )
+        nbytes = check_int(h["nbytes"], "delta.nbytes", minimum=1)
+        unit = _check_unit(h["unit"], nbytes)
+        count = check_int(h["count"], "delta.count")
+        _check_not_oversized(count, nbytes, unit)
+        pos_dtype = dtype_from_name(h["positions_dtype"], "delta.positions_dtype")
+        if pos_dtype != positions_dtype(nbytes, unit):
+            raise ValueError(
+                f"delta.positions_dtype is {h['positions_dtype']!r} but a chunk of "
+                f"{nbytes // unit} elements takes "
+                f"{dtype_name(positions_dtype(nbytes, unit))}"
+            )
+        positions_nbytes = count * pos_dtype.itemsize
+        values_offset = _values_offset(positions_nbytes)
+        for name, want in (
+            ("values_offset", values_offset),
+            ("buffer_nbytes", values_offset + count * unit),
+        ):
+            got = check_int(h[name], f"delta.{name}")
+            if got != want:
+                raise ValueError(
+                    f"delta.{name} is {got} but {count} positions of "
+                    f"{dtype_name(pos_dtype)} and values of {unit} bytes make {want}"
+                )
+        buf = _as_flat_bytes(buffer)
+        if buf.numel() != values_offset + count * unit:
+            raise ValueError(
+                f"delta.buffer has {buf.numel()} bytes but the header says "
+                f"{values_offset + count * unit}: a partial or overlong buffer"
+            )
+        delta = cls(
+            base_version=h["base_version"],
+            base_digest=h["base_digest"],
+            nbytes=nbytes,
+            unit=unit,
+            positions=buf[:positions_nbytes].view(pos_dtype),
+            values=buf[values_offset:].view(VALUE_DTYPES[unit]),
+        )
+        _check_positions(delta)
+        return delta
+
+
+def encode_delta(
+    base: torch.Tensor,
+    new: torch.Tensor,
+    *,
+    unit: int,
+    base_version: int,
+    base_digest: str | None = None,
+) -> ChunkDelta | None:
+    """The delta from ``base`` to ``new`` (1-D contiguous uint8 tensors of one
+    length on one device), or None when the whole chunk is no larger than the
+    delta. ``base_digest`` is the ``ws1`` checksum of ``base``, computed here
+    when not given. Elements are compared as bit patterns; a slab at a time,
+    stopping as soon as the delta outgrows the chunk."""
+    for name, t in (("base", base), ("new", new)):
+        if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(
+                f"encode_delta: {name} must be a 1-D contiguous uint8 tensor, got "
+                f"dtype {t.dtype}, shape {tuple(t.shape)}"
+            )
+    if base.numel() != new.numel() or base.device != new.device:
+        raise ValueError(
+            f"encode_delta: base ({base.numel()} bytes on {base.device}) and new "
+            f"({new.numel()} bytes on {new.device}) must match in length and device"
+        )
+    nbytes = base.numel()
+    if nbytes == 0:
+        return None
+    unit = _check_unit(unit, nbytes)
+    value_dtype = VALUE_DTYPES[unit]
+    pos_dtype = positions_dtype(nbytes, unit)
+    old_words = _view_units(base, value_dtype, "base")
+    new_words = _view_units(new, value_dtype, "new")
+    slab = (CPU_SLAB_BYTES if base.device.type == "cpu" else DEVICE_SLAB_BYTES) // unit
+    positions: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    count = 0
+    for start in range(0, old_words.numel(), slab):
+        fresh = new_words[start : start + slab]
+        changed = torch.nonzero(old_words[start : start + slab] != fresh).view(-1)
+        count += changed.numel()
+        if count * (pos_dtype.itemsize + unit) >= nbytes:
+            return None
+        if changed.numel():
+            values.append(fresh[changed])
+            positions.append((changed + start).to(pos_dtype))
+    if base_digest is None:
+        base_digest = payload_checksum(base)
+    return ChunkDelta(
+        base_version=base_version,
+        base_digest=base_digest,
+        nbytes=nbytes,
+        unit=unit,
+        positions=_cat(positions, pos_dtype, base.device),
+        values=_cat(values, value_dtype, base.device),
+    )
+
+
+def check_delta(
+    delta: ChunkDelta,
+    *,
+    target_nbytes: int,
+    held_version: int,
+    held_digest: str,
+) -> None:
+    """Refuse ``delta`` (``ValueError`` naming the field) unless it is well
+    formed, fits a chunk of ``target_nbytes`` bytes, and applies to what the
+    target holds: version ``held_version`` with checksum ``held_digest``
+    (``DeltaBaseMismatch`` otherwise). Reads the positions once; writes
+    nothing."""
+    _check_structure(delta)
+    if delta.nbytes != target_nbytes:
+        raise ValueError(
+            f"delta.nbytes is {delta.nbytes} but the target chunk has "
+            f"{target_nbytes} bytes"
+        )
+    _check_positions(delta)
+    _check_base(delta, held_version, held_digest)
+
+
+def apply_delta(
+    target: torch.Tensor,
+    delta: ChunkDelta,
+    *,
+    held_version: int,
+    held_digest: str | None = None,
+) -> None:
+    """Write ``delta`` into ``target`` (the chunk's bytes: a 1-D contiguous
+    uint8 tensor on the delta's device) in place, after ``check_delta``.
+    ``held_digest`` is the checksum of the bytes the caller believes
+    ``target`` holds; None computes it from ``target`` (one more pass over the
+    chunk, which also catches bytes changed out of band). On any refusal the
+    target is unchanged."""
+    if target.dtype != torch.uint8 or target.dim() != 1 or not target.is_contiguous():
+        raise ValueError(
+            f"apply_delta: target must be a 1-D contiguous uint8 tensor, got dtype "
+            f"{target.dtype}, shape {tuple(target.shape)}"
+        )
+    if target.device != delta.device:
+        raise ValueError(
+            f"delta.positions are on {delta.device} but the target is on "
+            f"{target.device}"
+        )
+    # Cheap checks first: the digest of the target is a pass over the chunk.
+    _check_structure(delta)
+    if delta.nbytes != target.numel():
+        raise ValueError(
+            f"delta.nbytes is {delta.nbytes} but the target chunk has "
+            f"{target.numel()} bytes"
+        )
+    words = _view_units(target, VALUE_DTYPES[delta.unit], "target")
+    _check_positions(delta)
+    _check_base(delta, held_version, held_digest)
+    if held_digest is None:
+        _check_base(delta, held_version, payload_checksum(target))
+    if delta.count:
+        # int64 indices: the index write takes a much slower path with int32.
+        words.index_put_((delta.positions.long(),), delta.values)
+
+
+# ---------------------------------------------------------------------------
+# checks
+
+
+def _check_unit(unit: object, nbytes: int) -> int:
+    if isinstance(unit, bool) or not isinstance(unit, int) or unit not in VALUE_DTYPES:
+        raise ValueError(f"delta.unit is {unit!r}; it must be one of 1, 2, 4, 8")
+    if nbytes % unit:
+        raise ValueError(
+            f"delta.unit is {unit} but the chunk's {nbytes} bytes are not a "
+            "multiple of it"
+        )
+    return unit
+
+
+def _check_not_oversized(count: int, nbytes: int, unit: int) -> None:
+    size = encoded_nbytes(count, nbytes, unit)
+    if size >= nbytes:
+        raise ValueError(
+            f"delta.positions: {count} changed elements encode to {size} bytes, "
+            f"not smaller than the whole chunk ({nbytes} bytes); an oversized "
+            "delta is refused: send the whole chunk"
+        )
+
+
+def _check_structure(delta: ChunkDelta) -> None:
+    """Types, sizes and agreement of the fields; no pass over the tensors."""
+    check_int(delta.base_version, "delta.base_version")
+    nbytes = check_int(delta.nbytes, "delta.nbytes", minimum=1)
+    unit = _check_unit(delta.unit, nbytes)
+    _check_digest(delta.base_digest, nbytes, "delta.base_digest")
+    for name, t, want in (
+        ("positions", delta.positions, positions_dtype(nbytes, unit)),
+        ("values", delta.values, VALUE_DTYPES[unit]),
+    ):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"delta.{name} must be a tensor, got {type(t).__name__}")
+        if t.dtype != want or t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(
+                f"delta.{name} must be a 1-D contiguous {dtype_name(want)} tensor "
+                f"for a chunk of {nbytes} bytes in units of {unit}, got dtype "
+                f"{dtype_name(t.dtype)}, shape {tuple(t.shape)}"
+            )
+    if delta.values.numel() != delta.positions.numel():
+        raise ValueError(
+            f"delta.values has {delta.values.numel()} entries but delta.positions "
+            f"has {delta.positions.numel()}"
+        )
+    if delta.values.device != delta.positions.device:
+        raise ValueError(
+            f"delta.values are on {delta.values.device} but delta.positions are "
+            f"on {delta.positions.device}"
+        )
+    _check_not_oversized(delta.positions.numel(), nbytes, unit)
+
+
+def _check_positions(delta: ChunkDelta) -> None:
+    """Every position in ``0 .. nbytes // unit - 1``, strictly increasing
+    (sorted, no duplicates). One synchronization."""
+    p = delta.positions
+    if p.numel() == 0:
+        return
+    elements = delta.nbytes // delta.unit
+    lo, hi = torch.aminmax(p)
+    later, earlier = p[1:], p[:-1]
+    lo_v, hi_v, unsorted, duplicated = torch.stack(
+        [
+            lo.long(),
+            hi.long(),
+            (later < earlier).any().long(),
+            (later == earlier).any().long(),
+        ]
+    ).tolist()
+    if lo_v < 0:
+        raise ValueError(
+            f"delta.positions holds a negative position ({lo_v}) at index "
+            f"{_first(p < 0)}"
+        )
+    if hi_v >= elements:
+        raise ValueError(
+            f"delta.positions holds position {hi_v} at index {_first(p >= elements)}, "
+            f"outside the chunk's {elements} elements"
+        )
+    if unsorted:
+        raise ValueError(
+            "delta.positions are not sorted: index "
+            f"{_first(later < earlier) + 1} is smaller than the one before it"
+        )
+    if duplicated:
+        raise ValueError(
+            "delta.positions holds a duplicate: index "
+            f"{_first(later == earlier) + 1} repeats the one before it"
+        )
+
+
+def _check_base(delta: ChunkDelta, held_version: int, held_digest: str | None) -> None:
+    if delta.base_version != held_version:
+        raise DeltaBaseMismatch(
+            f"delta.base_version is {delta.base_version} but the target holds "
+            f"version {held_version}; pull the whole chunk instead"
+        )
+    if held_digest is not None and delta.base_digest != held_digest:
+        raise DeltaBaseMismatch(
+            f"delta.base_digest is {delta.base_digest} but the target's bytes "
+            f"checksum to {held_digest}; pull the whole chunk instead"
+        )
+
+
+def _check_digest(value: object, nbytes: int, where: str) -> str:
+    match = _DIGEST_RE.fullmatch(value) if isinstance(value, str) else None
+    if match is None:
+        raise ValueError(
+            f"{where} is {value!r}, not a {ALGORITHM} checksum "
+            f"('{ALGORITHM}:<bytes>:<16 hex digits>')"
+        )
+    if int(match.group(1)) != nbytes:
+        raise ValueError(
+            f"{where} is the checksum of {match.group(1)} bytes but the chunk has "
+            f"{nbytes}"
+        )
+    return value  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------
+# helpers
+
+
+def _values_offset(positions_nbytes: int) -> int:
+    return -(-positions_nbytes // WIRE_ALIGN) * WIRE_ALIGN
+
+
+def _view_units(buf: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """``buf`` (uint8) as elements of ``dtype``, in place."""
+    if buf.data_ptr() % dtype.itemsize:
+        raise ValueError(
+            f"{name} starts at address {buf.data_ptr():#x}, not aligned to the "
+            f"{dtype.itemsize}-byte unit; pass an aligned buffer"
+        )
+    return buf.view(dtype)
+
+
+def _as_flat_bytes(buffer: object) -> torch.Tensor:
+    if isinstance(buffer, bytes | bytearray | memoryview):
+        raw = bytearray(buffer)
+        if not raw:
+            return torch.empty(0, dtype=torch.uint8)
+        # A copy: the tensor owns aligned memory, and the caller's bytes stay
+        # its own.
+        return torch.frombuffer(raw, dtype=torch.uint8).clone()
+    if not isinstance(buffer, torch.Tensor):
+        raise ValueError(
+            f"delta.buffer must be a uint8 tensor or bytes, got {type(buffer).__name__}"
+        )
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+        raise ValueError(
+            f"delta.buffer must be a 1-D contiguous uint8 tensor, got dtype "
+            f"{buffer.dtype}, shape {tuple(buffer.shape)}"
+        )
+    if buffer.data_ptr() % WIRE_ALIGN:
+        return buffer.clone()
+    return buffer
+
+
+def _cat(
+    parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    if not parts:
+        return torch.empty(0, dtype=dtype, device=device)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _first(mask: torch.Tensor) -> int:
+    """Index of the first True in ``mask``."""
+    return int(torch.nonzero(mask).view(-1)[0])
