@@ -128,8 +128,36 @@ class _Share:
     slots: list[_Slot]
 
 
+@dataclass(frozen=True)
+class ProducerSettings:
+    """How a producer serves, apart from what it serves (the keyword
+    arguments of `Producer` after ``served_names``)."""
+
+    # Serve slots per share: chunks packed ahead of the consumer's reads.
+    num_slots: int = 2
+    gather_lookahead: int = DEFAULT_GATHER_LOOKAHEAD
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+    # Consumers per replica: those at one position in different replicas
+    # share serve slots (0: none share).
+    workers_per_replica: int = 0
+    # Serve buffers are allocated at least this large.
+    buffer_presize_bytes: int = 0
+    checksums: bool = False
+    # Serve buffers of exactly the largest chunk, not rounded up to
+    # 256 MiB (for small payloads whose size changes rarely).
+    exact_buffers: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_slots < 1 or self.gather_lookahead < 0 or self.stall_timeout_s <= 0:
+            raise ValueError(
+                f"num_slots={self.num_slots}, gather_lookahead="
+                f"{self.gather_lookahead}, stall_timeout_s={self.stall_timeout_s}: "
+                "need >= 1, >= 0 and > 0"
+            )
+
+
 class Producer:
-    """See the module docstring."""
+    """See the module docstring; ``settings`` are `ProducerSettings`' fields."""
 
     def __init__(
         self,
@@ -138,37 +166,18 @@ class Producer:
         names: Sequence[str],
         group_lens: Sequence[int],
         served_names: Collection[str],
-        num_slots: int = 2,
-        gather_lookahead: int = DEFAULT_GATHER_LOOKAHEAD,
-        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
-        workers_per_replica: int = 0,
-        buffer_presize_bytes: int = 0,
         device: torch.device | str = "cpu",
         on_new_buffer: Callable[[torch.Tensor], None] | None = None,
-        checksums: bool = False,
-        exact_buffers: bool = False,
+        **settings: Any,
     ) -> None:
         if sum(group_lens) != len(names):
             raise ValueError(
                 f"group_lens sum to {sum(group_lens)} but there are {len(names)} names"
             )
-        if num_slots < 1 or gather_lookahead < 0 or stall_timeout_s <= 0:
-            raise ValueError(
-                f"num_slots={num_slots}, gather_lookahead={gather_lookahead}, "
-                f"stall_timeout_s={stall_timeout_s}: need >= 1, >= 0 and > 0"
-            )
+        self.settings = ProducerSettings(**settings)
         self.rank = rank
-        self.num_slots = num_slots
-        self.gather_lookahead = gather_lookahead
-        self.stall_timeout_s = stall_timeout_s
-        self.workers_per_replica = workers_per_replica
-        self.buffer_presize_bytes = buffer_presize_bytes
         self.device = torch.device(device)
         self._on_new_buffer = on_new_buffer
-        self.checksums = checksums
-        # Serve buffers of exactly the largest chunk, not rounded up to
-        # 256 MiB (for small payloads whose size changes rarely).
-        self.exact_buffers = exact_buffers
         self.receipts = ReceiptInbox()
         self._group_of: dict[str, int] = {}
         start = 0
@@ -241,7 +250,7 @@ class Producer:
                 f"hash to {chunks_digest(chunks)}"
             )
         need = max((c.nbytes for c in chunks), default=0)
-        key = serve_share_key(consumer_id, self.workers_per_replica)
+        key = serve_share_key(consumer_id, self.settings.workers_per_replica)
         with self._cond:
             if self._active:
                 raise ProducerError(
@@ -269,7 +278,7 @@ class Producer:
                     digest=digest,
                     members=set(),
                     buffers=buffers,
-                    slots=[_Slot() for _ in range(self.num_slots)],
+                    slots=[_Slot() for _ in range(self.settings.num_slots)],
                 )
                 self._shares[key] = share
             share.members.add(consumer_id)
@@ -308,13 +317,13 @@ class Producer:
 
     def _allocate(self, need: int) -> list[torch.Tensor]:
         size = (
-            max(need, self.buffer_presize_bytes)
-            if self.exact_buffers
-            else buffer_alloc_bytes(need, self.buffer_presize_bytes)
+            max(need, self.settings.buffer_presize_bytes)
+            if self.settings.exact_buffers
+            else buffer_alloc_bytes(need, self.settings.buffer_presize_bytes)
         )
         buffers = [
             torch.empty(size, dtype=torch.uint8, device=self.device)
-            for _ in range(self.num_slots)
+            for _ in range(self.settings.num_slots)
         ]
         if self._on_new_buffer is not None:
             for buffer in buffers:
@@ -385,7 +394,7 @@ class Producer:
                 floor=gen,
             )
             share = self._shares[consumer.share]
-            slot_index = seq % self.num_slots
+            slot_index = seq % self.settings.num_slots
             slot = share.slots[slot_index]
             self._wait(
                 lambda: (slot.seq == seq and not slot.packing) or not slot.readers,
@@ -407,7 +416,7 @@ class Producer:
                 # The copies are queued on the device; a consumer's RDMA read
                 # of the buffer does not wait for them.
                 torch.cuda.current_stream(buffer.device).synchronize()
-            checksum = payload_checksum(view) if self.checksums else None
+            checksum = payload_checksum(view) if self.settings.checksums else None
         except BaseException as e:
             self.fail(f"packing group {chunk.group} for consumer {consumer_id}: {e}")
             raise
@@ -430,7 +439,8 @@ class Producer:
                 f"{asked} for unknown chunk (consumer {consumer_id}, seq {seq}) "
                 f"on producer rank {self.rank}"
             )
-        return consumer, self._shares[consumer.share].slots[seq % self.num_slots]
+        slots = self._shares[consumer.share].slots
+        return consumer, slots[seq % self.settings.num_slots]
 
     def packed_checksum(self, consumer_id: int, seq: int) -> str | None:
         """The checksum of chunk ``seq`` as packed for ``consumer_id``, for a
@@ -508,7 +518,7 @@ class Producer:
                 for chunk in self._consumers[cid].chunks:
                     self._pending.setdefault(chunk.group, set()).add((cid, chunk.seq))
             for share in self._shares.values():
-                share.slots = [_Slot() for _ in range(self.num_slots)]
+                share.slots = [_Slot() for _ in range(self.settings.num_slots)]
             self.packed_bytes = 0
             self.max_resident = 0
             self._active = True
@@ -523,7 +533,7 @@ class Producer:
         """Block until another group may be published."""
         with self._cond:
             self._wait(
-                lambda: len(self._resident) <= self.gather_lookahead,
+                lambda: len(self._resident) <= self.settings.gather_lookahead,
                 f"the trainer waiting for consumers to free one of groups "
                 f"{sorted(self._resident)}",
             )
@@ -636,15 +646,15 @@ class Producer:
                 return
             now = time.monotonic()
             idle = now - max(self._last_progress, started)
-            if idle >= self.stall_timeout_s:
+            if idle >= self.settings.stall_timeout_s:
                 stalled = (
                     f"producer rank {self.rank}: no progress for "
-                    f"{self.stall_timeout_s:.1f}s while {what}; a consumer or a "
-                    "trainer rank most likely died or stalled mid-sync"
+                    f"{self.settings.stall_timeout_s:.1f}s while {what}; a consumer "
+                    "or a trainer rank most likely died or stalled mid-sync"
                 )
                 self._set_error(stalled)
                 # This waiter raises its own cause: the current sync may keep
                 # an earlier failure (the first one wins), which this wait,
                 # for a later sync, did not raise above.
                 raise ProducerError(stalled)
-            self._cond.wait(min(self.stall_timeout_s - idle, _POLL_S))
+            self._cond.wait(min(self.settings.stall_timeout_s - idle, _POLL_S))
