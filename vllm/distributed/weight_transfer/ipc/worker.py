@@ -20,12 +20,12 @@ already touched; ``{"abort": reason}`` from the trainer does the same.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
 import torch
 
-from vllm.config.weight_transfer import WeightTransferConfig
 from vllm.distributed.weight_transfer.base import ParamMeta
 from vllm.distributed.weight_transfer.buffers.dataplane import (
     BufferImporter,
@@ -61,7 +61,6 @@ from vllm.distributed.weight_transfer.landing.layerwise import (
     LayerwiseReloadSession,
 )
 from vllm.distributed.weight_transfer.landing.planned import LandingPlan
-from vllm.distributed.weight_transfer.lora.wire import ADAPTER_KEY, AdapterHeader
 from vllm.distributed.weight_transfer.plan.ops import dtype_from_name
 from vllm.distributed.weight_transfer.quant.values import (
     checked_views,
@@ -75,15 +74,13 @@ from vllm.distributed.weight_transfer.verification import (
     describe_error,
     device_identity,
 )
+from vllm.distributed.weight_transfer.worker.handlers import ReadTensors
 from vllm.distributed.weight_transfer.worker.lifecycle import (
     LayerwiseWorkerEngine,
     global_worker_rank,
 )
 from vllm.distributed.weight_transfer.worker.staged import StagedUpdate
 from vllm.logger import init_logger
-
-if TYPE_CHECKING:
-    from vllm.config import VllmConfig
 
 logger = init_logger(__name__)
 
@@ -99,14 +96,7 @@ class IPCWeightTransferEngine(
     init_info_cls = IPCWeightTransferInitInfo
     update_info_cls = IPCWeightTransferUpdateInfo
 
-    def __init__(
-        self,
-        config: WeightTransferConfig,
-        vllm_config: VllmConfig,
-        device: torch.device,
-        model: torch.nn.Module,
-    ) -> None:
-        super().__init__(config, vllm_config, device, model)
+    def _on_init(self) -> None:
         self.packed = False
         self._importer: BufferImporter | None = None
         # Device keys this worker read in the current or last update
@@ -585,55 +575,44 @@ class IPCWeightTransferEngine(
             )
         return self._dtype_kinds
 
-    def receive_adapter(
-        self, header: AdapterHeader, update_info: dict[str, Any]
-    ) -> None:
-        """A LoRA adapter's message: its tensors are read from the trainer's
-        buffer through a mapping of their own (released at once, so the
-        mappings kept for base-weight syncs stay as they are), their bytes
-        checked against the trainer's checksum when it sent one, and copied
-        into the adapter staging."""
-        info = IPCWeightTransferUpdateInfo.from_dict(
-            {k: v for k, v in update_info.items() if k != ADAPTER_KEY}
-        )
-        if info.upstream_wire:
-            raise ValueError(
-                f"adapter {header.name!r}: adapters travel on the fork's wire only"
-            )
-        buffered = indexed_buffers(info)
-        if len(buffered) != 1:
-            # (Its one checksum covers one buffer's bytes.)
-            raise ValueError(
-                f"adapter {header.name!r}: an adapter travels packed in one "
-                f"buffer; this message names {len(buffered)}"
-            )
-        importer = BufferImporter(self.device, _local_rank(), writable=False)
-        try:
-            buffers = [
-                importer.open(importer.select(hmap, f"adapter ipc_handles{suffix}")[1])
-                for suffix, hmap in buffered
-            ]
-            views = info.views()
-            expected = self.adapters.expected_checksum(header)
-            if expected is not None:
-                # The trainer's bytes as they arrived, before anything is kept.
-                from vllm.distributed.weight_transfer.verification.checksum import (
-                    payload_checksum,
-                )
-
-                end = max((v.offset + v.nbytes for v in views), default=0)
-                got = payload_checksum(buffers[0][:end])
-                self.adapters.check_checksum(header, expected, got)
-            tensors = _typed_views(buffers, views)
-            self.adapters.receive(header, tensors)
-            del tensors, buffers
-        finally:
-            importer.close()
+    def carried_tensors(self, message: dict[str, Any]) -> _CarriedIPC:
+        return _CarriedIPC(IPCWeightTransferUpdateInfo.from_dict(message), self.device)
 
     def _get_importer(self) -> BufferImporter:
         if self._importer is None:
             self._importer = BufferImporter(self.device, _local_rank(), writable=False)
         return self._importer
+
+
+class _CarriedIPC:
+    """The tensors of a message a registered kind's handler reads itself
+    (``carried_tensors``): its buffers are mapped through an importer of
+    their own, released when the read ends, so the mappings kept for
+    base-weight syncs stay as they are."""
+
+    def __init__(self, info: IPCWeightTransferUpdateInfo, device: torch.device):
+        self._info = info
+        self._device = device
+        self._buffered = indexed_buffers(info)
+        self.upstream_wire = info.upstream_wire
+        self.buffer_count = len(self._buffered)
+
+    @contextmanager
+    def read(self, what: str) -> Iterator[ReadTensors]:
+        importer = BufferImporter(self._device, _local_rank(), writable=False)
+        try:
+            buffers = [
+                importer.open(importer.select(hmap, f"{what} ipc_handles{suffix}")[1])
+                for suffix, hmap in self._buffered
+            ]
+            views = self._info.views()
+            ends = [end for _, end in _spans(views, len(buffers))]
+            yield ReadTensors(
+                payloads=[b[:end] for b, end in zip(buffers, ends, strict=True)],
+                tensors=lambda: _typed_views(buffers, views),
+            )
+        finally:
+            importer.close()
 
 
 def _spans(views: list[Any], n_buffers: int) -> list[tuple[int, int]]:

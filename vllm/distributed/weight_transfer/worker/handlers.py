@@ -7,14 +7,23 @@ base weights registers a `MessageHandler` for its kind
 is imported when a worker first meets a message of that kind. The lifecycle
 knows no feature: it hands each message of a registered kind to that kind's
 handler, and tells every handler it made when an update prepares, commits,
-ends or the engine shuts down."""
+ends or the engine shuts down. A handler whose messages carry tensors in a
+trainer's buffers has the backend read them (`CarriedTensors`, from the
+engine's ``carried_tensors``); what it does with them is its own."""
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm.distributed.weight_transfer.common.messages import MessageKind
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
 
 
 class MessageHandler:
@@ -48,6 +57,32 @@ class MessageHandler:
 
     def close(self) -> None:
         """The engine shuts down."""
+
+
+@dataclass(frozen=True)
+class ReadTensors:
+    """A message's tensors as mapped: per buffer, the bytes from its start to
+    the end of the last tensor in it (``payloads``, uint8: what a trainer's
+    checksum of the buffer covers), and ``tensors()``, each tensor typed and
+    shaped in them. Valid inside ``CarriedTensors.read`` only."""
+
+    payloads: list[torch.Tensor]
+    tensors: Callable[[], list[tuple[str, torch.Tensor]]]
+
+
+class CarriedTensors(Protocol):
+    """The tensors one message carries in a trainer's buffers, parsed by the
+    backend but not yet mapped: what the message says of them first, then
+    ``read``, which maps its buffers for the block and releases them after."""
+
+    # The message is in upstream 0.32's format rather than the fork's.
+    upstream_wire: bool
+    # How many of the trainer's buffers the message names.
+    buffer_count: int
+
+    def read(self, what: str) -> AbstractContextManager[ReadTensors]:
+        """Map the buffers (``what`` names the message in errors)."""
+        ...
 
 
 _HANDLERS: dict[MessageKind, tuple[str, str]] = {}

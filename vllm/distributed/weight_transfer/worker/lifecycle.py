@@ -46,25 +46,20 @@ finish raises ``WeightsFencedError`` naming the reason and the way out (an abort
 message, then finish, then a full update); after the trainer's abort message
 finish closes quietly either way.
 
-Messages of a kind a feature registered (``worker.handlers``; LoRA
-registers the ``adapter`` kind, ``lora.worker_handler``) go to that kind's
-handler instead of ``receive_weights``, after the same checks (not aborted,
-not prepared, fence open). A LoRA adapter message goes to the backend's
-``receive_adapter``, or, when it carries an ``adapter_pull`` (a trainer on
-another machine), to ``lora.pull.AdapterPuller``, whatever the backend. Its
-tensors are staged apart from the model and checked on the push's last
-message; ``finish_weight_update`` makes the adapter the version that serves.
-Any failure or abort before that drops the staging; the model is never
-touched, so nothing is fenced. A verified push's publication header is the
-adapter's (``lora_publication``): its version is checked against the
-adapter name's own order, never bound to the fence, and the prepare message
-writes the adapter's receipt.
+Messages of a kind a feature registered (``worker.handlers``) go to that
+kind's handler instead of ``receive_weights``, after the same checks (not
+aborted, not prepared, fence open). The handler keeps its own state, reads
+the tensors its messages carry in a trainer's buffers through the backend's
+``carried_tensors`` (None: the backend maps no trainer's buffers), names the
+publication header a prepare message must carry while its push is open, and
+is told when the update prepares, commits, fails or ends.
 
 Backends implement ``_make_publication`` and ``receive_weights`` (which
 lands through ``_session_for`` and calls ``_mark_landed`` before the first
 weight reaches the model; with staging, ``_session_for`` returns the
 ``StagedUpdate`` and ``_mark_landed`` changes nothing), and may hook ``_on_start``,
-``_on_new_publication``, ``_on_update_failed`` and ``_on_update_closed``.
+``_on_new_publication``, ``_on_update_failed`` and ``_on_update_closed``;
+``_on_init`` sets up a backend's own state, once, when the engine is made.
 """
 
 from __future__ import annotations
@@ -97,6 +92,7 @@ from vllm.distributed.weight_transfer.verification import (
     is_prepare_request,
 )
 from vllm.distributed.weight_transfer.worker.handlers import (
+    CarriedTensors,
     MessageHandler,
     handles,
     make_handler,
@@ -155,12 +151,17 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         # Handlers of the registered message kinds (``worker.handlers``),
         # each made at the first message of its kind.
         self._handlers: dict[MessageKind, MessageHandler] = {}
+        self._on_init()
 
     # -- backend hooks -------------------------------------------------------
 
     @abstractmethod
     def _make_publication(self) -> WorkerPublication:
         """This worker's publication state, built once."""
+
+    def _on_init(self) -> None:
+        """The engine was made (the lifecycle's state is set); the backend
+        sets up its own."""
 
     def _on_start(self) -> None:
         """A new update opens (after any open one was aborted)."""
@@ -174,17 +175,11 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
     def _on_update_closed(self) -> None:
         """The update is over (finished, failed, aborted or shut down)."""
 
-    def receive_adapter(self, header: Any, update_info: dict[str, Any]) -> None:
-        """Read one adapter message's tensors (``update_info``, its
-        publication header ``header`` already taken off) and hand them to
-        ``self.adapters.receive``, after checking the bytes against
-        ``self.adapters.expected_checksum`` (backends that map a trainer's
-        buffers override; the ``adapter`` kind's handler calls it)."""
-        raise ValueError(
-            f"the {self.backend_name} backend does not map a trainer's buffers "
-            f"(adapter {header.name!r}); push adapters to it with "
-            "LoRAPusher(transport='nixl'), which it pulls from"
-        )
+    def carried_tensors(self, message: dict[str, Any]) -> CarriedTensors | None:
+        """The tensors ``message`` (in this backend's format) carries in a
+        trainer's buffers, for a registered kind's handler that reads them
+        itself; None when this backend maps no trainer's buffers."""
+        return None
 
     # -- what backends use -----------------------------------------------------
 
@@ -194,13 +189,6 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
         if self._pub is None:
             self._pub = self._make_publication()
         return self._pub
-
-    @property
-    def adapters(self) -> Any:
-        """The pushes the ``adapter`` kind's handler stages and commits, for
-        backends that read adapter messages' bytes (``receive_adapter``)."""
-        handler: Any = self._handler_for(MessageKind.ADAPTER)
-        return handler.pushes
 
     def _handler_for(self, kind: MessageKind) -> MessageHandler:
         """The handler of ``kind``'s messages, made on first use."""
@@ -323,8 +311,8 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
             # No update open, or fenced: refused before anything changes (the
             # failure path below then only tells the backend).
             self.pub.fence.check_open(f"{self.backend_name} update_weights")
-            # A registered kind (a LoRA adapter) goes to its handler, which
-            # may give it back to land as base weights.
+            # A registered kind goes to its handler, which may give it back
+            # to land as base weights.
             if handles(kind) and self._handler_for(kind).handle(update_info):
                 return
             checker = self.pub.checker
