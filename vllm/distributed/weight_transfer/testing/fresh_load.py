@@ -38,7 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.weight_transfer.testing.oracle import (
     GreedyResult,
+    GreedyWording,
     assert_same_greedy,
+    check_greedy,
     hf_greedy,
     logprob_atol,
 )
@@ -186,26 +188,20 @@ def save_checkpoint(model: torch.nn.Module, directory: str | Path) -> Path:
     return path
 
 
+FRESH_LOAD = GreedyWording(
+    tokens="{what} greedy tokens for prompt {i} are {got}; a fresh load of the "
+    "trainer's weights gives {want}",
+    logprob="{what} logprob at prompt {i} step {j} is {g!r}; a fresh load of "
+    "the trainer's weights gives {w!r} (bit-exact comparison, difference "
+    "{diff:.3e})",
+)
+
+
 def assert_bit_identical(
     actual: GreedyResult, expected: GreedyResult, *, what: str = "vLLM"
 ) -> None:
     """Same tokens and the same logprobs to the last bit."""
-    for i, (got, want) in enumerate(zip(actual.tokens, expected.tokens, strict=True)):
-        if got != want:
-            raise AssertionError(
-                f"{what} greedy tokens for prompt {i} are {list(got)}; a fresh "
-                f"load of the trainer's weights gives {list(want)}"
-            )
-    for i, (got_lp, want_lp) in enumerate(
-        zip(actual.logprobs, expected.logprobs, strict=True)
-    ):
-        for j, (g, w) in enumerate(zip(got_lp, want_lp, strict=True)):
-            if g != w:
-                raise AssertionError(
-                    f"{what} logprob at prompt {i} step {j} is {g!r}; a fresh "
-                    f"load of the trainer's weights gives {w!r} (bit-exact "
-                    f"comparison, difference {g - w:.3e})"
-                )
+    check_greedy(actual, expected, FRESH_LOAD, what=what, atol=None)
 
 
 class FreshLoadOracle:

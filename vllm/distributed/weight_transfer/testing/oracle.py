@@ -140,6 +140,25 @@ def completions_greedy(
     return GreedyResult(tuple(tokens), tuple(logprobs))
 
 
+@dataclass(frozen=True)
+class GreedyWording:
+    """How a failed comparison of greedy results reads (``str.format``
+    templates): ``tokens`` gets ``what``, ``i`` (the prompt), ``got`` and
+    ``want`` (token lists); ``logprob`` also ``j`` (the step), ``g`` and
+    ``w`` (the logprobs), ``diff`` (``g - w``), ``absdiff`` and ``atol``."""
+
+    tokens: str
+    logprob: str
+
+
+HF_ORACLE = GreedyWording(
+    tokens="{what} greedy tokens differ from the HF oracle for prompt {i}: "
+    "got {got}, expected {want}",
+    logprob="{what} logprob of prompt {i} step {j} is {g:.6f}, the HF oracle "
+    "says {w:.6f} (|diff| {absdiff:.2e} > atol {atol})",
+)
+
+
 def assert_same_greedy(
     actual: GreedyResult,
     expected: GreedyResult,
@@ -148,20 +167,41 @@ def assert_same_greedy(
     what: str = "vLLM",
 ) -> None:
     """Tokens must be identical; logprobs within ``atol`` of the reference."""
+    check_greedy(actual, expected, HF_ORACLE, what=what, atol=atol)
+
+
+def check_greedy(
+    actual: GreedyResult,
+    expected: GreedyResult,
+    wording: GreedyWording,
+    *,
+    what: str,
+    atol: float | None,
+) -> None:
+    """Raise an ``AssertionError`` worded by ``wording`` at the first prompt
+    whose tokens differ, else at the first logprob further than ``atol``
+    from the reference (None: any difference, bit for bit)."""
     for i, (got, want) in enumerate(zip(actual.tokens, expected.tokens, strict=True)):
         if got != want:
             raise AssertionError(
-                f"{what} greedy tokens differ from the HF oracle for prompt {i}: "
-                f"got {list(got)}, expected {list(want)}"
+                wording.tokens.format(what=what, i=i, got=list(got), want=list(want))
             )
     for i, (got_lp, want_lp) in enumerate(
         zip(actual.logprobs, expected.logprobs, strict=True)
     ):
         for j, (g, w) in enumerate(zip(got_lp, want_lp, strict=True)):
-            if abs(g - w) > atol:
+            if g != w if atol is None else abs(g - w) > atol:
                 raise AssertionError(
-                    f"{what} logprob of prompt {i} step {j} is {g:.6f}, the HF "
-                    f"oracle says {w:.6f} (|diff| {abs(g - w):.2e} > atol {atol})"
+                    wording.logprob.format(
+                        what=what,
+                        i=i,
+                        j=j,
+                        g=g,
+                        w=w,
+                        diff=g - w,
+                        absdiff=abs(g - w),
+                        atol=atol,
+                    )
                 )
 
 
