@@ -17,6 +17,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -75,6 +76,7 @@ logger = init_logger(__name__)
 Attach = Callable[[dict[str, Any], str, list[list[str | None]]], dict[str, Any]]
 
 
+@dataclass(eq=False, kw_only=True)
 class ChunkSender:
     """Sends one sync's chunks at a time for a trainer engine, and keeps what
     outlives a sync: the packed buffer kept between syncs
@@ -84,30 +86,18 @@ class ChunkSender:
     adds the publication header, ``checksum(buf)`` and
     ``part_checksums(part)`` give payload checksums (None when off)."""
 
-    def __init__(
-        self,
-        *,
-        client: Callable[[], VLLMWeightSyncClient],
-        group: TrainerGroup,
-        rank: int,
-        is_sender: bool,
-        upstream_wire: bool,
-        keep_packed_buffer: bool | None,
-        on_sender: Callable[[str, Callable[[], Any]], Any],
-        attach: Attach,
-        checksum: Callable[[torch.Tensor], str | None],
-        part_checksums: Callable[[SegmentPart], list[str | None]],
-    ) -> None:
-        self._client = client
-        self.group = group
-        self.rank = rank
-        self.is_sender = is_sender
-        self.upstream_wire = upstream_wire
-        self.keep_packed_buffer = keep_packed_buffer
-        self._on_sender = on_sender
-        self._attach = attach
-        self._checksum = checksum
-        self._part_checksums = part_checksums
+    client: Callable[[], VLLMWeightSyncClient]
+    group: TrainerGroup
+    rank: int
+    is_sender: bool
+    upstream_wire: bool
+    keep_packed_buffer: bool | None
+    on_sender: Callable[[str, Callable[[], Any]], Any]
+    attach: Attach
+    checksum: Callable[[torch.Tensor], str | None]
+    part_checksums: Callable[[SegmentPart], list[str | None]]
+
+    def __post_init__(self) -> None:
         # Sharded tensors (DTensors) whose shards were gathered straight into
         # their slot of a packed buffer, over this sender's life.
         self.gathered_into_slots = 0
@@ -213,7 +203,7 @@ class ChunkSender:
         if what is None:
             return
         try:
-            self._on_sender(what, in_flight.wait)
+            self.on_sender(what, in_flight.wait)
         finally:
             in_flight.reset()
 
@@ -338,10 +328,10 @@ class ChunkSender:
             self._send_held(in_flight)
             if segment is not None:
                 part = _part_of(segment.owner, in_segment)
-                checksums = self._part_checksums(part)
+                checksums = self.part_checksums(part)
             elif buffer is not None and buffer.tensor is not None:
                 start, end = chunk.span
-                checksums = [self._checksum(buffer.tensor[start:end])]
+                checksums = [self.checksum(buffer.tensor[start:end])]
         except Exception as e:
             error = describe_error(e)
             if self.group.world_size == 1:
@@ -367,12 +357,12 @@ class ChunkSender:
                 k: h if isinstance(h, list) else self._wire_handle(h, k)
                 for k, h, _ in given
             }
-            message = self._attach(
+            message = self.attach(
                 {**fields, "ipc_handles": merged},
                 f"chunk {chunk.index}",
                 [c for _, _, c in given],
             )
-            in_flight.start(what, lambda: self._client().update_weights(message))
+            in_flight.start(what, lambda: self.client().update_weights(message))
         else:
             in_flight.start(what, None)
         if not in_flight.asynchronous:
@@ -406,7 +396,7 @@ class ChunkSender:
         if held is None:
             return
         part = _part_of(held.owner, held.found)
-        checksums = self._part_checksums(part)
+        checksums = self.part_checksums(part)
         self.shared_now.use(part)
         key = device_key(held.owner.device, self.rank)
         what = f"chunks {held.first}-{held.last}"
@@ -432,10 +422,10 @@ class ChunkSender:
                 plan, self._source, held.owner, layout, layout_digest(fields), part
             )
             self.whole_now = whole
-        message = self._attach(fields, what, [checksums])
+        message = self.attach(fields, what, [checksums])
         self._settle(in_flight)
         in_flight.start(
-            f"update_weights of {what}", lambda: self._client().update_weights(message)
+            f"update_weights of {what}", lambda: self.client().update_weights(message)
         )
         if not in_flight.asynchronous:
             self._settle(in_flight)
@@ -447,17 +437,17 @@ class ChunkSender:
         sync_device(owner.device)
         part = whole.part
         self.shared_now.use(part)
-        checksums = self._part_checksums(part)
+        checksums = self.part_checksums(part)
         short: dict[str, Any] = {"layout": whole.layout, "layout_digest": whole.digest}
         if part.indexes is None:
             short["ipc_handles"] = {device_key(owner.device, self.rank): part.handles()}
         # Over several segments the handles are left out: the workers read
         # the exports the layout's message named, which they still map.
-        message = self._attach(short, "the whole sync", [checksums])
+        message = self.attach(short, "the whole sync", [checksums])
         self.whole_now = whole
-        self._on_sender(
+        self.on_sender(
             "update_weights of the whole sync",
-            lambda: self._client().update_weights(message),
+            lambda: self.client().update_weights(message),
         )
 
     def _packed_buffer(
@@ -533,7 +523,7 @@ class ChunkSender:
                         (
                             device_key(tensor.device, self.rank),
                             buf.handle.to_dict(),
-                            self._checksum(_bytes_of(tensor)),
+                            self.checksum(_bytes_of(tensor)),
                         )
                     )
                     del tensor
@@ -555,11 +545,11 @@ class ChunkSender:
                         )
                 message = _unpacked_chunk_message(chunk, merged, self.upstream_wire)
                 sums = [[c for _, _, c in p] for p in per_rank.values()]
-                self._client().update_weights(
-                    self._attach(message, f"chunk {chunk.index}", sums)
+                self.client().update_weights(
+                    self.attach(message, f"chunk {chunk.index}", sums)
                 )
 
-            self._on_sender(f"update_weights of chunk {chunk.index}", send)
+            self.on_sender(f"update_weights of chunk {chunk.index}", send)
         finally:
             for buf in exported:
                 buf.close()
