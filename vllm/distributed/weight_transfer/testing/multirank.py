@@ -64,6 +64,7 @@ class _NoClient:
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (a process group's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm.distributed.weight_transfer.testing.multirank import free_port
 from vllm.distributed.weight_transfer.testing.tiny_models import (
     TinyModelSpec,
     build_tiny_model,
@@ -89,12 +89,6 @@ class CaseReport:
     error: str = ""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_planner_checks(
     tp_size: int,
     cases: Sequence[PlannerCase],
@@ -106,7 +100,7 @@ def run_planner_checks(
     folders = [str(build_tiny_model(TinyModelSpec(arch=c.arch))) for c in cases]  # type: ignore[arg-type]
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(
             target=_rank_main,
