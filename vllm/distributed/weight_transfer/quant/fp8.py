@@ -51,8 +51,8 @@ from safetensors import safe_open
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 from vllm.distributed.weight_transfer.quant.row_kernel import (
     RowQuantizer,
-    fits,
     fused_row_quantizer,
+    quantize_rows,
 )
 from vllm.distributed.weight_transfer.quant.values import (
     is_checked,
@@ -93,15 +93,7 @@ def quantize_fp8_per_channel(
     """``(codes, scale)`` of a 2-D ``weight``: float8 e4m3 codes of its shape
     and one float32 scale per row (``[rows, 1]``), computed as the module
     docstring says after casting ``weight`` to ``dtype``."""
-    if weight.dim() != 2:
-        raise ValueError(
-            f"per-channel FP8 quantizes 2-D weights; got shape {tuple(weight.shape)}"
-        )
-    w = weight.detach().to(dtype)
-    fused = _fused_rows() if fits(w) else None
-    if fused is not None:
-        return fused(w.contiguous())
-    return _quantize_with_torch_ops(w)
+    return quantize_rows(weight, dtype, "FP8", _fused_rows, _quantize_with_torch_ops)
 
 
 def _quantize_with_torch_ops(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -54,8 +54,8 @@ from vllm.distributed.weight_transfer.quant.fp8 import (
 )
 from vllm.distributed.weight_transfer.quant.row_kernel import (
     RowQuantizer,
-    fits,
     fused_row_quantizer,
+    quantize_rows,
 )
 
 __all__ = [
@@ -78,14 +78,14 @@ def quantize_int8_per_channel(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, scale)`` of a 2-D ``weight``: int8 codes of its shape and one
     float32 scale per row (``[rows, 1]``), as the module docstring says."""
-    if weight.dim() != 2:
-        raise ValueError(
-            f"per-channel int8 quantizes 2-D weights; got shape {tuple(weight.shape)}"
-        )
-    served = weight.detach().to(dtype)
-    fused = _fused_rows() if fits(served) else None
-    if fused is not None:
-        return fused(served.contiguous())
+    return quantize_rows(weight, dtype, "int8", _fused_rows, _quantize_with_torch_ops)
+
+
+def _quantize_with_torch_ops(
+    served: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_int8_per_channel`` of ``served`` (already in the engine's
+    dtype) with torch operations."""
     w = served.to(SCALE_DTYPE)
     low, high = w.aminmax(dim=-1, keepdim=True)
     amax = torch.maximum(low.abs(), high.abs())

@@ -42,6 +42,28 @@ def fits(w: torch.Tensor) -> bool:
     )
 
 
+def quantize_rows(
+    weight: torch.Tensor,
+    dtype: torch.dtype,
+    kind: str,
+    fused: Callable[[], RowQuantizer | None],
+    torch_ops: RowQuantizer,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scale)`` of a 2-D ``weight`` cast to ``dtype``, one scale
+    per row: through the fused kernel (``fused()``, None without Triton)
+    when it ``fits``, else through ``torch_ops``; ``kind`` names the codes
+    in the refusal of any other shape."""
+    if weight.dim() != 2:
+        raise ValueError(
+            f"per-channel {kind} quantizes 2-D weights; got shape {tuple(weight.shape)}"
+        )
+    w = weight.detach().to(dtype)
+    rows = fused() if fits(w) else None
+    if rows is not None:
+        return rows(w.contiguous())
+    return torch_ops(w)
+
+
 @functools.cache
 def fused_row_quantizer(
     codes_dtype: torch.dtype,
