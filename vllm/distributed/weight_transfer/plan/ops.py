@@ -33,6 +33,7 @@ from vllm.distributed.weight_transfer.common.wire_fields import (
     dtype_from_name,
     dtype_name,
 )
+from vllm.distributed.weight_transfer.plan.json_record import JsonRecord, decode_each
 
 # Name of each allowlisted op -> how many tensors it returns ("one" or "many").
 VIEW_OPS: Mapping[str, str] = {
@@ -235,7 +236,7 @@ class ShapedTensor:
 
 
 @dataclass(frozen=True)
-class SliceSpec(ShapedTensor):
+class SliceSpec(ShapedTensor, JsonRecord):
     """One slice a worker consumes: checkpoint tensor ``source`` after ``chain``.
 
     ``shape`` and ``dtype`` are what the chain produces from a source of the
@@ -249,6 +250,8 @@ class SliceSpec(ShapedTensor):
     shape: tuple[int, ...]
     dtype: str
 
+    json_decoders = {"chain": decode_each(ViewOp.from_json)}
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "chain", tuple(self.chain))
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
@@ -259,23 +262,6 @@ class SliceSpec(ShapedTensor):
     def describe(self) -> str:
         ops = ".".join(str(op) for op in self.chain)
         return repr(self.source) + (f" -> {ops}" if ops else "")
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "source": self.source,
-            "chain": [op.to_json() for op in self.chain],
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-        }
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> SliceSpec:
-        return cls(
-            source=data["source"],
-            chain=tuple(ViewOp.from_json(op) for op in data["chain"]),
-            shape=tuple(data["shape"]),
-            dtype=data["dtype"],
-        )
 
 
 def replay_slice(tensor: torch.Tensor, spec: SliceSpec) -> torch.Tensor:

@@ -31,11 +31,12 @@ from math import prod
 from typing import Any
 
 from vllm.distributed.weight_transfer.base import layerwise_groups
+from vllm.distributed.weight_transfer.plan.json_record import JsonRecord, decode_each
 from vllm.distributed.weight_transfer.plan.ops import SliceSpec, dtype_from_name
 
 
 @dataclass(frozen=True)
-class Region:
+class Region(JsonRecord):
     """A strided region of one parameter (or buffer) of one module, in the
     checkpoint format the model's loaders write (before any kernel repacking)."""
 
@@ -77,35 +78,16 @@ class Region:
             for size, stride in zip(self.shape, self.stride, strict=True)
         )
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "module": self.module,
-            "param": self.param,
-            "offset": self.offset,
-            "shape": list(self.shape),
-            "stride": list(self.stride),
-            "dtype": self.dtype,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Region:
-        return cls(
-            module=data["module"],
-            param=data["param"],
-            offset=data["offset"],
-            shape=tuple(data["shape"]),
-            stride=tuple(data["stride"]),
-            dtype=data["dtype"],
-        )
-
 
 @dataclass(frozen=True)
-class SliceCopy:
+class SliceCopy(JsonRecord):
     """Land ``slice`` in ``region`` (``region.copy_(slice)``; equal element counts,
     dtype converted by the copy as the model's own loader would)."""
 
     slice: SliceSpec
     region: Region
+
+    json_decoders = {"slice": SliceSpec.from_json, "region": Region.from_json}
 
     def __post_init__(self) -> None:
         if self.slice.numel != self.region.numel:
@@ -114,16 +96,6 @@ class SliceCopy:
                 f"region {self.region.qualname} {self.region.shape} has "
                 f"{self.region.numel}"
             )
-
-    def to_json(self) -> dict[str, Any]:
-        return {"slice": self.slice.to_json(), "region": self.region.to_json()}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> SliceCopy:
-        return cls(
-            slice=SliceSpec.from_json(data["slice"]),
-            region=Region.from_json(data["region"]),
-        )
 
 
 @dataclass(frozen=True)
@@ -149,7 +121,7 @@ class PartialModule:
 
 
 @dataclass(frozen=True)
-class GatherGroup:
+class GatherGroup(JsonRecord):
     """The copies fed by one gather group of checkpoint names.
 
     ``index`` is the group's position in `layerwise_groups` over the full
@@ -162,6 +134,8 @@ class GatherGroup:
     copies: tuple[SliceCopy, ...]
     completes: tuple[str, ...]
 
+    json_decoders = {"copies": decode_each(SliceCopy.from_json)}
+
     @property
     def slices(self) -> tuple[SliceSpec, ...]:
         """Distinct slices to fetch, in first-use order."""
@@ -170,23 +144,6 @@ class GatherGroup:
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.slices)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "names": list(self.names),
-            "copies": [c.to_json() for c in self.copies],
-            "completes": list(self.completes),
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> GatherGroup:
-        return cls(
-            index=data["index"],
-            names=tuple(data["names"]),
-            copies=tuple(SliceCopy.from_json(c) for c in data["copies"]),
-            completes=tuple(data["completes"]),
-        )
 
 
 @dataclass(frozen=True)
