@@ -78,19 +78,7 @@ def fail_load_once(worker: Any, call: int) -> None:
         LayerwiseReloadSession,
     )
 
-    original = LayerwiseReloadSession.load
-    calls = [0]
-
-    def load(session: Any, *args: Any, **kwargs: Any) -> None:
-        calls[0] += 1
-        if calls[0] < call:
-            return original(session, *args, **kwargs)
-        LayerwiseReloadSession.load = original  # type: ignore[method-assign]
-        # Land the chunk, then fail: the engine is past its first write.
-        original(session, *args, **kwargs)
-        raise RuntimeError(f"{INJECTED_FAILURE} on load {call}")
-
-    LayerwiseReloadSession.load = load  # type: ignore[method-assign,assignment]
+    _land_then_fail(LayerwiseReloadSession, call, "load")
 
 
 def fail_stage_once(worker: Any, call: int) -> None:
@@ -98,18 +86,25 @@ def fail_stage_once(worker: Any, call: int) -> None:
     1) stages its tensors, then raises, once."""
     from vllm.distributed.weight_transfer.worker.staged import StagedUpdate
 
-    original = StagedUpdate.load
+    _land_then_fail(StagedUpdate, call, "staged load")
+
+
+def _land_then_fail(session_cls: Any, call: int, what: str) -> None:
+    """``session_cls.load``'s ``call``-th call (from 1) does its work, then
+    raises, once: the engine is past its first write. The method is put
+    back at that call."""
+    original = session_cls.load
     calls = [0]
 
     def load(session: Any, *args: Any, **kwargs: Any) -> None:
         calls[0] += 1
         if calls[0] < call:
             return original(session, *args, **kwargs)
-        StagedUpdate.load = original  # type: ignore[method-assign]
+        session_cls.load = original
         original(session, *args, **kwargs)
-        raise RuntimeError(f"{INJECTED_FAILURE} on staged load {call}")
+        raise RuntimeError(f"{INJECTED_FAILURE} on {what} {call}")
 
-    StagedUpdate.load = load  # type: ignore[method-assign,assignment]
+    session_cls.load = load
 
 
 def worker_staging(worker: Any) -> dict[str, Any]:

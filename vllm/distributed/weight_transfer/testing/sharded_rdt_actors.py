@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -32,12 +33,29 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 
-class HeldGroupsSource(WeightSource):
+class WrappedSource(WeightSource):
+    """``inner`` as it is: its metadata, held names and tensors. The sources
+    below change one of them."""
+
+    def __init__(self, inner: WeightSource) -> None:
+        self.inner = inner
+
+    def metadata(self) -> list[ParamMeta]:
+        return self.inner.metadata()
+
+    def held_names(self) -> Collection[str] | None:
+        return self.inner.held_names()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.inner)
+
+
+class HeldGroupsSource(WrappedSource):
     """A source that holds only the gather groups with ``index % world == rank``
     (``hold="half"`` with two ranks), or all of them (``hold="all"``)."""
 
     def __init__(self, inner: WeightSource, rank: int, world: int, hold: str):
-        self.inner = inner
+        super().__init__(inner)
         names = [m.name for m in inner.metadata()]
         groups = layerwise_groups(names)
         if hold == "all":
@@ -49,9 +67,6 @@ class HeldGroupsSource(WeightSource):
         else:
             raise ValueError(f"hold is {hold!r}; expected 'all' or 'half'")
 
-    def metadata(self) -> list[ParamMeta]:
-        return self.inner.metadata()
-
     def held_names(self) -> Collection[str] | None:
         return self._held
 
@@ -61,19 +76,13 @@ class HeldGroupsSource(WeightSource):
                 yield name, tensor
 
 
-class FailingSource(WeightSource):
+class FailingSource(WrappedSource):
     """``inner``, except that iteration raises after ``after`` tensors: a trainer
     rank that fails in the middle of a sync."""
 
     def __init__(self, inner: WeightSource, after: int) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.after = after
-
-    def metadata(self) -> list[ParamMeta]:
-        return self.inner.metadata()
-
-    def held_names(self) -> Collection[str] | None:
-        return self.inner.held_names()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for i, item in enumerate(self.inner):
@@ -82,19 +91,13 @@ class FailingSource(WeightSource):
             yield item
 
 
-class SlowSource(WeightSource):
+class SlowSource(WrappedSource):
     """``inner``, waiting ``delay_s`` before each tensor: a sync that lasts
     long enough to generate during it."""
 
     def __init__(self, inner: WeightSource, delay_s: float) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.delay_s = delay_s
-
-    def metadata(self) -> list[ParamMeta]:
-        return self.inner.metadata()
-
-    def held_names(self) -> Collection[str] | None:
-        return self.inner.held_names()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for item in self.inner:
@@ -102,12 +105,12 @@ class SlowSource(WeightSource):
             yield item
 
 
-class WrongShapeSource(WeightSource):
+class WrongShapeSource(WrappedSource):
     """``inner``, whose metadata announces ``name`` with one more row: a
     trainer that disagrees with the server on the model's structure."""
 
     def __init__(self, inner: WeightSource, name: str) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.name = name
 
     def metadata(self) -> list[ParamMeta]:
@@ -117,12 +120,6 @@ class WrongShapeSource(WeightSource):
             else m
             for m in self.inner.metadata()
         ]
-
-    def held_names(self) -> Collection[str] | None:
-        return self.inner.held_names()
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self.inner)
 
 
 class LLMHost:
@@ -382,30 +379,30 @@ class TrainerRank:
 
     def send_slowly(self, delay_s: float, weight_version: str | None = None) -> None:
         """A sync whose source waits ``delay_s`` before each tensor."""
-        source = self.engine.source
-        self.engine.source = SlowSource(source, delay_s)
-        try:
+        with self._sending_from(lambda source: SlowSource(source, delay_s)):
             self.engine.send_weights(weight_version=weight_version)
-        finally:
-            self.engine.source = source
 
     def send_failing(self, after: int) -> str:
         """A sync whose source raises after ``after`` tensors; returns the
         error the engine raised."""
-        source = self.engine.source
-        self.engine.source = FailingSource(source, after)
-        try:
+        with self._sending_from(lambda source: FailingSource(source, after)):
             return self.send_expecting_failure()
-        finally:
-            self.engine.source = source
 
     def send_with_wrong_shape(self, name: str) -> str:
         """A sync whose metadata announces ``name`` with a wrong shape; returns
         the error the engine raised."""
-        source = self.engine.source
-        self.engine.source = WrongShapeSource(source, name)
-        try:
+        with self._sending_from(lambda source: WrongShapeSource(source, name)):
             return self.send_expecting_failure()
+
+    @contextmanager
+    def _sending_from(
+        self, wrap: Callable[[WeightSource], WeightSource]
+    ) -> Iterator[None]:
+        """The engine sends from ``wrap(its source)`` inside the block."""
+        source = self.engine.source
+        self.engine.source = wrap(source)
+        try:
+            yield
         finally:
             self.engine.source = source
 
