@@ -28,7 +28,6 @@ bench_recompute_cuda.py --out benchmarks/results/recompute_cuda/h200.json``
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import torch
@@ -197,7 +196,6 @@ def main() -> int:
         "time_utc": utc_now(),
         "device": torch.cuda.get_device_name(dev),
         "torch": torch.__version__,
-        "commit": os.environ.get("FORK_COMMIT", "unknown"),
         "model": "Qwen3-8B shapes, 36 layers, bfloat16, TP=1, no vLLM",
         "tokens_per_step": args.tokens_per_step,
         "prefill": {str(k): v for k, v in rates.items()},

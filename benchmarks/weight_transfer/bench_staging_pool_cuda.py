@@ -28,7 +28,6 @@ bench_staging_pool_cuda.py --out benchmarks/results/staging_pool_cuda/h200.json`
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -149,7 +148,6 @@ def main() -> int:
         "time_utc": utc_now(),
         "device": torch.cuda.get_device_name(dev),
         "torch": torch.__version__,
-        "commit": os.environ.get("FORK_COMMIT", "unknown"),
         "shard": "Qwen3-8B shapes, bfloat16, TP=1",
         "tensors": len(sources),
         "bytes": nbytes,
