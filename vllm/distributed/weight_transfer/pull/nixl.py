@@ -144,6 +144,17 @@ def register(agent: Any, tensor: torch.Tensor) -> Any:
     return agent.register_memory([(tensor.data_ptr(), nbytes, dev, "")], mem)
 
 
+def deregister_all(agent: Any, registrations: list[Any]) -> None:
+    """Deregister each of ``registrations`` from ``agent`` (a failure is logged
+    and the rest still go) and empty the list."""
+    for reg in registrations:
+        try:
+            agent.deregister_memory(reg)
+        except Exception as e:
+            logger.debug("NIXL deregister failed: %s", e)
+    registrations.clear()
+
+
 def _send(conn: Connection, message: dict[str, Any]) -> None:
     conn.send_bytes(json.dumps(message).encode())
 
@@ -451,12 +462,7 @@ class NixlProducerServer(ProducerServer):
         for conn in open_connections:
             self._close_connection(conn)
         with self._agent_lock:
-            for reg in self._registrations:
-                try:
-                    self._agent.deregister_memory(reg)
-                except Exception as e:
-                    logger.debug("NIXL deregister failed: %s", e)
-            self._registrations = []
+            deregister_all(self._agent, self._registrations)
             # Dropping the agent stops its progress thread, which otherwise
             # polls for the life of the process.
             self._agent = None
@@ -720,12 +726,7 @@ class NixlConsumerTransport(ConsumerTransport):
     def close(self) -> None:
         if self.agent is None:
             return
-        for reg in self._registrations:
-            try:
-                self.agent.deregister_memory(reg)
-            except Exception as e:
-                logger.debug("NIXL deregister failed: %s", e)
-        self._registrations = []
+        deregister_all(self.agent, self._registrations)
         self.agent = None  # stops the agent's progress thread
 
 
