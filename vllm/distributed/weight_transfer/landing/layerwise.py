@@ -80,7 +80,10 @@ from vllm.distributed.weight_transfer.landing.completeness import (
     FusedGroups,
     layers_lacking,
 )
-from vllm.distributed.weight_transfer.landing.update_calls import UpdateCalls
+from vllm.distributed.weight_transfer.landing.update_calls import (
+    CalledSession,
+    UpdateCalls,
+)
 from vllm.logger import init_logger
 
 
@@ -296,8 +299,10 @@ class SharedScalarLoads:
         return f"{fused_path}.{leaf}"
 
 
-class LayerwiseReloadSession:
+class LayerwiseReloadSession(CalledSession):
     """Land one weight update into ``model``; see the module docstring."""
+
+    session_noun = "layerwise reload session"
 
     def __init__(
         self,
@@ -326,36 +331,17 @@ class LayerwiseReloadSession:
         self._wrote_served = False
 
     @property
-    def is_open(self) -> bool:
-        return self._open
-
-    @property
     def landing(self) -> bool:
         """Whether layers have been moved aside for this update."""
         return self._landing
 
-    @property
-    def aborted_reason(self) -> str | None:
-        """Why the last update was aborted (None unless it was)."""
-        return self._calls.aborted_reason
-
-    def start(self) -> None:
-        if self._open:
-            raise RuntimeError("this layerwise reload session is already open")
-        self._open = True
-        self._calls.restart()
-
-    def check_deadline(self, what: str) -> None:
-        """Abort the update and raise ``TimeoutError`` when more than
-        ``timeout_s`` passed since its last call; otherwise note this call."""
-        reason = self._calls.overdue(self._open)
-        if reason is None:
-            return
+    def _abort_overdue(self, reason: str) -> None:
+        """Abort, then tell ``on_abort`` whether the update had touched the
+        model."""
         landed = self.touched_model
         self.abort(reason)
         if self.on_abort is not None:
             self.on_abort(reason, landed)
-        raise TimeoutError(self.closed_message(what))
 
     @property
     def touched_model(self) -> bool:
@@ -533,10 +519,6 @@ class LayerwiseReloadSession:
             self._forward_guard = self.model.register_forward_pre_hook(
                 self._forward_while_landing
             )
-
-    def closed_message(self, what: str) -> str:
-        """Why ``what`` cannot run on this closed session, and what to do."""
-        return self._calls.closed_message(what)
 
     def _forward_while_landing(self, module: Any, args: Any) -> None:
         """Forward pre-hook installed while layers sit on the meta device."""

@@ -1,14 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What both update sessions (``LayerwiseReloadSession``, ``StagedUpdate``)
-track about the trainer's calls of one weight update: the longest gap allowed
-between two calls, when the last one came, the tensor names received so far,
-and why the update was aborted (for the message a later call gets)."""
+track about the trainer's calls of one weight update (`UpdateCalls`): the
+longest gap allowed between two calls, when the last one came, the tensor
+names received so far, and why the update was aborted (for the message a
+later call gets); and what the worker engine reads of either session through
+them (`CalledSession`)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import ClassVar
 
 
 class UpdateCalls:
@@ -79,6 +82,58 @@ class UpdateCalls:
         if self._aborted_note is not None:
             return f"{aborted}; {self._aborted_note}. Send {close}"
         return f"{aborted}; send {close}"
+
+
+class CalledSession:
+    """The part of an update's session the worker engine reads the same way
+    for both kinds: whether it is open, why it was aborted, the deadline
+    between the trainer's calls, and the message a call on the closed
+    session gets. A session names itself in errors (``session_noun``) and
+    says what an overdue update aborts (``_abort_overdue``)."""
+
+    session_noun: ClassVar[str]
+    _calls: UpdateCalls
+    _open: bool
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    @property
+    def aborted_reason(self) -> str | None:
+        """Why the last update was aborted (None unless it was)."""
+        return self._calls.aborted_reason
+
+    def start(self) -> None:
+        if self._open:
+            raise RuntimeError(f"this {self.session_noun} is already open")
+        self._open = True
+        self._calls.restart()
+
+    def check_deadline(self, what: str) -> None:
+        """Abort the update and raise ``TimeoutError`` when more than
+        ``timeout_s`` passed since its last call; otherwise note this call."""
+        reason = self._calls.overdue(self._open)
+        if reason is None or self._busy():
+            return
+        self._abort_overdue(reason)
+        raise TimeoutError(self.closed_message(what))
+
+    def closed_message(self, what: str) -> str:
+        """Why ``what`` cannot run on this closed session, and what to do."""
+        return self._calls.closed_message(what)
+
+    def abort(self, reason: str = "the update was aborted") -> None:
+        raise NotImplementedError
+
+    def _busy(self) -> bool:
+        """Whether the session is doing the update's own work now, so that no
+        call from the trainer is overdue."""
+        return False
+
+    def _abort_overdue(self, reason: str) -> None:
+        """The update went past its deadline: abort it."""
+        self.abort(reason)
 
 
 def _first_repeat(names: list[str]) -> list[str]:

@@ -70,7 +70,10 @@ from vllm.distributed.weight_transfer.landing.layerwise import (
     DirectLanding,
     LayerwiseReloadSession,
 )
-from vllm.distributed.weight_transfer.landing.update_calls import UpdateCalls
+from vllm.distributed.weight_transfer.landing.update_calls import (
+    CalledSession,
+    UpdateCalls,
+)
 from vllm.distributed.weight_transfer.worker.shadows import ShadowLayers
 from vllm.distributed.weight_transfer.worker.staging_pool import (
     StagingPool,
@@ -199,8 +202,10 @@ def staging_device(where: StagingWhere, model_device: torch.device) -> torch.dev
 Land = Callable[[LayerwiseReloadSession], None]
 
 
-class StagedUpdate:
+class StagedUpdate(CalledSession):
     """Stage one update, then commit it; see the module docstring."""
+
+    session_noun = "staged update"
 
     def __init__(
         self,
@@ -256,38 +261,14 @@ class StagedUpdate:
     # -- state the worker engine reads ----------------------------------------
 
     @property
-    def is_open(self) -> bool:
-        return self._open
-
-    @property
-    def aborted_reason(self) -> str | None:
-        """Why the last update was aborted (None unless it was)."""
-        return self._calls.aborted_reason
-
-    @property
     def prepared(self) -> bool:
         """Whether ``prepare`` passed: no more weights may join the update."""
         return self._prepared
 
-    def start(self) -> None:
-        if self._open:
-            raise RuntimeError("this staged update is already open")
-        self._open = True
-        self._calls.restart()
-
-    def check_deadline(self, what: str) -> None:
-        """Abort the update and raise ``TimeoutError`` when more than
-        ``timeout_s`` passed since its last call; otherwise note this call."""
-        reason = self._calls.overdue(self._open)
-        if self._background is not None and self._background[0].is_alive():
-            return  # the pull is the update's work, not a silent trainer
-        if reason is None:
-            return
-        self.abort(reason)
-        raise TimeoutError(self.closed_message(what))
-
-    def closed_message(self, what: str) -> str:
-        return self._calls.closed_message(what)
+    def _busy(self) -> bool:
+        # A pull running on a thread is the update's work, not a silent
+        # trainer.
+        return self._background is not None and self._background[0].is_alive()
 
     # -- staging ------------------------------------------------------------------
 
