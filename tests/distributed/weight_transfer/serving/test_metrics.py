@@ -272,7 +272,7 @@ def rl_app(registry, monkeypatch):
     """A FastAPI app with the RL routes registered the way ``vllm serve`` does."""
     metrics = WeightTransferMetrics(registry)
     monkeypatch.setattr(
-        sync_metrics, "_observer", RouteSyncObserver(metrics=lambda: metrics)
+        sync_metrics._observer, "value", RouteSyncObserver(metrics=lambda: metrics)
     )
     app = FastAPI()
     app.state.engine_client = FakeEngine("ipc")

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from threading import Lock
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
@@ -96,18 +96,32 @@ class WeightTransferMetrics:
         )
 
 
-_metrics: WeightTransferMetrics | None = None
-_metrics_lock = Lock()
+T = TypeVar("T")
+
+
+class _OnFirstUse(Generic[T]):
+    """This process's one ``make()``, made at the first ``get`` (once, however
+    many threads ask)."""
+
+    def __init__(self, make: Callable[[], T]) -> None:
+        self._make = make
+        self._lock = Lock()
+        self.value: T | None = None
+
+    def get(self) -> T:
+        if self.value is None:
+            with self._lock:
+                if self.value is None:
+                    self.value = self._make()
+        return self.value
+
+
+# Made on first use, after vLLM configured multiprocess Prometheus.
+_metrics = _OnFirstUse(WeightTransferMetrics)
 
 
 def weight_transfer_metrics() -> WeightTransferMetrics:
-    # Created on first use, after vLLM configured multiprocess Prometheus.
-    global _metrics
-    if _metrics is None:
-        with _metrics_lock:
-            if _metrics is None:
-                _metrics = WeightTransferMetrics()
-    return _metrics
+    return _metrics.get()
 
 
 @dataclass
@@ -315,16 +329,11 @@ def _inspect_update(update_info: Any) -> tuple[PublicationHeader | None, bool]:
     return header, kind is MessageKind.ABORT
 
 
-_observer: RouteSyncObserver | None = None
+_observer = _OnFirstUse(RouteSyncObserver)
 
 
 def route_sync_observer() -> RouteSyncObserver:
-    global _observer
-    if _observer is None:
-        with _metrics_lock:
-            if _observer is None:
-                _observer = RouteSyncObserver()
-    return _observer
+    return _observer.get()
 
 
 # ---------------------------------------------------------------------------
