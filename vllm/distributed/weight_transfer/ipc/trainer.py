@@ -5,13 +5,14 @@
 colocated vLLM workers chunk by chunk (the worker side is ``ipc_worker``; the
 backend as a whole is described in ``ipc_engine``).
 
-Protocol of ``send_weights()`` (every trainer rank calls it; the rank with
-``init_info.rank == 0`` is the sender)::
+``send_weights()`` (every trainer rank calls it; the rank with
+``init_info.rank == 0`` is the sender) is one sync of ``trainer.sync`` (start,
+send, prepare and verify receipts, commit; abort and fence on failure) whose
+send step moves the plan's chunks::
 
     plan = plan_transfer(source.metadata())       # before any tensor exists
     sender: pub = TrainerPublication.open(...)    ; ranks share their devices
-    sender: client.start_weight_update()          ; all ranks agree
-    for chunk in plan.chunks:
+    send, for chunk in plan.chunks:
         every rank: materialize the chunk's tensors one at a time (checking
             each against the metadata), copy each into the chunk's buffer,
             drop it; the next tensor is not requested before the chunk is sent
@@ -23,10 +24,6 @@ Protocol of ``send_weights()`` (every trainer rank calls it; the rank with
             other half of the buffer. Either way no rank overwrites bytes its
             colocated worker still reads: a chunk that shares bytes with the
             one in flight waits for that call (and its barrier) first
-    sender: client.update_weights({"prepare": id}) ; every worker checks and
-            writes its receipt; pub.verify(every receipt) ; all ranks agree
-    sender: commit_update(client, weight_version)   ; finish_weight_update
-            with generation held for just that call (``full_resync``)
 
 Wires (``IPCTrainerInitInfo.wire``): ``"fork"`` (the default) sends JSON
 handle objects, tensor offsets and the publication header, which the fork's
@@ -90,15 +87,11 @@ from vllm.distributed.weight_transfer.trainer.group import (
 from vllm.distributed.weight_transfer.trainer.lifecycle import (
     FullResyncTrainerEngine,
     ModelVersions,
-    abort_update,
-    commit_update,
 )
 from vllm.distributed.weight_transfer.trainer.settings import VerifiedSyncSettings
-from vllm.distributed.weight_transfer.trainer.start_update import start_update
 from vllm.distributed.weight_transfer.verification import (
     Manifest,
     TrainerPublication,
-    describe_error,
     device_identity,
     expected_workers,
     payload_checksum,
@@ -405,20 +398,32 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
         weight_version: str | None,
         checking: _WholeMessage | None = None,
     ) -> None:
-        """One update on the server: publication, start, every chunk,
-        receipts, finish (``checking``: the whole message resent while the
-        source is checked, ``_resend_whole``)."""
+        """One update on the server (``trainer.sync``) whose send step is
+        every chunk (``checking``: the whole message resent while the source
+        is checked, ``_resend_whole``); a packed buffer made for it is freed
+        once the workers released it at the finish, or at the abort."""
         self.last_plan = plan
         pub = self._open_publication(metas)
+        buffers: list[ExportedBuffer] = []
         try:
-            with self._publishing(pub, self._expected_workers):
-                self._on_sender(
-                    "start_weight_update",
-                    lambda: start_update(self.client, f"ipc trainer rank {self.rank}"),
-                )
-                self._send_and_commit(plan, metas, weight_version, checking)
+            self._run_sync(
+                lambda: self._send(plan, metas, buffers, checking),
+                group=self.group,
+                pub=pub,
+                verify=self.verify_publication,
+                expected=self._expected_workers,
+                weight_version=weight_version,
+                abort_as=f"trainer rank {self.rank}",
+                on_abort=self._after_abort,
+            )
+            # Workers keep exactly the persistent buffers this sync used.
+            self._shared_kept = self._chunks.committed()
+            self._whole = self._chunks.whole_now
         finally:
             self._pub = None
+            for buffer in buffers:
+                buffer.close()
+            release_exported_cuda_memory()
 
     def _whole_to_check_while_landing(self) -> _WholeMessage | None:
         """The last sync's whole message, when this sync may resend it while
@@ -449,51 +454,30 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
             self._checker = ThreadPoolExecutor(1, thread_name_prefix="ipc-check")
         return check_meanwhile(self._checker, self.source, self._plan_metas, whole)
 
-    def _send_and_commit(
+    def _send(
         self,
         plan: TransferPlan,
         metas: list[ParamMeta],
-        weight_version: str | None,
-        checking: _WholeMessage | None = None,
+        buffers: list[ExportedBuffer],
+        checking: _WholeMessage | None,
     ) -> None:
-        """Send every chunk, verify every receipt (when verifying), then
-        commit with ``weight_version``; on any failure abort the update on
-        the server."""
-        buffers: list[ExportedBuffer] = []
+        """The send step of one sync: every chunk, or the whole message."""
         # Shared buffers the workers may still hold mapped from the last sync
         # keep their export; any other is exported anew at its first use.
         self._chunks.begin(self._shared_kept)
         self._shared_kept = weakref.WeakKeyDictionary()
-        try:
-            if checking is not None:
-                self._resend_whole(checking, check=self._check_meanwhile(checking))
-            else:
-                self._send_chunks(plan, metas, buffers)
-            if self.verify_publication:
-                self._on_sender("verify receipts", self._verify)
-            self._on_sender(
-                "finish_weight_update",
-                lambda: commit_update(self.client, weight_version),
-            )
-            # Workers keep exactly the persistent buffers this sync used.
-            self._shared_kept = self._chunks.committed()
-            self._whole = self._chunks.whole_now
-        except BaseException as e:
-            self._whole = None
-            self._nothing_moved = False
-            # Also after a failed finish: vLLM's Worker keeps the update open
-            # until an engine call raises or a finish returns.
-            self._abort_on_server(f"trainer rank {self.rank}: {describe_error(e)}")
-            # A worker that timed out may still be reading the kept buffer;
-            # the next sync writes into a new one.
-            self._drop_kept_buffer()
-            raise
-        finally:
-            # Workers release their mappings at finish; only then is the
-            # packed buffer dropped, so CUDA can reclaim it at once.
-            for buffer in buffers:
-                buffer.close()
-            release_exported_cuda_memory()
+        if checking is not None:
+            self._resend_whole(checking, check=self._check_meanwhile(checking))
+        else:
+            self._send_chunks(plan, metas, buffers)
+
+    def _after_abort(self) -> None:
+        """After a failed sync: nothing is resent short, and the next sync
+        writes into a new buffer (a worker that timed out may still be
+        reading the kept one)."""
+        self._whole = None
+        self._nothing_moved = False
+        self._drop_kept_buffer()
 
     def _open_publication(self, metas: list[ParamMeta]) -> TrainerPublication | None:
         """Gather every rank's device; the sender opens the publication."""
@@ -522,14 +506,6 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
     def _expected_workers(self) -> range | int:
         """The workers whose receipts a publication waits for."""
         return expected_workers(self.client)
-
-    def _verify(self) -> None:
-        """Have every worker prepare, then verify every worker's receipt."""
-        pub = self._pub
-        assert pub is not None
-        self._verify_publication(
-            pub, self._expected_workers(), self.init_info.receipt_timeout_s
-        )
 
     def _plan_for(
         self, metas: list[ParamMeta], unchanged: bool = False
@@ -604,11 +580,6 @@ class IPCTrainerWeightTransferEngine(FullResyncTrainerEngine[IPCTrainerInitInfo]
                 )
             sums.append(rank_sums[0])
         return self._pub.attach(message, checksums=sums)
-
-    def _abort_on_server(self, reason: str) -> None:
-        """Best effort: leave the server serving its previous weights."""
-        if self.is_sender:
-            abort_update(self.client, reason)
 
     def _send_chunks(
         self,

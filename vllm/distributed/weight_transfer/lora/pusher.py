@@ -96,22 +96,14 @@ from vllm.distributed.weight_transfer.lora.wire import (
     memory_path,
     module_of,
 )
-from vllm.distributed.weight_transfer.trainer.lifecycle import (
-    ModelVersions,
-    abort_update,
-    commit_update,
-)
+from vllm.distributed.weight_transfer.trainer.lifecycle import ModelVersions
 from vllm.distributed.weight_transfer.trainer.settings import check_verified_sync
-from vllm.distributed.weight_transfer.trainer.start_update import (
-    DEFAULT_WAIT_S,
-    start_update,
-)
+from vllm.distributed.weight_transfer.trainer.start_update import DEFAULT_WAIT_S
+from vllm.distributed.weight_transfer.trainer.sync import run_sync
 from vllm.distributed.weight_transfer.verification import (
     DEFAULT_RECEIPT_TIMEOUT_S,
-    PREPARE_FIELD,
     TrainerPublication,
     VerifiedPublication,
-    describe_error,
     device_identity,
     expected_workers,
 )
@@ -228,34 +220,14 @@ def push_lora_adapter(
     adapter: LoRAAdapter,
     *,
     version: str | None = None,
-    rank: int = 0,
-    verify_checksums: bool = False,
-    verify_publication: bool = True,
-    model_version: int | None = None,
-    receipt_timeout_s: float = DEFAULT_RECEIPT_TIMEOUT_S,
-    transport: Literal["ipc", "nixl"] = "ipc",
-    producer_host: str = "127.0.0.1",
-    stall_timeout_s: float = DEFAULT_PULL_STALL_TIMEOUT_S,
-    label_outputs: bool = False,
-    start_wait_s: float = DEFAULT_START_WAIT_S,
+    **options: Any,
 ) -> VerifiedPublication | None:
     """Push ``adapter`` to the engine ``client`` drives, once; see the module
-    docstring. Returns what the receipts verified (None when unverified). A
-    trainer that pushes every step keeps a ``LoRAPusher``, which reuses its
-    buffer (and, with ``transport="nixl"``, its producer)."""
-    pusher = LoRAPusher(
-        client,
-        rank=rank,
-        verify_checksums=verify_checksums,
-        verify_publication=verify_publication,
-        model_version=model_version,
-        receipt_timeout_s=receipt_timeout_s,
-        transport=transport,
-        producer_host=producer_host,
-        stall_timeout_s=stall_timeout_s,
-        label_outputs=label_outputs,
-        start_wait_s=start_wait_s,
-    )
+    docstring. ``options`` are ``LoRAPusher``'s keywords. Returns what the
+    receipts verified (None when unverified). A trainer that pushes every
+    step keeps a ``LoRAPusher``, which reuses its buffer (and, with
+    ``transport="nixl"``, its producer)."""
+    pusher = LoRAPusher(client, **options)
     try:
         return pusher.push(adapter, version=version)
     finally:
@@ -529,36 +501,25 @@ class LoRAPusher:
         update: Callable[[dict[str, Any]], None] | None = None,
         commit_label: Callable[[], str] | None = None,
     ) -> None:
-        """One update: the message (through ``update`` when given); with
-        ``pub``, the prepare message and the check of every expected worker's
-        receipt; then the commit, which sets the label ``commit_label()``
-        names (read right before it; None: the label is left as it is). Any
-        failure after the start aborts the update: the version before keeps
-        serving, and the served weight version is left as it is (only an
-        adapter failed)."""
-        try:
-            start_update(self.client, what, take_over=False, wait_s=self.start_wait_s)
-            try:
-                (update or self.client.update_weights)(message)
-                if pub is not None:
-                    self.client.update_weights(
-                        {PREPARE_FIELD: pub.header.publication_id}
-                    )
-                    pub.verify(
-                        expected_workers(self.client),
-                        timeout_s=self.receipt_timeout_s,
-                    )
-                commit_update(
-                    self.client, None if commit_label is None else commit_label()
-                )
-            except BaseException as e:
-                abort_update(self.client, f"{what}: {describe_error(e)}")
-                raise
-        except BaseException as e:
-            if pub is not None:
-                pub.record.finish(ok=False, error=e)
-                pub.record.log(logger)
-            raise
+        """One update (``trainer.sync``) whose send step is the message
+        (through ``update`` when given); the commit sets the label
+        ``commit_label()`` names (read right before it; None: the label is
+        left as it is). The push waits for another's open update, never
+        abandoning it; on a failure the version before keeps serving, and
+        the served weight version is left as it is (only an adapter
+        failed)."""
+        run_sync(
+            self.client,
+            lambda: (update or self.client.update_weights)(message),
+            who=what,
+            pub=pub,
+            expected=lambda: expected_workers(self.client),
+            receipt_timeout_s=self.receipt_timeout_s,
+            weight_version=commit_label,
+            take_over=False,
+            wait_s=self.start_wait_s,
+            fence=False,
+        )
         if pub is not None:
             self.last_publication = pub
 

@@ -14,12 +14,13 @@ it through a transport server; inference workers pull from the producers.
     4. endpoints exchanged; the sender (rank 0) sends the worker init info
        (`get_worker_init_payload`) with ``client.init_weight_transfer_engine``.
 ``send_weights(live_consumer_ids=None, weight_version=None)`` (every rank):
-    the sender drives start -> update -> finish on the inference side, with
-    ``update_weights`` running concurrently with its own gather loop; every
-    rank runs the gather loop: for each held group, wait for a credit (at most
-    ``gather_lookahead + 1`` groups resident), take the group from
-    ``source.iter_groups()`` and publish it; then wait until every live
-    consumer has read it all. Failures are exchanged so every rank raises.
+    one sync of ``trainer.sync`` (start, send, prepare and verify receipts,
+    commit; abort and fence on failure) whose send step is the sender's
+    ``update_weights`` running concurrently with every rank's gather loop:
+    for each held group, wait for a credit (at most ``gather_lookahead + 1``
+    groups resident), take the group from ``source.iter_groups()`` and
+    publish it; then wait until every live consumer has read it all.
+    Failures are exchanged so every rank raises.
 
 Verified publication (``verify_publication``, on by default): the sender opens
 a `TrainerPublication` whose header (manifest from ``source.metadata()``, the
@@ -39,7 +40,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
@@ -75,19 +76,14 @@ from vllm.distributed.weight_transfer.sharded_rdt.wire import (
 from vllm.distributed.weight_transfer.trainer.group import (
     TrainerGroup,
     make_trainer_group,
-    on_sender,
 )
 from vllm.distributed.weight_transfer.trainer.lifecycle import (
     FullResyncTrainerEngine,
     ModelVersions,
-    abort_update,
-    commit_update,
 )
 from vllm.distributed.weight_transfer.trainer.settings import VerifiedSyncSettings
-from vllm.distributed.weight_transfer.trainer.start_update import start_update
 from vllm.distributed.weight_transfer.verification import (
     TrainerPublication,
-    describe_error,
     device_identity,
 )
 from vllm.logger import init_logger
@@ -315,11 +311,9 @@ class ShardedRDTTrainerWeightTransferEngine(
 
     def _start_server(self) -> ProducerServer:
         info = self.init_info
-        names = [m.name for m in self._metas]
         kwargs: dict[str, Any] = dict(
             rank=self.rank,
-            names=names,
-            group_lens=[len(g) for g in self._groups],
+            **self._layout(),
             served_names=self._held,
             num_slots=info.num_rdt_buffers,
             gather_lookahead=info.gather_lookahead,
@@ -339,6 +333,14 @@ class ShardedRDTTrainerWeightTransferEngine(
             ),
         )
 
+    def _layout(self) -> dict[str, Any]:
+        """What the producers and the workers both take of the model's
+        layout: the names in metadata order and each gather group's length."""
+        return {
+            "names": [m.name for m in self._metas],
+            "group_lens": [len(g) for g in self._groups],
+        }
+
     def get_worker_init_payload(self) -> dict[str, Any]:
         """The worker init info (a JSON-safe dict) for
         ``init_weight_transfer_engine``; a restarted inference engine rejoins
@@ -353,10 +355,9 @@ class ShardedRDTTrainerWeightTransferEngine(
             else [],
             trainer_actor_namespace=info.trainer_actor_namespace,
             produce_method_name=PRODUCE_METHOD_NAME,
-            names=[m.name for m in self._metas],
+            **self._layout(),
             dtype_names=[dtype_name(m.dtype) for m in self._metas],
             shapes=[list(m.shape) for m in self._metas],
-            group_lens=[len(g) for g in self._groups],
             owner_sets=self._owner_sets,
             name_owner_class=self._name_owner_class,
             num_consumers=info.num_consumers,
@@ -395,61 +396,51 @@ class ShardedRDTTrainerWeightTransferEngine(
                     n,
                     live,
                 )
-        group = self._group
         pub = self._open_publication()
-        with self._publishing(pub, lambda: live):
-            self._on_sender(
-                "start_weight_update",
-                lambda: start_update(
-                    self.client, f"sharded_rdt trainer rank {self.rank}"
-                ),
-            )
-            self._sync_id += 1
-            update_info: dict[str, Any] = {"sync_id": self._sync_id}
-            if pub is not None:
-                # The bytes travel through the producers, which checksum them.
-                update_info = pub.attach(update_info, payload=False)
-            pool = concurrent.futures.ThreadPoolExecutor(1) if self.is_sender else None
-            future = (
-                pool.submit(self.client.update_weights, update_info)
-                if pool is not None
-                else None
-            )
-            # (when, what) of each failure: the first is the cause, later ones
-            # usually follow from it.
-            failures: list[tuple[float, str]] = []
-            if future is not None:
-                future.add_done_callback(lambda f: self._on_update_done(f, failures))
-            try:
-                self._gather(live, future)
-            except Exception as e:
-                failures.append((time.monotonic(), f"{type(e).__name__}: {e}"))
-            if future is not None:
-                # Its failure is in ``failures`` (the callback has run).
-                concurrent.futures.wait([future])
-            if pool is not None:
-                pool.shutdown(wait=False)
-            error = "; then ".join(m for _, m in sorted(failures)) or None
-            try:
-                # With staging, a worker's pull fails after its update_weights
-                # returned: the update stays open until this abort.
-                group.exchange(None, error, "sharded_rdt send_weights")
-                if self.init_info.verify_publication:
-                    # Every rank joins; only the sender holds the publication.
-                    self._on_sender("verify receipts", lambda: self._verify(pub, live))
-                self._on_sender(
-                    "finish_weight_update",
-                    lambda: commit_update(self.client, weight_version),
-                )
-            except BaseException as e:
-                if self.is_sender:
-                    # Also after a failed finish: vLLM's Worker keeps the
-                    # update open until a finish returns.
-                    abort_update(
-                        self.client,
-                        f"sharded_rdt trainer rank {self.rank}: {describe_error(e)}",
-                    )
-                raise
+        self._run_sync(
+            lambda: self._serve(live, pub),
+            group=self._group,
+            pub=pub,
+            verify=self.init_info.verify_publication,
+            expected=lambda: live,
+            weight_version=weight_version,
+            verify_options={"delivery": "sliced"},
+        )
+
+    def _serve(self, live: list[int], pub: TrainerPublication | None) -> None:
+        """The send step of one sync: the sender's ``update_weights`` runs
+        concurrently with this rank's gather loop; failures are exchanged so
+        every rank raises."""
+        assert self._group is not None
+        self._sync_id += 1
+        update_info: dict[str, Any] = {"sync_id": self._sync_id}
+        if pub is not None:
+            # The bytes travel through the producers, which checksum them.
+            update_info = pub.attach(update_info, payload=False)
+        pool = concurrent.futures.ThreadPoolExecutor(1) if self.is_sender else None
+        future = (
+            pool.submit(self.client.update_weights, update_info)
+            if pool is not None
+            else None
+        )
+        # (when, what) of each failure: the first is the cause, later ones
+        # usually follow from it.
+        failures: list[tuple[float, str]] = []
+        if future is not None:
+            future.add_done_callback(lambda f: self._on_update_done(f, failures))
+        try:
+            self._gather(live, future)
+        except Exception as e:
+            failures.append((time.monotonic(), f"{type(e).__name__}: {e}"))
+        if future is not None:
+            # Its failure is in ``failures`` (the callback has run).
+            concurrent.futures.wait([future])
+        if pool is not None:
+            pool.shutdown(wait=False)
+        error = "; then ".join(m for _, m in sorted(failures)) or None
+        # With staging, a worker's pull fails after its update_weights
+        # returned: the update stays open until the abort.
+        self._group.exchange(None, error, "sharded_rdt send_weights")
 
     def _open_publication(self) -> TrainerPublication | None:
         """The sender's publication of this sync (None elsewhere or when off);
@@ -473,19 +464,6 @@ class ShardedRDTTrainerWeightTransferEngine(
             checksums=info.verify_checksums,
             inbox=self._server.receipts,
         )
-
-    def _verify(self, pub: TrainerPublication | None, live: list[int]) -> None:
-        """Have every worker prepare, then verify every live consumer's
-        receipt; nothing is committed yet."""
-        assert pub is not None  # the sender holds it whenever verification is on
-        self._verify_publication(
-            pub, live, self.init_info.receipt_timeout_s, delivery="sliced"
-        )
-
-    def _on_sender(self, what: str, step: Callable[[], Any]) -> Any:
-        """``step()`` on the sender; a failure raises on every rank."""
-        assert self._group is not None
-        return on_sender(self._group, self.is_sender, what, step)
 
     def _on_update_done(
         self, future: concurrent.futures.Future[Any], failures: list[tuple[float, str]]

@@ -4,37 +4,16 @@
 share: upstream's ``trainer_init`` entry point (each sync resends every weight
 it reads from a ``WeightSource``, so construction without one is refused up
 front, naming the backend, and the rest is the engine's ``from_init_info``),
-the model versions their publications carry (``ModelVersions``), a
-publication's life around one sync (``_publishing``, ``_verify_publication``):
-any failure fences the served version, and the commit (``commit_update``)
-comes only after every receipt verified.
-
-The end of every sync, after the last weight was sent::
-
-    verified: update_weights({"prepare": publication_id})  ; receipts written
-              verify every expected worker's receipt         ; nothing committed
-    commit_update(client, weight_version):
-        pause_generation("keep")   if the client can and generation runs
-        finish_weight_update(weight_version)                  ; the commit
-        reset_prefix_cache(reset_running_requests=True)       ; if the client can
-        resume_generation()        if it paused
-
-Against the fork's ``vllm serve`` (``client.server_holds_commit``) the server
-does the pause, the reset and the resume within the finish request itself
-(``update_guard``), so the commit is that one call and a trainer that dies
-during it cannot leave generation paused.
-
-Holding generation for just the commit puts the switch, the version label and
-the cache reset between the same two engine steps: every output token is
-labelled with the weights that produced it, and no request after the switch
-reads KV computed by the old weights (running requests are recomputed)."""
+one sync on every rank (``_run_sync``: ``sync.run_sync`` with what an engine
+knows of itself), and the model versions their publications carry
+(``ModelVersions``). ``abort_update`` and ``commit_update`` are ``sync``'s,
+importable from here too."""
 
 from __future__ import annotations
 
 import time
 from abc import abstractmethod
-from collections.abc import Callable, Collection, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, Self
 
 from vllm.distributed.weight_transfer.base import (
@@ -43,83 +22,21 @@ from vllm.distributed.weight_transfer.base import (
     VLLMWeightSyncClient,
     WeightSource,
 )
-from vllm.distributed.weight_transfer.verification import (
-    ABORT_FIELD,
-    PREPARE_FIELD,
-    TrainerPublication,
+from vllm.distributed.weight_transfer.trainer.group import TrainerGroup
+from vllm.distributed.weight_transfer.trainer.sync import (
+    abort_update,
+    commit_update,
+    run_sync,
 )
+from vllm.distributed.weight_transfer.verification import TrainerPublication
 from vllm.distributed.weight_transfer.verification.receipts import ExpectedWorkers
-from vllm.logger import init_logger
 
-logger = init_logger(__name__)
-
-
-def abort_update(client: VLLMWeightSyncClient, reason: str) -> None:
-    """Best effort: close the open update on the server with the trainer's
-    abort message, then the finish vLLM's Worker needs to close it. A staged
-    update is dropped; an in-place one is fenced if weights had landed."""
-    for method, args in (
-        ("update_weights", ({ABORT_FIELD: reason[:2000]},)),
-        ("finish_weight_update", ()),
-    ):
-        try:
-            getattr(client, method)(*args)
-        except Exception as e:  # the server may have aborted on its own
-            logger.debug("abort: %s raised %s", method, e)
-
-
-def commit_update(client: VLLMWeightSyncClient, weight_version: str | None) -> None:
-    """Finish the open update with generation held for just this call (when
-    the client can hold it and nobody else did), then drop the KV cache the
-    old weights computed; see the module docstring."""
-    if getattr(client, "server_holds_commit", False):
-        # The fork's server holds generation around the finish and drops the
-        # old KV cache within the same request (update_guard).
-        client.finish_weight_update(
-            *(() if weight_version is None else (weight_version,))
-        )
-        return
-    hold = _can_hold(client)
-    try:
-        if hold:
-            client.pause_generation(mode="keep")  # type: ignore[attr-defined]
-        # Upstream's clients take the version at finish; without one, the
-        # call has upstream's bare form.
-        client.finish_weight_update(
-            *(() if weight_version is None else (weight_version,))
-        )
-        reset = getattr(client, "reset_prefix_cache", None)
-        if callable(reset):
-            try:
-                reset(reset_running_requests=True)
-            except NotImplementedError as e:  # an actor class without it
-                logger.warning("the KV cache of the old weights stays: %s", e)
-    finally:
-        if hold:
-            _resume(client)
-
-
-def _resume(client: Any) -> None:
-    """Resume generation; once more if the first call fails (a pause left in
-    place would hold generation for ever, and the next commit would take it
-    for someone else's)."""
-    try:
-        client.resume_generation()
-    except Exception as e:
-        logger.warning("resume_generation failed (%s); trying once more", e)
-        client.resume_generation()
-
-
-def _can_hold(client: Any) -> bool:
-    """Whether the commit should hold generation: the client can, and nobody
-    else paused it (whoever did resumes it)."""
-    if not callable(getattr(client, "pause_generation", None)):
-        return False
-    try:
-        return not client.is_paused()
-    except NotImplementedError as e:  # an actor class without the methods
-        logger.warning("committing without holding generation: %s", e)
-        return False
+__all__ = [
+    "FullResyncTrainerEngine",
+    "ModelVersions",
+    "abort_update",
+    "commit_update",
+]
 
 
 class FullResyncTrainerEngine(TrainerWeightTransferEngine[TTrainerInitInfo]):
@@ -144,43 +61,37 @@ class FullResyncTrainerEngine(TrainerWeightTransferEngine[TTrainerInitInfo]):
     # The last publication whose receipts verified (sender only).
     last_publication: TrainerPublication | None = None
 
-    @contextmanager
-    def _publishing(
+    def _run_sync(
         self,
+        send: Callable[[], None],
+        *,
+        group: TrainerGroup,
         pub: TrainerPublication | None,
-        expected: Callable[[], ExpectedWorkers] | None = None,
-    ) -> Iterator[TrainerPublication | None]:
-        """One sync's publication (None when unverified or not the sender):
-        any failure inside sets the served version to ``fenced:...``, unless
-        every worker of ``expected()`` reported that it kept its weights (a
-        staged update); the publication is closed at the end."""
-        try:
-            yield pub
-        except BaseException as e:
-            if pub is not None:
-                workers: ExpectedWorkers | None = None
-                if expected is not None:
-                    try:
-                        workers = expected()
-                    except Exception as why:  # the server may be gone
-                        logger.debug("expected workers unknown: %s", why)
-                pub.fail(self.client, e, workers)
-            raise
-        finally:
-            if pub is not None:
-                pub.close()
-
-    def _verify_publication(
-        self,
-        pub: TrainerPublication,
-        expected: Collection[int] | int,
-        timeout_s: float,
-        **verify_options: Any,
+        verify: bool,
+        expected: Callable[[], ExpectedWorkers],
+        weight_version: str | None,
+        **choices: Any,
     ) -> None:
-        """Ask every worker to prepare (check and write its receipt), then
-        verify every expected worker's receipt; nothing is committed yet."""
-        self.client.update_weights({PREPARE_FIELD: pub.header.publication_id})
-        pub.verify(expected, timeout_s=timeout_s, **verify_options)
+        """One sync of this rank (``sync.run_sync``): ``send`` on every rank
+        of ``group``, the rest on the sender; ``last_publication`` is set
+        once the receipts verified. ``choices`` are ``run_sync``'s others."""
+        info: Any = self.init_info  # type: ignore[attr-defined]
+        run_sync(
+            self.client,
+            send,
+            who=f"{info.backend} trainer rank {info.rank}",
+            pub=pub,
+            verify=verify,
+            expected=expected,
+            receipt_timeout_s=info.receipt_timeout_s,
+            weight_version=weight_version,
+            group=group,
+            is_sender=self.is_sender,
+            on_verified=self._verified,
+            **choices,
+        )
+
+    def _verified(self, pub: TrainerPublication) -> None:
         self.last_publication = pub
 
     @classmethod
