@@ -38,6 +38,7 @@ shards it).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Self
@@ -142,19 +143,7 @@ class LoRATrainerWeightTransferEngine(TrainerWeightTransferEngine[LoRATrainerIni
         # What the last round's receipts verified, one entry per adapter.
         self.last_publications: list[VerifiedPublication | None] = []
         if self.is_sender:
-            self.pusher = LoRAPusher(
-                client,
-                rank=init_info.rank,
-                verify_checksums=init_info.verify_checksums,
-                verify_publication=init_info.verify_publication,
-                model_version=init_info.model_version,
-                receipt_timeout_s=init_info.receipt_timeout_s,
-                transport=init_info.transport,
-                producer_host=init_info.producer_host,
-                stall_timeout_s=init_info.stall_timeout_s,
-                label_outputs=init_info.label_outputs,
-                start_wait_s=init_info.start_wait_s,
-            )
+            self.pusher = LoRAPusher(client, **_pusher_options(init_info))
 
     @classmethod
     def trainer_init(
@@ -193,3 +182,9 @@ class LoRATrainerWeightTransferEngine(TrainerWeightTransferEngine[LoRATrainerIni
         if self.pusher is not None:
             self.pusher.close()
             self.pusher = None
+
+
+def _pusher_options(info: LoRATrainerInitInfo) -> dict[str, Any]:
+    """``info``'s fields as ``LoRAPusher``'s keywords: every field is one of
+    them, under the same name."""
+    return {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}

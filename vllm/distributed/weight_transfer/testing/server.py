@@ -46,6 +46,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from vllm.distributed.weight_transfer.testing.fresh_load import (
     WORKER_EXTENSION,
@@ -247,24 +248,22 @@ class ServerProcess:
 def serve(
     model_dir: str | os.PathLike[str],
     *,
-    weight_transfer_backend: str | None = "ipc",
-    weight_transfer_options: Mapping[str, object] | None = None,
-    dtype: str = "float32",
-    max_model_len: int = TINY_ENGINE_ARGS["max_model_len"],
-    max_num_seqs: int = TINY_ENGINE_ARGS["max_num_seqs"],
-    tensor_parallel_size: int = 1,
-    extra_args: Sequence[str] = (),
-    fresh_load_oracle: bool = True,
     env: Mapping[str, str] | None = None,
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     log_path: str | os.PathLike[str] | None = None,
+    **serve_options: Any,
 ) -> Iterator[ServerProcess]:
-    """Run ``vllm serve model_dir`` for the duration of the block.
+    """Run ``vllm serve model_dir`` for the duration of the block;
+    ``serve_options`` are ``serve_args``' keywords (``weight_transfer_backend``,
+    ``dtype``, ``tensor_parallel_size``, ...), except ``host``: the server
+    listens on 127.0.0.1.
 
     The log goes to ``log_path`` (kept) or to a temporary file that is deleted
     when the block exits without an error.
     """
-    full_env = server_env(tensor_parallel_size, env)
+    if "host" in serve_options:
+        raise TypeError("serve() listens on 127.0.0.1 and takes no host")
+    full_env = server_env(serve_options.get("tensor_parallel_size", 1), env)
     tmp_dir = None
     if log_path is None:
         tmp_dir = Path(tempfile.mkdtemp(prefix="vllm-serve-"))
@@ -275,18 +274,7 @@ def serve(
 
     def start(mode: str) -> ServerProcess:
         port = free_port()
-        command = vllm_command() + serve_args(
-            model_dir,
-            port,
-            weight_transfer_backend=weight_transfer_backend,
-            weight_transfer_options=weight_transfer_options,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            tensor_parallel_size=tensor_parallel_size,
-            extra_args=extra_args,
-            fresh_load_oracle=fresh_load_oracle,
-        )
+        command = vllm_command() + serve_args(model_dir, port, **serve_options)
         with open(path, mode) as log:
             process = subprocess.Popen(
                 command,
