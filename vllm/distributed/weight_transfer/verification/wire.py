@@ -651,23 +651,10 @@ class Receipt:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "publication_id": self.publication_id,
-            "model_version": self.model_version,
-            "worker_rank": self.worker_rank,
-            "worker_device": self.worker_device,
-            "manifest_digest": self.manifest_digest,
-            "scope": self.scope,
-            "tensors_landed": self.tensors_landed,
-            "bytes_landed": self.bytes_landed,
-            "expected_bytes": self.expected_bytes,
-            "complete": self.complete,
-            "coverage": self.coverage,
-            "checksums_verified": self.checksums_verified,
-            "error": self.error,
-            "timings": dict(self.timings),
-            "weights_intact": self.weights_intact,
-        }
+        # Every field, in declaration order; ``timings`` as a copy.
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["timings"] = dict(self.timings)
+        return d
 
     @classmethod
     def from_dict(cls, d: object) -> Receipt:
