@@ -36,6 +36,7 @@ from vllm.distributed.weight_transfer.buffers.handles import (
     cpu_device_key,
     select_cpu_key,
 )
+from vllm.distributed.weight_transfer.common.wire_fields import FieldsKey
 
 if TYPE_CHECKING:
     from vllm.distributed.weight_transfer.buffers.shm import MappedSegment
@@ -372,26 +373,15 @@ class CudaMapping:
         self.tensor = None
 
 
-class MappedBuffers:
+class MappedBuffers(FieldsKey):
     """The buffers a chunk is read from, as a dict key: each one's mapping
     key (which export) and address, hashed once (a message may name
     thousands of buffers: a trainer's adopted parameter storages)."""
 
-    __slots__ = ("fields", "addresses", "_hash")
+    __slots__ = ("addresses",)
 
     def __init__(
         self, handle_keys: Sequence[Hashable], buffers: Sequence[torch.Tensor]
     ) -> None:
-        self.fields = (tuple(handle_keys), tuple(b.data_ptr() for b in buffers))
+        super().__init__((tuple(handle_keys), tuple(b.data_ptr() for b in buffers)))
         self.addresses = frozenset(self.fields[1])
-        self._hash = hash(self.fields)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return self is other or (
-            isinstance(other, MappedBuffers)
-            and self._hash == other._hash
-            and self.fields == other.fields
-        )

@@ -4,7 +4,8 @@
 that parses them (``ipc_wire``, ``verification.wire``, ``sharded_rdt_common``):
 dtype names, integers, and which fields a message may and must carry. Each
 raises ``ValueError`` naming where the bad value was found. Also the bounded
-memo (``remember_newest``) the parsers keep earlier messages in. Depends on
+memo (``remember_newest``) the parsers keep earlier messages in, and its
+keys hashed once (``FieldsKey``). Depends on
 torch only."""
 
 from __future__ import annotations
@@ -65,6 +66,28 @@ def remember_newest(memo: dict[Any, Any], key: Any, value: Any, limit: int) -> N
     while memo and len(memo) >= limit:
         memo.pop(next(iter(memo)))
     memo[key] = value
+
+
+class FieldsKey:
+    """A memo's dict key made of ``fields`` (a tuple), hashed once: a key may
+    stand for thousands of entries and is looked up per message. Equal to a
+    key of the same class only when every field is."""
+
+    __slots__ = ("fields", "_hash")
+
+    def __init__(self, fields: tuple[Any, ...]) -> None:
+        self.fields = fields
+        self._hash = hash(fields)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            type(other) is type(self)
+            and self._hash == other._hash
+            and self.fields == other.fields
+        )
 
 
 def first_few(items: Sequence[str], n: int, sep: str = ", ") -> str:

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from vllm.distributed.weight_transfer.common.wire_fields import FieldsKey
 from vllm.distributed.weight_transfer.ipc.layout_memo import layout_fact
 from vllm.distributed.weight_transfer.plan.copy_exec import CopyProgram
 from vllm.distributed.weight_transfer.plan.copy_table import compile_copy_table
@@ -74,27 +75,16 @@ class BoundChunk:
             self.program.run_shifted(self.shift)
 
 
-class ChunkLayout:
+class ChunkLayout(FieldsKey):
     """A chunk's layout in its buffers (names, dtypes, shapes, buffers,
-    offsets) as a
-    dict key: hashed once, and equal to another only when every field is."""
+    offsets) as a dict key: hashed once, and equal to another only when
+    every field is."""
 
-    __slots__ = ("fields", "_hash")
+    __slots__ = ()
 
     def __init__(self, views: Sequence[Any]) -> None:
-        self.fields = tuple(
-            (v.name, v.dtype, v.shape, v.buffer, v.offset) for v in views
-        )
-        self._hash = hash(self.fields)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return self is other or (
-            isinstance(other, ChunkLayout)
-            and self._hash == other._hash
-            and self.fields == other.fields
+        super().__init__(
+            tuple((v.name, v.dtype, v.shape, v.buffer, v.offset) for v in views)
         )
 
 
