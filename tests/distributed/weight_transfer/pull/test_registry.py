@@ -9,6 +9,7 @@ import pytest
 
 from vllm.distributed.weight_transfer.pull.registry import (
     ConsumerSettings,
+    TransportEntry,
     make_consumer,
     register_transport,
     resolve_consumer_transport,
@@ -26,7 +27,7 @@ def test_known_names_and_unknown_lookup_lists_them():
     with pytest.raises(ValueError, match="unknown sharded_rdt transport 'auto'"):
         transport_entry("auto")
     with pytest.raises(ValueError, match="already registered"):
-        register_transport("nixl", "x", consumer="a", server="b")
+        register_transport(TransportEntry("nixl", "x", consumer="a", server="b"))
 
 
 def test_entries_and_factories():

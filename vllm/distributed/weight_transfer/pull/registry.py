@@ -112,23 +112,12 @@ _NAMES = NameRegistry(
 )
 
 
-def register_transport(
-    name: str,
-    module_path: str,
-    *,
-    consumer: str,
-    server: str,
-    actor_endpoints: bool = False,
-    preflight: str | None = None,
-) -> None:
-    """Register a transport under ``name`` by the path of its module and the
-    names of its factories there; nothing is imported until a lookup."""
-    if name == AUTO:
+def register_transport(entry: TransportEntry) -> None:
+    """Register a transport under ``entry.name``: the path of its module and
+    the names of its factories there; nothing is imported until a lookup."""
+    if entry.name == AUTO:
         raise ValueError(f"{AUTO!r} names the resolution rule, not a transport")
-    _NAMES.add(
-        name,
-        TransportEntry(name, module_path, consumer, server, actor_endpoints, preflight),
-    )
+    _NAMES.add(entry.name, entry)
 
 
 def transport_names() -> list[str]:
@@ -181,19 +170,25 @@ def resolve_server_transport(requested: str) -> str:
 
 _PULL = "vllm.distributed.weight_transfer.pull"
 register_transport(
-    "inprocess",
-    f"{_PULL}.transport",
-    consumer="inprocess_consumer",
-    server="inprocess_server",
+    TransportEntry(
+        "inprocess",
+        f"{_PULL}.transport",
+        consumer="inprocess_consumer",
+        server="inprocess_server",
+    )
 )
 register_transport(
-    "nixl", f"{_PULL}.nixl", consumer="nixl_consumer", server="nixl_server"
+    TransportEntry(
+        "nixl", f"{_PULL}.nixl", consumer="nixl_consumer", server="nixl_server"
+    )
 )
 register_transport(
-    "rdt",
-    f"{_PULL}.ray",
-    consumer="rdt_consumer",
-    server="rdt_server",
-    actor_endpoints=True,
-    preflight="check_ray_rdt_version",
+    TransportEntry(
+        "rdt",
+        f"{_PULL}.ray",
+        consumer="rdt_consumer",
+        server="rdt_server",
+        actor_endpoints=True,
+        preflight="check_ray_rdt_version",
+    )
 )
