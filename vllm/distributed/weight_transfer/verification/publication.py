@@ -76,6 +76,7 @@ from vllm.distributed.weight_transfer.verification.fence import (
 from vllm.distributed.weight_transfer.verification.receipts import (
     DEFAULT_RECEIPT_TIMEOUT_S,
     ExpectedWorkers,
+    InboxReceipts,
     ReceiptInbox,
     ReceiptSink,
     ShmReceiptBox,
@@ -143,20 +144,18 @@ def expected_workers(client: Any) -> range | int:
 # ---------------------------------------------------------------------------
 # trainer side
 
+TrainerReceipts = ShmReceiptBox | InboxReceipts
+
 
 class TrainerPublication:
     """One publication, from the sender's point of view; see the module docstring."""
 
     def __init__(
-        self,
-        header: PublicationHeader,
-        *,
-        box: ShmReceiptBox | None = None,
-        inbox: ReceiptInbox | None = None,
+        self, header: PublicationHeader, receipts: TrainerReceipts | None = None
     ) -> None:
         self.header = header
-        self.box = box
-        self.inbox = inbox
+        # Where the workers' receipts come back (None: nowhere).
+        self.receipts = receipts
         self.record = SyncRecord(backend=header.backend, side="trainer")
         self.record.bind(header)
         self.record.nbytes = header.payload_bytes
@@ -199,7 +198,16 @@ class TrainerPublication:
             receipt_dir=str(box.path) if box is not None else None,
             publication_id=publication_id,
         )
-        return cls(header, box=box, inbox=inbox)
+        if box is not None:
+            return cls(header, box)
+        receipts = InboxReceipts(inbox, publication_id) if inbox is not None else None
+        return cls(header, receipts)
+
+    @property
+    def box(self) -> ShmReceiptBox | None:
+        """The receipt directory, with the ``"shm"`` channel."""
+        receipts = self.receipts
+        return receipts if isinstance(receipts, ShmReceiptBox) else None
 
     @property
     def checksums(self) -> bool:
@@ -245,12 +253,8 @@ class TrainerPublication:
     ) -> list[Receipt]:
         """Every expected receipt (ranks, or a number of workers; see
         ``verify_receipts``), waiting at most ``timeout_s``."""
-        if self.box is not None:
-            return self.box.collect(expected_workers, timeout_s)
-        if self.inbox is not None:
-            return self.inbox.collect(
-                self.header.publication_id, expected_workers, timeout_s
-            )
+        if self.receipts is not None:
+            return self.receipts.collect(expected_workers, timeout_s)
         raise RuntimeError(
             f"publication {self.header.publication_id} has no receipt channel"
         )
@@ -331,17 +335,11 @@ class TrainerPublication:
             time.sleep(0.02)
 
     def _receipts_now(self) -> dict[tuple[int, str], Receipt]:
-        if self.box is not None:
-            return self.box.read()
-        if self.inbox is not None:
-            return self.inbox.read(self.header.publication_id)
-        return {}
+        return self.receipts.read() if self.receipts is not None else {}
 
     def close(self) -> None:
-        if self.box is not None:
-            self.box.close()
-        if self.inbox is not None:
-            self.inbox.discard(self.header.publication_id)
+        if self.receipts is not None:
+            self.receipts.close()
 
 
 # ---------------------------------------------------------------------------

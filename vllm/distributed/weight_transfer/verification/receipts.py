@@ -333,6 +333,25 @@ class ReceiptInbox:
             self._receipts.pop(publication_id, None)
 
 
+class InboxReceipts:
+    """The receipts of one publication in a producer's `ReceiptInbox`, read
+    the way a `ShmReceiptBox` is (``read``, ``collect``, ``close``, which
+    forgets them)."""
+
+    def __init__(self, inbox: ReceiptInbox, publication_id: str) -> None:
+        self.inbox = inbox
+        self.publication_id = publication_id
+
+    def read(self) -> dict[WorkerKey, Receipt]:
+        return self.inbox.read(self.publication_id)
+
+    def collect(self, expected: ExpectedWorkers, timeout_s: float) -> list[Receipt]:
+        return self.inbox.collect(self.publication_id, expected, timeout_s)
+
+    def close(self) -> None:
+        self.inbox.discard(self.publication_id)
+
+
 # ---------------------------------------------------------------------------
 
 
