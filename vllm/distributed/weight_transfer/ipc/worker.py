@@ -16,6 +16,9 @@ to the session; ``finish_weight_update`` completes every layer, writes the
 receipt and releases the mappings. A failure closes the session with the
 resident weights back in place, or fences the worker when a weight was
 already touched; ``{"abort": reason}`` from the trainer does the same.
+A registered message kind's handler (a LoRA adapter push) reads the tensors
+its message carries through ``carried_tensors``: a mapping of their own,
+released when the handler is done with them.
 """
 
 from __future__ import annotations
