@@ -145,6 +145,25 @@ def test_encoding_across_slabs_matches_one_pass(monkeypatch):
     assert encode_delta(base, _bytes(~base), unit=2, base_version=0) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16, torch.float32])
+def test_word_and_element_comparisons_agree(dtype):
+    """Aligned chunks are compared 8 bytes at a time, others element by
+    element; both find the same changes."""
+    base, new, _ = _pair(dtype, 0.05, n=2048)
+    wide = encode_delta(base, new, unit=dtype.itemsize, base_version=0)
+    shift = dtype.itemsize if dtype.itemsize < 8 else 0
+    backing = torch.zeros(2, base.numel() + 8, dtype=torch.uint8)
+    old_at = backing[0, shift : shift + base.numel()]
+    new_at = backing[1, shift : shift + base.numel()]
+    old_at.copy_(base)
+    new_at.copy_(new)
+    assert old_at.data_ptr() % 8 != 0
+    narrow = encode_delta(old_at, new_at, unit=dtype.itemsize, base_version=0)
+    assert wide is not None and narrow is not None
+    assert torch.equal(wide.positions, narrow.positions)
+    assert torch.equal(wide.values, narrow.values)
+
+
 def test_large_chunks_take_int64_positions(monkeypatch):
     monkeypatch.setattr(delta_mod, "_INT32_ELEMENTS", 16)
     base = torch.zeros(64, dtype=torch.uint8)
