@@ -26,12 +26,10 @@ Verified publication (``verify_publication``, on by default): the sender opens
 a `TrainerPublication` whose header (manifest from ``source.metadata()``, the
 trainer's model version) rides the update message. Each worker checks it
 against the manifest it baked at init before pulling anything, admits every
-slice against its plan before landing it and, at finish, hands its receipt to
-producer 0 (this rank's producer, in the sender's process or its actor). Once
-``finish_weight_update`` returned, the sender verifies one complete receipt
-per live consumer; only then does ``weight_version`` become the served
-version. Any failure after start sets the served version to ``fenced:...``.
-With ``verify_checksums``, producers checksum every packed chunk and workers
+slice against its plan before landing it and, at the prepare, hands its
+receipt to producer 0 (this rank's producer, in the sender's process or its
+actor); the sync verifies one complete receipt per live consumer before it
+commits (``trainer.sync``). With ``verify_checksums``, producers checksum every packed chunk and workers
 verify the bytes that reached them before landing them.
 """
 
