@@ -9,11 +9,22 @@ a fixed seed);
 transfer backend, and the fresh-load oracle's worker methods
 (``testing.fresh_load``). ``testing.server.serve`` passes the same settings to
 ``vllm serve``.
+
+``in_process=True`` runs the engine core, and at TP 1 the worker too, inside
+the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni``
+executor at TP 1). On a 2-core machine such a start takes about 10 s instead
+of about 45 s, which is most of what an end-to-end test file spends. The
+price: the engine steps in the caller's thread, so generation and updates must
+not run concurrently from two threads, and a worker's exception reaches the
+caller as itself rather than wrapped by the executor. Tests that need either
+keep the default.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from vllm.distributed.weight_transfer.testing.fresh_load import WORKER_EXTENSION
@@ -40,10 +51,12 @@ def tiny_llm(
     dtype: str = "float32",
     tensor_parallel_size: int = 1,
     backend: str | None = "ipc",
+    in_process: bool = False,
     **overrides: Any,
 ) -> Any:
     """An offline ``vllm.LLM`` on ``model_dir`` with ``TINY_ENGINE_ARGS``;
-    ``backend=None`` starts it without weight transfer. ``overrides`` win."""
+    ``backend=None`` starts it without weight transfer; ``in_process`` as the
+    module says. ``overrides`` win."""
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
@@ -56,5 +69,28 @@ def tiny_llm(
     )
     if backend is not None:
         kwargs["weight_transfer_config"] = WeightTransferConfig(backend=backend)
+    if in_process:
+        kwargs["distributed_executor_backend"] = (
+            "uni" if tensor_parallel_size == 1 else "mp"
+        )
     kwargs.update(overrides)
-    return LLM(**kwargs)
+    if not in_process:
+        return LLM(**kwargs)
+    with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
+        return LLM(**kwargs)
+
+
+@contextmanager
+def _env(**values: str) -> Iterator[None]:
+    """Set environment variables for the block, then restore them (vLLM reads
+    its multiprocessing switch while the engine is built)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
