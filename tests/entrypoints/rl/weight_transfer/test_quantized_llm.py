@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Worker-side online quantization: a full-precision trainer updates an engine
-that quantizes its weights as it loads them.
+"""Online FP8 quantization in an offline engine (``LLM``): a full-precision
+trainer updates an engine that quantizes its weights as it loads them.
 
 The engine runs a dense model in bfloat16 with ``quantization=
 "fp8_per_channel"``, the online scheme vLLM CPU can run: every linear layer is
@@ -11,24 +11,23 @@ checkpoint format and vLLM's per-layer processing quantizes them, as it does at
 start-up. After every sync the engine must serve bit for bit what the same
 engine serves when it loads the trainer's weights fresh from a checkpoint
 (``testing.fresh_load`` builds that model with the engine's own quantization),
-for ``ipc`` (TP 1 and 2 offline, TP 1 over HTTP) and ``sharded_rdt`` (TP 2
-offline, TP 1 over HTTP). There is no Hugging
+for ``ipc`` at TP 1 and 2 and ``sharded_rdt`` at TP 2. There is no Hugging
 Face comparison: the served model is the quantized one.
 
 Trainer-side quantization (``fp8_codes.Fp8ChannelCodes``: the trainer sends
 float8 codes and per-row scales) must serve the same oracle through ``ipc``
-at TP 1 and 2, offline and over HTTP, with every linear layer's codes copied
-straight into the served tensors, and through ``sharded_rdt`` at TP 2
-offline and TP 1 over HTTP; codes an engine cannot take are refused before
-anything lands. The two ``vllm serve`` engines stage their updates, so
-worker-side quantization and codes are also proven through a staged commit.
+at TP 1 and 2 and through ``sharded_rdt`` at TP 2, with every linear layer's
+codes copied straight into the served tensors; codes or scales an engine
+cannot take are refused before anything lands, and a codes sync whose trainer
+fails midway leaves the engine fenced until a full sync.
+``test_quantized_http.py`` proves the same through ``vllm serve`` at TP 1.
 """
 
 from __future__ import annotations
 
 import math
 import tempfile
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -44,10 +43,7 @@ from vllm.distributed.weight_transfer.ipc_engine import (
     IPCTrainerInitInfo,
     IPCTrainerWeightTransferEngine,
 )
-from vllm.distributed.weight_transfer.quant.fp8 import (
-    Fp8ChannelCodes,
-    quantize_fp8_per_channel,
-)
+from vllm.distributed.weight_transfer.quant.fp8 import Fp8ChannelCodes
 from vllm.distributed.weight_transfer.testing import (
     FreshLoadOracle,
     TinyModelSpec,
@@ -58,22 +54,23 @@ from vllm.distributed.weight_transfer.testing import (
     randomize_weights_,
     vllm_greedy,
 )
+from vllm.distributed.weight_transfer.testing.fp8_sources import (
+    FUSED_FROM,
+    NAN_WEIGHT,
+    QUANTIZATION,
+    QUANTIZED,
+    BadScale,
+    assert_quantized,
+    codes_digests,
+    codes_or_skip,
+    send_codes_or_skip,
+)
 from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
     served_weight_dtypes,
 )
 from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 
 pytestmark = pytest.mark.slow
-
-QUANTIZATION = "fp8_per_channel"
-# A linear layer the scheme quantizes and a layer it leaves alone.
-QUANTIZED = "model.layers.0.mlp.down_proj.weight"
-UNQUANTIZED = "model.norm.weight"
-
-
-def _assert_quantized(dtypes: dict[str, str]) -> None:
-    assert dtypes[QUANTIZED] == "torch.float8_e4m3fn", dtypes[QUANTIZED]
-    assert dtypes[UNQUANTIZED] == "torch.bfloat16", dtypes[UNQUANTIZED]
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
@@ -107,7 +104,7 @@ def test_ipc_updates_an_fp8_engine_exactly_like_a_fresh_load(ipc_engine):
         # At TP>1 a failed collective_rpc(fn) leaves stale replies behind
         # (see test_ipc_llm.py); one rank shows the scheme is active.
         for dtypes in llm.collective_rpc(served_weight_dtypes):
-            _assert_quantized(dtypes)
+            assert_quantized(dtypes)
     trainer_model = load_hf_model(model_dir, "float32")
     oracle = FreshLoadOracle(offline_worker_call(llm), lambda: vllm_greedy(llm))
     trainer = WeightTransferTrainerFactory.trainer_init(
@@ -129,7 +126,7 @@ def test_ipc_updates_an_fp8_engine_exactly_like_a_fresh_load(ipc_engine):
     assert_bit_identical(vllm_greedy(llm), served[-1], what="after a no-op push")
     if tp == 1:
         for dtypes in llm.collective_rpc(served_weight_dtypes):
-            _assert_quantized(dtypes)
+            assert_quantized(dtypes)
 
 
 class Float8Codes(WeightSource):
@@ -181,9 +178,9 @@ def test_float8_codes_for_an_engine_that_quantizes_on_load_are_refused(ipc_engin
 
 
 def test_sharded_rdt_updates_an_fp8_engine_exactly_like_a_fresh_load():
-    """Offline at TP 2 (Ray actors, NIXL); TP 1 runs behind ``vllm serve``
-    below, so both sizes and both surfaces are covered without a fourth
-    engine start."""
+    """Offline at TP 2 (Ray actors, NIXL); TP 1 runs behind ``vllm serve`` in
+    ``test_quantized_http.py``, so both sizes and both surfaces are covered
+    without a fourth engine start."""
     tp = 2
     ray = pytest.importorskip("ray")
     pytest.importorskip("nixl")
@@ -200,7 +197,7 @@ def test_sharded_rdt_updates_an_fp8_engine_exactly_like_a_fresh_load():
             model_dir, tp=tp, dtype="bfloat16", quantization=QUANTIZATION
         )
         for dtypes in ray.get(llm.weight_dtypes.remote()):
-            _assert_quantized(dtypes)
+            assert_quantized(dtypes)
         rank = ray.remote(num_cpus=0)(TrainerRank).remote(model_dir, 0, 1, 0)
         # Each worker pulls only its TP shard; the row-parallel layers' scales
         # come from the row maximum vLLM shares across the ranks.
@@ -230,256 +227,11 @@ def test_sharded_rdt_updates_an_fp8_engine_exactly_like_a_fresh_load():
         for seed in (35, 36):
             sync_serves_the_oracle(seed, "codes sync")
         for dtypes in ray.get(llm.weight_dtypes.remote()):
-            _assert_quantized(dtypes)
+            assert_quantized(dtypes)
         ray.get(rank.shutdown.remote())
         stop_llm_host(llm)
     finally:
         ray.shutdown()
-
-
-def test_vllm_serve_fp8_engine_updated_over_http_like_a_fresh_load():
-    """``vllm serve --quantization fp8_per_channel`` updated over the RL HTTP
-    routes through ``ipc`` with staging (``"staging": "host"``: each sync is
-    staged, then committed in one call): after each of two syncs (the
-    trainer's weights changed in place) the server serves, bit for bit, what
-    the same server serves after loading the trainer's weights fresh from a
-    checkpoint, with its quantization (the commit quantizes); a no-op push
-    changes nothing; a trainer that sends FP8 codes (``Fp8ChannelCodes``)
-    gets the same oracle, its pieces staged and copied into the served codes
-    at the commit."""
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.testing.fresh_load import http_worker_call
-    from vllm.distributed.weight_transfer.testing.server import serve
-
-    model_dir = build_tiny_model(TinyModelSpec(arch="qwen3"))
-    with serve(
-        model_dir,
-        dtype="bfloat16",
-        weight_transfer_backend="ipc",
-        weight_transfer_options={"staging": "host"},
-        extra_args=["--quantization", QUANTIZATION],
-    ) as server:
-        call = http_worker_call(server.base_url)
-
-        def served_dtypes() -> dict[str, str]:
-            (dtypes,) = call("served_weight_dtypes", [])["results"]
-            return dtypes
-
-        _assert_quantized(served_dtypes())
-        trainer_model = load_hf_model(model_dir, "float32")
-        trainer = WeightTransferTrainerFactory.trainer_init(
-            IPCTrainerInitInfo(rank=0),
-            client=HTTPVLLMWeightSyncClient(server.base_url, timeout=120),
-            source=ModuleSource(trainer_model),
-        )
-        oracle = server.fresh_load_oracle()
-        served = []
-        for seed in (35, 36):
-            randomize_weights_(trainer_model, seed=seed)
-            trainer.send_weights()
-            served.append(oracle.assert_serves(trainer_model))
-        assert served[0].tokens != served[1].tokens, "both syncs served the same"
-        trainer.send_weights()  # the weights it already holds
-        assert_bit_identical(server.greedy(), served[-1], what="after a no-op push")
-        _assert_quantized(served_dtypes())
-        nan_weights_answer_500_and_the_resync_serves_at_once(
-            server, trainer, trainer_model, served[-1]
-        )
-        trainer.shutdown()
-        # The trainer quantizes: codes and scales over the same routes land
-        # straight in the served codes, and the fresh-load oracle holds.
-        codes = WeightTransferTrainerFactory.trainer_init(
-            IPCTrainerInitInfo(rank=0),
-            client=HTTPVLLMWeightSyncClient(server.base_url, timeout=120),
-            source=Fp8ChannelCodes(ModuleSource(trainer_model)),
-        )
-        randomize_weights_(trainer_model, seed=37)
-        send_codes_or_skip(codes)
-        oracle.assert_serves(trainer_model)
-        (state,) = call("fp8_codes_state", [])["results"]
-        assert len(state["layers"]) == 4 * trainer_model.config.num_hidden_layers
-        _assert_quantized(served_dtypes())
-        codes.shutdown()
-
-
-def test_vllm_serve_fp8_engine_updated_by_sharded_rdt_like_a_fresh_load():
-    """``vllm serve --quantization fp8_per_channel`` with ``sharded_rdt``: the
-    trainer's full-precision weights are pulled over NIXL, driven over the RL
-    HTTP routes with checksums on and staging (the pulls are staged while the
-    server serves, then committed in one call); after each of two syncs the
-    server serves the fresh-load oracle of the trainer's weights bit for bit,
-    every worker's receipt came back, and the layers stay quantized. Then the
-    trainer sends FP8 codes: staged, then copied into the served codes at the
-    commit, the same oracle."""
-    pytest.importorskip("nixl")
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.sharded_rdt.trainer import (
-        ShardedRDTTrainerInitInfo,
-        ShardedRDTTrainerWeightTransferEngine,
-    )
-    from vllm.distributed.weight_transfer.testing.fresh_load import http_worker_call
-    from vllm.distributed.weight_transfer.testing.server import serve
-    from vllm.distributed.weight_transfer.trainer.sources import CheckpointNamesSource
-
-    model_dir = build_tiny_model(TinyModelSpec(arch="qwen3"))
-    trainer_model = load_hf_model(model_dir, "float32")
-    with serve(
-        model_dir,
-        dtype="bfloat16",
-        weight_transfer_backend="sharded_rdt",
-        weight_transfer_options={"staging": "host"},
-        extra_args=["--quantization", QUANTIZATION],
-    ) as server:
-        call = http_worker_call(server.base_url)
-        (dtypes,) = call("served_weight_dtypes", [])["results"]
-        _assert_quantized(dtypes)
-        trainer = WeightTransferTrainerFactory.trainer_init(
-            ShardedRDTTrainerInitInfo(
-                num_consumers=1, stall_timeout_s=60.0, verify_checksums=True, rank=0
-            ),
-            client=HTTPVLLMWeightSyncClient(server.base_url, timeout=120),
-            source=CheckpointNamesSource(trainer_model),
-        )
-        assert isinstance(trainer, ShardedRDTTrainerWeightTransferEngine)
-        oracle = server.fresh_load_oracle()
-        try:
-            served = []
-            for seed in (38, 39):
-                randomize_weights_(trainer_model, seed=seed)
-                trainer.send_weights()
-                assert trainer.last_publication is not None
-                verified = trainer.last_publication.verified
-                assert verified is not None and verified.workers == (0,)
-                assert verified.checksums_verified > 0
-                served.append(oracle.assert_serves(trainer_model))
-            assert served[0].tokens != served[1].tokens, "both syncs served the same"
-            (dtypes,) = call("served_weight_dtypes", [])["results"]
-            _assert_quantized(dtypes)
-        finally:
-            trainer.shutdown()
-
-        # The trainer quantizes: the worker pulls codes and scales (about
-        # half the linear layers' bytes) and copies them straight into the
-        # served codes; the fresh-load oracle of the full-precision weights
-        # holds, as for worker-side quantization.
-        def codes_trainer(source: WeightSource) -> Any:
-            """A ``sharded_rdt`` trainer of ``source``'s codes, its plan sent
-            to the server (skips where this CPU's FP8 kernel takes none)."""
-            return codes_or_skip(
-                lambda: WeightTransferTrainerFactory.trainer_init(
-                    ShardedRDTTrainerInitInfo(
-                        num_consumers=1,
-                        stall_timeout_s=60.0,
-                        verify_checksums=True,
-                        rank=0,
-                    ),
-                    client=HTTPVLLMWeightSyncClient(server.base_url, timeout=120),
-                    source=source,
-                )
-            )
-
-        codes = codes_trainer(Fp8ChannelCodes(CheckpointNamesSource(trainer_model)))
-        try:
-            for seed in (40, 41):
-                randomize_weights_(trainer_model, seed=seed)
-                send_codes_or_skip(codes)
-                oracle.assert_serves(trainer_model)
-            (state,) = call("fp8_codes_state", [])["results"]
-            assert state["digests"] == _codes_digests(trainer_model)
-            _assert_quantized(call("served_weight_dtypes", [])["results"][0])
-        finally:
-            codes.shutdown()
-        bad_scales_pulled_over_sharded_rdt_are_refused_unfenced(
-            server, trainer_model, codes_trainer
-        )
-
-
-def bad_scales_pulled_over_sharded_rdt_are_refused_unfenced(
-    server: Any, trainer_model: torch.nn.Module, codes_trainer: Callable[..., Any]
-) -> None:
-    """Over ``vllm serve`` with ``sharded_rdt`` and staging: codes whose
-    ``q_proj.weight_scale`` holds a NaN, or is negated, after the trainer's
-    own check are refused by the worker as it pulls them, naming the scale.
-    The staged update is dropped, so the server is not fenced and serves
-    exactly what the last good sync served (``trainer_model`` as it is on
-    entry); the next good codes sync serves the new oracle."""
-    import copy
-
-    import requests
-
-    from vllm.distributed.weight_transfer.trainer.sources import CheckpointNamesSource
-    from vllm.distributed.weight_transfer.verification import is_fenced_version
-
-    oracle = server.fresh_load_oracle()
-    last_good = copy.deepcopy(trainer_model)
-    # New weights with the bad scale: anything of them that landed would show.
-    randomize_weights_(trainer_model, seed=42)
-    for value in (float("nan"), -1.0):
-        bad = codes_trainer(_BadScale(CheckpointNamesSource(trainer_model), value))
-        try:
-            with pytest.raises(Exception) as refused:
-                bad.send_weights(weight_version=f"bad-scale-{value}")
-        finally:
-            bad.shutdown()
-        assert f"{NAN_WEIGHT}_scale" in str(refused.value), refused.value
-        version = requests.get(f"{server.base_url}/weight_info", timeout=30).json()
-        assert not is_fenced_version(version["weight_version"]), version
-        oracle.assert_serves(last_good, what=f"after a refused scale of {value}")
-    good = codes_trainer(Fp8ChannelCodes(CheckpointNamesSource(trainer_model)))
-    try:
-        send_codes_or_skip(good)
-    finally:
-        good.shutdown()
-    oracle.assert_serves(trainer_model, what="the codes sync after the bad scales")
-
-
-# The vLLM layers of a Qwen3 decoder block that the scheme quantizes, each
-# with the checkpoint tensors its rows come from, in order.
-_FUSED_FROM = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "self_attn.o_proj": ("self_attn.o_proj",),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.down_proj": ("mlp.down_proj",),
-}
-
-
-def codes_or_skip(call: Callable[[], Any]) -> Any:
-    """``call()``, which sends FP8 codes (or plans for them: a ``sharded_rdt``
-    init). On a CPU whose FP8 kernel repacks codes after loading (vLLM's
-    AMX-FP8 kernel), the engine refuses them by design, naming the kernel,
-    before anything lands: the test then skips what needs codes to land."""
-    try:
-        return call()
-    except Exception as e:
-        if "repacks the codes after loading" in str(e):
-            pytest.skip(f"this CPU's FP8 kernel repacks codes, refused by design: {e}")
-        raise
-
-
-def send_codes_or_skip(trainer: Any) -> None:
-    """``trainer.send_weights()`` of FP8 codes, through ``codes_or_skip``."""
-    codes_or_skip(trainer.send_weights)
-
-
-def _codes_digests(model: Any) -> dict[str, str]:
-    """What a TP 1 engine's fp8_codes_state digests must be for the trainer's
-    ``model``: each fused layer's codes and scales, quantized on the trainer."""
-    import hashlib
-
-    params = dict(model.named_parameters())
-    digests = {}
-    for i in range(model.config.num_hidden_layers):
-        for fused, parts in _FUSED_FROM.items():
-            pieces = [
-                quantize_fp8_per_channel(params[f"model.layers.{i}.{p}.weight"])
-                for p in parts
-            ]
-            codes = torch.cat([c.view(torch.uint8) for c, _ in pieces])
-            scales = torch.cat([s.reshape(-1) for _, s in pieces]).view(torch.uint8)
-            digests[f"model.layers.{i}.{fused}"] = hashlib.sha256(
-                codes.numpy().tobytes() + scales.numpy().tobytes()
-            ).hexdigest()
-    return digests
 
 
 def test_trainer_side_fp8_codes_serve_what_worker_side_quantization_serves(
@@ -512,7 +264,7 @@ def test_trainer_side_fp8_codes_serve_what_worker_side_quantization_serves(
     layers = {
         f"model.layers.{i}.{fused}"
         for i in range(trainer_model.config.num_hidden_layers)
-        for fused in _FUSED_FROM
+        for fused in FUSED_FROM
     }
     served = []
     for seed in (41, 42):
@@ -525,7 +277,7 @@ def test_trainer_side_fp8_codes_serve_what_worker_side_quantization_serves(
         for state in states:
             assert set(state["layers"]) == layers
         if tp == 1:
-            assert states[0]["digests"] == _codes_digests(trainer_model)
+            assert states[0]["digests"] == codes_digests(trainer_model)
     assert served[0].tokens != served[1].tokens, "both syncs served the same"
 
 
@@ -661,39 +413,6 @@ def test_fp8_codes_an_engine_cannot_take_are_refused_before_anything_lands(
     oracle.assert_serves(trainer_model)
 
 
-# A weight of the first layer that the scheme quantizes, and its scale.
-NAN_WEIGHT = "model.layers.0.self_attn.q_proj.weight"
-
-
-class _BadScale(WeightSource):
-    """``Fp8ChannelCodes`` of ``source`` (any source of the trainer's
-    weights: a ``ModuleSource`` for ``ipc``, a ``CheckpointNamesSource`` for
-    ``sharded_rdt``) with ``value`` written into the first element of layer
-    0's ``q_proj.weight_scale`` (a negative ``value`` negates the whole
-    scale) after the trainer's own check: what a client that skips it
-    sends."""
-
-    def __init__(self, source: WeightSource, value: float) -> None:
-        self.inner = Fp8ChannelCodes(source)
-        self.value = value
-
-    def metadata(self) -> list[ParamMeta]:
-        return self.inner.metadata()
-
-    def held_names(self) -> Collection[str] | None:
-        return self.inner.held_names()
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in self.inner:
-            if name == NAN_WEIGHT + "_scale":
-                tensor = tensor.clone()
-                if self.value < 0:
-                    tensor.neg_()
-                else:
-                    tensor.view(-1)[0] = self.value
-            yield name, tensor
-
-
 def test_bad_fp8_scales_are_refused_and_nan_weights_do_not_outlive_the_resync(
     ipc_engine,
 ):
@@ -723,7 +442,7 @@ def test_bad_fp8_scales_are_refused_and_nan_weights_do_not_outlive_the_resync(
     codes_land = True
     for value in (float("nan"), float("inf"), 0.0, -1.0):
         with pytest.raises(Exception) as refused:
-            sync(_BadScale(ModuleSource(trainer_model), value))
+            sync(BadScale(ModuleSource(trainer_model), value))
         if "repacks the codes after loading" in str(refused.value):
             codes_land = False  # this CPU's FP8 kernel takes no codes at all
             break
@@ -749,44 +468,3 @@ def test_bad_fp8_scales_are_refused_and_nan_weights_do_not_outlive_the_resync(
     source = ModuleSource(trainer_model)
     sync(Fp8ChannelCodes(source) if codes_land else source)
     oracle.assert_serves(trainer_model, what="the first generation after the resync")
-
-
-def nan_weights_answer_500_and_the_resync_serves_at_once(
-    server: Any, trainer: Any, trainer_model: torch.nn.Module, expected: Any
-) -> None:
-    """Over HTTP: after a sync of weights holding a NaN, a completion is a
-    ``500`` naming the served weight version (the output holds NaN, which
-    JSON cannot carry; the request is not at fault); the sync that puts the
-    weights back serves ``expected`` from its very first completions (no
-    prefix-cache reset of the test's own in between)."""
-    import requests
-
-    from vllm.distributed.weight_transfer.testing.oracle import completions_greedy
-
-    weight = dict(trainer_model.named_parameters())[NAN_WEIGHT]
-    kept = weight.detach().clone()
-    with torch.no_grad():
-        weight[0, 0] = float("nan")
-    trainer.send_weights()
-    answer = requests.post(
-        f"{server.base_url}/v1/completions",
-        json={
-            "model": server.model,
-            "prompt": [1, 17, 93, 255],
-            "max_tokens": 2,
-            "temperature": 0.0,
-            "logprobs": 0,
-        },
-        timeout=60,
-    )
-    assert answer.status_code == 500, answer.text
-    message = answer.json()["error"]["message"]
-    assert "weight_version" in message and "served weights" in message, message
-    with torch.no_grad():
-        weight.copy_(kept)
-    trainer.send_weights()
-    assert_bit_identical(
-        completions_greedy(server.base_url, server.model),
-        expected,
-        what="the first completions after the resync from NaN weights",
-    )
