@@ -363,6 +363,7 @@ def _wire(chunk):
         (lambda h: h.pop("count"), r"delta header is missing field\(s\) \['count'\]"),
         (lambda h: h.update(extra=1), r"unknown field\(s\) \['extra'\]"),
         (lambda h: h.update(format=2), r"delta\.format is 2"),
+        (lambda h: h.update(format=True), r"delta\.format must be an integer"),
         (lambda h: h.update(count="9"), r"delta\.count must be an integer"),
         (lambda h: h.update(count=h["count"] + 1), r"delta\.buffer_nbytes is"),
         (lambda h: h.update(count=10_000), r"oversized"),

@@ -170,7 +170,7 @@ class ChunkDelta:
         values are views into ``buffer`` (a copy if it is a bytes object or
         not 16-byte aligned)."""
         h = check_fields(header, _HEADER_FIELDS, _HEADER_FIELDS, "delta header")
-        if h["format"] != WIRE_FORMAT:
+        if check_int(h["format"], "delta.format") != WIRE_FORMAT:
             raise ValueError(
                 f"delta.format is {h['format']!r}; this reader knows {WIRE_FORMAT}"
             )
