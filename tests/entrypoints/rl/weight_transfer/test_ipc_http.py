@@ -32,11 +32,8 @@ is one log line, never a 500.
 
 from __future__ import annotations
 
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import requests
@@ -56,11 +53,7 @@ from vllm.distributed.weight_transfer.ipc_engine import (
 from vllm.distributed.weight_transfer.testing import (
     DEFAULT_PROMPTS,
     GreedyResult,
-    TinyModelSpec,
     assert_bit_identical,
-    assert_serves_weights,
-    build_tiny_model,
-    completions_greedy,
     hf_greedy,
     load_hf_model,
     randomize_weights_,
@@ -69,7 +62,21 @@ from vllm.distributed.weight_transfer.testing.fresh_load import http_worker_call
 from vllm.distributed.weight_transfer.testing.guard_decoys import (
     SendsDecoysFirst,
     assert_decoys_refused,
-    is_weights,
+)
+from vllm.distributed.weight_transfer.testing.mid_sync import (
+    AbandonedMidSync,
+    Careless,
+    CompletesMidSync,
+    Completions,
+    update_with_manifest_dtype,
+)
+from vllm.distributed.weight_transfer.testing.serve_state import (
+    FAILURE_PHASES,
+    assert_serves,
+    committed_syncs,
+    failures,
+    post,
+    weight_info,
 )
 from vllm.distributed.weight_transfer.testing.server import (
     ServerProcess,
@@ -87,16 +94,6 @@ pytestmark = pytest.mark.slow
 
 def served_greedy(server: ServerProcess) -> GreedyResult:
     return server.greedy()
-
-
-def assert_serves(server: ServerProcess, model: torch.nn.Module) -> None:
-    """The server serves exactly what a fresh load of ``model`` serves, and
-    what a HF forward of it gives."""
-    assert_serves_weights(server.fresh_load_oracle(), model, dtype="float32")
-
-
-def post(server: ServerProcess, route: str, body: dict | None = None):
-    return requests.post(f"{server.base_url}/{route}", json=body, timeout=120)
 
 
 # Short enough for the deadline test to wait it out, far above any gap
@@ -345,34 +342,6 @@ def test_bad_update_is_refused_and_the_server_keeps_serving(
     assert_serves(server, trainer_model)  # what the server held before
 
 
-@dataclass(frozen=True)
-class Careless:
-    """What a client sends after ``POST /start_weight_update``, and what the
-    server must answer."""
-
-    update_info: Any  # the body's update_info; None: no update_weights at all
-    refusal: str | None = None  # the cause the refusal names
-    # /metrics counts the refusal once, under one of these phases
-    failure_phases: tuple[str, ...] = ()
-    seed: int = 0  # the trainer's weights for the recovering sync
-
-
-def _header_with_manifest_dtype_5() -> dict[str, Any]:
-    """An update message (no tensors) whose publication header lists one
-    manifest entry with the dtype ``5``."""
-    header = PublicationHeader.create(
-        backend="ipc",
-        model_version=1,
-        manifest=Manifest.from_params(
-            [ParamMeta("model.norm.weight", torch.float32, (128,))]
-        ),
-        trainer_devices=["cpu:test:0"],
-    )
-    update = attach_publication({"names": []}, header)
-    update["publication"]["manifest"]["entries"][0][1] = 5
-    return update
-
-
 CARELESS = {
     # A trainer that dies right after start while rollouts continue.
     "start-then-generate": Careless(None, seed=11),
@@ -389,32 +358,12 @@ CARELESS = {
         seed=13,
     ),
     "manifest-dtype-5": Careless(
-        _header_with_manifest_dtype_5(),
+        update_with_manifest_dtype(5),
         "dtype is 5",
         failure_phases=("update",),
         seed=14,
     ),
 }
-FAILURE_PHASES = ("start", "update", "finish", "abort", "verify")
-
-
-def failures(server: ServerProcess) -> dict[str, float]:
-    text = requests.get(f"{server.base_url}/metrics", timeout=30).text
-    return {
-        phase: metric_value(
-            text, "vllm:weight_transfer_failures_total", backend="ipc", phase=phase
-        )
-        for phase in FAILURE_PHASES
-    }
-
-
-def committed_syncs(server: ServerProcess) -> float:
-    text = requests.get(f"{server.base_url}/metrics", timeout=30).text
-    return metric_value(text, "vllm:weight_transfer_syncs_total", backend="ipc")
-
-
-def weight_info(server: ServerProcess) -> dict:
-    return requests.get(f"{server.base_url}/weight_info", timeout=30).json()
 
 
 @pytest.mark.parametrize("case", CARELESS, ids=CARELESS)
@@ -475,26 +424,6 @@ def test_update_after_failures_succeeds(server, trainer, trainer_model):
     trainer.send_weights()
 
     assert_serves(server, trainer_model)
-
-
-def test_moe_tensor_parallel_update():
-    """Qwen3-MoE at TP=2: experts travel under checkpoint names, each TP worker
-    reads the same shared-memory buffer and keeps its shard."""
-    from vllm.distributed.weight_transfer.trainer.sources import CheckpointNamesSource
-
-    model_dir = build_tiny_model(TinyModelSpec(arch="qwen3_moe"))
-    model = load_hf_model(model_dir, "float32")
-    with serve(model_dir, tensor_parallel_size=2) as moe_server:
-        assert_serves(moe_server, model)
-        trainer = WeightTransferTrainerFactory.trainer_init(
-            IPCTrainerInitInfo(rank=0, packed=True),
-            client=HTTPVLLMWeightSyncClient(moe_server.base_url, timeout=120),
-            source=CheckpointNamesSource(model),
-        )
-        for seed in (5, 6):
-            randomize_weights_(model, seed=seed)
-            trainer.send_weights()
-            assert_serves(moe_server, model)
 
 
 def sync_from_a_fresh_trainer(
@@ -567,61 +496,6 @@ def test_a_trainer_killed_between_chunks_does_not_block_the_next_sync(
         n for n in os.listdir("/dev/shm") if n.startswith(f"vllm-wt-{process.pid}-")
     ]
     assert not dead_receipts & receipt_dirs(), "a dead trainer's receipts remain"
-
-
-class Completions(threading.Thread):
-    """The oracle prompts through ``/v1/completions`` on a thread."""
-
-    def __init__(self, server: ServerProcess) -> None:
-        super().__init__(daemon=True)
-        self.server = server
-        self.result: GreedyResult | None = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.result = completions_greedy(
-                self.server.base_url, self.server.model, timeout=120
-            )
-        except BaseException as e:
-            self.error = e
-
-    def outcome(self, timeout_s: float = 120) -> GreedyResult:
-        self.join(timeout_s)
-        assert not self.is_alive(), "the completions never came back"
-        if self.error is not None:
-            raise self.error
-        assert self.result is not None
-        return self.result
-
-
-class CompletesMidSync:
-    """A sync client that, once the first weights went out, sends completions
-    and a ``/resume`` and notes what the server did with them."""
-
-    def __init__(self, inner: HTTPVLLMWeightSyncClient, server: ServerProcess):
-        self.inner = inner
-        self.server = server
-        self.completions: Completions | None = None
-        self.waited = False
-        self.paused = False
-        self.resume: requests.Response | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def update_weights(self, update_info: Any) -> None:
-        self.inner.update_weights(update_info)
-        control = isinstance(update_info, dict) and (
-            "abort" in update_info or "prepare" in update_info
-        )
-        if self.completions is None and not control:
-            self.completions = Completions(self.server)
-            self.completions.start()
-            time.sleep(1.5)
-            self.waited = self.completions.is_alive()
-            self.paused = self.inner.is_paused()
-            self.resume = post(self.server, "resume")
 
 
 def test_generation_mid_sync_waits_for_the_new_weights(server, trainer_model):
@@ -752,44 +626,6 @@ def test_a_decoy_list_or_collective_rpc_is_refused_and_the_old_weights_serve(
     assert_decoys_refused(client, before, version)
     assert weight_info(server) == {"weight_version": "after-the-decoys"}
     assert_serves(server, trainer_model)
-
-
-class AbandonedMidSync:
-    """A sync client after whose first accepted weights message (generation
-    held, the model half landed) a second client acts on the open update:
-    a LoRA pusher that waits (``take_over=False``), then one that abandons
-    it (abort and finish, what ``push_lora_adapter`` did before)."""
-
-    REASON = "abandoned: a LoRA pusher took the server"
-
-    def __init__(self, inner: HTTPVLLMWeightSyncClient, server: ServerProcess):
-        self.inner = inner
-        self.server = server
-        self.waited: BaseException | None = None
-        self.label: str | None = None
-        self.served: GreedyResult | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def update_weights(self, update_info: Any) -> None:
-        self.inner.update_weights(update_info)
-        if self.label is not None or not is_weights(update_info):
-            return
-        from vllm.distributed.weight_transfer.trainer.lifecycle import abort_update
-        from vllm.distributed.weight_transfer.trainer.start_update import (
-            UpdateStillOpen,
-            start_update,
-        )
-
-        other = HTTPVLLMWeightSyncClient(self.server.base_url, timeout=120)
-        try:
-            start_update(other, "a LoRA pusher", take_over=False, wait_s=1.0)
-        except UpdateStillOpen as e:
-            self.waited = e
-        abort_update(other, self.REASON)
-        self.label = weight_info(self.server)["weight_version"]
-        self.served = served_greedy(self.server)
 
 
 def test_an_abandoned_in_place_sync_fences_the_label_and_names_the_cause(

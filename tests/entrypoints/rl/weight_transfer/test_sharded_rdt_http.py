@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import requests
 
 from vllm.distributed.weight_transfer.testing import (
     TinyModelSpec,
@@ -33,6 +32,7 @@ from vllm.distributed.weight_transfer.testing import (
     load_hf_model,
     randomize_weights_,
 )
+from vllm.distributed.weight_transfer.testing.serve_state import weight_info
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("nixl")
@@ -81,10 +81,6 @@ def sharded_rdt_trainer(server: Any, model: Any, client: Any = None) -> Any:
     )
     assert isinstance(engine, ShardedRDTTrainerWeightTransferEngine)
     return engine
-
-
-def weight_info(server: Any) -> dict[str, Any]:
-    return requests.get(f"{server.base_url}/weight_info", timeout=30).json()
 
 
 def test_serve_pulls_over_nixl_and_matches_the_oracle(server, model):

@@ -30,6 +30,7 @@ import requests
 
 from vllm.distributed.weight_transfer.testing.fresh_load import assert_bit_identical
 from vllm.distributed.weight_transfer.testing.oracle import GreedyResult
+from vllm.distributed.weight_transfer.testing.serve_state import weight_info
 
 # case -> m -> (route, body, the status the guard answers)
 DECOYS: dict[str, Callable[[Any], tuple[str, list[Any], int]]] = {
@@ -54,10 +55,6 @@ def is_weights(update_info: Any) -> bool:
     prepare)."""
     message = message_dict(update_info)
     return "abort" not in message and "prepare" not in message
-
-
-def weight_info(base_url: str) -> dict[str, Any]:
-    return requests.get(f"{base_url}/weight_info", timeout=30).json()
 
 
 class SendsDecoysFirst:
@@ -89,7 +86,7 @@ class SendsDecoysFirst:
             sent = {"update_info": body}
         base_url = self.server.base_url
         answer = requests.post(f"{base_url}/{route}", json=sent, timeout=120)
-        return answer, self.server.greedy(), weight_info(base_url)
+        return answer, self.server.greedy(), weight_info(self.server)
 
 
 def assert_decoys_refused(
