@@ -12,16 +12,17 @@ refuses codes by design."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+from vllm.distributed.weight_transfer.base import WeightSource
 from vllm.distributed.weight_transfer.quant.fp8 import (
     Fp8ChannelCodes,
     quantize_fp8_per_channel,
 )
+from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import WrappedSource
 
 QUANTIZATION = "fp8_per_channel"
 # A linear layer the scheme quantizes and a layer it leaves alone.
@@ -87,7 +88,7 @@ def codes_digests(model: Any) -> dict[str, str]:
     return digests
 
 
-class BadScale(WeightSource):
+class BadScale(WrappedSource):
     """``Fp8ChannelCodes`` of ``source`` (any source of the trainer's
     weights: a ``ModuleSource`` for ``ipc``, a ``CheckpointNamesSource`` for
     ``sharded_rdt``) with ``value`` written into the first element of layer
@@ -96,14 +97,8 @@ class BadScale(WeightSource):
     sends."""
 
     def __init__(self, source: WeightSource, value: float) -> None:
-        self.inner = Fp8ChannelCodes(source)
+        super().__init__(Fp8ChannelCodes(source))
         self.value = value
-
-    def metadata(self) -> list[ParamMeta]:
-        return self.inner.metadata()
-
-    def held_names(self) -> Collection[str] | None:
-        return self.inner.held_names()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.inner:
