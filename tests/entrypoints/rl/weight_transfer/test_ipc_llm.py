@@ -157,6 +157,7 @@ def rig(request):
         weight_transfer_config=WeightTransferConfig(
             backend="ipc", cpu_linear=combo.cpu_linear, landing=combo.landing
         ),
+        in_process=True,
     )
     try:
         yield Rig(combo, llm, model_dir, load_hf_model(model_dir, combo.dtype))

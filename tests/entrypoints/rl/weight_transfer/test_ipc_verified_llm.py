@@ -128,7 +128,7 @@ def rig(tiny_model_dir: Path) -> Iterator[Rig]:
     # collective_rpc(fn) pickles fn (test-only fault injection and status).
     saved = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    llm = tiny_llm(tiny_model_dir)
+    llm = tiny_llm(tiny_model_dir, in_process=True)
     try:
         yield Rig(llm, load_hf_model(tiny_model_dir, "float32"))
     finally:

@@ -127,7 +127,11 @@ def int8_engine(request, tmp_path_factory):
             ignore=ignore,
         )
         llm = tiny_llm(
-            checkpoint, dtype="bfloat16", tensor_parallel_size=tp, backend="ipc"
+            checkpoint,
+            dtype="bfloat16",
+            tensor_parallel_size=tp,
+            backend="ipc",
+            in_process=True,
         )
         try:
             yield llm, trainer_model, tp, codes, fresh_load
@@ -316,7 +320,7 @@ def test_an_int8_engine_with_static_activation_scales_refuses_updates(tmp_path):
         tmp_path / "int8-static",
         activations="static",
     )
-    llm = tiny_llm(checkpoint, dtype="bfloat16", backend="ipc")
+    llm = tiny_llm(checkpoint, dtype="bfloat16", backend="ipc", in_process=True)
     try:
         before = vllm_greedy(llm)
         version = llm.get_weight_version()

@@ -10,14 +10,15 @@ transfer backend, and the fresh-load oracle's worker methods
 (``testing.fresh_load``). ``testing.server.serve`` passes the same settings to
 ``vllm serve``.
 
-``in_process=True`` runs the engine core, and at TP 1 the worker too, inside
-the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni``
-executor at TP 1). On a 2-core machine such a start takes about 10 s instead
-of about 45 s, which is most of what an end-to-end test file spends. The
-price: the engine steps in the caller's thread, so generation and updates must
-not run concurrently from two threads, and a worker's exception reaches the
-caller as itself rather than wrapped by the executor. Tests that need either
-keep the default.
+``in_process=True`` runs a TP 1 engine's core and worker inside the calling
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor). On a
+2-core machine such a start takes 5-8 s instead of 25-45 s: no interpreter is
+spawned to import vLLM again. The price: the engine steps in the caller's
+thread, so generation and updates must not run concurrently from two threads,
+and a worker's exception reaches the caller as itself rather than wrapped by
+the executor; tests that need either keep the default. At TP 2 and above the
+flag is ignored: the workers are processes anyway, and keeping only the core
+here saved little when measured.
 """
 
 from __future__ import annotations
@@ -69,10 +70,9 @@ def tiny_llm(
     )
     if backend is not None:
         kwargs["weight_transfer_config"] = WeightTransferConfig(backend=backend)
+    in_process = in_process and tensor_parallel_size == 1
     if in_process:
-        kwargs["distributed_executor_backend"] = (
-            "uni" if tensor_parallel_size == 1 else "mp"
-        )
+        kwargs["distributed_executor_backend"] = "uni"
     kwargs.update(overrides)
     if not in_process:
         return LLM(**kwargs)
