@@ -140,6 +140,7 @@ class LLMHost:
             dtype=dtype,
             tensor_parallel_size=tp,
             backend="sharded_rdt",
+            in_process=True,
             **engine_args,
         )
         # MKL's float32 GEMM (plain CPU linear layers) is not batch-invariant:
