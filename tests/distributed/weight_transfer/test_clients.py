@@ -31,7 +31,7 @@ from vllm.distributed.weight_transfer.serving.update_guard import (
     COMMIT_HOLD_HEADER,
     COMMIT_HOLD_VALUE,
 )
-from vllm.distributed.weight_transfer.trainer.lifecycle import commit_update
+from vllm.distributed.weight_transfer.trainer.sync import commit_update
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -90,6 +90,7 @@ def ipc_engine(request):
             tensor_parallel_size=tp,
             backend="ipc",
             quantization=QUANTIZATION,
+            in_process=True,
         )
         try:
             yield llm, model_dir, tp

@@ -121,11 +121,11 @@ class AbandonedMidSync:
         self.inner.update_weights(update_info)
         if self.label is not None or not is_weights(update_info):
             return
-        from vllm.distributed.weight_transfer.trainer.lifecycle import abort_update
         from vllm.distributed.weight_transfer.trainer.start_update import (
             UpdateStillOpen,
             start_update,
         )
+        from vllm.distributed.weight_transfer.trainer.sync import abort_update
 
         other = HTTPVLLMWeightSyncClient(self.server.base_url, timeout=120)
         try:

@@ -6,8 +6,7 @@ it reads from a ``WeightSource``, so construction without one is refused up
 front, naming the backend, and the rest is the engine's ``from_init_info``),
 one sync on every rank (``_run_sync``: ``sync.run_sync`` with what an engine
 knows of itself), and the model versions their publications carry
-(``ModelVersions``). ``abort_update`` and ``commit_update`` are ``sync``'s,
-importable from here too."""
+(``ModelVersions``)."""
 
 from __future__ import annotations
 
@@ -23,20 +22,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 from vllm.distributed.weight_transfer.trainer.group import TrainerGroup
-from vllm.distributed.weight_transfer.trainer.sync import (
-    abort_update,
-    commit_update,
-    run_sync,
-)
+from vllm.distributed.weight_transfer.trainer.sync import run_sync
 from vllm.distributed.weight_transfer.verification import TrainerPublication
 from vllm.distributed.weight_transfer.verification.receipts import ExpectedWorkers
 
-__all__ = [
-    "FullResyncTrainerEngine",
-    "ModelVersions",
-    "abort_update",
-    "commit_update",
-]
+__all__ = ["FullResyncTrainerEngine", "ModelVersions"]
 
 
 class FullResyncTrainerEngine(TrainerWeightTransferEngine[TTrainerInitInfo]):
