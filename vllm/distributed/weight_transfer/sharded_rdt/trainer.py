@@ -29,8 +29,9 @@ against the manifest it baked at init before pulling anything, admits every
 slice against its plan before landing it and, at the prepare, hands its
 receipt to producer 0 (this rank's producer, in the sender's process or its
 actor); the sync verifies one complete receipt per live consumer before it
-commits (``trainer.sync``). With ``verify_checksums``, producers checksum every packed chunk and workers
-verify the bytes that reached them before landing them.
+commits (``trainer.sync``). With ``verify_checksums``, producers checksum
+every packed chunk and workers verify the bytes that reached them before
+landing them.
 """
 
 from __future__ import annotations
