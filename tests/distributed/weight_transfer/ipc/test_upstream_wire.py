@@ -178,8 +178,8 @@ def make_engine(device: torch.device) -> IPCWeightTransferEngine:
         model_config=SimpleNamespace(dtype=None, model=None),
     )
     return IPCWeightTransferEngine(
-        SimpleNamespace(backend="ipc"),  # type: ignore[arg-type]
-        vllm_config,  # type: ignore[arg-type]
+        SimpleNamespace(backend="ipc"),
+        vllm_config,
         device,
         torch.nn.Linear(4, 4),
     )

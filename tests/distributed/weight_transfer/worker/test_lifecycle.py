@@ -43,8 +43,8 @@ def make(backend: str):
         model_config=SimpleNamespace(dtype=None, model=None),
     )
     engine = ENGINES[backend](
-        SimpleNamespace(backend=backend),  # type: ignore[arg-type]
-        vllm_config,  # type: ignore[arg-type]
+        SimpleNamespace(backend=backend),
+        vllm_config,
         torch.device("cpu"),
         model,
     )

@@ -52,10 +52,10 @@ def staged_engine(
         model_config=SimpleNamespace(dtype=None, model=None),
     )
     return IPCWeightTransferEngine(
-        SimpleNamespace(  # type: ignore[arg-type]
+        SimpleNamespace(
             backend="ipc", staging=where, update_timeout_s=timeout_s, landing=landing
         ),
-        vllm_config,  # type: ignore[arg-type]
+        vllm_config,
         torch.device("cpu"),
         model,
     )

@@ -50,8 +50,8 @@ def direct_ipc_engine(
         model_config=SimpleNamespace(dtype=None, model=checkpoint),
     )
     return IPCWeightTransferEngine(
-        SimpleNamespace(backend="ipc", landing=landing, **config),  # type: ignore[arg-type]
-        vllm_config,  # type: ignore[arg-type]
+        SimpleNamespace(backend="ipc", landing=landing, **config),
+        vllm_config,
         torch.device("cpu"),
         model,
     )
