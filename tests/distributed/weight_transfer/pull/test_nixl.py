@@ -2,13 +2,16 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The NIXL transport's control socket against hostile peers: a port scan, a
 wrong auth key or a silent connection never stops the producer accepting,
-and a consumer's connect never waits without bound. No NIXL needed."""
+and a consumer's connect never waits without bound (no NIXL needed); the late
+end of a connection a consumer replaced fails no sync."""
 
 from __future__ import annotations
 
+import json
 import queue
 import secrets
 import socket
+import threading
 import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection
@@ -132,3 +135,71 @@ def test_an_unreachable_loopback_producer_names_producer_host():
     with pytest.raises(RuntimeError, match="producer_host=") as info:
         _NixlLink(transport, 0, endpoint)  # type: ignore[arg-type]
     assert "transport='rdt'" in str(info.value)
+
+
+class _ScriptedConn:
+    """A control connection that delivers ``messages``, then reads as closed
+    once ``end`` is set (a consumer that hung up)."""
+
+    def __init__(self, messages: list[dict], end: threading.Event) -> None:
+        self._messages = [json.dumps(m).encode() for m in messages]
+        self._end = end
+
+    def poll(self, timeout: float) -> bool:
+        return bool(self._messages) or self._end.wait(timeout)
+
+    def recv_bytes(self) -> bytes:
+        if self._messages:
+            return self._messages.pop(0)
+        raise EOFError
+
+    def send_bytes(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _until(check, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"never {what}"
+        time.sleep(0.01)
+
+
+def test_the_late_end_of_a_replaced_connection_fails_no_sync(monkeypatch):
+    """A worker whose pull failed drops its connection and registers on a new
+    one for the next sync. When the producer reads the old connection's end
+    only after that (a loaded machine), the end must not fail the sync the
+    new connection serves; the end of the new one still does."""
+    pytest.importorskip("nixl")
+    from vllm.distributed.weight_transfer.pull.nixl import NixlProducerServer
+
+    producer = dict(
+        rank=0, names=["x"], group_lens=[1], served_names=["x"], stall_timeout_s=10
+    )
+    server = NixlProducerServer(producer, "127.0.0.1")
+    lost: list[tuple[int, str]] = []
+    monkeypatch.setattr(
+        server.producer, "consumer_lost", lambda cid, why: lost.append((cid, why))
+    )
+    register = {"op": "register", "id": 1, "consumer_id": 3, "chunks": []}
+    old_end, new_end = threading.Event(), threading.Event()
+    old = _ScriptedConn([register], old_end)
+    new = _ScriptedConn([register], new_end)
+    serving = [threading.Thread(target=server._serve, args=(c,)) for c in (old, new)]
+    try:
+        serving[0].start()
+        _until(lambda: server._newest.get(3) is old, "registered the old one")
+        serving[1].start()
+        _until(lambda: server._newest.get(3) is new, "registered the new one")
+        old_end.set()
+        serving[0].join(10)
+        assert lost == []
+        new_end.set()
+        serving[1].join(10)
+        assert lost == [(3, "disconnected")]
+    finally:
+        old_end.set()
+        new_end.set()
+        server.close()

@@ -25,20 +25,19 @@ notices as they arrive, so a pull waiting for its group never holds back the
 ``done`` that frees the group before it.
 
 A dropped connection of a consumer that still had chunks to read fails the
-producer's sync at once; a dead producer shows up on the consumer as a dropped
-connection. Every wait on either side is bounded by ``stall_timeout_s``.
+producer's sync at once; only the consumer's newest connection counts (one it
+replaced after a failed pull may end late). A dead producer shows up on the
+consumer as a dropped connection. Every wait on either side is bounded by
+``stall_timeout_s``.
 
 The control socket is reachable by anyone who can reach the host, so the
-producer's ``ControlListener`` only accepts TCP connections in its loop; each
-connection authenticates (the ``multiprocessing`` HMAC challenge, both ways)
-on a thread of its own within ``HANDSHAKE_TIMEOUT_S``. A connection that
-closes at once, answers with the wrong key or stays silent is logged and
-dropped without holding up the next one. At most ``MAX_PENDING_HANDSHAKES``
-connections authenticate at once; one beyond that is closed on arrival, so a
-flood of connections costs the producer a bounded number of threads (and
-delays consumers until it stops, never past their own deadline, which names
-the producer). A consumer's ``connect`` bounds the TCP connect and the
-handshake the same way.
+producer's ``ControlListener`` only accepts in its loop; each connection
+authenticates (``multiprocessing``'s HMAC challenge, both ways) on its own
+thread within ``HANDSHAKE_TIMEOUT_S``, and one that fails or stays silent is
+logged and dropped. At most ``MAX_PENDING_HANDSHAKES`` authenticate at once;
+more are closed on arrival, so a flood costs a bounded number of threads and
+delays consumers, never past their own deadline (which names the producer).
+A consumer's ``connect`` bounds the TCP connect and the handshake the same way.
 Bytes move only by NIXL READ (UCX); the control messages are a few hundred
 bytes per chunk.
 """
@@ -96,11 +95,9 @@ def _mem(tensor: torch.Tensor) -> tuple[str, int]:
     return "VRAM", tensor.device.index or 0
 
 
-# The NIXL agent's progress thread sleeps this long between polls. nixl_agent
-# hard-codes 0, a busy loop that costs about a quarter of a CPU core per agent
-# for as long as it lives (every inference worker and trainer rank holds one);
-# 1 ms brings that to about 1% with no measurable effect on READ throughput
-# (256 MiB CPU reads between two processes, measured on the 2-core CI machine).
+# The NIXL agent's progress thread sleeps this long between polls: nixl_agent's
+# 0 busy-loops a quarter of a core per agent for its life; 1 ms costs about 1%
+# and no measurable READ throughput (256 MiB CPU reads, 2-core CI machine).
 PROGRESS_THREAD_DELAY_US = 1000
 _AGENT_LOCK = threading.Lock()
 
@@ -319,6 +316,8 @@ class NixlProducerServer(ProducerServer):
         self._host = host
         self._closed = threading.Event()
         self._connections: list[Connection] = []
+        # Each consumer's newest registered connection (``_lost``).
+        self._newest: dict[int, Connection] = {}
         self._connections_lock = threading.Lock()
         self._listener = ControlListener(host, self._authkey, self._serve)
 
@@ -336,10 +335,9 @@ class NixlProducerServer(ProducerServer):
             self._registrations.append(register(self._agent, tensor))
 
     def _serve(self, conn: Connection) -> None:
-        """Read one connection's messages. Notices (``done``, ``abort``) are
-        handled at once; requests go to a second thread that answers them in
-        order, so a pull waiting for its group never delays the ``done`` that
-        releases the group before it."""
+        """Read one connection's messages: notices (``done``, ``abort``) at
+        once, requests on a second thread that answers them in order, so a
+        pull waiting for its group never delays the ``done`` before it."""
         with self._connections_lock:
             if self._closed.is_set():
                 conn.close()
@@ -361,6 +359,9 @@ class NixlProducerServer(ProducerServer):
                     continue
                 message = _recv(conn)
                 consumer_id = message.get("consumer_id", consumer_id)
+                if message.get("op") == "register" and consumer_id is not None:
+                    with self._connections_lock:  # a consumer's pulling one
+                        self._newest[consumer_id] = conn
                 if "id" in message:
                     requests.put(message)
                     continue
@@ -371,15 +372,25 @@ class NixlProducerServer(ProducerServer):
                     # this thread serves the consumer's later messages too.
                     logger.warning("sharded_rdt notice %s failed: %s", message, e)
         except (EOFError, OSError):
-            if consumer_id is not None and not self._closed.is_set():
-                self.producer.consumer_lost(consumer_id, "disconnected")
+            self._lost(consumer_id, conn, "disconnected")
         except ValueError as e:  # not JSON, or not an object
             logger.warning("sharded_rdt producer dropped a connection: %s", e)
-            if consumer_id is not None and not self._closed.is_set():
-                self.producer.consumer_lost(consumer_id, f"malformed message: {e}")
+            self._lost(consumer_id, conn, f"malformed message: {e}")
         finally:
             requests.put(None)
             self._close_connection(conn)
+
+    def _lost(self, consumer_id: int | None, conn: Connection, reason: str) -> None:
+        """``conn`` ended: fail the sync if it was ``consumer_id``'s newest
+        connection; the late end of an older one (the consumer reconnected
+        after a failed pull) fails nothing."""
+        if consumer_id is None or self._closed.is_set():
+            return
+        with self._connections_lock:
+            if self._newest.get(consumer_id) is not conn:
+                return
+            del self._newest[consumer_id]
+        self.producer.consumer_lost(consumer_id, reason)
 
     def _close_connection(self, conn: Connection) -> None:
         """Closes ``conn`` exactly once: its serving thread and `close` may
@@ -401,9 +412,8 @@ class NixlProducerServer(ProducerServer):
             try:
                 reply = self._handle(message.get("op"), message) or {}
             except Exception as e:
-                # Every request gets an answer, an error included: if this
-                # thread died, the consumer's later pulls would wait unanswered
-                # until their deadline, sync after sync.
+                # Every request gets an answer, an error included: else the
+                # consumer's later pulls would wait out their deadline.
                 reply = {"error": describe_error(e)}
             reply["id"] = message["id"]
             try:
