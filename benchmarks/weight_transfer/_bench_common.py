@@ -243,14 +243,15 @@ class TimedClient:
 
 
 def device_times(fn: Any, repeats: int) -> list[float]:
-    """Seconds of each of ``repeats`` calls of ``fn``, the device idle before
-    and waited for after each (CUDA)."""
+    """Seconds of each of ``repeats`` calls of ``fn``, the GPU (when there is
+    one) idle before and waited for after each."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - start)
     return times
 

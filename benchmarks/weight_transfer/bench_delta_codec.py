@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,12 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import emit_json, machine_info, rounded  # noqa: E402
+from _bench_common import (  # noqa: E402
+    device_times,
+    emit_json,
+    machine_info,
+    rounded,
+)
 
 from vllm.distributed.weight_transfer.pull.delta import (  # noqa: E402
     apply_delta,
@@ -48,23 +52,9 @@ from vllm.distributed.weight_transfer.verification.checksum import (  # noqa: E4
 RATES = (0.005, 0.01, 0.03, 0.1, 0.3)
 
 
-def best_s(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
-    """Fastest of ``reps`` calls of ``fn`` after one warm-up, the device
-    waited for around each."""
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
+def best_s(fn: Callable[[], Any], reps: int) -> float:
+    """Fastest of ``reps`` calls of ``fn`` after one warm-up."""
+    return min(device_times(fn, reps + 1)[1:])
 
 
 def changed_copy(base: torch.Tensor, rate: float, seed: int) -> torch.Tensor:
@@ -95,8 +85,8 @@ def main() -> None:
     digest = payload_checksum(base)
     target = base.clone()
     scratch = torch.empty_like(base)
-    copy_s = best_s(lambda: scratch.copy_(base), device, args.reps)
-    digest_s = best_s(lambda: payload_checksum(base), device, args.reps)
+    copy_s = best_s(lambda: scratch.copy_(base), args.reps)
+    digest_s = best_s(lambda: payload_checksum(base), args.reps)
 
     def gbps(seconds: float) -> float:
         return nbytes / seconds / 1e9
@@ -122,8 +112,8 @@ def main() -> None:
         def apply(delta: Any = delta) -> None:
             apply_delta(target, delta, held_version=0, held_digest=digest)
 
-        encode_s = best_s(encode, device, args.reps)
-        apply_s = best_s(apply, device, args.reps)
+        encode_s = best_s(encode, args.reps)
+        apply_s = best_s(apply, args.reps)
         assert torch.equal(target, new), "apply_delta did not produce the new bytes"
         target.copy_(base)
         row = {
