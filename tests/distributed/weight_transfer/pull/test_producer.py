@@ -305,9 +305,9 @@ def test_checksums_cover_the_packed_bytes_and_sharers_get_the_same_one():
     for i, link in enumerate(links):
 
         def pull(chunk, into, next_chunk=None, i=i):
-            checksum = real_pull[i](chunk, into, next_chunk)
-            seen[i].append((checksum, payload_checksum(into)))
-            return checksum
+            pulled = real_pull[i](chunk, into, next_chunk)
+            seen[i].append((pulled.checksum, payload_checksum(into)))
+            return pulled
 
         link.pull = pull
     _, errors = _run(producer, links, pulls, _tensors(4))

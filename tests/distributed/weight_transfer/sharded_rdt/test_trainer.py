@@ -194,7 +194,7 @@ class Consumers:
             pub.begin_message(dict(update_info))
             for chunk in self.pulls[cid].chunks:
                 buf = torch.empty(chunk.nbytes, dtype=torch.uint8)
-                checksum = self.links[cid][chunk.producer].pull(chunk, buf)
+                checksum = self.links[cid][chunk.producer].pull(chunk, buf).checksum
                 pub.check_payload(f"chunk {chunk.seq}", checksum, buf)
                 for p in chunk.slices:
                     pub.admit_slice(p.spec.source, None, p.spec.nbytes)

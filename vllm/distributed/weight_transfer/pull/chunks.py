@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.weight_transfer.plan.ops import SliceSpec
+from vllm.distributed.weight_transfer.plan.ops import SliceSpec, dtype_from_name
 from vllm.distributed.weight_transfer.plan.worker_plan import WorkerPlan
 from vllm.distributed.weight_transfer.pull.routing import RdtRouter
 
@@ -73,6 +73,16 @@ class PullChunk:
     def payload_bytes(self) -> int:
         """Bytes of slice data, padding excluded."""
         return sum(p.spec.nbytes for p in self.slices)
+
+    @property
+    def unit(self) -> int:
+        """The smallest itemsize among the slices' dtypes: the element size
+        a delta compares the packed bytes in (itemsizes are powers of two,
+        and slices sit at 16-byte offsets, so it divides every slice)."""
+        return min(
+            (dtype_from_name(p.spec.dtype).itemsize for p in self.slices),
+            default=1,
+        )
 
     @property
     def sources(self) -> tuple[str, ...]:

@@ -11,7 +11,9 @@ worker runs its own NIXL agent. Per consumer and producer, one connection:
                                           registered with NIXL once
                                        <- {"buffers": [...]}
     {"op": "pull", "seq": s, "id": i}  -> Producer.pack (waits for the group)
-                                       <- {"id": i, "addr", "nbytes", "checksum"}
+                                       <- {"id": i, "addr", "nbytes", "checksum",
+                                           "delta": {"addr", "nbytes", "header"}
+                                           when a delta is offered}
     NIXL READ of the packed bytes into the consumer's registered receive buffer
     {"op": "done", "seq": s}           -> Producer.read_done (no reply)
     {"op": "abort", "reason", "sync"}  -> Producer.fail (own connection)
@@ -60,7 +62,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm.distributed.weight_transfer.common.wire_fields import check_int
 from vllm.distributed.weight_transfer.pull.chunks import PullChunk
+from vllm.distributed.weight_transfer.pull.delta_bases import OfferedDelta
 from vllm.distributed.weight_transfer.pull.producer import Producer
 from vllm.distributed.weight_transfer.pull.transport import (
     ConsumerTransport,
@@ -100,6 +104,12 @@ def _mem(tensor: torch.Tensor) -> tuple[str, int]:
 # and no measurable READ throughput (256 MiB CPU reads, 2-core CI machine).
 PROGRESS_THREAD_DELAY_US = 1000
 _AGENT_LOCK = threading.Lock()
+
+
+def _readable(view: torch.Tensor) -> dict[str, Any]:
+    """Where a consumer reads ``view`` (in a registered buffer) from."""
+    mem, dev = _mem(view)
+    return {"addr": view.data_ptr(), "nbytes": view.numel(), "mem": mem, "dev": dev}
 
 
 def make_agent(name: str) -> Any:
@@ -439,14 +449,12 @@ class NixlProducerServer(ProducerServer):
             packed = producer.pack(
                 message["consumer_id"], message["seq"], message.get("sync")
             )
-            mem, dev = _mem(packed.view)
-            return {
-                "addr": packed.view.data_ptr(),
-                "nbytes": packed.view.numel(),
-                "mem": mem,
-                "dev": dev,
-                "checksum": packed.checksum,
-            }
+            reply = _readable(packed.view)
+            reply["checksum"] = packed.checksum
+            if packed.delta is not None:
+                reply["delta"] = _readable(packed.delta.view)
+                reply["delta"]["header"] = packed.delta.header
+            return reply
         if op == "receipt":
             producer.deliver_receipt(message["receipt"])
             return {}
@@ -627,7 +635,39 @@ class _NixlLink(ProducerLink):
                 reply["mem"],
             )
 
-        return Offered(reply["nbytes"], read_into, lambda: reply.get("checksum"))
+        return Offered(
+            reply["nbytes"],
+            read_into,
+            lambda: reply.get("checksum"),
+            self._offered_delta(reply.get("delta")),
+        )
+
+    def _offered_delta(self, part: Any) -> OfferedDelta | None:
+        """The delta a pull reply offers (``part``: where to read it, and its
+        header), or None; a malformed part is refused when read."""
+        if part is None:
+            return None
+        fields = part if isinstance(part, dict) else {}
+        nbytes = fields.get("nbytes")
+
+        def read_into(into: torch.Tensor) -> None:
+            try:
+                remote = (
+                    check_int(fields.get("addr"), "delta.addr"),
+                    into.numel(),
+                    check_int(fields.get("dev"), "delta.dev"),
+                )
+                mem = fields["mem"]
+            except KeyError as e:
+                raise ValueError(f"the pull reply's delta has no {e}") from None
+            assert self.remote_agent is not None, "pull before register"
+            self.transport.read(self.remote_agent, into, remote, mem)
+
+        return OfferedDelta(
+            fields.get("header"),
+            nbytes if isinstance(nbytes, int) and not isinstance(nbytes, bool) else -1,
+            read_into,
+        )
 
     def _read_done(self, seq: int) -> None:
         self._notify({"op": "done", "seq": seq})

@@ -24,6 +24,12 @@ With ``checksums`` on, each packed chunk's ``ws1`` payload checksum is computed
 on the producer's device right after packing; the consumer compares it with
 the bytes that reached it.
 
+With ``delta_bases_bytes`` above 0, the producer keeps (`PublishedBases`, host
+memory, at most that many bytes) the bytes it last packed for each chunk, and
+each later packing also writes the delta from them into the slot's delta
+buffer: `Packed.delta` offers it next to the whole chunk, and the consumer
+reads whichever it can use.
+
 A group is released (its tensors dropped, a credit returned) once every live
 consumer that pulls from it here has read its chunk. Consumers whose plans are
 identical and who sit at the same position in different replicas share serve
@@ -52,6 +58,7 @@ from vllm.distributed.weight_transfer.pull.chunks import (
     PullChunk,
     chunks_digest,
 )
+from vllm.distributed.weight_transfer.pull.delta_bases import PublishedBases
 from vllm.distributed.weight_transfer.pull.routing import (
     DEFAULT_GATHER_LOOKAHEAD,
     DEFAULT_STALL_TIMEOUT_S,
@@ -79,8 +86,13 @@ def pack_chunk(
 ) -> None:
     """Replay each slice of ``chunk`` on the live ``tensors`` and copy it to its
     offset in ``out`` (uint8, at least ``chunk.nbytes`` long)."""
+    end = 0
     for packed in chunk.slices:
         spec = packed.spec
+        # The alignment gap before the slice is zeroed, so the packed bytes
+        # (and their checksum and deltas) depend on the weights alone.
+        out[end : packed.offset].zero_()
+        end = packed.offset + spec.nbytes
         tensor = tensors.get(spec.source)
         if tensor is None:
             raise ProducerError(
@@ -94,13 +106,23 @@ def pack_chunk(
         dst.view(dtype_from_name(spec.dtype)).view(spec.shape).copy_(value)
 
 
+class PackedDelta(NamedTuple):
+    """A packed chunk's delta against the bytes packed for it before: its wire
+    header and its bytes (in the slot's delta buffer)."""
+
+    header: dict[str, Any]
+    view: torch.Tensor
+
+
 class Packed(NamedTuple):
-    """A packed chunk: its serve slot, its bytes (valid until ``read_done``)
-    and their payload checksum (None when checksums are off)."""
+    """A packed chunk: its serve slot, its bytes (valid until ``read_done``),
+    their payload checksum (None when checksums are off), and the delta
+    offered next to them (None when there is none)."""
 
     slot: int
     view: torch.Tensor
     checksum: str | None
+    delta: PackedDelta | None = None
 
 
 @dataclass
@@ -117,6 +139,7 @@ class _Slot:
     seq: int = -1  # chunk seq packed here; -1 when empty
     packing: bool = False
     checksum: str | None = None  # of the packed bytes, when checksums are on
+    delta: PackedDelta | None = None  # offered next to the packed bytes
     readers: set[int] = field(default_factory=set)
 
 
@@ -126,6 +149,8 @@ class _Share:
     members: set[int]
     buffers: list[torch.Tensor]
     slots: list[_Slot]
+    # One per slot when deltas are on: where a chunk's delta is written.
+    delta_buffers: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -146,6 +171,9 @@ class ProducerSettings:
     # Serve buffers of exactly the largest chunk, not rounded up to
     # 256 MiB (for small payloads whose size changes rarely).
     exact_buffers: bool = False
+    # Host bytes of last-packed chunks kept to encode deltas against
+    # (0: no deltas).
+    delta_bases_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.num_slots < 1 or self.gather_lookahead < 0 or self.stall_timeout_s <= 0:
@@ -154,6 +182,8 @@ class ProducerSettings:
                 f"{self.gather_lookahead}, stall_timeout_s={self.stall_timeout_s}: "
                 "need >= 1, >= 0 and > 0"
             )
+        if self.delta_bases_bytes < 0:
+            raise ValueError(f"delta_bases_bytes={self.delta_bases_bytes}: need >= 0")
 
 
 class Producer:
@@ -208,6 +238,10 @@ class Producer:
         self._last_progress = time.monotonic()
         self.packed_bytes = 0
         self.max_resident = 0
+        limit = self.settings.delta_bases_bytes
+        self.bases = PublishedBases(limit) if limit else None
+        self.deltas_offered = 0  # chunks packed with a delta this sync
+        self.delta_bytes = 0  # and the deltas' bytes
 
     # -- consumers ----------------------------------------------------------
 
@@ -272,13 +306,20 @@ class Producer:
                 old = share.buffers if share is not None else []
                 if old and old[0].numel() >= need:
                     buffers = old
+                    delta_buffers = share.delta_buffers if share else []
                 else:
                     buffers = self._allocate(need) if need else []
+                    delta_buffers = (
+                        self._allocate(need) if need and self.bases is not None else []
+                    )
+                if self.bases is not None and (share is None or share.digest != digest):
+                    self.bases.forget(key)  # kept for another plan
                 share = _Share(
                     digest=digest,
                     members=set(),
                     buffers=buffers,
                     slots=[_Slot() for _ in range(self.settings.num_slots)],
+                    delta_buffers=delta_buffers,
                 )
                 self._shares[key] = share
             share.members.add(consumer_id)
@@ -403,10 +444,12 @@ class Producer:
             )
             buffer = share.buffers[slot_index]
             if slot.seq == seq:
-                return Packed(slot_index, buffer[: chunk.nbytes], slot.checksum)
+                view = buffer[: chunk.nbytes]
+                return Packed(slot_index, view, slot.checksum, slot.delta)
             slot.seq = seq
             slot.packing = True
             slot.checksum = None
+            slot.delta = None
             slot.readers = {c for c in share.members if c in self._live}
             tensors = self._resident[chunk.group]
         view = buffer[: chunk.nbytes]
@@ -417,15 +460,48 @@ class Producer:
                 # of the buffer does not wait for them.
                 torch.cuda.current_stream(buffer.device).synchronize()
             checksum = payload_checksum(view) if self.settings.checksums else None
+            delta = self._offer_delta(
+                share, consumer.share, slot_index, chunk, gen, checksum
+            )
         except BaseException as e:
             self.fail(f"packing group {chunk.group} for consumer {consumer_id}: {e}")
             raise
         with self._cond:
             slot.packing = False
             slot.checksum = checksum
+            slot.delta = delta
             self.packed_bytes += chunk.payload_bytes
+            if delta is not None:
+                self.deltas_offered += 1
+                self.delta_bytes += delta.view.numel()
             self._progress()
-        return Packed(slot_index, view, checksum)
+        return Packed(slot_index, view, checksum, delta)
+
+    def _offer_delta(
+        self,
+        share: _Share,
+        key: int,
+        slot_index: int,
+        chunk: PullChunk,
+        gen: int,
+        checksum: str | None,
+    ) -> PackedDelta | None:
+        """With deltas on: the delta from the bytes last packed for ``chunk``
+        to the ones in its slot now, written to the slot's delta buffer (None
+        when there is no base or the delta is no smaller); the slot's bytes
+        become the chunk's base."""
+        if self.bases is None or not chunk.nbytes:
+            return None
+        out = share.delta_buffers[slot_index]
+        view = share.buffers[slot_index][: chunk.nbytes]
+        header = self.bases.offer(
+            (key, chunk.seq), view, gen, out, unit=chunk.unit, digest=checksum
+        )
+        if header is None:
+            return None
+        if out.is_cuda:
+            torch.cuda.current_stream(out.device).synchronize()
+        return PackedDelta(header, out[: header["buffer_nbytes"]])
 
     def _known_chunk(
         self, consumer_id: int, seq: int, asked: str
@@ -521,6 +597,8 @@ class Producer:
                 share.slots = [_Slot() for _ in range(self.settings.num_slots)]
             self.packed_bytes = 0
             self.max_resident = 0
+            self.deltas_offered = 0
+            self.delta_bytes = 0
             self._active = True
             self._progress()
             # A consumer that gave up on this sync before it began.

@@ -9,10 +9,13 @@ A worker engine sees a transport as:
   transports);
 * ``ConsumerTransport.connect(producer_index, endpoint)`` -> a `ProducerLink`;
 * ``ProducerLink.register(consumer_id, chunks, digest)`` at init;
-* ``ProducerLink.pull(chunk, into, next_chunk)`` per chunk: returns once the
-  packed bytes of ``chunk`` are in ``into``, and the producer has been told
-  they were read; the result is the producer's payload checksum of those
-  bytes (None when checksums are off, or when ``checksums`` is False);
+* ``ProducerLink.pull(chunk, into, next_chunk, held)`` per chunk: returns
+  once the packed bytes of ``chunk`` are in ``into``, and the producer has
+  been told they were read; the result (`Pulled`) carries the producer's
+  payload checksum of those bytes (None when checksums are off, or when
+  ``checksums`` is False), how many bytes were read, and what became of a
+  delta the producer offered (applied to ``held``, the chunk's bytes as the
+  worker last landed them, or refused: the whole chunk was read instead);
 * ``ProducerLink.abort(reason)`` when the worker gives up on a sync;
 * ``ProducerLink.deliver_receipt(receipt)`` at the end of a sync: the worker's
   verified-publication receipt (a JSON-safe dict) goes to the producer's
@@ -35,14 +38,20 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from vllm.distributed.weight_transfer.pull.chunks import PullChunk
-from vllm.distributed.weight_transfer.pull.producer import Producer
+from vllm.distributed.weight_transfer.pull.delta_bases import (
+    KeptBytes,
+    OfferedDelta,
+    land_delta,
+)
+from vllm.distributed.weight_transfer.pull.producer import Packed, Producer
 from vllm.distributed.weight_transfer.verification import (
     ReceiptInbox,
+    describe_error,
 )
 
 if TYPE_CHECKING:
@@ -55,12 +64,25 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Offered:
     """A producer's answer to a pull: how many bytes it packed, how to read
-    them into the consumer's buffer, and their checksum (asked for after the
-    read: a transport may fetch it with a call of its own)."""
+    them into the consumer's buffer, their checksum (asked for after the
+    read: a transport may fetch it with a call of its own), and the delta
+    offered next to them, if any."""
 
     nbytes: int
     read_into: Callable[[torch.Tensor], object]
     checksum: Callable[[], str | None]
+    delta: OfferedDelta | None = None
+
+
+class Pulled(NamedTuple):
+    """What one pull brought: the producer's checksum of the chunk's bytes
+    (None when off), the bytes read from the producer, and the offered
+    delta's fate: None (none offered, or no bytes held to apply it to),
+    "applied", or why it was refused (the whole chunk was read instead)."""
+
+    checksum: str | None
+    read_bytes: int
+    delta: str | None = None
 
 
 class ProducerLink(ABC):
@@ -86,21 +108,38 @@ class ProducerLink(ABC):
         chunk: PullChunk,
         into: torch.Tensor,
         next_chunk: PullChunk | None = None,
-    ) -> str | None:
+        held: KeptBytes | None = None,
+    ) -> Pulled:
         """Land ``chunk``'s packed bytes in ``into`` (uint8, ``chunk.nbytes``)
-        and return the producer's checksum of them (None when off).
-        ``next_chunk``, the consumer's next pull from this producer, may be
-        requested early so that it is packed while this one is read."""
+        and return what the pull brought (`Pulled`). ``next_chunk``, the
+        consumer's next pull from this producer, may be requested early so
+        that it is packed while this one is read. ``held``: the chunk's bytes
+        as this worker last landed them, which an offered delta applies to;
+        a delta that does not apply (another base, a malformed one) is
+        refused and the whole chunk read instead."""
         offered = self._request_pull(chunk, next_chunk)
         if offered.nbytes != chunk.nbytes:
             raise RuntimeError(
                 f"{self.peer} packed {offered.nbytes} bytes for chunk seq "
                 f"{chunk.seq} (group {chunk.group}) but the plan says {chunk.nbytes}"
             )
-        offered.read_into(into[: chunk.nbytes])
+        into = into[: chunk.nbytes]
+        delta = None
+        if offered.delta is not None and held is not None:
+            try:
+                land_delta(offered.delta, into, held)
+                delta = "applied"
+            except ValueError as e:
+                delta = describe_error(e)
+        if delta == "applied":
+            assert offered.delta is not None
+            read = offered.delta.nbytes
+        else:
+            offered.read_into(into)
+            read = chunk.nbytes
         checksum = offered.checksum()
         self._read_done(chunk.seq)
-        return checksum
+        return Pulled(checksum, read, delta)
 
     @abstractmethod
     def _request_pull(self, chunk: PullChunk, next_chunk: PullChunk | None) -> Offered:
@@ -222,6 +261,7 @@ class _InProcessLink(ProducerLink):
             packed.view.numel(),
             lambda into: into.copy_(packed.view),
             lambda: packed.checksum,
+            offered_delta(packed),
         )
 
     def _read_done(self, seq: int) -> None:
@@ -234,6 +274,15 @@ class _InProcessLink(ProducerLink):
 
     def deliver_receipt(self, receipt: dict[str, Any]) -> None:
         self.producer.deliver_receipt(receipt)
+
+
+def offered_delta(packed: Packed) -> OfferedDelta | None:
+    """The delta ``packed`` offers, read by a copy (a transport whose
+    consumer shares the producer's memory)."""
+    if packed.delta is None:
+        return None
+    view = packed.delta.view
+    return OfferedDelta(packed.delta.header, view.numel(), lambda i: i.copy_(view))
 
 
 class InProcessTransport(ConsumerTransport):

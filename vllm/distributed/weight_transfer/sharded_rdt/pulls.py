@@ -2,7 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A sharded_rdt worker's pull loop: a background thread pulls every chunk in
 order, at most one per receive buffer ahead, while the calling thread lands
-each one as it arrives."""
+each one as it arrives. With deltas on, each pull is handed the chunk's bytes
+as the worker last landed them (``held``), which a delta the producer offers
+applies to."""
 
 from __future__ import annotations
 
@@ -10,15 +12,55 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from vllm.distributed.weight_transfer.pull.chunks import PullChunk
-from vllm.distributed.weight_transfer.pull.transport import ProducerLink
+from vllm.distributed.weight_transfer.pull.delta_bases import HeldBases, KeptBytes
+from vllm.distributed.weight_transfer.pull.transport import ProducerLink, Pulled
+from vllm.logger import init_logger
 
-# Lands chunk ``index``: (index, data, checksum, timing) -> None.
-LandChunk = Callable[[int, torch.Tensor, str | None, dict[str, float]], None]
+logger = init_logger(__name__)
+
+# Lands chunk ``index``: (index, data, what its pull brought, timing) -> None.
+LandChunk = Callable[[int, torch.Tensor, Pulled, dict[str, float]], None]
+
+
+@dataclass
+class DeltaCounts:
+    """One sync's pulls seen as deltas: bytes read from the producers, the
+    chunks that arrived as deltas, and those whose offered delta was refused
+    (the whole chunk was read instead; the first reason is kept and logged)."""
+
+    read_bytes: int = 0
+    applied: int = 0
+    refused: int = 0
+    first_refusal: str | None = None
+
+    def count(self, result: Pulled, what: str) -> None:
+        self.read_bytes += result.read_bytes
+        if result.delta == "applied":
+            self.applied += 1
+        elif result.delta is not None:
+            self.refused += 1
+            if self.first_refusal is None:
+                self.first_refusal = f"{what}: {result.delta}"
+                logger.warning(
+                    "sharded_rdt: a delta was refused and the whole chunk "
+                    "pulled instead (%s)",
+                    self.first_refusal,
+                )
+
+    def as_receipt(self, held: HeldBases | None) -> dict[str, Any]:
+        return {
+            "read_bytes": self.read_bytes,
+            "delta_chunks": self.applied,
+            "delta_refused": self.refused,
+            "delta_first_refusal": self.first_refusal,
+            "delta_bases_bytes": held.used_bytes if held is not None else 0,
+        }
 
 
 class _Failed:
@@ -35,11 +77,14 @@ def run_pulls(
     consumer_id: int | None,
     stall_timeout_s: float,
     cancel: threading.Event | None = None,
+    held: Callable[[int], KeptBytes | None] | None = None,
 ) -> tuple[dict[int, int], dict[str, float]]:
     """Pull every chunk in order on a background thread, at most one per
     receive buffer ahead, and ``land`` each one here as it arrives. Returns
-    the bytes pulled per producer and the seconds spent pulling and landing.
-    ``cancel`` set: stop within half a second, raising ``RuntimeError``."""
+    the payload bytes landed per producer, and the seconds spent pulling and
+    landing. ``cancel`` set: stop within half a second, raising
+    ``RuntimeError``. ``held(index)``: chunk ``index``'s bytes as last landed
+    (a delta's base), or None."""
     pulled: dict[int, int] = {}
     timing = {"pull": 0.0, "land": 0.0}
     if not chunks:
@@ -56,7 +101,7 @@ def run_pulls(
     # writes into the buffer again (RDMA does not wait for queued device
     # work), the puller waits for the event recorded after that landing.
     landed: list[Any] = [None] * len(buffers)
-    ready: queue.Queue[tuple[int, torch.Tensor, str | None] | _Failed] = queue.Queue()
+    ready: queue.Queue[tuple[int, torch.Tensor, Pulled] | _Failed] = queue.Queue()
     stop = threading.Event()
 
     def puller() -> None:
@@ -73,9 +118,10 @@ def run_pulls(
                     landed[slot] = None
                 into = buffers[slot][: chunk.nbytes]
                 t0 = time.perf_counter()
-                checksum = links[chunk.producer].pull(chunk, into, following[i])
+                base = held(i) if held is not None else None
+                result = links[chunk.producer].pull(chunk, into, following[i], base)
                 timing["pull"] += time.perf_counter() - t0
-                ready.put((i, into, checksum))
+                ready.put((i, into, result))
         except BaseException as e:
             ready.put(_Failed(e))
 
@@ -86,8 +132,8 @@ def run_pulls(
             item = _next_chunk(ready, cancel, consumer_id, stall_timeout_s)
             if isinstance(item, _Failed):
                 raise item.error
-            i, data, checksum = item
-            land(i, data, checksum, timing)
+            i, data, result = item
+            land(i, data, result, timing)
             pulled[chunks[i].producer] = (
                 pulled.get(chunks[i].producer, 0) + chunks[i].payload_bytes
             )

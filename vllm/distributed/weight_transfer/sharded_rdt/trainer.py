@@ -32,6 +32,13 @@ actor); the sync verifies one complete receipt per live consumer before it
 commits (``trainer.sync``). With ``verify_checksums``, producers checksum
 every packed chunk and workers verify the bytes that reached them before
 landing them.
+
+Deltas (``delta_bases_gb`` above 0, off by default): each producer and each
+worker keep up to that much host memory of the chunk bytes last synced, and
+a chunk whose changed elements encode smaller than the chunk travels as a
+delta against the worker's copy (``pull.delta_bases``); a worker that does
+not hold the delta's base reads the whole chunk. Every chunk still lands
+whole on the worker, so the served bytes are those of a full sync.
 """
 
 from __future__ import annotations
@@ -123,6 +130,9 @@ class ShardedRDTTrainerInitInfo(TrainerInitInfo, VerifiedSyncSettings):
     transport: str = "auto"
     producer_host: str | None = None
     serve_device: str | None = None
+    # Host GiB of last-synced chunk bytes each producer and worker keep for
+    # delta syncs (0: off; chunks past the limit travel whole).
+    delta_bases_gb: float = 0.0
     process_group: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -145,6 +155,11 @@ class ShardedRDTTrainerInitInfo(TrainerInitInfo, VerifiedSyncSettings):
             )
         if self.stall_timeout_s <= 0:
             raise ValueError(f"stall_timeout_s is {self.stall_timeout_s}; need > 0")
+        if not 0 <= self.delta_bases_gb < float("inf"):
+            raise ValueError(
+                f"delta_bases_gb is {self.delta_bases_gb}; need a finite number "
+                ">= 0 (0: no deltas)"
+            )
         if self.transport not in TRANSPORTS:
             raise ValueError(
                 f"transport is {self.transport!r}; expected one of {list(TRANSPORTS)}"
@@ -321,6 +336,7 @@ class ShardedRDTTrainerWeightTransferEngine(
             buffer_presize_bytes=int(info.buffer_presize_gb * (1 << 30)),
             device=info.serve_device or "cpu",
             checksums=info.verify_checksums,
+            delta_bases_bytes=int(info.delta_bases_gb * (1 << 30)),
         )
         return make_server(
             resolve_server_transport(info.transport),
@@ -365,6 +381,7 @@ class ShardedRDTTrainerWeightTransferEngine(
             transport="rdt" if rdt else "auto",
             producer_endpoints=[] if rdt else list(self._endpoints),
             stall_timeout_s=info.stall_timeout_s,
+            delta_bases_gb=info.delta_bases_gb,
         ).to_dict()
 
     # -- send ----------------------------------------------------------------

@@ -55,6 +55,9 @@ class ShardedRDTWeightTransferInitInfo(WeightTransferInitInfo):
     transport: str = "auto"
     producer_endpoints: list[dict[str, Any]] = field(default_factory=list)
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+    # Host memory (GiB) each worker keeps of the chunk bytes it last landed,
+    # for delta syncs (0: every chunk travels whole).
+    delta_bases_gb: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -88,6 +91,15 @@ class ShardedRDTWeightTransferInitInfo(WeightTransferInitInfo):
         if self.stall_timeout_s <= 0:
             raise ValueError(
                 f"init_info.stall_timeout_s is {self.stall_timeout_s}; need > 0"
+            )
+        if (
+            isinstance(self.delta_bases_gb, bool)
+            or not isinstance(self.delta_bases_gb, (int, float))
+            or not 0 <= self.delta_bases_gb < float("inf")
+        ):
+            raise ValueError(
+                f"init_info.delta_bases_gb is {self.delta_bases_gb!r}; need a "
+                "finite number >= 0 (0: no deltas)"
             )
         if not 0 <= self.replica_rank < max(1, self.num_replicas):
             raise ValueError(

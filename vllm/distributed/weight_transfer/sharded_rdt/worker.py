@@ -89,6 +89,7 @@ from vllm.distributed.weight_transfer.plan.worker_plan import (
 from vllm.distributed.weight_transfer.pull.chunks import (
     PullPlan,
 )
+from vllm.distributed.weight_transfer.pull.delta_bases import HeldBases
 from vllm.distributed.weight_transfer.pull.registry import transport_entry
 from vllm.distributed.weight_transfer.pull.routing import (
     buffer_alloc_bytes,
@@ -96,6 +97,7 @@ from vllm.distributed.weight_transfer.pull.routing import (
 from vllm.distributed.weight_transfer.pull.transport import (
     ConsumerTransport,
     ProducerLink,
+    Pulled,
 )
 from vllm.distributed.weight_transfer.quant.values import (
     packed_values,
@@ -110,7 +112,7 @@ from vllm.distributed.weight_transfer.sharded_rdt.consumer import (
 from vllm.distributed.weight_transfer.sharded_rdt.lander import (
     ChunkLander,
 )
-from vllm.distributed.weight_transfer.sharded_rdt.pulls import run_pulls
+from vllm.distributed.weight_transfer.sharded_rdt.pulls import DeltaCounts, run_pulls
 from vllm.distributed.weight_transfer.sharded_rdt.wire import (
     ShardedRDTWeightTransferInitInfo,
     ShardedRDTWeightTransferUpdateInfo,
@@ -187,6 +189,9 @@ class ShardedRDTWeightTransferEngine(
         # the plan pulls; set at init.
         self.manifest: Manifest | None = None
         self.expected: dict[str, int] = {}
+        # With deltas on: each chunk's bytes as last landed (a delta's base).
+        self._held: HeldBases | None = None
+        self._sync_id: int | None = None
 
     def _make_publication(self) -> WorkerPublication:
         return WorkerPublication(
@@ -259,6 +264,8 @@ class ShardedRDTWeightTransferEngine(
         self.expected = planned_bytes(pulls)
         self.transport_name = transport_name
         self.stall_timeout_s = init_info.stall_timeout_s
+        bases_bytes = int(init_info.delta_bases_gb * (1 << 30))
+        self._held = HeldBases(bases_bytes) if bases_bytes else None
         self._baked = baked
         self._pulled = pulled
         self.landing_plan = landing
@@ -368,6 +375,7 @@ class ShardedRDTWeightTransferEngine(
         session = self._session_for("sharded_rdt update_weights")
         started = time.perf_counter()
         header = self.pub.header
+        self._sync_id = update_info.sync_id
         for link in self._links:
             link.sync_id = update_info.sync_id
             link.checksums = header is not None and header.checksum is not None
@@ -456,17 +464,19 @@ class ShardedRDTWeightTransferEngine(
         """Pull and land (or stage) every chunk; record the sync's numbers."""
         assert self.pulls is not None
         header = self.pub.header
+        deltas = DeltaCounts()
         try:
             pulled, timing = run_pulls(
                 self.pulls.chunks,
                 self._links,
                 self._buffers,
-                lambda i, data, checksum, timing: self._land(
-                    lander, session, i, data, checksum, timing
+                lambda i, data, result, timing: self._land(
+                    lander, session, i, data, result, timing, deltas
                 ),
                 consumer_id=self.consumer_id,
                 stall_timeout_s=self.stall_timeout_s,
                 cancel=stop,
+                held=self._held.base if self._held is not None else None,
             )
         except BaseException as e:
             if stop is not None:  # a background pull: tell the producers now
@@ -481,6 +491,9 @@ class ShardedRDTWeightTransferEngine(
             "bytes": sum(pulled.values()),
             "bytes_by_producer": {str(p): n for p, n in sorted(pulled.items())},
             "planned_bytes": self.pulls.payload_bytes,
+            # Bytes read from the producers (deltas count their own size),
+            # and the chunks that came as deltas or were refused as such.
+            **deltas.as_receipt(self._held),
             "modules_processed": len(lander.processed),
             # Direct copies moved by each chunk's one batched copy.
             "direct_copies_batched": lander.batched,
@@ -509,14 +522,18 @@ class ShardedRDTWeightTransferEngine(
         session: UpdateSession,
         index: int,
         data: torch.Tensor,
-        checksum: str | None,
+        result: Pulled,
         timing: dict[str, float],
+        deltas: DeltaCounts,
     ) -> None:
         """Check chunk ``index`` (its checksum, each slice against the plan),
-        then land it, or stage a copy to land at the commit."""
+        then land it, or stage a copy to land at the commit; with deltas on,
+        keep its bytes as the next sync's base."""
         assert self.pulls is not None
         chunk = self.pulls.chunks[index]
         pub = self.pub
+        checksum = result.checksum
+        deltas.count(result, f"chunk seq {chunk.seq} from producer {chunk.producer}")
         pub.check_payload(
             f"chunk seq {chunk.seq} (group {chunk.group}) from producer "
             f"{chunk.producer}",
@@ -555,6 +572,17 @@ class ShardedRDTWeightTransferEngine(
         timing["land"] += time.perf_counter() - t0
         for spec in slices:
             pub.landed(spec.source, spec.nbytes)
+        if self._held is not None:
+            self._held.record(index, data, self._sync_id)
+
+    def _on_committed(self) -> None:
+        if self._held is not None:
+            self._held.commit()
+
+    def _on_update_closed(self) -> None:
+        super()._on_update_closed()
+        if self._held is not None:
+            self._held.discard_pending()
 
     def _deliver_receipt(self, receipt: dict[str, Any]) -> None:
         """Hand a receipt to producer 0, the sending trainer rank's."""

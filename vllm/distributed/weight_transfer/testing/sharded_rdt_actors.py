@@ -322,6 +322,7 @@ class TrainerRank:
         verify_checksums: bool = False,
         client: Any = None,
         fp8_codes: bool = False,
+        delta_bases_gb: float = 0.0,
     ) -> dict[str, Any]:
         """A trainer engine driving ``llm`` (an ``LLMHost`` actor) through
         Ray, or the engine ``client`` drives (e.g. a ``vllm serve`` over
@@ -351,6 +352,7 @@ class TrainerRank:
                 stall_timeout_s=stall_timeout_s,
                 transport=transport,
                 verify_checksums=verify_checksums,
+                delta_bases_gb=delta_bases_gb,
                 rank=self.rank,
             ),
             client=client if client is not None else RayVLLMWeightSyncClient(llm),
@@ -362,6 +364,17 @@ class TrainerRank:
         from vllm.distributed.weight_transfer.testing import randomize_weights_
 
         randomize_weights_(self.model, seed)
+
+    def nudge(self, seed: int, fraction: float) -> None:
+        """Move about ``fraction`` of every weight's elements by a small
+        random step (the rest keep their exact bits), as an optimizer step
+        with a small learning rate would."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                moved = torch.rand(p.shape, generator=gen) < fraction
+                step = torch.randn(p.shape, generator=gen, dtype=p.dtype) * 1e-2
+                p.add_(torch.where(moved, step, torch.zeros_like(step)))
 
     def send(
         self,
@@ -479,7 +492,7 @@ class ToyRdtConsumer:
         out: dict[str, torch.Tensor] = {}
         for chunk in chunks:
             buffer = torch.empty(chunk.nbytes, dtype=torch.uint8)
-            checksum = link.pull(chunk, buffer)
+            checksum = link.pull(chunk, buffer).checksum
             if link.checksums and checksum != payload_checksum(buffer):
                 raise AssertionError(
                     f"chunk {chunk.seq}: producer checksum {checksum} differs from "

@@ -58,7 +58,8 @@ Backends implement ``_make_publication`` and ``receive_weights`` (which
 lands through ``_session_for`` and calls ``_mark_landed`` before the first
 weight reaches the model; with staging, ``_session_for`` returns the
 ``StagedUpdate`` and ``_mark_landed`` changes nothing), and may hook ``_on_start``,
-``_on_new_publication``, ``_on_update_failed`` and ``_on_update_closed``;
+``_on_new_publication``, ``_on_update_failed``, ``_on_committed`` and
+``_on_update_closed``;
 ``_on_init`` sets up a backend's own state, once, when the engine is made.
 """
 
@@ -171,6 +172,9 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
 
     def _on_update_failed(self, reason: str) -> None:
         """The open update failed or was aborted; its session is closed."""
+
+    def _on_committed(self) -> None:
+        """The update committed: the new weights serve."""
 
     def _on_update_closed(self) -> None:
         """The update is over (finished, failed, aborted or shut down)."""
@@ -373,6 +377,7 @@ class LayerwiseWorkerEngine(WeightTransferEngine[TInitInfo, TUpdateInfo]):
                     ) from e
                 raise
             self.pub.finish()
+            self._on_committed()
             # NaN or infinity the old weights wrote into the KV cache dies here.
             zero_non_finite_kv(self.vllm_config)
             for handler in self._handlers.values():

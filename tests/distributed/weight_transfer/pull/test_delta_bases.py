@@ -1,0 +1,318 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Deltas between a producer and a consumer over the in-process transport:
+what each side keeps, when a delta is offered and used, and that every
+refusal reads the whole chunk and still lands the producer's exact bytes."""
+
+import threading
+
+import pytest
+import torch
+
+from vllm.distributed.weight_transfer.plan.ops import SliceSpec
+from vllm.distributed.weight_transfer.pull.chunks import make_chunk
+from vllm.distributed.weight_transfer.pull.delta_bases import (
+    HeldBases,
+    OfferedDelta,
+    PublishedBases,
+    land_delta,
+)
+from vllm.distributed.weight_transfer.pull.producer import Producer
+from vllm.distributed.weight_transfer.pull.transport import (
+    InProcessServer,
+    InProcessTransport,
+)
+from vllm.distributed.weight_transfer.verification import payload_checksum
+
+NAMES = ["a", "b"]
+SHAPE = (64, 32)
+
+
+def _chunks():
+    """One chunk per name: bf16 ``a`` and fp32 ``b`` (units 2 and 4)."""
+    return [
+        make_chunk(
+            group=0, producer=0, seq=0, specs=[SliceSpec("a", (), SHAPE, "bfloat16")]
+        ),
+        make_chunk(
+            group=1, producer=0, seq=1, specs=[SliceSpec("b", (), SHAPE, "float32")]
+        ),
+    ]
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "a": torch.randn(SHAPE, generator=gen).to(torch.bfloat16),
+        "b": torch.randn(SHAPE, generator=gen),
+    }
+
+
+def _step(weights: dict[str, torch.Tensor], changed: int) -> dict[str, torch.Tensor]:
+    """``weights`` with the first ``changed`` elements of each tensor moved."""
+    out = {k: v.clone() for k, v in weights.items()}
+    for v in out.values():
+        v.view(-1)[:changed] += 1
+    return out
+
+
+class Pair:
+    """A producer with deltas on and one consumer holding bases."""
+
+    def __init__(self, limit: int = 1 << 20, held_limit: int = 1 << 20) -> None:
+        self.producer = Producer(
+            rank=0,
+            names=NAMES,
+            group_lens=[1, 1],
+            served_names=NAMES,
+            stall_timeout_s=5.0,
+            checksums=True,
+            delta_bases_bytes=limit,
+        )
+        self.chunks = _chunks()
+        self.server = InProcessServer(self.producer)
+        self.link = InProcessTransport().connect(0, self.server.endpoint())
+        self.link.register(0, self.chunks, _digest(self.chunks))
+        self.held = HeldBases(held_limit)
+        self.sync = 0
+
+    def sync_once(self, weights, corrupt=None, commit: bool = True):
+        """One sync of ``weights``; returns (what each pull brought, the
+        bytes landed per chunk). ``corrupt(index, held)`` runs before each
+        pull."""
+        self.sync += 1
+        self.link.sync_id = self.sync
+        results, landed = [], []
+
+        def trainer():
+            self.producer.begin_sync([0], self.sync)
+            for group, name in enumerate(NAMES):
+                self.producer.wait_credit()
+                self.producer.publish(group, {name: weights[name]})
+            self.producer.end_sync()
+
+        thread = threading.Thread(target=trainer)
+        thread.start()
+        for i, chunk in enumerate(self.chunks):
+            if corrupt is not None:
+                corrupt(i, self.held)
+            into = torch.empty(chunk.nbytes, dtype=torch.uint8)
+            result = self.link.pull(chunk, into, None, self.held.base(i))
+            assert result.checksum == payload_checksum(into)
+            self.held.record(i, into, self.sync)
+            results.append(result)
+            landed.append(into.clone())
+        thread.join(10)
+        if commit:
+            self.held.commit()
+        else:
+            self.held.discard_pending()
+        return results, landed
+
+
+def _digest(chunks):
+    from vllm.distributed.weight_transfer.pull.chunks import chunks_digest
+
+    return chunks_digest(chunks)
+
+
+def _expected(weights) -> list[torch.Tensor]:
+    return [weights[n].contiguous().view(-1).view(torch.uint8) for n in NAMES]
+
+
+def _same(landed, weights) -> bool:
+    return all(
+        torch.equal(a, b) for a, b in zip(landed, _expected(weights), strict=True)
+    )
+
+
+def test_a_second_sync_moves_only_the_changed_elements_and_lands_them_exactly():
+    pair = Pair()
+    w1 = _weights(0)
+    first, landed = pair.sync_once(w1)
+    assert [r.delta for r in first] == [None, None]  # nothing held yet
+    assert _same(landed, w1)
+    w2 = _step(w1, 5)
+    second, landed = pair.sync_once(w2)
+    assert [r.delta for r in second] == ["applied", "applied"]
+    assert _same(landed, w2)
+    whole = sum(c.nbytes for c in pair.chunks)
+    # 5 changed elements per chunk: int32 positions and 2- or 4-byte values.
+    assert sum(r.read_bytes for r in second) < whole // 50
+    assert pair.producer.deltas_offered == 2
+
+
+def test_an_unchanged_sync_is_an_empty_delta_and_a_fully_changed_one_travels_whole():
+    pair = Pair()
+    w1 = _weights(0)
+    pair.sync_once(w1)
+    same, landed = pair.sync_once(w1)
+    assert [r.delta for r in same] == ["applied", "applied"]
+    assert _same(landed, w1)
+    w3 = _weights(1)
+    whole, landed = pair.sync_once(w3)
+    assert [r.delta for r in whole] == [None, None]  # none offered
+    assert [r.read_bytes for r in whole] == [c.nbytes for c in pair.chunks]
+    assert _same(landed, w3)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["flip_held_byte", "older_version", "failed_update"],
+)
+def test_a_worker_without_the_exact_base_reads_whole_chunks_and_ends_exact(damage):
+    pair = Pair()
+    w1 = _weights(0)
+    pair.sync_once(w1)
+    w2 = _step(w1, 3)
+    if damage == "failed_update":
+        # The update that landed w2 failed: its bytes are not bases.
+        pair.sync_once(w2, commit=False)
+        assert pair.held.base(0) is None
+        results, landed = pair.sync_once(_step(w2, 4))
+        assert [r.delta for r in results] == [None, None]
+        assert _same(landed, _step(w2, 4))
+        return
+
+    def corrupt(index, held):
+        base = held.base(index)
+        if damage == "flip_held_byte":
+            base.data[7] ^= 0x01
+        else:
+            base.version -= 1
+
+    results, landed = pair.sync_once(w2, corrupt=corrupt)
+    assert all(r.delta and r.delta != "applied" for r in results)
+    word = "checksum" if damage == "flip_held_byte" else "base_version"
+    assert all(word in r.delta for r in results), results
+    assert [r.read_bytes for r in results] == [c.nbytes for c in pair.chunks]
+    assert _same(landed, w2)
+    # The whole chunks became the bases: the next sync is a delta again.
+    again, landed = pair.sync_once(_step(w2, 2))
+    assert [r.delta for r in again] == ["applied", "applied"]
+    assert _same(landed, _step(w2, 2))
+
+
+def test_a_missed_sync_still_applies_when_the_producer_kept_the_workers_base():
+    pair = Pair()
+    w1 = _weights(0)
+    pair.sync_once(w1)
+    # The worker is not live in sync 2: the producer packs nothing for it,
+    # so its kept bytes stay those of sync 1.
+    pair.sync += 1
+    pair.producer.begin_sync([], pair.sync)
+    for group, name in enumerate(NAMES):
+        pair.producer.publish(group, {name: _step(w1, 1)[name]})
+    pair.producer.end_sync()
+    results, landed = pair.sync_once(_step(w1, 6))
+    assert [r.delta for r in results] == ["applied", "applied"]
+    assert _same(landed, _step(w1, 6))
+
+
+def test_stores_past_their_limit_keep_nothing_and_those_chunks_travel_whole():
+    a_bytes = _chunks()[0].nbytes
+    pair = Pair(limit=a_bytes)  # room for chunk 0 only on the producer
+    w1 = _weights(0)
+    pair.sync_once(w1)
+    assert pair.producer.bases.used_bytes == a_bytes
+    results, landed = pair.sync_once(_step(w1, 2))
+    assert [r.delta for r in results] == ["applied", None]
+    assert _same(landed, _step(w1, 2))
+    pair = Pair(held_limit=a_bytes)  # the worker keeps chunk 0 only
+    pair.sync_once(w1)
+    results, _ = pair.sync_once(_step(w1, 2))
+    assert [r.delta for r in results] == ["applied", None]
+
+
+def test_registering_another_plan_forgets_the_kept_bytes():
+    bases = PublishedBases(1 << 20)
+    out = torch.empty(1024, dtype=torch.uint8)
+    packed = torch.arange(256, dtype=torch.uint8)
+    assert bases.offer((0, 0), packed, 1, out, unit=1) is None
+    assert bases.offer((1, 0), packed, 1, out, unit=1) is None
+    bases.forget(0)
+    assert len(bases) == 1 and bases.used_bytes == 256
+
+
+def _offer(header, wire):
+    return OfferedDelta(header, wire.numel(), lambda into: into.copy_(wire))
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("format", 2, "delta.format"),
+        ("base_digest", "ws1:4096:0000000000000000", "checksum"),
+        ("base_digest", "md5:abc", "base_digest"),
+        ("nbytes", 4094, "nbytes|chunk has"),
+        ("unit", 3, "delta.unit"),
+        ("count", 10**9, "oversized|count"),
+        ("positions_dtype", "int64", "positions_dtype"),
+        ("values_offset", 0, "values_offset"),
+        ("buffer_nbytes", 1, "buffer_nbytes"),
+        ("base_version", "1", "base_version"),
+        ("extra", 1, "extra|unknown"),
+    ],
+)
+def test_every_bad_header_field_is_refused_before_the_held_bytes_are_used(
+    field, value, match
+):
+    """``land_delta`` refuses (ValueError naming the field) and the caller
+    then reads the whole chunk; the held bytes are never written."""
+    from vllm.distributed.weight_transfer.pull.delta import encode_delta
+
+    base = torch.randint(0, 255, (4096,), dtype=torch.uint8)
+    new = base.clone()
+    new[100:110] += 1
+    delta = encode_delta(base, new, unit=2, base_version=1)
+    header, wire = delta.to_wire()
+    header[field] = value
+    held = HeldBases(1 << 20)
+    held.record(0, base, 1)
+    held.commit()
+    kept = held.base(0).data.clone()
+    into = torch.empty(4096, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=match):
+        land_delta(_offer(header, wire), into, held.base(0))
+    assert torch.equal(held.base(0).data, kept)
+
+
+def test_a_partial_or_oversized_delta_is_refused():
+    from vllm.distributed.weight_transfer.pull.delta import encode_delta
+
+    base = torch.zeros(4096, dtype=torch.uint8)
+    new = base.clone()
+    new[::512] = 1
+    header, wire = encode_delta(base, new, unit=1, base_version=1).to_wire()
+    held = HeldBases(1 << 20)
+    held.record(0, base, 1)
+    held.commit()
+    into = torch.empty(4096, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="partial|buffer"):
+        land_delta(_offer(header, wire[:-1]), into, held.base(0))
+    huge = OfferedDelta(header, 4096, lambda i: None)
+    with pytest.raises(ValueError, match="smaller than its chunk"):
+        land_delta(huge, into, held.base(0))
+    land_delta(_offer(header, wire), into, held.base(0))
+    assert torch.equal(into, new)
+
+
+def test_a_refused_delta_over_the_link_reads_the_whole_chunk(monkeypatch):
+    """A producer whose delta header is wrong (here: another base digest)
+    still serves the exact bytes: the consumer refuses the delta and reads
+    the whole chunk, which the producer holds until ``read_done``."""
+    pair = Pair()
+    w1 = _weights(0)
+    pair.sync_once(w1)
+    real = PublishedBases.offer
+
+    def lying_offer(self, *args, **kwargs):
+        header = real(self, *args, **kwargs)
+        if header is not None:
+            header["base_digest"] = f"ws1:{header['nbytes']}:{'0' * 16}"
+        return header
+
+    monkeypatch.setattr(PublishedBases, "offer", lying_offer)
+    results, landed = pair.sync_once(_step(w1, 3))
+    assert all("checksum" in r.delta for r in results), results
+    assert _same(landed, _step(w1, 3))
