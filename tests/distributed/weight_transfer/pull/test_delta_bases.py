@@ -59,7 +59,10 @@ def _step(weights: dict[str, torch.Tensor], changed: int) -> dict[str, torch.Ten
 class Pair:
     """A producer with deltas on and one consumer holding bases."""
 
-    def __init__(self, limit: int = 1 << 20, held_limit: int = 1 << 20) -> None:
+    def __init__(
+        self, limit: int = 1 << 20, held_limit: int = 1 << 20, device: str = "cpu"
+    ) -> None:
+        self.device = torch.device(device)
         self.producer = Producer(
             rank=0,
             names=NAMES,
@@ -68,6 +71,7 @@ class Pair:
             stall_timeout_s=5.0,
             checksums=True,
             delta_bases_bytes=limit,
+            device=self.device,
         )
         self.chunks = _chunks()
         self.server = InProcessServer(self.producer)
@@ -96,12 +100,12 @@ class Pair:
         for i, chunk in enumerate(self.chunks):
             if corrupt is not None:
                 corrupt(i, self.held)
-            into = torch.empty(chunk.nbytes, dtype=torch.uint8)
+            into = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self.device)
             result = self.link.pull(chunk, into, None, self.held.base(i))
             assert result.checksum == payload_checksum(into)
             self.held.record(i, into, self.sync)
             results.append(result)
-            landed.append(into.clone())
+            landed.append(into.cpu())
         thread.join(10)
         if commit:
             self.held.commit()
@@ -140,6 +144,29 @@ def test_a_second_sync_moves_only_the_changed_elements_and_lands_them_exactly():
     # 5 changed elements per chunk: int32 positions and 2- or 4-byte values.
     assert sum(r.read_bytes for r in second) < whole // 50
     assert pair.producer.deltas_offered == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_serve_and_receive_buffers_on_a_gpu_apply_deltas_exactly():
+    """Producer serve buffers and the worker's receive buffer on the GPU,
+    the bases in host memory: deltas encode from a device copy, apply on the
+    device, and a flipped held byte still reads the whole chunk."""
+    pair = Pair(device="cuda")
+    w1 = _weights(0)
+    pair.sync_once({k: v.cuda() for k, v in w1.items()})
+    w2 = _step(w1, 5)
+    results, landed = pair.sync_once({k: v.cuda() for k, v in w2.items()})
+    assert [r.delta for r in results] == ["applied", "applied"]
+    assert _same(landed, w2)
+
+    def flip(index, held):
+        held.base(index).data[3] ^= 0x04
+
+    w3 = _step(w2, 2)
+    results, landed = pair.sync_once({k: v.cuda() for k, v in w3.items()}, flip)
+    assert all("checksum" in r.delta for r in results), results
+    assert _same(landed, w3)
 
 
 def test_an_unchanged_sync_is_an_empty_delta_and_a_fully_changed_one_travels_whole():
