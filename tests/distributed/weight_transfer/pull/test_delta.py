@@ -420,3 +420,27 @@ def test_encode_refuses_mismatched_inputs():
     with pytest.raises(ValueError, match=r"delta\.unit is 3"):
         encode_delta(a, a.clone(), unit=3, base_version=0)
     assert encode_delta(a[:0], a[:0], unit=2, base_version=0) is None
+
+
+def test_a_chunk_changed_all_over_stops_after_its_first_slab(monkeypatch):
+    """Sending whole is always exact, so the encoder stops comparing once
+    the slabs seen so far project a delta twice the chunk; a chunk whose
+    changes all sit in its first slab is still encoded."""
+    from vllm.distributed.weight_transfer.pull import delta as codec
+
+    nbytes = 4 * codec.CPU_SLAB_BYTES
+    base = torch.zeros(nbytes, dtype=torch.uint8)
+    calls = []
+    real = torch.nonzero
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "nonzero", counting)
+    assert encode_delta(base, base + 1, unit=2, base_version=0) is None
+    assert len(calls) <= 2  # the first slab's words and elements only
+    front = base.clone()
+    front[: nbytes // 16] = 1  # 1/16 of the chunk, all in the first slab
+    delta = encode_delta(base, front, unit=2, base_version=0)
+    assert delta is not None and delta.count == nbytes // 32

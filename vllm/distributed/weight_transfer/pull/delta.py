@@ -228,7 +228,9 @@ def encode_delta(
     delta. ``base_digest`` is the ``ws1`` checksum of ``base``, computed here
     when not given. Elements are compared as bit patterns, 8 bytes at a time
     where the chunk allows it (then the changed words, element by element), a
-    slab at a time, stopping as soon as the delta outgrows the chunk."""
+    slab at a time, stopping as soon as the delta outgrows the chunk, or
+    when the slabs compared so far, projected over the chunk, would make it
+    twice the chunk's size (then None though the delta might have fit)."""
     for name, t in (("base", base), ("new", new)):
         if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
             raise ValueError(
@@ -259,11 +261,13 @@ def encode_delta(
     positions: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     count = 0
-    for start in range(0, old_words.numel(), slab):
+    total_words = old_words.numel()
+    for start in range(0, total_words, slab):
         stale, fresh = old_words[start : start + slab], new_words[start : start + slab]
         words = torch.nonzero(stale != fresh).view(-1)
         # Each changed word holds at least one changed element.
-        if (count + words.numel()) * cost >= nbytes:
+        seen = min(start + slab, total_words)
+        if _outgrows((count + words.numel()) * cost, nbytes, seen, total_words):
             return None
         if not words.numel():
             continue
@@ -284,7 +288,7 @@ def encode_delta(
             changed = new_lanes[hits]
             index = (words[hits // lanes] + start) * lanes + hits % lanes
         count += changed.numel()
-        if count * cost >= nbytes:
+        if _outgrows(count * cost, nbytes, seen, total_words):
             return None
         values.append(changed)
         positions.append(index.to(pos_dtype))
@@ -298,6 +302,15 @@ def encode_delta(
         positions=_cat(positions, pos_dtype, base.device),
         values=_cat(values, value_dtype, base.device),
     )
+
+
+def _outgrows(encoded: int, nbytes: int, seen: int, total: int) -> bool:
+    """Whether a delta already ``encoded`` bytes long after comparing
+    ``seen`` of the chunk's ``total`` words is not worth finishing: it is
+    no smaller than the chunk, or projected over the whole chunk it would be
+    twice the chunk (sending whole is always exact; the projection bounds
+    the cost of a chunk that changed all over)."""
+    return encoded >= nbytes or (seen < total and encoded * total >= 2 * nbytes * seen)
 
 
 def check_delta(
