@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from vllm.distributed.weight_transfer.pull.nixl import (
+from vllm.distributed.weight_transfer.pull.control import (
     ControlListener,
     connect,
 )

@@ -11,5 +11,6 @@ Nothing here imports NIXL or Ray on import.
 - ``transport``: the one interface a consumer uses to reach producers;
 - ``registry``: transports by name ("inprocess", "nixl", "rdt", and the
   "auto" rule), each side made by name, modules imported on first lookup;
-- ``nixl``, ``ray``: the two remote transports.
+- ``nixl``, ``ray``: the two remote transports;
+- ``control``: the authenticated JSON control connections ``nixl`` uses.
 """

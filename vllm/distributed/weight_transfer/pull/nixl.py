@@ -32,38 +32,36 @@ replaced after a failed pull may end late). A dead producer shows up on the
 consumer as a dropped connection. Every wait on either side is bounded by
 ``stall_timeout_s``.
 
-The control socket is reachable by anyone who can reach the host, so the
-producer's ``ControlListener`` only accepts in its loop; each connection
-authenticates (``multiprocessing``'s HMAC challenge, both ways) on its own
-thread within ``HANDSHAKE_TIMEOUT_S``, and one that fails or stays silent is
-logged and dropped. At most ``MAX_PENDING_HANDSHAKES`` authenticate at once;
-more are closed on arrival, so a flood costs a bounded number of threads and
-delays consumers, never past their own deadline (which names the producer).
-A consumer's ``connect`` bounds the TCP connect and the handshake the same way.
-Bytes move only by NIXL READ (UCX); the control messages are a few hundred
-bytes per chunk.
+The control connections (authenticated, bounded handshakes, JSON messages)
+are ``pull.control``'s. Bytes move only by NIXL READ (UCX); the control
+messages are a few hundred bytes per chunk.
 """
 
 from __future__ import annotations
 
 import base64
-import json
 import os
 import queue
 import secrets
-import socket
-import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm.distributed.weight_transfer.common.wire_fields import check_int
 from vllm.distributed.weight_transfer.pull.chunks import PullChunk
+from vllm.distributed.weight_transfer.pull.control import (
+    HANDSHAKE_TIMEOUT_S,
+    LOOPBACK_HOSTS,
+    ControlListener,
+    connect,
+    recv_json,
+    send_json,
+)
 from vllm.distributed.weight_transfer.pull.delta_bases import OfferedDelta
 from vllm.distributed.weight_transfer.pull.producer import Producer
 from vllm.distributed.weight_transfer.pull.transport import (
@@ -86,10 +84,6 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 _REPLY_GRACE_S = 5.0
-# How long a new control connection may take to authenticate, either side.
-HANDSHAKE_TIMEOUT_S = 10.0
-# How many connections may be authenticating at the same time.
-MAX_PENDING_HANDSHAKES = 64
 
 
 def _mem(tensor: torch.Tensor) -> tuple[str, int]:
@@ -162,152 +156,6 @@ def deregister_all(agent: Any, registrations: list[Any]) -> None:
     registrations.clear()
 
 
-def _send(conn: Connection, message: dict[str, Any]) -> None:
-    conn.send_bytes(json.dumps(message).encode())
-
-
-def _recv(conn: Connection) -> dict[str, Any]:
-    message = json.loads(conn.recv_bytes())
-    if not isinstance(message, dict):
-        raise ValueError(
-            f"control message is a {type(message).__name__}, not an object"
-        )
-    return message
-
-
-def _set_io_timeout(conn: Connection, timeout_s: float | None) -> None:
-    """Bound every blocking read and write on ``conn`` by ``timeout_s``
-    (None: unbounded). A read or write that times out raises
-    ``BlockingIOError``."""
-    seconds = timeout_s or 0.0
-    value = struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000))
-    # A second socket object on a duplicate of the descriptor; the options
-    # belong to the shared socket.
-    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
-
-
-# Addresses that reach only the machine itself.
-_LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
-
-
-def connect(address: tuple[str, int], authkey: bytes, timeout_s: float) -> Connection:
-    """An authenticated control connection to ``address``; the TCP connect
-    and the handshake each take at most ``timeout_s``, else ``OSError``
-    (``TimeoutError`` / ``BlockingIOError``) or ``AuthenticationError``."""
-    sock = socket.create_connection(address, timeout=timeout_s)
-    sock.settimeout(None)
-    conn = Connection(sock.detach())
-    try:
-        _set_io_timeout(conn, timeout_s)
-        answer_challenge(conn, authkey)
-        deliver_challenge(conn, authkey)
-        _set_io_timeout(conn, None)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-class ControlListener:
-    """Accepts authenticated control connections on ``(host, any port)``
-    and hands each to ``serve`` on a thread of its own; see the module
-    docstring. ``serve`` owns the connection it is given."""
-
-    def __init__(
-        self,
-        host: str,
-        authkey: bytes,
-        serve: Callable[[Connection], None],
-        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
-        max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
-    ) -> None:
-        self._authkey = authkey
-        self._serve = serve
-        self._handshake_timeout_s = handshake_timeout_s
-        self._handshake_slots = threading.BoundedSemaphore(max_pending_handshakes)
-        self._max_pending = max_pending_handshakes
-        self.refused_connections = 0
-        self._closed = threading.Event()
-        self._sock = socket.create_server((host, 0), backlog=64)
-        # Lets the loop notice ``close`` without a connection arriving.
-        self._sock.settimeout(0.5)
-        self.address: tuple[str, int] = self._sock.getsockname()[:2]
-        self._thread = threading.Thread(
-            target=self._accept_loop, name="sharded-rdt-accept", daemon=True
-        )
-        self._thread.start()
-
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                sock, peer = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError as e:
-                if not self._closed.is_set():
-                    logger.warning(
-                        "sharded_rdt producer failed to accept a connection: %s", e
-                    )
-                    time.sleep(0.1)  # e.g. out of descriptors; try again
-                continue
-            if not self._handshake_slots.acquire(blocking=False):
-                self._refuse(sock, peer)
-                continue
-            threading.Thread(
-                target=self._admit,
-                args=(sock, peer),
-                name="sharded-rdt-serve",
-                daemon=True,
-            ).start()
-
-    def _refuse(self, sock: socket.socket, peer: Any) -> None:
-        # Counted before the close, so whoever sees the close sees the count.
-        self.refused_connections += 1
-        sock.close()
-        # The first refusal, then one line per hundred: a flood must not
-        # flood the log too.
-        if self.refused_connections % 100 == 1:
-            logger.warning(
-                "sharded_rdt producer closed a control connection from %s on "
-                "arrival: %d connections are already authenticating (%d "
-                "refused so far)",
-                peer,
-                self._max_pending,
-                self.refused_connections,
-            )
-
-    def _admit(self, sock: socket.socket, peer: Any) -> None:
-        sock.settimeout(None)
-        conn = Connection(sock.detach())
-        try:
-            _set_io_timeout(conn, self._handshake_timeout_s)
-            deliver_challenge(conn, self._authkey)
-            answer_challenge(conn, self._authkey)
-            _set_io_timeout(conn, None)
-        except Exception as e:
-            logger.warning(
-                "sharded_rdt producer dropped a control connection from %s that "
-                "did not authenticate within %.1fs: %r",
-                peer,
-                self._handshake_timeout_s,
-                e,
-            )
-            conn.close()
-            return
-        finally:
-            self._handshake_slots.release()
-        if self._closed.is_set():
-            conn.close()
-            return
-        self._serve(conn)
-
-    def close(self) -> None:
-        self._closed.set()
-        self._sock.close()
-
-
 # -- producer side -------------------------------------------------------------
 
 
@@ -367,7 +215,7 @@ class NixlProducerServer(ProducerServer):
             while not self._closed.is_set():
                 if not conn.poll(0.5):
                     continue
-                message = _recv(conn)
+                message = recv_json(conn)
                 consumer_id = message.get("consumer_id", consumer_id)
                 if message.get("op") == "register" and consumer_id is not None:
                     with self._connections_lock:  # a consumer's pulling one
@@ -428,7 +276,7 @@ class NixlProducerServer(ProducerServer):
             reply["id"] = message["id"]
             try:
                 with send_lock:
-                    _send(conn, reply)
+                    send_json(conn, reply)
             except (EOFError, OSError):
                 return
 
@@ -514,7 +362,7 @@ class _NixlLink(ProducerLink):
             self._next_id += 1
             request_id = self._next_id
             try:
-                _send(
+                send_json(
                     self._conn,
                     {**message, "id": request_id, "consumer_id": self.consumer_id},
                 )
@@ -536,7 +384,7 @@ class _NixlLink(ProducerLink):
                         f"producer {self.producer_index} did not answer {what} "
                         f"within {timeout_s:.1f}s"
                     )
-                reply = _recv(self._conn)
+                reply = recv_json(self._conn)
                 if reply.get("id") == request_id:
                     break
         except (EOFError, OSError) as e:
@@ -553,7 +401,7 @@ class _NixlLink(ProducerLink):
             return connect(self._address, self._authkey, timeout_s)
         except Exception as e:
             hint = ""
-            if self._address[0] in _LOOPBACK_HOSTS:
+            if self._address[0] in LOOPBACK_HOSTS:
                 hint = (
                     ". The producer published a loopback address (the default "
                     "producer_host): a worker on another node needs "
@@ -581,7 +429,7 @@ class _NixlLink(ProducerLink):
     def _notify(self, message: dict[str, Any]) -> None:
         with self._lock:
             try:
-                _send(self._conn, {**message, "consumer_id": self.consumer_id})
+                send_json(self._conn, {**message, "consumer_id": self.consumer_id})
             except (EOFError, OSError) as e:
                 raise self._lost(message["op"], e) from e
 
@@ -676,7 +524,7 @@ class _NixlLink(ProducerLink):
         self._ahead = None
         # A connection of its own: the pulling thread may hold this link's.
         with self._connect("abort") as conn:
-            _send(
+            send_json(
                 conn,
                 {
                     "op": "abort",
@@ -693,13 +541,13 @@ class _NixlLink(ProducerLink):
         timeout_s = self.transport.stall_timeout_s + _REPLY_GRACE_S
         try:
             with self._connect("receipt delivery") as conn:
-                _send(conn, {"op": "receipt", "receipt": receipt, "id": 1})
+                send_json(conn, {"op": "receipt", "receipt": receipt, "id": 1})
                 if not conn.poll(timeout_s):
                     raise TimeoutError(
                         f"producer {self.producer_index} did not take the "
                         f"receipt within {timeout_s:.1f}s"
                     )
-                reply = _recv(conn)
+                reply = recv_json(conn)
         except (EOFError, OSError) as e:
             raise self._lost("receipt delivery", e) from e
         if "error" in reply:
