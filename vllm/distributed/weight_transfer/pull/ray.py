@@ -15,6 +15,13 @@ resolves the actors by name and calls, per chunk:
     actor.packed_checksum.remote(consumer_id, seq)   # only with checksums on
     actor.read_done.remote(consumer_id, seq)
 
+When the producer offers a delta next to the packed chunk (deltas on), the
+produce method returns ``[delta, {"nbytes", "delta": header, "delta_nbytes"}]``
+instead: Ray reads only the delta's bytes. A worker that cannot apply it (no
+held bytes, another base, a malformed delta) reads the whole chunk with
+``actor.rdt_produce_whole_chunk.remote(consumer_id, seq)`` before its
+``read_done``; the actor keeps each offered chunk until then.
+
 and at finish ``actor.deliver_receipt.remote(receipt)``; the sending trainer
 rank collects receipts with ``actor.collect_receipts`` (`ActorReceiptInbox`).
 Every ``ray.get`` is bounded by the stall timeout.
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import uuid
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -31,7 +39,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm.distributed.weight_transfer.pull.chunks import PullChunk
-from vllm.distributed.weight_transfer.pull.producer import Producer
+from vllm.distributed.weight_transfer.pull.delta_bases import OfferedDelta
+from vllm.distributed.weight_transfer.pull.producer import Packed, Producer
 from vllm.distributed.weight_transfer.pull.routing import (
     PRODUCE_METHOD_NAME,
     check_ray_rdt_version,
@@ -69,6 +78,39 @@ class _ProducerActorBase(DrivesProducer):
 
     def __init__(self, producer_kwargs: dict[str, Any]) -> None:
         self.producer = Producer(**producer_kwargs)
+        # Chunks offered as deltas, by (consumer, seq), until their read_done:
+        # a consumer that refuses the delta reads the whole chunk from here.
+        self._offered: dict[tuple[int, int], Packed] = {}
+        self._offered_lock = threading.Lock()
+
+    def _produce(self, consumer_id: int, seq: int, sync_id: int | None) -> list[Any]:
+        """The produce method's return: ``[packed bytes]``, or ``[delta bytes,
+        {"nbytes", "delta": header, "delta_nbytes"}]`` when a delta is
+        offered."""
+        packed = self.producer.pack(consumer_id, seq, sync_id)
+        if packed.delta is None:
+            return [packed.view]
+        with self._offered_lock:
+            self._offered[(consumer_id, seq)] = packed
+        view = packed.delta.view
+        if view.numel() == 0:  # nothing changed; Ray moves no empty tensors
+            view = torch.zeros(1, dtype=torch.uint8, device=view.device)
+        info = {
+            "nbytes": packed.view.numel(),
+            "delta": packed.delta.header,
+            "delta_nbytes": packed.delta.view.numel(),
+        }
+        return [view, info]
+
+    def _whole_chunk(self, consumer_id: int, seq: int) -> list[torch.Tensor]:
+        with self._offered_lock:
+            packed = self._offered.get((consumer_id, seq))
+        if packed is None:
+            raise RuntimeError(
+                f"consumer {consumer_id} asked for the whole chunk seq {seq}, "
+                "which this producer did not offer as a delta (or it was read)"
+            )
+        return [packed.view]
 
     def ping(self) -> int:
         return os.getpid()
@@ -80,6 +122,8 @@ class _ProducerActorBase(DrivesProducer):
         return len(self.producer.register(consumer_id, parsed, digest))
 
     def read_done(self, consumer_id: int, seq: int) -> None:
+        with self._offered_lock:
+            self._offered.pop((consumer_id, seq), None)
         self.producer.read_done(consumer_id, seq)
 
     def abort(self, consumer_id: int, reason: str, sync_id: int | None = None) -> None:
@@ -107,20 +151,28 @@ class _ProducerActorBase(DrivesProducer):
         self.producer.receipts.discard(publication_id)
 
     def close(self) -> None:
+        with self._offered_lock:
+            self._offered.clear()
         self.producer.close()
 
 
 @functools.cache
 def producer_actor_class() -> type:
-    """The producer actor class, with its NIXL tensor-transport method."""
+    """The producer actor class, with its NIXL tensor-transport methods."""
     import ray
 
     class RdtProducerActor(_ProducerActorBase):
         @ray.method(tensor_transport="nixl")
         def rdt_produce_weights_batched(
             self, consumer_id: int, seq: int, sync_id: int | None = None
+        ) -> list[Any]:
+            return self._produce(consumer_id, seq, sync_id)
+
+        @ray.method(tensor_transport="nixl")
+        def rdt_produce_whole_chunk(
+            self, consumer_id: int, seq: int
         ) -> list[torch.Tensor]:
-            return [self.producer.pack(consumer_id, seq, sync_id).view]
+            return self._whole_chunk(consumer_id, seq)
 
     return RdtProducerActor
 
@@ -254,6 +306,11 @@ class RdtProducerServer(ProducerServer):
         ray.kill(self.producer)
 
 
+def _byte_count(value: Any) -> int:
+    """``value`` when it is an int, else -1 (refused where it is checked)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else -1
+
+
 class _RdtLink(ProducerLink):
     def __init__(self, transport: RdtConsumerTransport, index: int, actor: Any):
         self.transport = transport
@@ -289,9 +346,8 @@ class _RdtLink(ProducerLink):
     def _request_pull(self, chunk: PullChunk, next_chunk: PullChunk | None) -> Offered:
         method = getattr(self.actor, self.transport.produce_method_name)
         ref = method.remote(self.consumer_id, chunk.seq, self.sync_id)
-        (packed,) = self._get(
-            ref, f"pull of seq {chunk.seq}", self.transport.stall_timeout_s + _GRACE_S
-        )
+        timeout_s = self.transport.stall_timeout_s + _GRACE_S
+        reply = self._get(ref, f"pull of seq {chunk.seq}", timeout_s)
 
         def checksum() -> str | None:
             if not self.checksums:
@@ -302,7 +358,33 @@ class _RdtLink(ProducerLink):
                 self.transport.stall_timeout_s,
             )
 
-        return Offered(packed.numel(), lambda into: into.copy_(packed), checksum)
+        if len(reply) == 1:
+            (packed,) = reply
+            return Offered(packed.numel(), lambda into: into.copy_(packed), checksum)
+        delta_bytes, info = reply
+        header = info.get("delta") if isinstance(info, dict) else None
+        nbytes = info.get("nbytes") if isinstance(info, dict) else None
+
+        def read_whole(into: torch.Tensor) -> None:
+            ref = self.actor.rdt_produce_whole_chunk.remote(self.consumer_id, chunk.seq)
+            (whole,) = self._get(ref, f"whole chunk seq {chunk.seq}", timeout_s)
+            into.copy_(whole)
+
+        def read_delta(into: torch.Tensor) -> None:
+            if into.numel() > delta_bytes.numel():
+                raise ValueError(
+                    f"the delta of chunk seq {chunk.seq} is {delta_nbytes} bytes "
+                    f"by the producer's word but {delta_bytes.numel()} arrived"
+                )
+            into.copy_(delta_bytes[: into.numel()])
+
+        delta_nbytes = info.get("delta_nbytes") if isinstance(info, dict) else None
+        return Offered(
+            _byte_count(nbytes),
+            read_whole,
+            checksum,
+            OfferedDelta(header, _byte_count(delta_nbytes), read_delta),
+        )
 
     def _read_done(self, seq: int) -> None:
         self.actor.read_done.remote(self.consumer_id, seq)

@@ -486,13 +486,58 @@ class ToyRdtConsumer:
             link.deliver_receipt(receipt)
         return out
 
-    def _pull(self, link: Any, chunks: list[Any]) -> dict[str, torch.Tensor]:
+    def attach(
+        self,
+        actor_name: str,
+        namespace: str | None,
+        chunks: list[dict[str, Any]],
+        digest: str,
+        delta_bases_bytes: int,
+    ) -> None:
+        """Register with the producer actor for `pull_sync` calls, keeping up
+        to ``delta_bases_bytes`` of landed chunks as delta bases."""
+        from vllm.distributed.weight_transfer.pull.chunks import PullChunk
+        from vllm.distributed.weight_transfer.pull.delta_bases import HeldBases
+        from vllm.distributed.weight_transfer.pull.ray import (
+            RdtConsumerTransport,
+        )
+
+        self._chunks = [PullChunk.from_json(c) for c in chunks]
+        transport = RdtConsumerTransport(0, namespace=namespace, stall_timeout_s=60)
+        self._link = transport.connect(0, actor_name)
+        self._link.register(0, self._chunks, digest)
+        self._link.checksums = True
+        self._held = HeldBases(delta_bases_bytes)
+
+    def pull_sync(self, sync_id: int) -> dict[str, Any]:
+        """Pull sync ``sync_id`` against the bytes held from the syncs before:
+        ``{"tensors", "deltas": each pull's delta fate, "read_bytes"}``."""
+        self._link.sync_id = sync_id
+        results: list[Any] = []
+        out = self._pull(self._link, self._chunks, results)
+        self._held.commit()
+        return {
+            "tensors": out,
+            "deltas": [r.delta for r in results],
+            "read_bytes": sum(r.read_bytes for r in results),
+        }
+
+    def _pull(
+        self, link: Any, chunks: list[Any], results: list[Any] | None = None
+    ) -> dict[str, torch.Tensor]:
         from vllm.distributed.weight_transfer.verification import payload_checksum
 
+        held = getattr(self, "_held", None)
         out: dict[str, torch.Tensor] = {}
-        for chunk in chunks:
+        for index, chunk in enumerate(chunks):
             buffer = torch.empty(chunk.nbytes, dtype=torch.uint8)
-            checksum = link.pull(chunk, buffer).checksum
+            base = held.base(index) if held is not None else None
+            pulled = link.pull(chunk, buffer, None, base)
+            if held is not None:
+                held.record(index, buffer, link.sync_id)
+            if results is not None:
+                results.append(pulled)
+            checksum = pulled.checksum
             if link.checksums and checksum != payload_checksum(buffer):
                 raise AssertionError(
                     f"chunk {chunk.seq}: producer checksum {checksum} differs from "
