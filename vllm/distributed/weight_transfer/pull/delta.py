@@ -229,8 +229,9 @@ def encode_delta(
     when not given. Elements are compared as bit patterns, 8 bytes at a time
     where the chunk allows it (then the changed words, element by element), a
     slab at a time, stopping as soon as the delta outgrows the chunk, or
-    when the slabs compared so far, projected over the chunk, would make it
-    twice the chunk's size (then None though the delta might have fit)."""
+    as soon as the slabs compared so far, projected over the chunk, make it
+    outgrow the chunk (then None, though a delta whose changes crowd into
+    the first slabs might have fit)."""
     for name, t in (("base", base), ("new", new)):
         if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
             raise ValueError(
@@ -308,9 +309,10 @@ def _outgrows(encoded: int, nbytes: int, seen: int, total: int) -> bool:
     """Whether a delta already ``encoded`` bytes long after comparing
     ``seen`` of the chunk's ``total`` words is not worth finishing: it is
     no smaller than the chunk, or projected over the whole chunk it would be
-    twice the chunk (sending whole is always exact; the projection bounds
-    the cost of a chunk that changed all over)."""
-    return encoded >= nbytes or (seen < total and encoded * total >= 2 * nbytes * seen)
+    (sending whole is always exact; the projection bounds the cost of a
+    chunk that changed all over, at the price of sending whole a chunk whose
+    changes crowd into its first slabs)."""
+    return encoded >= nbytes or (seen < total and encoded * total >= nbytes * seen)
 
 
 def check_delta(
