@@ -89,6 +89,8 @@ def test_record_renders_one_line_with_bytes_rate_and_phases():
     )
     assert "2.000 GB in 2.000 s (1.00 GB/s); transfer 0.000 s" in line
     assert "\n" not in line
+    rec.read_bytes = 50_000_000  # a delta sync read less than it landed
+    assert "(1.00 GB/s, 0.050 GB read as deltas and whole chunks)" in rec.log_line()
 
 
 def test_record_names_the_failed_phase():

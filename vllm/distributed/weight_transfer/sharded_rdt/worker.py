@@ -483,6 +483,8 @@ class ShardedRDTWeightTransferEngine(
                 self._on_update_failed(describe_error(e))
             raise
         elapsed = time.perf_counter() - started
+        if self._held is not None and self.pub.record is not None:
+            self.pub.record.read_bytes = deltas.read_bytes
         self.last_receipt = {
             "consumer_id": self.consumer_id,
             "transport": self.transport_name,

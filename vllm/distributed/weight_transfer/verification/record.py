@@ -27,6 +27,8 @@ class SyncRecord:
     publication_id: str | None = None
     model_version: int | None = None
     nbytes: int = 0
+    # Bytes the transport read, where it differs from ``nbytes`` (deltas).
+    read_bytes: int | None = None
     phases: dict[str, float] = field(default_factory=dict)
     seconds: float | None = None
     ok: bool | None = None
@@ -79,9 +81,14 @@ class SyncRecord:
                 f"{what}: FAILED after {seconds:.3f} s{where} "
                 f"({self.nbytes / 1e9:.3f} GB moved): {self.error}; {phases}"
             )
+        read = (
+            ""
+            if self.read_bytes is None
+            else f", {self.read_bytes / 1e9:.3f} GB read as deltas and whole chunks"
+        )
         return (
             f"{what}: {self.nbytes / 1e9:.3f} GB in {seconds:.3f} s "
-            f"({self.gb_per_s:.2f} GB/s); {phases}"
+            f"({self.gb_per_s:.2f} GB/s{read}); {phases}"
         )
 
     def log(self, logger: logging.Logger) -> None:
