@@ -23,9 +23,16 @@
   ``--trainer-codes`` makes the trainer ranks quantize the linear weights
   themselves (``Fp8ChannelCodes``): each worker pulls only its shard of the
   codes and scales, about half the bytes, straight into the served codes.
+* With ``--deltas`` the trainer keeps up to 1 GiB of the bytes each producer
+  last served (``delta_bases_gb``), and each training step moves 2% of the
+  elements (the rest keep their bits): from the second step on, each chunk
+  travels as a delta against what the worker landed, and the receipts' delta
+  fields (bytes read, chunks as deltas, refusals, the worker's kept bytes)
+  are printed (``docs/training/weight_transfer/deltas.md``).
 
 Run: ``python examples/rl/rlhf_sharded_rdt_cpu.py [--arch qwen3_moe] [--tp 2]
-[--steps 2] [--checksums] [--quantization fp8_per_channel [--trainer-codes]]``.
+[--steps 2] [--checksums] [--quantization fp8_per_channel [--trainer-codes]]
+[--deltas]``.
 """
 
 from __future__ import annotations
@@ -70,7 +77,12 @@ class TrainerRank:
         self.engine: Any = None
 
     def init(
-        self, llm: Any, num_consumers: int, checksums: bool, codes: bool = False
+        self,
+        llm: Any,
+        num_consumers: int,
+        checksums: bool,
+        codes: bool = False,
+        delta_bases_gb: float = 0.0,
     ) -> None:
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.api import (
@@ -92,19 +104,26 @@ class TrainerRank:
                 num_consumers=num_consumers,
                 stall_timeout_s=60.0,
                 verify_checksums=checksums,
+                delta_bases_gb=delta_bases_gb,
                 rank=self.rank,
             ),
             client=RayVLLMWeightSyncClient(llm),
             source=source,
         )
 
-    def train_step(self, step: int) -> None:
+    def train_step(self, step: int, fraction: float = 1.0) -> None:
         """Stands in for an optimizer step: the same in-place change on every
-        rank, so the ranks agree on the weights."""
+        rank, so the ranks agree on the weights. ``fraction`` below 1: only
+        that share of each weight's elements (a random subset) moves, the
+        rest keep their exact bits, as a small RL learning rate leaves them."""
         gen = torch.Generator().manual_seed(step)
         with torch.no_grad():
             for _, p in sorted(self.model.named_parameters()):
-                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.05)
+                step_ = torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.05
+                if fraction < 1.0:
+                    moved = torch.rand(p.shape, generator=gen) < fraction
+                    step_ = torch.where(moved, step_, torch.zeros_like(step_))
+                p.add_(step_)
 
     def send(self, step: int) -> float:
         t0 = time.perf_counter()
@@ -147,6 +166,11 @@ def main() -> int:
         action="store_true",
         help="the trainer sends FP8 codes and scales (needs --quantization)",
     )
+    p.add_argument(
+        "--deltas",
+        action="store_true",
+        help="delta syncs (delta_bases_gb=1); each step moves 2%% of the elements",
+    )
     args = p.parse_args()
     if args.trainer_codes and args.quantization is None:
         p.error("--trainer-codes needs --quantization fp8_per_channel")
@@ -175,6 +199,7 @@ def main() -> int:
                 num_consumers=args.tp,
                 checksums=args.checksums,
                 codes=args.trainer_codes,
+                delta_bases_gb=1.0 if args.deltas else 0.0,
             )
             for t in ranks
         ]
@@ -182,7 +207,8 @@ def main() -> int:
 
     failures = 0
     for step in range(1, args.steps + 1):
-        ray.get([t.train_step.remote(step) for t in ranks])
+        fraction = 0.02 if args.deltas else 1.0
+        ray.get([t.train_step.remote(step, fraction) for t in ranks])
         # send_weights also drops the KV blocks the previous weights computed.
         seconds = ray.get([t.send.remote(step) for t in ranks])
         version = ray.get(llm.weight_version.remote())
@@ -206,6 +232,14 @@ def main() -> int:
         pulled = [
             f"worker {r['consumer_id']}: {r['bytes']} B from ranks "
             f"{r['bytes_by_producer']}, {r['checksums_verified']} checksums"
+            + (
+                f", read {r['read_bytes']} B, {r['delta_chunks']}/{r['chunks']} "
+                f"chunks as deltas, {r['delta_refused']} refused"
+                + (f" ({r['delta_first_refusal']})" if r["delta_refused"] else "")
+                + f", {r['delta_bases_bytes']} B kept as bases"
+                if args.deltas
+                else ""
+            )
             for r in receipts
         ]
         if version != f"step-{step}":
