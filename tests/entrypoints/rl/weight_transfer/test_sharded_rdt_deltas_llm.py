@@ -4,14 +4,26 @@
 with ``delta_bases_gb`` set serves an offline ``LLM``; after the first sync
 each chunk whose changed elements encode smaller than the chunk travels as a
 delta against what the worker landed, and after every sync vLLM serves bit
-for bit what a fresh vLLM load of the trainer's weights serves."""
+for bit what a fresh vLLM load of the trainer's weights serves.
+
+Two engines, shared by every test here (each start costs tens of seconds):
+dense Qwen3 TP=1 landing through the layerwise reload, staging off; and
+Qwen3-MoE TP=2 landing planned (plain CPU linear) with host staging, whose
+deltas land in staging and reach the served tensors at the commit.
+
+What a worker holds is checked, never trusted: one re-initialized (its held
+bytes gone), one that missed a sync, one whose served byte was flipped out of
+band, and deltas with any spoiled field each end exact, through whole chunks
+where the delta does not apply, and never fence the engine."""
 
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -22,6 +34,7 @@ from vllm.distributed.weight_transfer.testing import (
     build_tiny_model,
     logprob_atol,
 )
+from vllm.distributed.weight_transfer.testing.tiny_models import Architecture
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +42,10 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("nixl")
 
 DELTA_GB = 1.0
+# The fraction of elements each trainer step moves (`TrainerRank.nudge`).
+CHANGED = 0.01
+# A norm weight: served as the checkpoint's bytes by both engines.
+NORM = "model.layers.0.input_layernorm.weight"
 
 
 def _free_port() -> int:
@@ -44,32 +61,58 @@ def ray_cluster():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def engine(ray_cluster):
+# (arch, TP, WeightTransferConfig options): the engines every test here shares.
+ENGINES: dict[str, tuple[Architecture, int, dict[str, Any]]] = {
+    "dense-tp1-reload": ("qwen3", 1, {}),
+    "moe-tp2-planned-staged": (
+        "qwen3_moe",
+        2,
+        {"landing": "planned", "cpu_linear": "plain", "staging": "host"},
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
+def engine(request, ray_cluster):
+    """One engine at a time: pytest runs every test on the first, stops it,
+    then runs them on the second."""
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
         LLMHost,
         stop_llm_host,
     )
 
-    model_dir = str(build_tiny_model(TinyModelSpec(arch="qwen3")))
-    config = WeightTransferConfig(backend="sharded_rdt")
+    arch, tp, options = ENGINES[request.param]
+    model_dir = str(build_tiny_model(TinyModelSpec(arch=arch)))
+    config = WeightTransferConfig(backend="sharded_rdt", **options)
     llm = ray.remote(num_cpus=0)(LLMHost).remote(
-        model_dir, tp=1, weight_transfer_config=config
+        model_dir, tp=tp, weight_transfer_config=config
     )
-    ray.get(llm.pids.remote())
-    yield llm, model_dir
+    ray.get(llm.pids.remote())  # wait until the engine is up
+    yield llm, model_dir, tp
     stop_llm_host(llm)
 
 
+def _dense_only(engine) -> None:
+    if engine[2] != 1:
+        pytest.skip("the worker-side cases need one engine: dense TP=1")
+
+
 @contextlib.contextmanager
-def _trainer(model_dir: str) -> Iterator:
+def _trainer(engine) -> Iterator:
+    """One trainer rank with deltas on, initialized against ``engine``."""
     from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
         TrainerRank,
     )
 
+    llm, model_dir, tp = engine
     rank = ray.remote(num_cpus=0)(TrainerRank).remote(model_dir, 0, 1, _free_port())
     try:
+        ray.get(
+            rank.init.remote(
+                llm, num_consumers=tp, stall_timeout_s=20.0, delta_bases_gb=DELTA_GB
+            )
+        )
         yield rank
     finally:
         ray.get(rank.shutdown.remote())
@@ -87,23 +130,155 @@ def _assert_serves_trainer(llm, rank) -> None:
     )
 
 
+def _committed(llm) -> bool:
+    return all(s["state"] == "committed" for s in ray.get(llm.fence_status.remote()))
+
+
+def _synced(llm, rank, send=None) -> list[dict]:
+    """Run ``send`` (default: a plain sync), check the oracle and that the
+    engine committed; each worker's receipt."""
+    ray.get(send if send is not None else rank.send.remote(), timeout=180)
+    _assert_serves_trainer(llm, rank)
+    assert _committed(llm), ray.get(llm.fence_status.remote())
+    return ray.get(llm.receipts.remote())
+
+
+def _first_sync(llm, rank, seed: int = 11) -> list[dict]:
+    """A sync of freshly randomized weights: every chunk travels whole."""
+    ray.get(rank.randomize.remote(seed))
+    receipts = _synced(llm, rank)
+    for r in receipts:
+        assert r["delta_chunks"] == 0 and r["delta_refused"] == 0, r
+        assert r["read_bytes"] >= r["planned_bytes"], r  # padding too
+    return receipts
+
+
+def _assert_deltas(receipts: list[dict]) -> None:
+    """Every worker applied deltas and read a fraction of its bytes."""
+    for r in receipts:
+        assert r["delta_chunks"] > 0, r
+        assert r["delta_refused"] == 0, r
+        assert r["bytes"] == r["planned_bytes"]
+        # 1% of fp32 elements changed: 8 bytes each against 4 whole.
+        assert r["read_bytes"] < 0.1 * r["planned_bytes"], r
+
+
 def test_delta_syncs_move_only_changed_bytes_and_serve_the_trainers_weights(engine):
-    llm, model_dir = engine
-    with _trainer(model_dir) as rank:
-        ray.get(rank.init.remote(llm, num_consumers=1, delta_bases_gb=DELTA_GB))
-        ray.get(rank.randomize.remote(11))
-        ray.get(rank.send.remote())
-        _assert_serves_trainer(llm, rank)
-        (first,) = ray.get(llm.receipts.remote())
-        assert first["delta_chunks"] == 0
-        assert first["read_bytes"] >= first["planned_bytes"]
-        for step in range(3):
-            ray.get(rank.nudge.remote(step, 0.01))
-            ray.get(rank.send.remote())
-            _assert_serves_trainer(llm, rank)
-            (receipt,) = ray.get(llm.receipts.remote())
-            assert receipt["delta_chunks"] > 0, receipt
-            assert receipt["delta_refused"] == 0, receipt
-            assert receipt["bytes"] == receipt["planned_bytes"]
-            # 1% of fp32 elements changed: 8 bytes each against 4 whole.
-            assert receipt["read_bytes"] < 0.1 * receipt["planned_bytes"], receipt
+    llm, _, tp = engine
+    with _trainer(engine) as rank:
+        assert len(_first_sync(llm, rank)) == tp
+        for step in range(2):
+            ray.get(rank.nudge.remote(step, CHANGED))
+            _assert_deltas(_synced(llm, rank))
+
+
+def test_a_reinitialized_worker_reads_whole_chunks_then_deltas_again(engine):
+    _dense_only(engine)
+    llm, _, _ = engine
+    with _trainer(engine) as rank:
+        _first_sync(llm, rank)
+        ray.get(rank.nudge.remote(1, CHANGED))
+        _assert_deltas(_synced(llm, rank))
+        # A restarted worker: init again, what it held is gone. The producer
+        # still offers deltas; the worker has nothing to apply them to.
+        ray.get(rank.reinit_workers.remote())
+        ray.get(rank.nudge.remote(2, CHANGED))
+        (whole,) = _synced(llm, rank)
+        assert whole["delta_chunks"] == whole["delta_refused"] == 0, whole
+        assert whole["read_bytes"] >= whole["planned_bytes"], whole
+        ray.get(rank.nudge.remote(3, CHANGED))
+        _assert_deltas(_synced(llm, rank))
+
+
+def test_a_worker_that_missed_a_sync_ends_exact(engine):
+    """All TP workers of an engine take every sync together, so the worker
+    misses one whole: the trainer syncs with no live consumer and the engine
+    is never told. The producer packed nothing for the worker then, so the
+    bytes it kept are still the worker's: the next sync's deltas (two steps'
+    changes) apply to them."""
+    _dense_only(engine)
+    llm, _, _ = engine
+    with _trainer(engine) as rank:
+        _first_sync(llm, rank)
+        ray.get(rank.nudge.remote(4, CHANGED))
+        ray.get(rank.send_missed.remote(), timeout=120)
+        ray.get(rank.nudge.remote(5, CHANGED))
+        (receipt,) = _synced(llm, rank)
+        assert receipt["delta_chunks"] > 0 and receipt["delta_refused"] == 0, receipt
+
+
+def test_a_served_byte_flipped_out_of_band_is_overwritten_by_the_next_sync(engine):
+    """Deltas apply to the worker's own copy of what it landed, never to the
+    served tensors, and every chunk lands whole: a served byte changed out of
+    band is overwritten by the next delta sync."""
+    llm, _, _ = engine
+    with _trainer(engine) as rank:
+        _first_sync(llm, rank)
+        before = ray.get(llm.served_bytes.remote(NORM))
+        ray.get(llm.flip_served_byte.remote(NORM, 1))
+        flipped = ray.get(llm.served_bytes.remote(NORM))
+        for old, new in zip(before, flipped, strict=True):
+            assert int((old != new).sum()) == 1
+        ray.get(rank.nudge.remote(6, CHANGED))
+        _assert_deltas(_synced(llm, rank))
+        trainer = ray.get(rank.param_bytes.remote(NORM))
+        for served in ray.get(llm.served_bytes.remote(NORM)):
+            assert served.equal(trainer)
+
+
+# Each spoiled field and what the worker's refusal says (a regex). A count
+# of 10**9 is refused as an oversized delta; a shorter nbytes disagrees with
+# the size the base digest names ("... but the chunk has <nbytes>").
+BAD_FIELDS = {
+    "base_version": "delta.base_version",
+    "base_digest": "delta.base_digest",
+    "nbytes": "delta.nbytes|the chunk has",
+    "unit": "delta.unit",
+    "count": "oversized",
+    "positions_dtype": "delta.positions_dtype",
+    "values_offset": "delta.values_offset",
+    "buffer_nbytes": "delta.buffer_nbytes",
+    "format": "delta.format",
+    "reply_nbytes": "partial or overlong",
+}
+
+
+def test_every_spoiled_delta_field_is_refused_unfenced_and_the_sync_ends_exact(
+    engine,
+):
+    """One sync per spoiled field on one trainer (`send_with_bad_delta`): the
+    worker refuses every delta, reads each chunk whole, and the sync commits
+    exact; the receipt names the field. A clean sync after them deltas
+    again."""
+    _dense_only(engine)
+    llm, _, _ = engine
+    with _trainer(engine) as rank:
+        _first_sync(llm, rank)
+        for step, (field, word) in enumerate(BAD_FIELDS.items()):
+            ray.get(rank.nudge.remote(100 + step, CHANGED))
+            (r,) = _synced(llm, rank, rank.send_with_bad_delta.remote(field))
+            assert r["delta_chunks"] == 0 and r["delta_refused"] > 0, (field, r)
+            assert re.search(word, r["delta_first_refusal"]), (field, r)
+            assert r["read_bytes"] >= r["planned_bytes"], (field, r)
+        ray.get(rank.nudge.remote(99, CHANGED))
+        _assert_deltas(_synced(llm, rank))
+
+
+def test_a_trainer_failing_mid_delta_sync_is_followed_by_an_exact_one(engine):
+    """The failed sync's landed chunks were pending, never bases: the next
+    sync reads those whole and the rest as deltas."""
+    llm, _, _ = engine
+    with _trainer(engine) as rank:
+        _first_sync(llm, rank)
+        ray.get(rank.nudge.remote(7, CHANGED))
+        # Slowly: the worker lands the first group's chunk well before the
+        # source fails in a later group.
+        error = ray.get(rank.send_failing.remote(after=8, delay_s=0.25), timeout=180)
+        assert "injected trainer failure" in error
+        ray.get(llm.greedy.remote())  # the engine keeps serving
+        ray.get(rank.nudge.remote(8, CHANGED))
+        for r in _synced(llm, rank):
+            # The chunks landed before the failure were read whole (on the
+            # worker they were never bases; on the producer they were).
+            assert 0 < r["delta_chunks"] < r["chunks"], r
+            assert r["read_bytes"] < r["planned_bytes"], r

@@ -21,8 +21,9 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Collection, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -239,6 +240,15 @@ class LLMHost:
         errors it raised (None where it returned)."""
         return self.llm.collective_rpc(_engine_finish_error)
 
+    def served_bytes(self, name: str) -> list[torch.Tensor]:
+        """Per worker: the bytes of served parameter ``name``."""
+        return self.llm.collective_rpc(_served_bytes, args=(name,))
+
+    def flip_served_byte(self, name: str, index: int) -> None:
+        """Flip the low bit of byte ``index`` of served parameter ``name`` on
+        every worker, out of band (no update, nothing told)."""
+        self.llm.collective_rpc(_flip_served_byte, args=(name, index))
+
 
 def stop_llm_host(llm: Any, timeout_s: float = 120.0) -> None:
     """Shut an ``LLMHost`` actor's engine down, then kill the actor (also
@@ -290,6 +300,36 @@ def _engine_finish_error(worker: Any) -> str | None:
 
 def _pid(worker: Any) -> int:
     return os.getpid()
+
+
+def _served_param(worker: Any, name: str) -> torch.Tensor:
+    return dict(worker.model_runner.model.named_parameters())[name].data
+
+
+def _served_bytes(worker: Any, name: str) -> torch.Tensor:
+    return _served_param(worker, name).contiguous().view(-1).view(torch.uint8).clone()
+
+
+def _flip_served_byte(worker: Any, name: str, index: int) -> None:
+    param = _served_param(worker, name)
+    with torch.no_grad():
+        param.view(-1).view(torch.uint8)[index] ^= 0x01
+
+
+# How `TrainerRank.send_with_bad_delta` spoils each delta the producer offers:
+# header field -> its new value from the header. "reply_nbytes" is not a
+# header field: the NIXL pull reply names one delta byte more than there are.
+BAD_DELTA_FIELDS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "base_version": lambda h: h["base_version"] + 1,
+    "base_digest": lambda h: "md5:" + "0" * 16,
+    "nbytes": lambda h: h["nbytes"] - h["unit"],
+    "unit": lambda h: 3,
+    "count": lambda h: 10**9,
+    "positions_dtype": lambda h: "int64",
+    "values_offset": lambda h: h["values_offset"] + 8,
+    "buffer_nbytes": lambda h: h["buffer_nbytes"] + 1,
+    "format": lambda h: h["format"] + 1,
+}
 
 
 class TrainerRank:
@@ -396,10 +436,15 @@ class TrainerRank:
         with self._sending_from(lambda source: SlowSource(source, delay_s)):
             self.engine.send_weights(weight_version=weight_version)
 
-    def send_failing(self, after: int) -> str:
-        """A sync whose source raises after ``after`` tensors; returns the
-        error the engine raised."""
-        with self._sending_from(lambda source: FailingSource(source, after)):
+    def send_failing(self, after: int, delay_s: float = 0.0) -> str:
+        """A sync whose source raises after ``after`` tensors (waiting
+        ``delay_s`` before each); returns the error the engine raised."""
+
+        def failing(source: WeightSource) -> WeightSource:
+            slow = SlowSource(source, delay_s) if delay_s else source
+            return FailingSource(slow, after)
+
+        with self._sending_from(failing):
             return self.send_expecting_failure()
 
     def send_with_wrong_shape(self, name: str) -> str:
@@ -434,6 +479,68 @@ class TrainerRank:
             return packed
 
         producer.pack = corrupting_pack
+
+    def reinit_workers(self) -> None:
+        """Initialize the engine's weight transfer again with this trainer's
+        payload, as a restarted worker would be: what it held is gone."""
+        self.engine.client.init_weight_transfer_engine(
+            self.engine.get_worker_init_payload()
+        )
+
+    def send_missed(self) -> None:
+        """A sync no worker takes part in: the producers publish this rank's
+        weights with no live consumer, and the engine is never told."""
+
+        class _NoEngine:
+            def update_weights(self, update_info: Any) -> None:
+                return None
+
+        client = self.engine.client
+        self.engine.client = _NoEngine()
+        try:
+            self.engine._serve([], None)
+        finally:
+            self.engine.client = client
+
+    def send_with_bad_delta(self, field: str) -> None:
+        """A sync in which every delta this rank's producer offers has
+        ``field`` spoiled (`BAD_DELTA_FIELDS`, or "reply_nbytes": the NIXL
+        reply's delta byte count is one too many); the chunks themselves are
+        served intact."""
+        from vllm.distributed.weight_transfer.pull.delta_bases import (
+            PublishedBases,
+        )
+        from vllm.distributed.weight_transfer.pull.nixl import NixlProducerServer
+
+        offer = PublishedBases.offer
+        handle = NixlProducerServer._handle
+
+        def bad_offer(bases: Any, *args: Any, **kwargs: Any) -> Any:
+            header = offer(bases, *args, **kwargs)
+            if header is not None and field in BAD_DELTA_FIELDS:
+                header[field] = BAD_DELTA_FIELDS[field](header)
+            return header
+
+        def bad_handle(server: Any, op: Any, message: dict[str, Any]) -> Any:
+            reply = handle(server, op, message)
+            if isinstance(reply, dict) and "delta" in reply:
+                reply["delta"]["nbytes"] += 1
+            return reply
+
+        if field != "reply_nbytes" and field not in BAD_DELTA_FIELDS:
+            raise ValueError(f"no way to spoil delta field {field!r}")
+        with ExitStack() as patches:
+            patches.enter_context(mock.patch.object(PublishedBases, "offer", bad_offer))
+            if field == "reply_nbytes":
+                patches.enter_context(
+                    mock.patch.object(NixlProducerServer, "_handle", bad_handle)
+                )
+            self.engine.send_weights()
+
+    def param_bytes(self, name: str) -> torch.Tensor:
+        """The bytes of this rank's parameter ``name``."""
+        param = dict(self.model.named_parameters())[name].data
+        return param.contiguous().view(-1).view(torch.uint8).clone()
 
     def param_names(self) -> list[str]:
         return [n for n, _ in self.model.named_parameters()]
