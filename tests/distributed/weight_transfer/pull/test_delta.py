@@ -311,7 +311,7 @@ def test_positions_changed_after_construction_are_checked_at_apply():
         (dict(base_digest="sha:abc"), r"delta\.base_digest is 'sha:abc'"),
         (
             dict(base_digest=f"ws1:65:{0:016x}"),
-            r"delta\.base_digest is the checksum of 65 bytes but the chunk has 64",
+            r"delta\.base_digest is the checksum of 65 bytes but delta\.nbytes is 64",
         ),
         (
             dict(

@@ -177,7 +177,7 @@ class ChunkDelta:
         nbytes = check_int(h["nbytes"], "delta.nbytes", minimum=1)
         unit = _check_unit(h["unit"], nbytes)
         count = check_int(h["count"], "delta.count")
-        _check_not_oversized(count, nbytes, unit)
+        _check_not_oversized(count, nbytes, unit, "delta.count")
         pos_dtype = dtype_from_name(h["positions_dtype"], "delta.positions_dtype")
         if pos_dtype != positions_dtype(nbytes, unit):
             raise ValueError(
@@ -194,7 +194,7 @@ class ChunkDelta:
             got = check_int(h[name], f"delta.{name}")
             if got != want:
                 raise ValueError(
-                    f"delta.{name} is {got} but {count} positions of "
+                    f"delta.{name} is {got} but delta.count={count} positions of "
                     f"{dtype_name(pos_dtype)} and values of {unit} bytes make {want}"
                 )
         buf = _as_flat_bytes(buffer)
@@ -392,11 +392,11 @@ def _check_unit(unit: object, nbytes: int) -> int:
     return unit
 
 
-def _check_not_oversized(count: int, nbytes: int, unit: int) -> None:
+def _check_not_oversized(count: int, nbytes: int, unit: int, field: str) -> None:
     size = encoded_nbytes(count, nbytes, unit)
     if size >= nbytes:
         raise ValueError(
-            f"delta.positions: {count} changed elements encode to {size} bytes, "
+            f"{field}: {count} changed elements encode to {size} bytes, "
             f"not smaller than the whole chunk ({nbytes} bytes); an oversized "
             "delta is refused: send the whole chunk"
         )
@@ -430,7 +430,7 @@ def _check_structure(delta: ChunkDelta) -> None:
             f"delta.values are on {delta.values.device} but delta.positions are "
             f"on {delta.positions.device}"
         )
-    _check_not_oversized(delta.positions.numel(), nbytes, unit)
+    _check_not_oversized(delta.positions.numel(), nbytes, unit, "delta.positions")
 
 
 def _check_positions(delta: ChunkDelta) -> None:
@@ -494,8 +494,8 @@ def _check_digest(value: object, nbytes: int, where: str) -> str:
         )
     if int(match.group(1)) != nbytes:
         raise ValueError(
-            f"{where} is the checksum of {match.group(1)} bytes but the chunk has "
-            f"{nbytes}"
+            f"{where} is the checksum of {match.group(1)} bytes but delta.nbytes "
+            f"is {nbytes}"
         )
     return value  # type: ignore[return-value]
 
