@@ -263,6 +263,15 @@ def encode_delta(
     values: list[torch.Tensor] = []
     count = 0
     total_words = old_words.numel()
+    if slab < total_words:
+        # Probe: the first slab's changed elements, counted without listing
+        # them; a chunk changed all over is sent whole after this one pass.
+        probe = slab * lanes
+        changed_there = int(
+            (base.view(value_dtype)[:probe] != new.view(value_dtype)[:probe]).sum()
+        )
+        if _outgrows(changed_there * cost, nbytes, slab, total_words):
+            return None
     for start in range(0, total_words, slab):
         stale, fresh = old_words[start : start + slab], new_words[start : start + slab]
         words = torch.nonzero(stale != fresh).view(-1)

@@ -15,7 +15,7 @@ A worker engine sees a transport as:
   payload checksum of those bytes (None when checksums are off, or when
   ``checksums`` is False), how many bytes were read, and what became of a
   delta the producer offered (applied to ``held``, the chunk's bytes as the
-  worker last landed them, or refused: the whole chunk was read instead);
+  worker last pulled them, or refused: the whole chunk was read instead);
 * ``ProducerLink.abort(reason)`` when the worker gives up on a sync;
 * ``ProducerLink.deliver_receipt(receipt)`` at the end of a sync: the worker's
   verified-publication receipt (a JSON-safe dict) goes to the producer's

@@ -78,13 +78,16 @@ def run_pulls(
     stall_timeout_s: float,
     cancel: threading.Event | None = None,
     held: Callable[[int], KeptBytes | None] | None = None,
+    keep: Callable[[int, torch.Tensor], None] | None = None,
 ) -> tuple[dict[int, int], dict[str, float]]:
     """Pull every chunk in order on a background thread, at most one per
     receive buffer ahead, and ``land`` each one here as it arrives. Returns
     the payload bytes landed per producer, and the seconds spent pulling and
     landing. ``cancel`` set: stop within half a second, raising
     ``RuntimeError``. ``held(index)``: chunk ``index``'s bytes as last landed
-    (a delta's base), or None."""
+    (a delta's base), or None; ``keep(index, data)``: called on the pulling
+    thread with each pulled chunk's bytes (the next base), while the
+    previous chunk lands."""
     pulled: dict[int, int] = {}
     timing = {"pull": 0.0, "land": 0.0}
     if not chunks:
@@ -120,6 +123,8 @@ def run_pulls(
                 t0 = time.perf_counter()
                 base = held(i) if held is not None else None
                 result = links[chunk.producer].pull(chunk, into, following[i], base)
+                if keep is not None:
+                    keep(i, into)
                 timing["pull"] += time.perf_counter() - t0
                 ready.put((i, into, result))
         except BaseException as e:

@@ -477,6 +477,7 @@ class ShardedRDTWeightTransferEngine(
                 stall_timeout_s=self.stall_timeout_s,
                 cancel=stop,
                 held=self._held.base if self._held is not None else None,
+                keep=self._keep_pulled if self._held is not None else None,
             )
         except BaseException as e:
             if stop is not None:  # a background pull: tell the producers now
@@ -529,8 +530,7 @@ class ShardedRDTWeightTransferEngine(
         deltas: DeltaCounts,
     ) -> None:
         """Check chunk ``index`` (its checksum, each slice against the plan),
-        then land it, or stage a copy to land at the commit; with deltas on,
-        keep its bytes as the next sync's base."""
+        then land it, or stage a copy to land at the commit."""
         assert self.pulls is not None
         chunk = self.pulls.chunks[index]
         pub = self.pub
@@ -574,8 +574,12 @@ class ShardedRDTWeightTransferEngine(
         timing["land"] += time.perf_counter() - t0
         for spec in slices:
             pub.landed(spec.source, spec.nbytes)
-        if self._held is not None:
-            self._held.record(index, data, self._sync_id)
+
+    def _keep_pulled(self, index: int, data: torch.Tensor) -> None:
+        """Keep chunk ``index``'s pulled bytes as its next delta base (a
+        pending one: the update must commit first)."""
+        assert self._held is not None
+        self._held.record(index, data, self._sync_id)
 
     def _on_committed(self) -> None:
         if self._held is not None:
