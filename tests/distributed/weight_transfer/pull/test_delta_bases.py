@@ -13,6 +13,7 @@ from vllm.distributed.weight_transfer.plan.ops import SliceSpec
 from vllm.distributed.weight_transfer.pull.chunks import make_chunk
 from vllm.distributed.weight_transfer.pull.delta_bases import (
     HeldBases,
+    KeptBytes,
     OfferedDelta,
     PublishedBases,
     land_delta,
@@ -241,6 +242,7 @@ def test_stores_past_their_limit_keep_nothing_and_those_chunks_travel_whole():
     pair = Pair(limit=a_bytes)  # room for chunk 0 only on the producer
     w1 = _weights(0)
     pair.sync_once(w1)
+    assert pair.producer.bases is not None
     assert pair.producer.bases.used_bytes == a_bytes
     results, landed = pair.sync_once(_step(w1, 2))
     assert [r.delta for r in results] == ["applied", None]
@@ -259,6 +261,24 @@ def test_registering_another_plan_forgets_the_kept_bytes():
     assert bases.offer((1, 0), packed, 1, out, unit=1) is None
     bases.forget(0)
     assert len(bases) == 1 and bases.used_bytes == 256
+
+
+def _committed(data: torch.Tensor) -> KeptBytes:
+    """A worker's committed copy of ``data`` as sync 1's chunk 0."""
+    held = HeldBases(1 << 20)
+    held.record(0, data, 1)
+    held.commit()
+    base = held.base(0)
+    assert base is not None
+    return base
+
+
+def _encoded(base, new, unit):
+    from vllm.distributed.weight_transfer.pull.delta import encode_delta
+
+    delta = encode_delta(base, new, unit=unit, base_version=1)
+    assert delta is not None
+    return delta.to_wire()
 
 
 def _offer(header, wire):
@@ -286,41 +306,32 @@ def test_every_bad_header_field_is_refused_before_the_held_bytes_are_used(
 ):
     """``land_delta`` refuses (ValueError naming the field) and the caller
     then reads the whole chunk; the held bytes are never written."""
-    from vllm.distributed.weight_transfer.pull.delta import encode_delta
-
     base = torch.randint(0, 255, (4096,), dtype=torch.uint8)
     new = base.clone()
     new[100:110] += 1
-    delta = encode_delta(base, new, unit=2, base_version=1)
-    header, wire = delta.to_wire()
+    header, wire = _encoded(base, new, unit=2)
     header[field] = value
-    held = HeldBases(1 << 20)
-    held.record(0, base, 1)
-    held.commit()
-    kept = held.base(0).data.clone()
+    held = _committed(base)
+    kept = held.data.clone()
     into = torch.empty(4096, dtype=torch.uint8)
     with pytest.raises(ValueError, match=match):
-        land_delta(_offer(header, wire), into, held.base(0))
-    assert torch.equal(held.base(0).data, kept)
+        land_delta(_offer(header, wire), into, held)
+    assert torch.equal(held.data, kept)
 
 
 def test_a_partial_or_oversized_delta_is_refused():
-    from vllm.distributed.weight_transfer.pull.delta import encode_delta
-
     base = torch.zeros(4096, dtype=torch.uint8)
     new = base.clone()
     new[::512] = 1
-    header, wire = encode_delta(base, new, unit=1, base_version=1).to_wire()
-    held = HeldBases(1 << 20)
-    held.record(0, base, 1)
-    held.commit()
+    header, wire = _encoded(base, new, unit=1)
+    held = _committed(base)
     into = torch.empty(4096, dtype=torch.uint8)
     with pytest.raises(ValueError, match="partial|buffer"):
-        land_delta(_offer(header, wire[:-1]), into, held.base(0))
+        land_delta(_offer(header, wire[:-1]), into, held)
     huge = OfferedDelta(header, 4096, lambda i: None)
     with pytest.raises(ValueError, match="smaller than its chunk"):
-        land_delta(huge, into, held.base(0))
-    land_delta(_offer(header, wire), into, held.base(0))
+        land_delta(huge, into, held)
+    land_delta(_offer(header, wire), into, held)
     assert torch.equal(into, new)
 
 
