@@ -205,15 +205,16 @@ class Seconds:
 
 def time_producer_delta_path() -> Seconds:
     """Time, in this (the producer's) process: packing each chunk, encoding
-    its delta, the digest of the bytes kept as its next base, and the whole
-    offer (encode + keep the base + digest)."""
-    from vllm.distributed.weight_transfer.pull import delta_bases, producer
+    its delta, the digest of a delta's base (taken inside the encode that
+    yields the delta, so part of ``encode_s``), and the whole offer (encode
+    + keep the new bytes as the next base)."""
+    from vllm.distributed.weight_transfer.pull import delta, delta_bases, producer
 
     seconds = Seconds()
     seconds.time(producer, "pack_chunk", "pack_s")
     seconds.time(delta_bases.PublishedBases, "offer", "offer_s")
     seconds.time(delta_bases, "encode_delta", "encode_s")
-    seconds.time(delta_bases, "payload_checksum", "base_digest_s")
+    seconds.time(delta, "payload_checksum", "base_digest_s")
     return seconds
 
 
