@@ -150,9 +150,10 @@ def test_a_second_sync_moves_only_the_changed_elements_and_lands_them_exactly():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_serve_and_receive_buffers_on_a_gpu_apply_deltas_exactly():
-    """Producer serve buffers and the worker's receive buffer on the GPU,
-    the bases in host memory: deltas encode from a device copy, apply on the
-    device, and a flipped held byte still reads the whole chunk."""
+    """Producer serve buffers and the worker's receive buffer on the GPU:
+    deltas encode on the GPU against the producer's copies there, apply on
+    the device from the worker's host copies, and a flipped held byte still
+    reads the whole chunk."""
     pair = Pair(device="cuda")
     w1 = _weights(0)
     pair.sync_once({k: v.cuda() for k, v in w1.items()})
@@ -160,6 +161,11 @@ def test_serve_and_receive_buffers_on_a_gpu_apply_deltas_exactly():
     results, landed = pair.sync_once({k: v.cuda() for k, v in w2.items()})
     assert [r.delta for r in results] == ["applied", "applied"]
     assert _same(landed, w2)
+    # The producer compares on the GPU, next to its serve buffers; the
+    # worker keeps its copies in host memory.
+    assert pair.producer.bases is not None
+    assert all(e.data.is_cuda for e in pair.producer.bases._entries.values())
+    assert all(not e.data.is_cuda for e in pair.held._entries.values())
 
     def flip(index, held):
         held.base(index).data[3] ^= 0x04

@@ -21,9 +21,11 @@ in the receive buffer and apply the delta there, which checks the held
 bytes' checksum against the delta's base first. Any refusal leaves the
 caller to read the whole chunk, which the producer still holds.
 
-Both stores live in host memory and are bounded: a chunk that would take a
-store past its limit is not kept, and travels whole every sync. Nothing here
-knows a transport or a model.
+Both stores are bounded: a chunk that would take a store past its limit is
+not kept, and travels whole every sync. The producer keeps its copies where
+its serve buffers are (host memory by default, the GPU's with
+``serve_device="cuda"``); the worker keeps its copies in host memory. Nothing
+here knows a transport or a model.
 """
 
 from __future__ import annotations
@@ -54,7 +56,10 @@ class KeptBytes:
 
 
 class _BoundedStore:
-    """Host copies of chunk bytes by key, at most ``limit_bytes`` in all."""
+    """Copies of chunk bytes by key, at most ``limit_bytes`` in all, in host
+    memory or (``next_to_data``) on the device of the bytes they copy."""
+
+    next_to_data = False
 
     def __init__(self, limit_bytes: int) -> None:
         if limit_bytes < 0:
@@ -83,7 +88,10 @@ class _BoundedStore:
             if entry is None:
                 if self.used_bytes + nbytes > self.limit_bytes:
                     return None
-                entry = KeptBytes(version, torch.empty(nbytes, dtype=torch.uint8))
+                where = data.device if self.next_to_data else "cpu"
+                entry = KeptBytes(
+                    version, torch.empty(nbytes, dtype=torch.uint8, device=where)
+                )
                 self._entries[key] = entry
                 self.used_bytes += nbytes
             entry.version = version
@@ -106,8 +114,13 @@ class _BoundedStore:
 
 
 class PublishedBases(_BoundedStore):
-    """A producer's last served bytes per ``(share, seq)``; see the module
-    docstring."""
+    """A producer's last served bytes per ``(share, seq)``, kept where its
+    serve buffers are (a GPU's memory for a producer serving from the GPU:
+    comparing there runs at device speed, where a copy to the host and a
+    comparison on its cores would cost more than the wire saves); see the
+    module docstring."""
+
+    next_to_data = True
 
     def offer(
         self,
@@ -124,10 +137,14 @@ class PublishedBases(_BoundedStore):
         as the new base, and return the delta's wire header; None when
         nothing was kept for ``key``, or the delta would be no smaller than
         the chunk. ``digest`` is ``packed``'s ``ws1`` checksum, if known."""
-        new = packed if packed.device.type == "cpu" else packed.cpu()
+        new = packed
         entry = self._get(key)
         header = None
-        if entry is not None and entry.data.numel() == new.numel():
+        if (
+            entry is not None
+            and entry.data.numel() == new.numel()
+            and entry.data.device == new.device
+        ):
             delta = encode_delta(
                 entry.data,
                 new,

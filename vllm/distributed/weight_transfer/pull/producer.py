@@ -24,8 +24,9 @@ With ``checksums`` on, each packed chunk's ``ws1`` payload checksum is computed
 on the producer's device right after packing; the consumer compares it with
 the bytes that reached it.
 
-With ``delta_bases_bytes`` above 0, the producer keeps (`PublishedBases`, host
-memory, at most that many bytes) the bytes it last packed for each chunk, and
+With ``delta_bases_bytes`` above 0, the producer keeps (`PublishedBases`, on
+the serve buffers' device, at most that many bytes) the bytes it last packed
+for each chunk, and
 each later packing also writes the delta from them into the slot's delta
 buffer: `Packed.delta` offers it next to the whole chunk, and the consumer
 reads whichever it can use.
@@ -171,7 +172,8 @@ class ProducerSettings:
     # Serve buffers of exactly the largest chunk, not rounded up to
     # 256 MiB (for small payloads whose size changes rarely).
     exact_buffers: bool = False
-    # Host bytes of last-packed chunks kept to encode deltas against
+    # Bytes of last-packed chunks kept (next to the serve buffers) to
+    # encode deltas against
     # (0: no deltas).
     delta_bases_bytes: int = 0
 

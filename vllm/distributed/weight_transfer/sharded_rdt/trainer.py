@@ -34,7 +34,9 @@ every packed chunk and workers verify the bytes that reached them before
 landing them.
 
 Deltas (``delta_bases_gb`` above 0, off by default): each producer and each
-worker keep up to that much host memory of the chunk bytes last synced, and
+worker keep up to that many GiB of the chunk bytes last synced (a producer
+next to its serve buffers, so on the GPU with ``serve_device="cuda"``; a
+worker in host memory), and
 a chunk whose changed elements encode smaller than the chunk travels as a
 delta against the worker's copy (``pull.delta_bases``); a worker that does
 not hold the delta's base reads the whole chunk. Every chunk still lands
@@ -130,8 +132,9 @@ class ShardedRDTTrainerInitInfo(TrainerInitInfo, VerifiedSyncSettings):
     transport: str = "auto"
     producer_host: str | None = None
     serve_device: str | None = None
-    # Host GiB of last-synced chunk bytes each producer and worker keep for
-    # delta syncs (0: off; chunks past the limit travel whole).
+    # GiB of last-synced chunk bytes each producer (next to its serve
+    # buffers) and each worker (host memory) keep for delta syncs (0: off;
+    # chunks past the limit travel whole).
     delta_bases_gb: float = 0.0
     process_group: Any = field(default=None, repr=False, compare=False)
 
