@@ -71,14 +71,22 @@ def bench_model(
     copy in the same dtype. With ``touch`` every weight is redrawn once (seed
     99), as training would touch it, so that a memory baseline taken afterwards
     already holds the whole model and its temporaries."""
+    from vllm.distributed.weight_transfer.testing import TinyModelSpec
+
+    spec = TinyModelSpec(**QWEN3_BENCH_SHAPE, num_layers=num_layers, dtype=dtype)
+    return bench_model_of(spec, touch=touch)
+
+
+def bench_model_of(spec: Any, touch: bool = False) -> BenchModel:
+    """Write the tiny model ``spec`` (a ``TinyModelSpec``) and load the
+    trainer's copy in its dtype; ``touch`` as in `bench_model`."""
     from vllm.distributed.weight_transfer.testing import (
-        TinyModelSpec,
         build_tiny_model,
         load_hf_model,
         randomize_weights_,
     )
 
-    spec = TinyModelSpec(**QWEN3_BENCH_SHAPE, num_layers=num_layers, dtype=dtype)
+    dtype = spec.dtype
     t0 = time.perf_counter()
     model_dir = build_tiny_model(spec)
     build_s = time.perf_counter() - t0

@@ -55,6 +55,7 @@ from _bench_common import (
     RESULTS,
     BenchModel,
     bench_model,
+    bench_model_of,
     git_commit,
     raw_nixl_read_s,
     result_path,
@@ -115,11 +116,7 @@ def measured_rl_rates() -> list[dict[str, Any]]:
 def moe_bench_model(num_layers: int, dtype: str) -> BenchModel:
     """A Qwen3-MoE of ``QWEN3_BENCH_SHAPE``'s attention and vocabulary with 8
     experts of 512 per layer (2 routed), written once and loaded."""
-    from vllm.distributed.weight_transfer.testing import (
-        TinyModelSpec,
-        build_tiny_model,
-        load_hf_model,
-    )
+    from vllm.distributed.weight_transfer.testing import TinyModelSpec
 
     shape = dict(QWEN3_BENCH_SHAPE, arch="qwen3_moe")
     spec = TinyModelSpec(
@@ -130,20 +127,7 @@ def moe_bench_model(num_layers: int, dtype: str) -> BenchModel:
         moe_intermediate_size=512,
         dtype=dtype,  # type: ignore[arg-type]
     )
-    t0 = time.perf_counter()
-    model_dir = build_tiny_model(spec)
-    build_s = time.perf_counter() - t0
-    model = load_hf_model(model_dir, dtype)
-    params = list(model.parameters())
-    return BenchModel(
-        spec=spec,
-        dir=model_dir,
-        model=model,
-        dtype=dtype,
-        build_s=build_s,
-        params=sum(p.numel() for p in params),
-        nbytes=sum(p.numel() * p.element_size() for p in params),
-    )
+    return bench_model_of(spec)
 
 
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
