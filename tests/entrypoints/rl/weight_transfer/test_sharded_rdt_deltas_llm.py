@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import socket
-import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,10 +27,11 @@ import pytest
 
 from vllm.distributed.weight_transfer.testing import (
     TinyModelSpec,
-    assert_bit_identical,
-    assert_same_greedy,
     build_tiny_model,
-    logprob_atol,
+)
+from vllm.distributed.weight_transfer.testing.server import free_port
+from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
+    assert_serves_trainer,
 )
 from vllm.distributed.weight_transfer.testing.tiny_models import Architecture
 
@@ -46,12 +45,6 @@ DELTA_GB = 1.0
 CHANGED = 0.01
 # A norm weight: served as the checkpoint's bytes by both engines.
 NORM = "model.layers.0.input_layernorm.weight"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +99,7 @@ def _trainer(engine) -> Iterator:
     )
 
     llm, model_dir, tp = engine
-    rank = ray.remote(num_cpus=0)(TrainerRank).remote(model_dir, 0, 1, _free_port())
+    rank = ray.remote(num_cpus=0)(TrainerRank).remote(model_dir, 0, 1, free_port())
     try:
         ray.get(
             rank.init.remote(
@@ -119,17 +112,6 @@ def _trainer(engine) -> Iterator:
         ray.kill(rank)
 
 
-def _assert_serves_trainer(llm, rank) -> None:
-    served = ray.get(llm.greedy.remote())
-    with tempfile.TemporaryDirectory(prefix="fresh-load-") as checkpoint:
-        ray.get(rank.save_checkpoint.remote(checkpoint))
-        expected = ray.get(llm.fresh_load_greedy.remote(checkpoint))
-    assert_bit_identical(served, expected)
-    assert_same_greedy(
-        served, ray.get(rank.greedy.remote()), atol=logprob_atol("float32")
-    )
-
-
 def _committed(llm) -> bool:
     return all(s["state"] == "committed" for s in ray.get(llm.fence_status.remote()))
 
@@ -138,7 +120,7 @@ def _synced(llm, rank, send=None) -> list[dict]:
     """Run ``send`` (default: a plain sync), check the oracle and that the
     engine committed; each worker's receipt."""
     ray.get(send if send is not None else rank.send.remote(), timeout=180)
-    _assert_serves_trainer(llm, rank)
+    assert_serves_trainer(llm, rank)
     assert _committed(llm), ray.get(llm.fence_status.remote())
     return ray.get(llm.receipts.remote())
 

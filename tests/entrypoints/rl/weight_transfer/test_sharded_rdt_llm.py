@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import socket
-import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -43,6 +41,10 @@ from vllm.distributed.weight_transfer.testing import (
     assert_same_greedy,
     build_tiny_model,
     logprob_atol,
+)
+from vllm.distributed.weight_transfer.testing.server import free_port
+from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
+    assert_serves_trainer,
 )
 
 pytestmark = pytest.mark.slow
@@ -56,12 +58,6 @@ pytest.importorskip("nixl")
 # is WeightTransferConfig.landing (planned engines run plain CPU linear
 # layers, the only ones that keep their bytes on vLLM CPU).
 COMBOS = [("qwen3", 1, "reload"), ("qwen3_moe", 2, "planned")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +101,7 @@ def _trainers(model_dir: str, world: int) -> Iterator[list]:
         TrainerRank,
     )
 
-    port = _free_port()
+    port = free_port()
     cls = ray.remote(num_cpus=0)(TrainerRank)
     ranks = [cls.remote(model_dir, r, world, port) for r in range(world)]
     try:
@@ -116,23 +112,10 @@ def _trainers(model_dir: str, world: int) -> Iterator[list]:
             ray.kill(t)
 
 
-def _assert_serves_trainer(llm, rank) -> None:
-    """vLLM serves bit for bit what a fresh load of ``rank``'s weights serves,
-    and the same greedy output as a HF forward of them."""
-    served = ray.get(llm.greedy.remote())
-    with tempfile.TemporaryDirectory(prefix="fresh-load-") as checkpoint:
-        ray.get(rank.save_checkpoint.remote(checkpoint))
-        expected = ray.get(llm.fresh_load_greedy.remote(checkpoint))
-    assert_bit_identical(served, expected)
-    assert_same_greedy(
-        served, ray.get(rank.greedy.remote()), atol=logprob_atol("float32")
-    )
-
-
 def _sync_and_check(llm, ranks, seed: int) -> list[dict]:
     ray.get([t.randomize.remote(seed) for t in ranks])
     ray.get([t.send.remote() for t in ranks])
-    _assert_serves_trainer(llm, ranks[0])
+    assert_serves_trainer(llm, ranks[0])
     return ray.get(llm.receipts.remote())
 
 
@@ -226,7 +209,7 @@ def test_planned_landing_pulls_straight_into_the_served_tensors(engine, request)
         ray.get(llm.greedy.remote())  # the engine keeps serving
         ray.get(ranks[0].send.remote(weight_version="step-133"))
         assert _states(llm) == ["committed"] * tp
-        _assert_serves_trainer(llm, ranks[0])
+        assert_serves_trainer(llm, ranks[0])
 
 
 def _fail_a_sync_at_chunk_1(llm, rank, seed: int) -> None:
@@ -262,7 +245,7 @@ def test_the_version_changes_only_after_every_receipt_verified(engine):
         # finish_weight_update returned with the old version still served.
         assert ray.get(llm.version_seen_at_finish.remote()) == before
         assert ray.get(llm.weight_version.remote()) == "step-110"
-        _assert_serves_trainer(llm, ranks[0])
+        assert_serves_trainer(llm, ranks[0])
 
 
 def test_checksums_catch_a_byte_flipped_in_transit_and_a_resync_recovers(engine):
@@ -297,7 +280,7 @@ def test_checksums_catch_a_byte_flipped_in_transit_and_a_resync_recovers(engine)
         ray.get(ranks[0].send.remote(weight_version="step-112"))
         assert _states(llm) == ["committed"]
         assert ray.get(llm.weight_version.remote()) == "step-112"
-        _assert_serves_trainer(llm, ranks[0])
+        assert_serves_trainer(llm, ranks[0])
 
 
 def test_a_manifest_mismatch_is_refused_before_any_weight_changes(engine):
@@ -338,7 +321,7 @@ def test_a_worker_failing_mid_update_is_fenced_until_a_full_resync(engine):
         ray.get(ranks[0].send.remote(weight_version="step-116"))
         assert _states(llm) == ["committed"]
         assert ray.get(llm.weight_version.remote()) == "step-116"
-        _assert_serves_trainer(llm, ranks[0])
+        assert_serves_trainer(llm, ranks[0])
 
 
 # ---------------------------------------------------------------------------
@@ -383,7 +366,7 @@ def test_generation_after_start_serves_the_old_weights_until_a_sync(engine):
         ray.get(ranks[0].send.remote(weight_version="step-121"))
         assert _states(llm) == ["committed"]
         assert ray.get(llm.weight_version.remote()) == "step-121"
-        _assert_serves_trainer(llm, ranks[0])
+        assert_serves_trainer(llm, ranks[0])
 
 
 # (update_info, what the refusal says). Sync ids name a sync the trainer has
@@ -435,7 +418,7 @@ def test_malformed_updates_after_start_are_refused_and_a_full_sync_recovers(engi
         ray.get(ranks[0].send.remote(weight_version="step-123"), timeout=120)
         assert _states(llm) == ["committed"]
         assert ray.get(llm.weight_version.remote()) == "step-123"
-        _assert_serves_trainer(llm, ranks[0])
+        assert_serves_trainer(llm, ranks[0])
 
 
 def test_a_refused_update_naming_the_next_sync_fails_it_and_the_one_after_recovers(
@@ -475,7 +458,7 @@ def test_a_refused_update_naming_the_next_sync_fails_it_and_the_one_after_recove
         ray.get(ranks[0].send.remote(weight_version="step-126"), timeout=120)
         assert _states(llm) == ["committed"]
         assert ray.get(llm.weight_version.remote()) == "step-126"
-        _assert_serves_trainer(llm, ranks[0])
+        assert_serves_trainer(llm, ranks[0])
 
 
 def test_an_init_declaring_a_float_tensor_int32_is_refused_and_init_recovers(engine):
@@ -509,7 +492,7 @@ def test_an_init_declaring_a_float_tensor_int32_is_refused_and_init_recovers(eng
         ray.get(ranks[0].send.remote(weight_version="step-127"), timeout=120)
         assert _states(llm) == ["committed"]
         assert ray.get(llm.weight_version.remote()) == "step-127"
-        _assert_serves_trainer(llm, ranks[0])
+        assert_serves_trainer(llm, ranks[0])
 
 
 # ---------------------------------------------------------------------------
@@ -573,7 +556,7 @@ def test_a_staged_sync_serves_the_old_weights_while_it_pulls(staged_engine, requ
             during.append(ray.get(llm.greedy.remote()))
         ray.get(sending)
         after = ray.get(llm.greedy.remote())
-        _assert_serves_trainer(llm, ranks[0])
+        assert_serves_trainer(llm, ranks[0])
         # Requests answered while the sync ran saw the old weights, then (a
         # request queued behind the commit) the new ones; never anything else,
         # never back.
@@ -628,4 +611,4 @@ def test_a_staged_pull_that_fails_keeps_the_old_weights_and_version(staged_engin
         ray.get(ranks[0].send.remote(weight_version="step-204"), timeout=120)
         assert _states(llm) == ["committed"] * tp
         assert ray.get(llm.weight_version.remote()) == "step-204"
-        _assert_serves_trainer(llm, ranks[0])
+        assert_serves_trainer(llm, ranks[0])

@@ -656,3 +656,27 @@ class ToyRdtConsumer:
                     raw.view(torch.float32).view(packed.spec.shape).clone()
                 )
         return out
+
+
+def assert_serves_trainer(llm: Any, rank: Any) -> None:
+    """The ``LLMHost`` actor ``llm`` serves bit for bit what a fresh vLLM load
+    of the ``TrainerRank`` actor ``rank``'s weights serves, and the same
+    greedy output as a Hugging Face forward of them."""
+    import tempfile
+
+    import ray
+
+    from vllm.distributed.weight_transfer.testing import (
+        assert_bit_identical,
+        assert_same_greedy,
+        logprob_atol,
+    )
+
+    served = ray.get(llm.greedy.remote())
+    with tempfile.TemporaryDirectory(prefix="fresh-load-") as checkpoint:
+        ray.get(rank.save_checkpoint.remote(checkpoint))
+        expected = ray.get(llm.fresh_load_greedy.remote(checkpoint))
+    assert_bit_identical(served, expected)
+    assert_same_greedy(
+        served, ray.get(rank.greedy.remote()), atol=logprob_atol("float32")
+    )
