@@ -79,9 +79,6 @@ DEFAULT_CASES = (
     "qwen3-30b-a3b_tp1_rank0",
     "qwen3-30b-a3b_tp2_rank0",
 )
-# The committed fork packed-ipc measurement on the same GPU type (another run,
-# 24 of Qwen3-30B-A3B's 48 layers: same per-layer shapes, half the bytes).
-FORK_PACKED_RESULT = RESULTS / "ipc_cuda" / "h200.json"
 
 
 DEVICE = "cuda"
@@ -161,16 +158,34 @@ def _verify(plan, table, sources_by_name, dests, uncovered: int) -> dict[str, An
     }
 
 
-def _fork_packed_reference(model: str) -> dict[str, Any] | None:
-    if not FORK_PACKED_RESULT.exists():
+def _fork_packed_result() -> Path | None:
+    """The committed ``bench_ipc_cuda.py`` result of the card this run uses
+    (``ipc_cuda/<device>.json``: another run, 24 of Qwen3-30B-A3B's 48
+    layers, same per-layer shapes), or None, with a printed line, when there
+    is none."""
+    path = result_path("bench_ipc_cuda.py") if DEVICE == "cuda" else None
+    if path is None or not path.exists():
+        print(
+            "no committed ipc_cuda result for this device"
+            + (f" ({path.relative_to(RESULTS.parent.parent)})" if path else "")
+            + ": the cross-run ratio to the fork's packed mode is skipped",
+            flush=True,
+        )
         return None
-    doc = json.loads(FORK_PACKED_RESULT.read_text())
+    return path
+
+
+def _fork_packed_reference(model: str, source: Path | None) -> dict[str, Any] | None:
+    if source is None:
+        return None
+    doc = json.loads(source.read_text())
     for res in doc.get("results", []):
         if res.get("model", "").lower() == model.lower() and "fork_packed" in res:
             flat = res["d2d_copy"]["flat_seconds"]
             packed = res["fork_packed"]
             return {
-                "source": str(FORK_PACKED_RESULT.relative_to(RESULTS.parent.parent)),
+                "source": str(source.relative_to(RESULTS.parent.parent)),
+                "device": doc.get("device"),
                 "layers": res.get("layers"),
                 "bytes": res.get("bytes"),
                 "fraction_of_device_copy_best": flat / packed["seconds"],
@@ -188,6 +203,7 @@ def run_case(
     reps: int,
     warmup: int,
     first_groups: int | None = None,
+    fork_packed_source: Path | None = None,
 ) -> dict[str, Any]:
     model_name = case.split("_")[0]
     res: dict[str, Any] = {"plan": case, "model": model_name}
@@ -308,13 +324,14 @@ def run_case(
         res["execute_s"] = table_methods[best]["median_s"]
         res["fraction_of_device_copy"] = flat["median_s"] / res["execute_s"]
     ref = _fork_packed_reference(
-        {"qwen3-8b": "Qwen3-8B", "qwen3-30b-a3b": "Qwen3-30B-A3B"}.get(model_name, "")
+        {"qwen3-8b": "Qwen3-8B", "qwen3-30b-a3b": "Qwen3-30B-A3B"}.get(model_name, ""),
+        fork_packed_source,
     )
     if ref and "fraction_of_device_copy" in res:
         ref["note"] = (
             "cross-run reference: the fork's packed ipc sync measured in another "
-            "run on an H200 (committed result), as a fraction of that run's flat "
-            "device copy"
+            f"run on a {ref['device']} (committed result), as a fraction of that "
+            "run's flat device copy"
         )
         res["fork_packed_reference"] = ref
         res["over_fork_packed_reference"] = (
@@ -373,6 +390,7 @@ def main() -> None:
         "same_process": True,
         "results": [],
     }
+    fork_packed_source = _fork_packed_result()
     for case in args.cases:
         try:
             r = run_case(
@@ -383,6 +401,7 @@ def main() -> None:
                 args.reps,
                 args.warmup,
                 args.first_groups,
+                fork_packed_source,
             )
         except Exception as e:
             r = {
