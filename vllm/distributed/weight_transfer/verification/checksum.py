@@ -28,6 +28,13 @@ chunking. Guarantees:
   (a chunk copied to the wrong offset) are detected as well;
 * the length is part of the string, so padding never collides.
 
+``A`` and ``B`` are linear in the words, so a buffer whose checksum is known
+and whose words change at known positions gets its new checksum from the
+changed words alone (`checksum_after_change`, with `checksum_words` reading
+the words before and after): the delta codec keeps the checksums of the
+bytes each side holds this way, at a cost that follows the number of changed
+words rather than the buffer's size.
+
 It is an error-detecting code for transport faults (a stale or overwritten
 buffer, a wrong offset, a bad copy), not a cryptographic hash.
 
@@ -164,3 +171,86 @@ def _as_word_rows(chunk: torch.Tensor) -> torch.Tensor:
     scratch = torch.zeros(_round_up(n), dtype=torch.uint8, device=chunk.device)
     scratch[:n].copy_(chunk)
     return scratch.view(torch.int32).view(-1, _ROW_WORDS)
+
+
+def checksum_words(buf: torch.Tensor, word_positions: torch.Tensor) -> torch.Tensor:
+    """The ``ws1`` words of ``buf`` (a 1-D uint8 tensor) at ``word_positions``
+    (int64, each in ``0 .. ceil(n / 4) - 1``), as int64 values of the signed
+    little-endian 32-bit words the definition reads; the last word of a
+    length that is not a multiple of four is zero-padded, as in the
+    definition. On ``buf.device``; no synchronization."""
+    n = buf.numel()
+    full = n // 4
+    pos = word_positions.to(device=buf.device, dtype=torch.int64)
+    if buf.data_ptr() % 4 == 0 and full and n % 4 == 0:
+        return buf[: 4 * full].view(torch.int32)[pos].long()
+    # Misaligned, or a partial last word: assemble each word from its bytes.
+    offsets = pos.unsqueeze(1) * 4 + torch.arange(4, device=buf.device)
+    inside = offsets < n
+    octets = buf[offsets.clamp(max=max(n - 1, 0))].long() * inside
+    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int64, device=buf.device)
+    unsigned = (octets << shifts).sum(dim=1)
+    return unsigned - (unsigned >= 2**31).long() * 2**32
+
+
+def checksum_after_change(
+    checksum: str,
+    word_positions: torch.Tensor,
+    old_words: torch.Tensor,
+    new_words: torch.Tensor,
+) -> str:
+    """The ``ws1`` checksum of a buffer whose checksum was ``checksum``, after
+    its words at ``word_positions`` (distinct int64 indices) changed from
+    ``old_words`` to ``new_words`` (the values `checksum_words` returns).
+
+    ``A`` and ``B`` are linear in the words, so the change adds
+    ``sum(new - old)`` to ``A`` and ``sum((j + 1) * (new - old))`` to ``B``,
+    both mod ``P``: exact integer arithmetic over the changed words only (each
+    term is reduced below ``P`` before it is multiplied or summed, so nothing
+    overflows int64). Listing a word twice counts its change twice: the
+    positions must be distinct. Words that did not change may be listed.
+    Synchronizes once; ``ValueError`` for a checksum that is not ``ws1`` or a
+    position outside the buffer."""
+    algorithm, n, a, b = _parse_checksum(checksum)
+    words = -(-n // 4)
+    count = word_positions.numel()
+    if old_words.numel() != count or new_words.numel() != count:
+        raise ValueError(
+            f"checksum_after_change: {count} word positions but "
+            f"{old_words.numel()} old and {new_words.numel()} new words"
+        )
+    if not count:
+        return checksum
+    pos = word_positions.long()
+    diff = torch.remainder(new_words.long() - old_words.long(), _P)
+    weighted = torch.remainder(diff * torch.remainder(pos + 1, _P), _P)
+    lo, hi, add_a, add_b = torch.stack(
+        [pos.min(), pos.max(), diff.sum(), weighted.sum()]
+    ).tolist()
+    if lo < 0 or hi >= words:
+        raise ValueError(
+            f"checksum_after_change: word position {lo if lo < 0 else hi} is "
+            f"outside the {words} words of a {n}-byte buffer"
+        )
+    a = (a + add_a) % _P
+    b = (b + add_b) % _P
+    return f"{algorithm}:{n}:{a:08x}{b:08x}"
+
+
+def _parse_checksum(checksum: str) -> tuple[str, int, int, int]:
+    parts = checksum.split(":") if isinstance(checksum, str) else []
+    if (
+        len(parts) != 3
+        or parts[0] != ALGORITHM
+        or not parts[1].isdigit()
+        or len(parts[2]) != 16
+    ):
+        raise ValueError(
+            f"{checksum!r} is not a {ALGORITHM} checksum "
+            f"('{ALGORITHM}:<bytes>:<16 hex digits>')"
+        )
+    try:
+        a, b = int(parts[2][:8], 16), int(parts[2][8:], 16)
+    except ValueError:
+        raise ValueError(f"{checksum!r} has a non-hex sum") from None
+    return parts[0], int(parts[1]), a, b
