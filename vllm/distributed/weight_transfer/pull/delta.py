@@ -40,6 +40,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm.distributed.weight_transfer.common.wire_fields import (
@@ -50,6 +51,7 @@ from vllm.distributed.weight_transfer.common.wire_fields import (
 )
 from vllm.distributed.weight_transfer.verification.checksum import (
     ALGORITHM,
+    checksum_after_change,
     payload_checksum,
 )
 
@@ -67,6 +69,16 @@ WIRE_ALIGN = 16
 # Bytes compared per pass while encoding: on CPU a slab stays in cache;
 # elsewhere one pass over the chunk is cheapest (each pass synchronizes once).
 CPU_SLAB_BYTES = 1024 * 1024
+# On CPU the comparison runs through numpy on the tensors' memory: its
+# single-threaded loops run a 1 GB chunk at 2-3 GB/s on one core, where torch's
+# thread pool stalls on a loaded host (both cores busy) and ran the same
+# slabs at about 0.5 GB/s (``benchmarks/weight_transfer/bench_delta_codec.py``).
+_NUMPY_DTYPES: dict[torch.dtype, Any] = {
+    torch.uint8: np.uint8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+}
 DEVICE_SLAB_BYTES = 1024 * 1024 * 1024
 _INT32_ELEMENTS = 2**31
 # A slab with more than 1 in this many words changed is compared element by
@@ -255,53 +267,57 @@ def encode_delta(
     wide = nbytes % 8 == 0 and base.data_ptr() % 8 == 0 and new.data_ptr() % 8 == 0
     word_dtype = torch.int64 if wide else value_dtype
     lanes = word_dtype.itemsize // unit
-    old_words = _view_units(base, word_dtype, "base")
-    new_words = _view_units(new, word_dtype, "new")
+    _view_units(base, word_dtype, "base")
+    _view_units(new, word_dtype, "new")
+    ops: _Ops = _NumpyOps() if base.device.type == "cpu" else _TorchOps()
+    old_words = ops.view(ops.array(base), word_dtype)
+    new_words = ops.view(ops.array(new), word_dtype)
     slab_bytes = CPU_SLAB_BYTES if base.device.type == "cpu" else DEVICE_SLAB_BYTES
     slab = max(1, slab_bytes // word_dtype.itemsize)
-    positions: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
+    positions: list[Any] = []
+    values: list[Any] = []
     count = 0
-    total_words = old_words.numel()
+    total_words = len(old_words)
     if slab < total_words:
         # Probe: the first slab's changed elements, counted without listing
         # them; a chunk changed all over is sent whole after this one pass.
         probe = slab * lanes
-        changed_there = int(
-            (base.view(value_dtype)[:probe] != new.view(value_dtype)[:probe]).sum()
-        )
+        old_elems = ops.view(old_words[:slab], value_dtype)[:probe]
+        new_elems = ops.view(new_words[:slab], value_dtype)[:probe]
+        changed_there = ops.count(old_elems != new_elems)
         if _outgrows(changed_there * cost, nbytes, slab, total_words):
             return None
+    mask = ops.mask(min(slab, total_words), base.device)
     for start in range(0, total_words, slab):
         stale, fresh = old_words[start : start + slab], new_words[start : start + slab]
-        words = torch.nonzero(stale != fresh).view(-1)
+        words = ops.nonzero(ops.ne(stale, fresh, mask[: len(stale)]))
         # Each changed word holds at least one changed element.
         seen = min(start + slab, total_words)
-        if _outgrows((count + words.numel()) * cost, nbytes, seen, total_words):
+        if _outgrows((count + len(words)) * cost, nbytes, seen, total_words):
             return None
-        if not words.numel():
+        if not len(words):
             continue
         if lanes == 1:
             changed, index = fresh[words], words + start
-        elif words.numel() * _DENSE_WORDS > fresh.numel():
+        elif len(words) * _DENSE_WORDS > len(fresh):
             # Many words changed: comparing the slab element by element is
             # cheaper than picking the changed words' elements.
-            new_elems = fresh.view(value_dtype)
-            hits = torch.nonzero(stale.view(value_dtype) != new_elems).view(-1)
+            new_elems = ops.view(fresh, value_dtype)
+            hits = ops.nonzero(ops.view(stale, value_dtype) != new_elems)
             changed, index = new_elems[hits], hits + start * lanes
         else:
             # The changed words' elements, compared one by one: ``hits`` are
             # indices into the flattened ``[changed words, lanes]`` grid.
-            new_lanes = fresh[words].view(value_dtype)
-            old_lanes = stale[words].view(value_dtype)
-            hits = torch.nonzero(old_lanes != new_lanes).view(-1)
+            new_lanes = ops.view(fresh[words], value_dtype)
+            old_lanes = ops.view(stale[words], value_dtype)
+            hits = ops.nonzero(old_lanes != new_lanes)
             changed = new_lanes[hits]
             index = (words[hits // lanes] + start) * lanes + hits % lanes
-        count += changed.numel()
+        count += len(changed)
         if _outgrows(count * cost, nbytes, seen, total_words):
             return None
         values.append(changed)
-        positions.append(index.to(pos_dtype))
+        positions.append(ops.cast(index, pos_dtype))
     if base_digest is None:
         base_digest = payload_checksum(base)
     return ChunkDelta(
@@ -309,9 +325,99 @@ def encode_delta(
         base_digest=base_digest,
         nbytes=nbytes,
         unit=unit,
-        positions=_cat(positions, pos_dtype, base.device),
-        values=_cat(values, value_dtype, base.device),
+        positions=ops.joined(positions, pos_dtype, base.device),
+        values=ops.joined(values, value_dtype, base.device),
     )
+
+
+class _Ops:
+    """The array operations ``encode_delta`` runs a slab through, on one kind
+    of array (numpy's for a CPU chunk, torch's elsewhere); indexing,
+    comparisons and integer arithmetic are written the same for both."""
+
+    def array(self, t: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+    def view(self, a: Any, dtype: torch.dtype) -> Any:
+        raise NotImplementedError
+
+    def mask(self, n: int, device: torch.device) -> Any:
+        raise NotImplementedError
+
+    def ne(self, a: Any, b: Any, out: Any) -> Any:
+        raise NotImplementedError
+
+    def nonzero(self, mask: Any) -> Any:
+        raise NotImplementedError
+
+    def count(self, mask: Any) -> int:
+        raise NotImplementedError
+
+    def cast(self, a: Any, dtype: torch.dtype) -> Any:
+        raise NotImplementedError
+
+    def joined(
+        self, parts: list[Any], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _NumpyOps(_Ops):
+    def array(self, t: torch.Tensor) -> Any:
+        return t.numpy()
+
+    def view(self, a: Any, dtype: torch.dtype) -> Any:
+        return a.view(_NUMPY_DTYPES[dtype])
+
+    def mask(self, n: int, device: torch.device) -> Any:
+        return np.empty(n, dtype=np.bool_)
+
+    def ne(self, a: Any, b: Any, out: Any) -> Any:
+        return np.not_equal(a, b, out=out)
+
+    def nonzero(self, mask: Any) -> Any:
+        return np.flatnonzero(mask)
+
+    def count(self, mask: Any) -> int:
+        return int(np.count_nonzero(mask))
+
+    def cast(self, a: Any, dtype: torch.dtype) -> Any:
+        return a.astype(_NUMPY_DTYPES[dtype], copy=False)
+
+    def joined(
+        self, parts: list[Any], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        if not parts:
+            return torch.empty(0, dtype=dtype, device=device)
+        return torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts))
+
+
+class _TorchOps(_Ops):
+    def array(self, t: torch.Tensor) -> Any:
+        return t
+
+    def view(self, a: Any, dtype: torch.dtype) -> Any:
+        return a.view(dtype)
+
+    def mask(self, n: int, device: torch.device) -> Any:
+        return torch.empty(n, dtype=torch.bool, device=device)
+
+    def ne(self, a: Any, b: Any, out: Any) -> Any:
+        return torch.ne(a, b, out=out)
+
+    def nonzero(self, mask: Any) -> Any:
+        return torch.nonzero(mask).view(-1)
+
+    def count(self, mask: Any) -> int:
+        return int(mask.sum())
+
+    def cast(self, a: Any, dtype: torch.dtype) -> Any:
+        return a.to(dtype)
+
+    def joined(
+        self, parts: list[Any], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return _cat(parts, dtype, device)
 
 
 def _outgrows(encoded: int, nbytes: int, seen: int, total: int) -> bool:
@@ -352,13 +458,16 @@ def apply_delta(
     *,
     held_version: int,
     held_digest: str | None = None,
-) -> None:
+) -> str:
     """Write ``delta`` into ``target`` (the chunk's bytes: a 1-D contiguous
-    uint8 tensor on the delta's device) in place, after ``check_delta``.
+    uint8 tensor on the delta's device) in place, after ``check_delta``, and
+    return the ``ws1`` checksum of ``target`` after the write.
     ``held_digest`` is the checksum of the bytes the caller believes
     ``target`` holds; None computes it from ``target`` (one more pass over the
-    chunk, which also catches bytes changed out of band). On any refusal the
-    target is unchanged."""
+    chunk, which also catches bytes changed out of band). The checksum
+    returned follows from the base's and the changed words alone
+    (`checksum_after_change`): it is exact when ``target`` held the bytes
+    ``held_digest`` names. On any refusal the target is unchanged."""
     if target.dtype != torch.uint8 or target.dim() != 1 or not target.is_contiguous():
         raise ValueError(
             f"apply_delta: target must be a 1-D contiguous uint8 tensor, got dtype "
@@ -381,9 +490,74 @@ def apply_delta(
     _check_base(delta, held_version, held_digest)
     if held_digest is None:
         _check_base(delta, held_version, payload_checksum(target))
-    if delta.count:
+    if not delta.count:
+        return delta.base_digest
+    if target.device.type == "cpu":
+        # numpy's one-thread gather and scatter: torch's thread pool stalls
+        # on a loaded host.
+        elements: Any = words.numpy()
+        positions: Any = delta.positions.numpy()
+        values: Any = delta.values.numpy()
+        old = elements[positions]
+        elements[positions] = values
+    else:
+        positions = delta.positions.long()
+        values = delta.values
+        old = words[positions]
         # int64 indices: the index write takes a much slower path with int32.
-        words.index_put_((delta.positions.long(),), delta.values)
+        words.index_put_((positions,), values)
+    word_positions, changes = _word_changes(old, values, positions, delta.unit)
+    return checksum_after_change(
+        delta.base_digest, _as_tensor(word_positions), _as_tensor(changes)
+    )
+
+
+def _word_changes(old: Any, new: Any, positions: Any, unit: int) -> tuple[Any, Any]:
+    """For elements at ``positions`` that change from ``old`` to ``new``
+    (numpy arrays or tensors of the unit's integer dtype): the index of the
+    ``ws1`` word each part lies in and how much that word's signed
+    little-endian value changes with it (int64). An element of 1 or 2 bytes
+    counts unsigned, shifted to its byte offset, except the top one of its
+    word, which counts signed; an 8-byte element is two words."""
+    host = isinstance(old, np.ndarray)
+    # Fresh int64 copies throughout: the arithmetic below runs in place.
+    at = _int64_copy(positions)
+    if unit == 8:
+        word_dtype = np.int32 if host else torch.int32
+        before, after = old.view(word_dtype), new.view(word_dtype)
+        words = (at * 2).repeat(2) if host else (at * 2).repeat_interleave(2)
+        words[1::2] += 1
+        at, old, new, unit = words, before, after, 4
+    before, after = _int64_copy(old), _int64_copy(new)
+    if unit == 4:
+        after -= before
+        return at, after
+    lanes = 4 // unit
+    bits = 8 * unit
+    lane = at & (lanes - 1)
+    # Unsigned values, and the sign bits of the top elements, which stand
+    # for -2**32 in the word on top of their unsigned value.
+    before &= (1 << bits) - 1
+    after &= (1 << bits) - 1
+    signs = (after >> (bits - 1)) - (before >> (bits - 1))
+    signs *= lane == lanes - 1
+    after -= before
+    lane *= bits
+    after <<= lane
+    signs <<= 32
+    after -= signs
+    at >>= lanes.bit_length() - 1
+    return at, after
+
+
+def _int64_copy(a: Any) -> Any:
+    if isinstance(a, np.ndarray):
+        return a.astype(np.int64)
+    return a.to(torch.int64, copy=True)
+
+
+def _as_tensor(a: Any) -> torch.Tensor:
+    return torch.from_numpy(a) if isinstance(a, np.ndarray) else a
 
 
 # ---------------------------------------------------------------------------
@@ -444,37 +618,36 @@ def _check_structure(delta: ChunkDelta) -> None:
 
 def _check_positions(delta: ChunkDelta) -> None:
     """Every position in ``0 .. nbytes // unit - 1``, strictly increasing
-    (sorted, no duplicates). One synchronization."""
+    (sorted, no duplicates). One synchronization when they are; the
+    offending index is then found by a second look."""
     p = delta.positions
     if p.numel() == 0:
         return
     elements = delta.nbytes // delta.unit
-    lo, hi = torch.aminmax(p)
     later, earlier = p[1:], p[:-1]
-    lo_v, hi_v, unsorted, duplicated = torch.stack(
-        [
-            lo.long(),
-            hi.long(),
-            (later < earlier).any().long(),
-            (later == earlier).any().long(),
-        ]
+    # Strictly increasing positions have their least first and greatest last.
+    first, last, not_increasing = torch.stack(
+        [p[0].long(), p[-1].long(), (later <= earlier).any().long()]
     ).tolist()
-    if lo_v < 0:
+    if not_increasing:
+        lo, hi = torch.aminmax(p)
+        first, last = int(lo), int(hi)
+    if first < 0:
         raise ValueError(
-            f"delta.positions holds a negative position ({lo_v}) at index "
+            f"delta.positions holds a negative position ({first}) at index "
             f"{_first(p < 0)}"
         )
-    if hi_v >= elements:
+    if last >= elements:
         raise ValueError(
-            f"delta.positions holds position {hi_v} at index {_first(p >= elements)}, "
+            f"delta.positions holds position {last} at index {_first(p >= elements)}, "
             f"outside the chunk's {elements} elements"
         )
-    if unsorted:
+    if not_increasing and bool((later < earlier).any()):
         raise ValueError(
             "delta.positions are not sorted: index "
             f"{_first(later < earlier) + 1} is smaller than the one before it"
         )
-    if duplicated:
+    if not_increasing:
         raise ValueError(
             "delta.positions holds a duplicate: index "
             f"{_first(later == earlier) + 1} repeats the one before it"

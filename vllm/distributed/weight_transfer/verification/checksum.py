@@ -30,10 +30,10 @@ chunking. Guarantees:
 
 ``A`` and ``B`` are linear in the words, so a buffer whose checksum is known
 and whose words change at known positions gets its new checksum from the
-changed words alone (`checksum_after_change`, with `checksum_words` reading
-the words before and after): the delta codec keeps the checksums of the
-bytes each side holds this way, at a cost that follows the number of changed
-words rather than the buffer's size.
+changes alone (`checksum_after_change`; `checksum_words` reads words): the
+delta codec keeps the checksums of the bytes each side holds this way, at a
+cost that follows the number of changed elements rather than the buffer's
+size.
 
 It is an error-detecting code for transport faults (a stale or overwritten
 buffer, a wrong offset, a bad copy), not a cryptographic hash.
@@ -54,10 +54,16 @@ a ``copy_`` of the same buffer on the same device:
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import torch
 
 ALGORITHM = "ws1"
 _P = 2**31 - 1
+# A multiple of P above 2**34: added to a change (within +-2**34) it makes
+# the change nonnegative without changing it mod P.
+_SHIFT_DIFF = 16 * _P
 # One matrix product reads the scratch once (best on accelerators); CPU BLAS
 # is faster with a sum and a matrix-vector product.
 _FUSED_ROW_SUMS = {"cpu": False}
@@ -194,47 +200,57 @@ def checksum_words(buf: torch.Tensor, word_positions: torch.Tensor) -> torch.Ten
 
 
 def checksum_after_change(
-    checksum: str,
-    word_positions: torch.Tensor,
-    old_words: torch.Tensor,
-    new_words: torch.Tensor,
+    checksum: str, word_positions: torch.Tensor, changes: torch.Tensor
 ) -> str:
     """The ``ws1`` checksum of a buffer whose checksum was ``checksum``, after
-    its words at ``word_positions`` (distinct int64 indices) changed from
-    ``old_words`` to ``new_words`` (the values `checksum_words` returns).
+    the word at each of ``word_positions`` (int64 word indices) changed by
+    ``changes`` (int64, new value minus old, each within ``+-2**34``; words as
+    `checksum_words` reads them).
 
-    ``A`` and ``B`` are linear in the words, so the change adds
-    ``sum(new - old)`` to ``A`` and ``sum((j + 1) * (new - old))`` to ``B``,
-    both mod ``P``: exact integer arithmetic over the changed words only (each
-    term is reduced below ``P`` before it is multiplied or summed, so nothing
-    overflows int64). Listing a word twice counts its change twice: the
-    positions must be distinct. Words that did not change may be listed.
-    Synchronizes once; ``ValueError`` for a checksum that is not ``ws1`` or a
+    ``A`` and ``B`` are linear in the words, so the changes add
+    ``sum(change)`` to ``A`` and ``sum((j + 1) * change)`` to ``B``, both mod
+    ``P``: exact integer arithmetic over the changes only. A position listed
+    twice adds both changes, so a word may be listed once with its whole
+    change or once per element in it, each with its own share. CPU tensors
+    are reduced with numpy (one thread: no thread pool to wait for on a
+    loaded host). ``ValueError`` for a checksum that is not ``ws1`` or a
     position outside the buffer."""
     algorithm, n, a, b = _parse_checksum(checksum)
     words = -(-n // 4)
     count = word_positions.numel()
-    if old_words.numel() != count or new_words.numel() != count:
+    if changes.numel() != count:
         raise ValueError(
             f"checksum_after_change: {count} word positions but "
-            f"{old_words.numel()} old and {new_words.numel()} new words"
+            f"{changes.numel()} changes"
         )
     if not count:
         return checksum
-    pos = word_positions.long()
-    diff = torch.remainder(new_words.long() - old_words.long(), _P)
-    weighted = torch.remainder(diff * torch.remainder(pos + 1, _P), _P)
-    lo, hi, add_a, add_b = torch.stack(
-        [pos.min(), pos.max(), diff.sum(), weighted.sum()]
-    ).tolist()
+    if word_positions.device.type == "cpu" and changes.device.type == "cpu":
+        pos: Any = word_positions.numpy().astype(np.int64, copy=False)
+        change: Any = changes.numpy().astype(np.int64, copy=False)
+    else:
+        pos, change = word_positions.long(), changes.long()
+    lo, hi = int(pos.min()), int(pos.max())
     if lo < 0 or hi >= words:
         raise ValueError(
             f"checksum_after_change: word position {lo if lo < 0 else hi} is "
             f"outside the {words} words of a {n}-byte buffer"
         )
-    a = (a + add_a) % _P
-    b = (b + add_b) % _P
+    # Shifts and masks instead of ``%``: with P = 2**31 - 1,
+    # x = (x & P) + (x >> 31) mod P, and the terms stay nonnegative and small
+    # enough that the product and the sums fit int64.
+    diff = _fold(change + _SHIFT_DIFF)  # below 2**31 + 2**5
+    weight = _fold(_fold(pos + 1))  # below 2**31 + 2
+    weighted = _fold(diff * weight)  # below 2**32 (the product: 2**63)
+    a = (a + int(diff.sum())) % _P
+    b = (b + int(weighted.sum())) % _P
     return f"{algorithm}:{n}:{a:08x}{b:08x}"
+
+
+def _fold(x: Any) -> Any:
+    """A nonnegative int64 ``x`` (array or tensor) as a number congruent to it
+    mod ``P``, below ``2**31 + (x >> 31)``."""
+    return (x & _P) + (x >> 31)
 
 
 def _parse_checksum(checksum: str) -> tuple[str, int, int, int]:
