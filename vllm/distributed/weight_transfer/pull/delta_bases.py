@@ -16,10 +16,16 @@ commits; an update that fails drops its pending entries, so the next sync
 pulls those chunks whole.
 
 ``land_delta`` is the consumer's step: check the offered delta's base
-version against the held entry, read the delta's bytes, put the held bytes
-in the receive buffer and apply the delta there, which checks the held
-bytes' checksum against the delta's base first. Any refusal leaves the
-caller to read the whole chunk, which the producer still holds.
+version against the held entry, read the delta's bytes, apply them to the
+held bytes in place (after checking the held bytes' checksum against the
+delta's base) and copy the result to the receive buffer. Any refusal leaves
+the caller to read the whole chunk, which the producer still holds.
+
+Both sides keep each copy's ``ws1`` checksum up to date from the changed
+elements alone (``apply_delta`` returns it): the producer never checksums a
+kept chunk again after its first delta, and a worker's check of the
+delta's base is a comparison of two strings (see ``land_delta`` for why the
+worker's stored checksum can be trusted).
 
 Both stores are bounded: a chunk that would take a store past its limit is
 not kept, and travels whole every sync. The producer keeps its copies where
@@ -53,6 +59,10 @@ class KeptBytes:
     data: torch.Tensor  # uint8, host memory
     digest: str | None = None  # ``ws1`` of ``data``, when known
     pending: bool = False
+    # Set by ``land_delta`` once it rebuilt the new bytes in ``data`` and
+    # copied them to a receive buffer: that buffer's (device, address,
+    # length), which ``HeldBases.record`` then need not copy back.
+    copied_to: tuple[torch.device, int, int] | None = None
 
 
 class _BoundedStore:
@@ -97,6 +107,7 @@ class _BoundedStore:
             entry.version = version
             entry.pending = pending
             entry.digest = None
+            entry.copied_to = None
         entry.data.copy_(data)
         return entry
 
@@ -137,17 +148,15 @@ class PublishedBases(_BoundedStore):
         as the new base, and return the delta's wire header; None when
         nothing was kept for ``key``, or the delta would be no smaller than
         the chunk. ``digest`` is ``packed``'s ``ws1`` checksum, if known."""
-        new = packed
         entry = self._get(key)
-        header = None
         if (
             entry is not None
-            and entry.data.numel() == new.numel()
-            and entry.data.device == new.device
+            and entry.data.numel() == packed.numel()
+            and entry.data.device == packed.device
         ):
             delta = encode_delta(
                 entry.data,
-                new,
+                packed,
                 unit=unit,
                 base_version=entry.version,
                 base_digest=entry.digest,
@@ -155,12 +164,32 @@ class PublishedBases(_BoundedStore):
             if delta is not None:
                 header, wire = delta.to_wire()
                 out[: wire.numel()].copy_(wire)
-        kept = self._store(key, new, version, pending=False)
+                # The kept bytes become the packed ones by the apply a worker
+                # runs (a write of the changed elements only), which also
+                # yields their checksum without a pass over the chunk.
+                kept_digest = apply_delta(
+                    entry.data,
+                    delta,
+                    held_version=entry.version,
+                    held_digest=delta.base_digest,
+                )
+                # With checksums on, the packed bytes' checksum confirms it;
+                # were they to differ, the copy below makes the bytes exact.
+                if digest is None or digest == kept_digest:
+                    with self._lock:
+                        entry.version = version
+                        entry.digest = kept_digest
+                    return header
+                kept = self._store(key, packed, version, pending=False)
+                if kept is not None:
+                    kept.digest = digest
+                return header
+        kept = self._store(key, packed, version, pending=False)
         if kept is not None:
             # Unknown (checksums off): computed by the next encode that
             # yields a delta, so a chunk that changes all over never pays it.
             kept.digest = digest
-        return header
+        return None
 
     def forget(self, share: Hashable) -> None:
         """Drop every chunk kept for serve share ``share`` (its plan changed)."""
@@ -179,15 +208,27 @@ class HeldBases(_BoundedStore):
     def record(self, index: int, data: torch.Tensor, version: int | None) -> None:
         """Chunk ``index`` landed ``data`` (its whole bytes) in the sync
         ``version``; a base once the update commits. Without a version the
-        entry is dropped: nothing could name it as a base."""
+        entry is dropped: nothing could name it as a base. A chunk that
+        ``land_delta`` rebuilt in the held copy and copied to ``data`` is
+        not copied back (call this before anything writes ``data``)."""
         if version is None:
             self._drop(lambda k, _e: k != index)
             return
+        with self._lock:
+            entry = self._entries.get(index)
+            if entry is not None and entry.copied_to == _address(data):
+                entry.version = version
+                entry.pending = True
+                entry.copied_to = None
+                return
         if self._store(index, data, version, pending=True) is None:
             self._drop(lambda k, _e: k != index)
 
     def commit(self) -> None:
-        """The update committed: its pending entries become bases."""
+        """The update committed: its pending entries become bases. An entry
+        rebuilt by ``land_delta`` but never recorded (its pull failed after
+        the apply) names no sync and is dropped."""
+        self._drop(lambda _k, e: e.copied_to is None)
         with self._lock:
             for entry in self._entries.values():
                 entry.pending = False
@@ -212,7 +253,23 @@ def land_delta(offered: OfferedDelta, into: torch.Tensor, held: KeptBytes) -> No
     from ``held`` and the ``offered`` delta; ``ValueError`` (a
     ``DeltaBaseMismatch`` when ``held`` is not the delta's base) when it
     cannot, after which ``into`` holds nothing useful and the caller reads
-    the whole chunk."""
+    the whole chunk.
+
+    The delta is read into ``into`` (as scratch), applied to ``held.data``
+    in place (its changed elements only), and ``held.data`` copied to
+    ``into``: one pass over the chunk. From the apply on, ``held`` is
+    pending (not a base until ``HeldBases.record`` names its sync and the
+    update commits; ``discard_pending`` drops it when the update fails).
+
+    ``held.digest``, when known, stands for the checksum of ``held.data``
+    without a pass over it. It is trustworthy because only this module
+    writes a held copy: ``HeldBases`` copies whole chunks in (and forgets
+    the digest), and this function writes the changed elements and sets the
+    digest that follows from them (``apply_delta`` returns it). An unknown
+    digest is computed from the bytes by the apply. A served byte changed out
+    of band does not touch the held copy, and the whole rebuilt chunk lands
+    over the served bytes anyway; with payload checksums on, the caller
+    also checks the rebuilt chunk against the producer's checksum."""
     header = offered.header
     base_version = header.get("base_version") if isinstance(header, dict) else None
     if base_version != held.version:
@@ -227,16 +284,35 @@ def land_delta(offered: OfferedDelta, into: torch.Tensor, held: KeptBytes) -> No
         )
     if offered.nbytes:  # (nothing changed: an empty delta)
         offered.read_into(into[: offered.nbytes])
-    wire = ChunkDelta.from_wire(header, into[: offered.nbytes])
-    # The parsed delta views the receive buffer, which the held bytes fill
-    # next: keep its positions and values apart first.
-    delta = ChunkDelta(
-        base_version=wire.base_version,
-        base_digest=wire.base_digest,
-        nbytes=wire.nbytes,
-        unit=wire.unit,
-        positions=wire.positions.clone(),
-        values=wire.values.clone(),
+    delta = ChunkDelta.from_wire(header, into[: offered.nbytes])
+    if delta.device != held.data.device:
+        delta = ChunkDelta(
+            base_version=delta.base_version,
+            base_digest=delta.base_digest,
+            nbytes=delta.nbytes,
+            unit=delta.unit,
+            positions=delta.positions.to(held.data.device),
+            values=delta.values.to(held.data.device),
+        )
+    held.copied_to = None
+    digest = apply_delta(
+        held.data, delta, held_version=held.version, held_digest=held.digest
     )
+    held.pending = True
+    held.digest = digest
     into.copy_(held.data)
-    apply_delta(into, delta, held_version=held.version)
+    held.copied_to = _address(into)
+
+
+def forget_rebuilt(held: KeptBytes) -> None:
+    """``land_delta`` rebuilt ``held`` but the result was refused (its
+    checksum is not the producer's): its bytes and digest are not to be
+    trusted, and the whole chunk ``HeldBases.record`` copies in next
+    replaces them."""
+    held.copied_to = None
+    held.digest = None
+    held.pending = True
+
+
+def _address(t: torch.Tensor) -> tuple[torch.device, int, int]:
+    return (t.device, t.data_ptr(), t.numel())

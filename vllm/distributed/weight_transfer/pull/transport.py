@@ -43,15 +43,18 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from vllm.distributed.weight_transfer.pull.chunks import PullChunk
+from vllm.distributed.weight_transfer.pull.delta import DeltaBaseMismatch
 from vllm.distributed.weight_transfer.pull.delta_bases import (
     KeptBytes,
     OfferedDelta,
+    forget_rebuilt,
     land_delta,
 )
 from vllm.distributed.weight_transfer.pull.producer import Packed, Producer
 from vllm.distributed.weight_transfer.verification import (
     ReceiptInbox,
     describe_error,
+    payload_checksum,
 )
 
 if TYPE_CHECKING:
@@ -115,8 +118,9 @@ class ProducerLink(ABC):
         consumer's next pull from this producer, may be requested early so
         that it is packed while this one is read. ``held``: the chunk's bytes
         as this worker last landed them, which an offered delta applies to;
-        a delta that does not apply (another base, a malformed one) is
-        refused and the whole chunk read instead."""
+        a delta that does not apply (another base, a malformed one, or, when
+        the producer gives a checksum, a rebuilt chunk that does not match
+        it) is refused and the whole chunk read instead."""
         offered = self._request_pull(chunk, next_chunk)
         if offered.nbytes != chunk.nbytes:
             raise RuntimeError(
@@ -131,13 +135,28 @@ class ProducerLink(ABC):
                 delta = "applied"
             except ValueError as e:
                 delta = describe_error(e)
+        checksum = offered.checksum()
+        if delta == "applied" and checksum is not None:
+            # The producer's checksum covers the chunk's new bytes: a held
+            # copy that was not the delta's base (whatever its stored
+            # checksum said) does not rebuild them.
+            rebuilt = payload_checksum(into)
+            if rebuilt != checksum:
+                assert held is not None
+                forget_rebuilt(held)
+                delta = describe_error(
+                    DeltaBaseMismatch(
+                        f"the chunk rebuilt from the held bytes and the delta "
+                        f"checksums to {rebuilt} but the producer's checksum is "
+                        f"{checksum}; pull the whole chunk instead"
+                    )
+                )
         if delta == "applied":
             assert offered.delta is not None
             read = offered.delta.nbytes
         else:
             offered.read_into(into)
             read = chunk.nbytes
-        checksum = offered.checksum()
         self._read_done(chunk.seq)
         return Pulled(checksum, read, delta)
 

@@ -1,0 +1,218 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The checksums both sides keep of their delta bases without a pass over
+the bytes: ``apply_delta`` returns the checksum after its write, the
+producer's kept copies and the worker's held copies carry it from sync to
+sync, and a held copy whose stored checksum is unknown or stale still ends
+exact (through the whole chunk when it is not the delta's base)."""
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from tests.distributed.weight_transfer.pull.test_delta_bases import (
+    NAMES,
+    Pair,
+    _same,
+    _step,
+    _weights,
+)
+from vllm.distributed.weight_transfer.pull.delta import apply_delta, encode_delta
+from vllm.distributed.weight_transfer.pull.delta_bases import HeldBases
+from vllm.distributed.weight_transfer.verification import payload_checksum
+
+
+def _changed(base: torch.Tensor, unit: int, every: int, seed: int) -> torch.Tensor:
+    """``base`` with every ``every``-th element (of ``unit`` bytes) set to
+    random bits, the last element included."""
+    g = torch.Generator().manual_seed(seed)
+    new = base.clone()
+    elements = new.numel() // unit
+    picked = torch.cat([torch.arange(0, elements, every), torch.tensor([elements - 1])])
+    for i in picked.tolist():
+        new[i * unit : (i + 1) * unit] = torch.randint(
+            0, 256, (unit,), dtype=torch.uint8, generator=g
+        )
+    return new
+
+
+@pytest.mark.parametrize("unit", [1, 2, 4, 8])
+@pytest.mark.parametrize("nbytes", [8 * 1024, 8 * 1024 + 2, 8 * 1024 + 8])
+@pytest.mark.parametrize("every", [7, 97])
+def test_apply_delta_returns_the_checksum_of_the_bytes_it_leaves(unit, nbytes, every):
+    """Every unit, a partial last word (2 bytes past a multiple of 4), dense
+    and sparse changes, the last element among them."""
+    if nbytes % unit:
+        pytest.skip("the chunk is not a whole number of elements")
+    g = torch.Generator().manual_seed(unit * 1000 + every)
+    base = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    new = _changed(base, unit, every, seed=every)
+    digest = payload_checksum(base)
+    delta = encode_delta(base, new, unit=unit, base_version=1, base_digest=digest)
+    assert delta is not None
+    target = base.clone()
+    after = apply_delta(target, delta, held_version=1, held_digest=digest)
+    assert torch.equal(target, new)
+    assert after == payload_checksum(new)
+
+
+def test_apply_delta_of_an_empty_delta_returns_the_base_checksum():
+    base = torch.arange(64, dtype=torch.uint8)
+    delta = encode_delta(base, base.clone(), unit=2, base_version=3)
+    assert delta is not None and delta.count == 0
+    assert apply_delta(base, delta, held_version=3) == payload_checksum(base)
+
+
+def _kept_digests_are_exact(pair: Pair) -> None:
+    bases = pair.producer.bases
+    assert bases is not None
+    for entry in bases._entries.values():
+        assert entry.digest is None or entry.digest == payload_checksum(entry.data)
+    for entry in pair.held._entries.values():
+        assert entry.digest is None or entry.digest == payload_checksum(entry.data)
+
+
+class UncheckedPair(Pair):
+    """A `Pair` whose producer has payload checksums off: the worker's
+    stored checksums are all that checks a delta's base."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.producer.settings = dataclasses.replace(
+            self.producer.settings, checksums=False
+        )
+
+    def sync_once(self, weights, corrupt=None, commit: bool = True):
+        self.sync += 1
+        self.link.sync_id = self.sync
+        results, landed = [], []
+
+        def trainer():
+            self.producer.begin_sync([0], self.sync)
+            for group, name in enumerate(NAMES):
+                self.producer.wait_credit()
+                self.producer.publish(group, {name: weights[name]})
+            self.producer.end_sync()
+
+        thread = threading.Thread(target=trainer)
+        thread.start()
+        for i, chunk in enumerate(self.chunks):
+            if corrupt is not None:
+                corrupt(i, self.held)
+            into = torch.empty(chunk.nbytes, dtype=torch.uint8)
+            result = self.link.pull(chunk, into, None, self.held.base(i))
+            assert result.checksum is None
+            self.held.record(i, into, self.sync)
+            results.append(result)
+            landed.append(into.clone())
+        thread.join(10)
+        self.held.commit()
+        return results, landed
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_kept_and_held_checksums_follow_the_bytes_over_many_syncs(checksums):
+    pair = Pair() if checksums else UncheckedPair()
+    weights = _weights(0)
+    pair.sync_once(weights)
+    for step in range(1, 6):
+        weights = _step(weights, step)
+        results, landed = pair.sync_once(weights)
+        assert [r.delta for r in results] == ["applied", "applied"]
+        assert _same(landed, weights)
+        _kept_digests_are_exact(pair)
+    # After the first delta every digest is known on both sides.
+    assert all(e.digest for e in pair.producer.bases._entries.values())
+    assert all(e.digest for e in pair.held._entries.values())
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_a_stale_stored_checksum_refuses_the_delta_and_reads_the_whole_chunk(
+    checksums,
+):
+    pair = Pair() if checksums else UncheckedPair()
+    w1 = _weights(0)
+    pair.sync_once(w1)
+    w2 = _step(w1, 3)
+    pair.sync_once(w2)
+
+    def stale(index, held):
+        entry = held.base(index)
+        assert entry.digest is not None
+        entry.digest = f"ws1:{entry.data.numel()}:{1:016x}"
+
+    w3 = _step(w2, 2)
+    results, landed = pair.sync_once(w3, corrupt=stale)
+    assert all("checksum" in r.delta for r in results), results
+    assert [r.read_bytes for r in results] == [c.nbytes for c in pair.chunks]
+    assert _same(landed, w3)
+    again, landed = pair.sync_once(_step(w3, 1))
+    assert [r.delta for r in again] == ["applied", "applied"]
+    assert _same(landed, _step(w3, 1))
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_an_unknown_stored_checksum_is_computed_from_the_held_bytes(checksums):
+    pair = Pair() if checksums else UncheckedPair()
+    w1 = _weights(0)
+    pair.sync_once(w1)
+    pair.sync_once(_step(w1, 3))
+
+    def unknown_and_flipped(index, held):
+        entry = held.base(index)
+        entry.digest = None
+        entry.data[5] ^= 0x10
+
+    results, landed = pair.sync_once(_step(w1, 4), corrupt=unknown_and_flipped)
+    assert all("checksum" in r.delta for r in results), results
+    assert _same(landed, _step(w1, 4))
+
+
+def test_a_flipped_held_byte_behind_a_stored_checksum_is_caught_by_the_producers():
+    """The stored checksum says the held copy is the base, but a byte of it
+    changed out of band: the rebuilt chunk's checksum is not the producer's,
+    so the delta is refused and the whole chunk read."""
+    pair = Pair()  # its producer has checksums on
+    w1 = _weights(0)
+    pair.sync_once(w1)
+    pair.sync_once(_step(w1, 3))
+
+    def flip(index, held):
+        held.base(index).data[-3] ^= 0x01  # an element the delta keeps
+
+    w3 = _step(w1, 5)
+    results, landed = pair.sync_once(w3, corrupt=flip)
+    assert all("producer's checksum" in r.delta for r in results), results
+    assert _same(landed, w3)
+    _kept_digests_are_exact(pair)
+
+
+def test_a_rebuilt_chunk_is_recorded_without_a_copy_and_an_unrecorded_one_dropped():
+    pair = Pair()
+    w1 = _weights(0)
+    pair.sync_once(w1)
+    results, _ = pair.sync_once(_step(w1, 3))
+    assert [r.delta for r in results] == ["applied", "applied"]
+    entry = pair.held.base(0)
+    assert entry is not None and entry.copied_to is None
+    assert entry.version == pair.sync
+    # A rebuild whose pull failed before ``record``: not a base after commit.
+    entry.copied_to = (torch.device("cpu"), 1, 1)
+    pair.held.commit()
+    assert pair.held.base(0) is None
+    assert pair.held.base(1) is not None
+
+
+def test_record_copies_a_buffer_other_than_the_one_rebuilt():
+    held = HeldBases(1 << 20)
+    data = torch.arange(256, dtype=torch.uint8)
+    held.record(0, data, 1)
+    held.commit()
+    entry = held.base(0)
+    entry.copied_to = (torch.device("cpu"), data.data_ptr() + 1, data.numel())
+    other = torch.flip(data, [0]).contiguous()
+    held.record(0, other, 2)
+    assert torch.equal(held._entries[0].data, other)
+    assert held._entries[0].digest is None
