@@ -190,8 +190,10 @@ class Seconds:
 def time_producer_delta_path() -> Seconds:
     """Time, in this (the producer's) process: packing each chunk, encoding
     its delta, the digest of a delta's base (taken inside the encode that
-    yields the delta, so part of ``encode_s``), and the whole offer (encode
-    + keep the new bytes as the next base)."""
+    yields the delta, so part of ``encode_s``), the apply that turns the
+    kept bytes into the new ones (``keep_apply_s``, the base's checksum
+    updated with it), and the whole offer (encode + keep the new bytes as
+    the next base)."""
     from vllm.distributed.weight_transfer.pull import delta, delta_bases, producer
 
     seconds = Seconds()
@@ -199,13 +201,16 @@ def time_producer_delta_path() -> Seconds:
     seconds.time(delta_bases.PublishedBases, "offer", "offer_s")
     seconds.time(delta_bases, "encode_delta", "encode_s")
     seconds.time(delta, "payload_checksum", "base_digest_s")
+    seconds.time(delta_bases, "apply_delta", "keep_apply_s")
     return seconds
 
 
 def time_worker_delta_path(worker: Any) -> bool:
     """Time, in a vLLM worker (run through ``collective_rpc``): each delta's
-    landing (read it, copy the held bytes, check and apply), the held copy's
-    digest inside it, and keeping each landed chunk as the next base."""
+    landing (read it, check and apply it to the held copy, copy that to the
+    receive buffer), the held copy's digest inside it (a pass only where
+    the stored one is unknown), the apply (``held_apply_s``), and keeping
+    each landed chunk as the next base."""
     from vllm.distributed.weight_transfer.pull import delta, delta_bases, transport
 
     if getattr(worker, "_bench_delta_seconds", None) is not None:
@@ -213,6 +218,7 @@ def time_worker_delta_path(worker: Any) -> bool:
     seconds = Seconds()
     seconds.time(transport, "land_delta", "land_delta_s")
     seconds.time(delta, "payload_checksum", "held_digest_s")
+    seconds.time(delta_bases, "apply_delta", "held_apply_s")
     seconds.time(delta_bases.HeldBases, "record", "keep_landed_s")
     worker._bench_delta_seconds = seconds
     return True
