@@ -41,6 +41,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm.distributed.weight_transfer.pull.delta import (
@@ -108,7 +109,7 @@ class _BoundedStore:
             entry.pending = pending
             entry.digest = None
             entry.copied_to = None
-        entry.data.copy_(data)
+        copy_bytes(entry.data, data)
         return entry
 
     def _drop(self, keep: Callable[[Hashable, KeptBytes], bool]) -> None:
@@ -300,7 +301,7 @@ def land_delta(offered: OfferedDelta, into: torch.Tensor, held: KeptBytes) -> No
     )
     held.pending = True
     held.digest = digest
-    into.copy_(held.data)
+    copy_bytes(into, held.data)
     held.copied_to = _address(into)
 
 
@@ -312,6 +313,16 @@ def forget_rebuilt(held: KeptBytes) -> None:
     held.copied_to = None
     held.digest = None
     held.pending = True
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for two uint8 tensors of one length; between two
+    host tensors through numpy's one-thread copy, which ran at about twice
+    the speed of torch's pooled copy on this loaded 2-core host."""
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        np.copyto(dst.numpy(), src.numpy())
+    else:
+        dst.copy_(src)
 
 
 def _address(t: torch.Tensor) -> tuple[torch.device, int, int]:
