@@ -204,8 +204,8 @@ def checksum_after_change(
 ) -> str:
     """The ``ws1`` checksum of a buffer whose checksum was ``checksum``, after
     the word at each of ``word_positions`` (int64 word indices) changed by
-    ``changes`` (int64, new value minus old, each within ``+-2**34``; words as
-    `checksum_words` reads them).
+    ``changes`` (int64, new value minus old, each within ``+-2**34``, and
+    faster within ``+-2**32``; words as `checksum_words` reads them).
 
     ``A`` and ``B`` are linear in the words, so the changes add
     ``sum(change)`` to ``A`` and ``sum((j + 1) * change)`` to ``B``, both mod
@@ -236,21 +236,33 @@ def checksum_after_change(
             f"checksum_after_change: word position {lo if lo < 0 else hi} is "
             f"outside the {words} words of a {n}-byte buffer"
         )
-    # Shifts and masks instead of ``%``: with P = 2**31 - 1,
-    # x = (x & P) + (x >> 31) mod P, and the terms stay nonnegative and small
-    # enough that the product and the sums fit int64.
-    diff = _fold(change + _SHIFT_DIFF)  # below 2**31 + 2**5
-    weight = _fold(_fold(pos + 1))  # below 2**31 + 2
-    weighted = _fold(diff * weight)  # below 2**32 (the product: 2**63)
-    a = (a + int(diff.sum())) % _P
-    b = (b + int(weighted.sum())) % _P
+    # Shifts and masks instead of ``%``: with P = 2**31 - 1, x = (x & P) +
+    # (x >> 31) mod P (an arithmetic shift: for a negative x as well), and
+    # every intermediate fits int64.
+    if words < _P and _small_changes(change):
+        # (j + 1) < 2**31 and |change| < 2**32: each product fits int64.
+        add_a = int(change.sum())  # |sum| < 2**32 * count
+        add_b = int(_fold(change * (pos + 1)).sum())  # terms within +-2**33
+    else:
+        diff = _fold(change + _SHIFT_DIFF)  # below 2**31 + 2**5
+        weight = _fold(_fold(pos + 1))  # below 2**31 + 2
+        add_a = int(diff.sum())
+        add_b = int(_fold(diff * weight).sum())  # the product: below 2**63
+    a = (a + add_a) % _P
+    b = (b + add_b) % _P
     return f"{algorithm}:{n}:{a:08x}{b:08x}"
 
 
 def _fold(x: Any) -> Any:
-    """A nonnegative int64 ``x`` (array or tensor) as a number congruent to it
-    mod ``P``, below ``2**31 + (x >> 31)``."""
+    """An int64 ``x`` (array or tensor) as a number congruent to it mod
+    ``P``, between ``x >> 31`` and ``2**31 + (x >> 31)``."""
     return (x & _P) + (x >> 31)
+
+
+def _small_changes(change: Any) -> bool:
+    """Whether every change lies within ``+-(2**32 - 1)`` (any change of a
+    single word does)."""
+    return bool(abs(int(change.min())) < 2**32 and int(change.max()) < 2**32)
 
 
 def _parse_checksum(checksum: str) -> tuple[str, int, int, int]:
