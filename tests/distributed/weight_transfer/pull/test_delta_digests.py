@@ -216,3 +216,24 @@ def test_record_copies_a_buffer_other_than_the_one_rebuilt():
     held.record(0, other, 2)
     assert torch.equal(held._entries[0].data, other)
     assert held._entries[0].digest is None
+
+
+@pytest.mark.parametrize("unit", [1, 2, 4, 8])
+def test_word_changes_agree_on_numpy_arrays_and_tensors(unit):
+    """The apply's checksum step runs on numpy arrays on CPU and on tensors
+    elsewhere: both give the same words and changes."""
+    from vllm.distributed.weight_transfer.pull.delta import VALUE_DTYPES, _word_changes
+
+    g = torch.Generator().manual_seed(unit)
+    dtype = VALUE_DTYPES[unit]
+    old = torch.randint(0, 256, (64 * unit,), dtype=torch.uint8, generator=g)
+    new = torch.randint(0, 256, (64 * unit,), dtype=torch.uint8, generator=g)
+    old, new = old.view(dtype), new.view(dtype)
+    positions = torch.arange(0, 640, 10, dtype=torch.int32)
+    words_np, changes_np = _word_changes(
+        old.numpy(), new.numpy(), positions.numpy(), unit
+    )
+    words_t, changes_t = _word_changes(old, new, positions, unit)
+    assert torch.equal(torch.from_numpy(words_np), words_t)
+    assert torch.equal(torch.from_numpy(changes_np), changes_t)
+    assert positions.tolist() == list(range(0, 640, 10))  # not changed in place
