@@ -11,7 +11,8 @@ Timed, each as the best of ``--reps`` after one warm-up:
   whole-chunk landing pays);
 * ``encode``: ``encode_delta`` of base and new, the base's digest given;
 * ``apply``: ``apply_delta`` into a chunk, the held digest given (the checks
-  of the positions, then one index write);
+  of the positions, one index write, and the checksum after it from the
+  changed elements);
 * ``digest``: the ``ws1`` checksum of the chunk, what ``apply_delta`` adds
   when the caller does not pass the digest it holds.
 
