@@ -22,7 +22,9 @@ The three steps::
     header, buffer = delta.to_wire()
     ... the header (JSON) and the buffer (bytes) travel ...
     delta = ChunkDelta.from_wire(header, buffer)  # checked on parse
-    apply_delta(target, delta, held_version=v)  # checked again, then written
+    digest = apply_delta(target, delta, held_version=v)  # checked, written
+    # digest: the target's ws1 checksum after the write, from its base's
+    # checksum and the changed elements alone
 
 Encoding size: ``count * (position bytes + unit)``, position bytes being 4
 (int32) when the chunk has at most 2**31 elements, else 8. ``encode_delta``
