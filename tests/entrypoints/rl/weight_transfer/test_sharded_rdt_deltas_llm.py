@@ -29,7 +29,6 @@ from vllm.distributed.weight_transfer.testing import (
     TinyModelSpec,
     build_tiny_model,
 )
-from vllm.distributed.weight_transfer.testing.server import free_port
 from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
     assert_serves_trainer,
 )
@@ -45,13 +44,6 @@ DELTA_GB = 1.0
 CHANGED = 0.01
 # A norm weight: served as the checkpoint's bytes by both engines.
 NORM = "model.layers.0.input_layernorm.weight"
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 # (arch, TP, WeightTransferConfig options): the engines every test here shares.
@@ -92,24 +84,16 @@ def _dense_only(engine) -> None:
 
 
 @contextlib.contextmanager
-def _trainer(engine) -> Iterator:
+def _trainer(engine, pool) -> Iterator:
     """One trainer rank with deltas on, initialized against ``engine``."""
-    from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
-        TrainerRank,
-    )
-
     llm, model_dir, tp = engine
-    rank = ray.remote(num_cpus=0)(TrainerRank).remote(model_dir, 0, 1, free_port())
-    try:
+    with pool.lend(model_dir) as (rank,):
         ray.get(
             rank.init.remote(
                 llm, num_consumers=tp, stall_timeout_s=20.0, delta_bases_gb=DELTA_GB
             )
         )
         yield rank
-    finally:
-        ray.get(rank.shutdown.remote())
-        ray.kill(rank)
 
 
 def _committed(llm) -> bool:
@@ -145,19 +129,23 @@ def _assert_deltas(receipts: list[dict]) -> None:
         assert r["read_bytes"] < 0.1 * r["planned_bytes"], r
 
 
-def test_delta_syncs_move_only_changed_bytes_and_serve_the_trainers_weights(engine):
+def test_delta_syncs_move_only_changed_bytes_and_serve_the_trainers_weights(
+    engine, trainer_pool
+):
     llm, _, tp = engine
-    with _trainer(engine) as rank:
+    with _trainer(engine, trainer_pool) as rank:
         assert len(_first_sync(llm, rank)) == tp
         for step in range(2):
             ray.get(rank.nudge.remote(step, CHANGED))
             _assert_deltas(_synced(llm, rank))
 
 
-def test_a_reinitialized_worker_reads_whole_chunks_then_deltas_again(engine):
+def test_a_reinitialized_worker_reads_whole_chunks_then_deltas_again(
+    engine, trainer_pool
+):
     _dense_only(engine)
     llm, _, _ = engine
-    with _trainer(engine) as rank:
+    with _trainer(engine, trainer_pool) as rank:
         _first_sync(llm, rank)
         ray.get(rank.nudge.remote(1, CHANGED))
         _assert_deltas(_synced(llm, rank))
@@ -172,7 +160,7 @@ def test_a_reinitialized_worker_reads_whole_chunks_then_deltas_again(engine):
         _assert_deltas(_synced(llm, rank))
 
 
-def test_a_worker_that_missed_a_sync_ends_exact(engine):
+def test_a_worker_that_missed_a_sync_ends_exact(engine, trainer_pool):
     """All TP workers of an engine take every sync together, so the worker
     misses one whole: the trainer syncs with no live consumer and the engine
     is never told. The producer packed nothing for the worker then, so the
@@ -180,7 +168,7 @@ def test_a_worker_that_missed_a_sync_ends_exact(engine):
     changes) apply to them."""
     _dense_only(engine)
     llm, _, _ = engine
-    with _trainer(engine) as rank:
+    with _trainer(engine, trainer_pool) as rank:
         _first_sync(llm, rank)
         ray.get(rank.nudge.remote(4, CHANGED))
         ray.get(rank.send_missed.remote(), timeout=120)
@@ -189,12 +177,14 @@ def test_a_worker_that_missed_a_sync_ends_exact(engine):
         assert receipt["delta_chunks"] > 0 and receipt["delta_refused"] == 0, receipt
 
 
-def test_a_served_byte_flipped_out_of_band_is_overwritten_by_the_next_sync(engine):
+def test_a_served_byte_flipped_out_of_band_is_overwritten_by_the_next_sync(
+    engine, trainer_pool
+):
     """Deltas apply to the worker's own copy of what it landed, never to the
     served tensors, and every chunk lands whole: a served byte changed out of
     band is overwritten by the next delta sync."""
     llm, _, _ = engine
-    with _trainer(engine) as rank:
+    with _trainer(engine, trainer_pool) as rank:
         _first_sync(llm, rank)
         before = ray.get(llm.served_bytes.remote(NORM))
         ray.get(llm.flip_served_byte.remote(NORM, 1))
@@ -224,7 +214,7 @@ BAD_FIELDS = {
 
 
 def test_every_spoiled_delta_field_is_refused_unfenced_and_the_sync_ends_exact(
-    engine,
+    engine, trainer_pool
 ):
     """One sync per spoiled field on one trainer (`send_with_bad_delta`): the
     worker refuses every delta, reads each chunk whole, and the sync commits
@@ -232,7 +222,7 @@ def test_every_spoiled_delta_field_is_refused_unfenced_and_the_sync_ends_exact(
     again."""
     _dense_only(engine)
     llm, _, _ = engine
-    with _trainer(engine) as rank:
+    with _trainer(engine, trainer_pool) as rank:
         _first_sync(llm, rank)
         for step, (field, word) in enumerate(BAD_FIELDS.items()):
             ray.get(rank.nudge.remote(100 + step, CHANGED))
@@ -244,11 +234,13 @@ def test_every_spoiled_delta_field_is_refused_unfenced_and_the_sync_ends_exact(
         _assert_deltas(_synced(llm, rank))
 
 
-def test_a_trainer_failing_mid_delta_sync_is_followed_by_an_exact_one(engine):
+def test_a_trainer_failing_mid_delta_sync_is_followed_by_an_exact_one(
+    engine, trainer_pool
+):
     """The failed sync's landed chunks were pending, never bases: the next
     sync reads those whole and the rest as deltas."""
     llm, _, _ = engine
-    with _trainer(engine) as rank:
+    with _trainer(engine, trainer_pool) as rank:
         _first_sync(llm, rank)
         ray.get(rank.nudge.remote(7, CHANGED))
         # Slowly: the worker lands the first group's chunk well before the

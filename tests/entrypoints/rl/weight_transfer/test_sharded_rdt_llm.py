@@ -29,9 +29,7 @@ combination; each test pushes the state it checks.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator
 
 import pytest
 
@@ -42,7 +40,6 @@ from vllm.distributed.weight_transfer.testing import (
     build_tiny_model,
     logprob_atol,
 )
-from vllm.distributed.weight_transfer.testing.server import free_port
 from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
     assert_serves_trainer,
 )
@@ -58,13 +55,6 @@ pytest.importorskip("nixl")
 # is WeightTransferConfig.landing (planned engines run plain CPU linear
 # layers, the only ones that keep their bytes on vLLM CPU).
 COMBOS = [("qwen3", 1, "reload"), ("qwen3_moe", 2, "planned")]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(
@@ -94,24 +84,6 @@ def engine(request, ray_cluster):
     stop_llm_host(llm)
 
 
-@contextlib.contextmanager
-def _trainers(model_dir: str, world: int) -> Iterator[list]:
-    """``world`` trainer-rank actors, shut down and killed afterwards."""
-    from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
-        TrainerRank,
-    )
-
-    port = free_port()
-    cls = ray.remote(num_cpus=0)(TrainerRank)
-    ranks = [cls.remote(model_dir, r, world, port) for r in range(world)]
-    try:
-        yield ranks
-    finally:
-        ray.get([t.shutdown.remote() for t in ranks])
-        for t in ranks:
-            ray.kill(t)
-
-
 def _sync_and_check(llm, ranks, seed: int) -> list[dict]:
     ray.get([t.randomize.remote(seed) for t in ranks])
     ray.get([t.send.remote() for t in ranks])
@@ -119,9 +91,9 @@ def _sync_and_check(llm, ranks, seed: int) -> list[dict]:
     return ray.get(llm.receipts.remote())
 
 
-def test_one_rank_two_successive_syncs(engine):
+def test_one_rank_two_successive_syncs(engine, trainer_pool):
     llm, model_dir, tp = engine
-    with _trainers(model_dir, 1) as ranks:
+    with trainer_pool.lend(model_dir, 1) as ranks:
         ray.get(ranks[0].init.remote(llm, num_consumers=tp))
         for seed in (101, 102):  # in-place updates between syncs
             receipts = _sync_and_check(llm, ranks, seed)
@@ -135,9 +107,9 @@ def test_one_rank_two_successive_syncs(engine):
             )
 
 
-def test_two_ranks_each_holding_half_the_groups(engine):
+def test_two_ranks_each_holding_half_the_groups(engine, trainer_pool):
     llm, model_dir, tp = engine
-    with _trainers(model_dir, 2) as ranks:
+    with trainer_pool.lend(model_dir, 2) as ranks:
         payloads = ray.get(
             [t.init.remote(llm, num_consumers=tp, hold="half") for t in ranks]
         )
@@ -151,12 +123,12 @@ def test_two_ranks_each_holding_half_the_groups(engine):
 
 
 def test_a_trainer_failure_mid_sync_fails_both_sides_and_the_next_sync_recovers(
-    engine,
+    engine, trainer_pool
 ):
     llm, model_dir, tp = engine
     if tp != 1 or "moe" in model_dir:
         pytest.skip("one engine (dense, TP=1) is enough for the failure path")
-    with _trainers(model_dir, 1) as ranks:
+    with trainer_pool.lend(model_dir, 1) as ranks:
         ray.get(ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=20.0))
         ray.get(ranks[0].randomize.remote(104))
         error = ray.get(ranks[0].send_failing.remote(after=5), timeout=120)
@@ -165,7 +137,9 @@ def test_a_trainer_failure_mid_sync_fails_both_sides_and_the_next_sync_recovers(
         _sync_and_check(llm, ranks, 105)
 
 
-def test_planned_landing_pulls_straight_into_the_served_tensors(engine, request):
+def test_planned_landing_pulls_straight_into_the_served_tensors(
+    engine, request, trainer_pool
+):
     """``landing="planned"``: on every TP rank each attention, dense, norm and
     embedding tensor a worker pulls goes once from its receive buffer into
     the served tensor, and only the MoE experts (which vLLM CPU repacks) are
@@ -179,7 +153,7 @@ def test_planned_landing_pulls_straight_into_the_served_tensors(engine, request)
     if request.node.callspec.params["engine"][2] != "planned":
         assert ray.get(llm.planned_landing_state.remote()) == [{}] * tp
         return
-    with _trainers(model_dir, 1) as ranks:
+    with trainer_pool.lend(model_dir, 1) as ranks:
         ray.get(
             ranks[0].init.remote(
                 llm, num_consumers=tp, verify_checksums=True, stall_timeout_s=20.0
@@ -234,10 +208,10 @@ def _states(llm) -> list[str]:
     return [s["state"] for s in ray.get(llm.fence_status.remote())]
 
 
-def test_the_version_changes_only_after_every_receipt_verified(engine):
+def test_the_version_changes_only_after_every_receipt_verified(engine, trainer_pool):
     _dense_tp1_only(engine)
     llm, model_dir, tp = engine
-    with _trainers(model_dir, 1) as ranks:
+    with trainer_pool.lend(model_dir, 1) as ranks:
         ray.get(ranks[0].init.remote(llm, num_consumers=tp))
         before = ray.get(llm.weight_version.remote())
         ray.get(ranks[0].randomize.remote(110))
@@ -248,10 +222,12 @@ def test_the_version_changes_only_after_every_receipt_verified(engine):
         assert_serves_trainer(llm, ranks[0])
 
 
-def test_checksums_catch_a_byte_flipped_in_transit_and_a_resync_recovers(engine):
+def test_checksums_catch_a_byte_flipped_in_transit_and_a_resync_recovers(
+    engine, trainer_pool
+):
     _dense_tp1_only(engine)
     llm, model_dir, tp = engine
-    with _trainers(model_dir, 1) as ranks:
+    with trainer_pool.lend(model_dir, 1) as ranks:
         ray.get(
             ranks[0].init.remote(
                 llm, num_consumers=tp, verify_checksums=True, stall_timeout_s=20.0
@@ -283,10 +259,10 @@ def test_checksums_catch_a_byte_flipped_in_transit_and_a_resync_recovers(engine)
         assert_serves_trainer(llm, ranks[0])
 
 
-def test_a_manifest_mismatch_is_refused_before_any_weight_changes(engine):
+def test_a_manifest_mismatch_is_refused_before_any_weight_changes(engine, trainer_pool):
     _dense_tp1_only(engine)
     llm, model_dir, tp = engine
-    with _trainers(model_dir, 1) as ranks:
+    with trainer_pool.lend(model_dir, 1) as ranks:
         ray.get(ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=20.0))
         _sync_and_check(llm, ranks, 113)
         served = ray.get(llm.greedy.remote())
@@ -306,10 +282,12 @@ def test_a_manifest_mismatch_is_refused_before_any_weight_changes(engine):
         _sync_and_check(llm, ranks, 115)
 
 
-def test_a_worker_failing_mid_update_is_fenced_until_a_full_resync(engine):
+def test_a_worker_failing_mid_update_is_fenced_until_a_full_resync(
+    engine, trainer_pool
+):
     _dense_tp1_only(engine)
     llm, model_dir, tp = engine
-    with _trainers(model_dir, 1) as ranks:
+    with trainer_pool.lend(model_dir, 1) as ranks:
         ray.get(ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=20.0))
         _fail_a_sync_at_chunk_1(llm, ranks[0], 116)
         assert ray.get(llm.weight_version.remote()).startswith("fenced:")
@@ -339,10 +317,12 @@ def _assert_serves(llm, expected, what: str) -> None:
     assert_bit_identical(ray.get(llm.greedy.remote()), expected, what=what)
 
 
-def test_generation_after_start_serves_the_old_weights_until_a_sync(engine):
+def test_generation_after_start_serves_the_old_weights_until_a_sync(
+    engine, trainer_pool
+):
     _dense_tp1_only(engine)
     llm, model_dir, tp = engine
-    with _trainers(model_dir, 1) as ranks:
+    with trainer_pool.lend(model_dir, 1) as ranks:
         ray.get(ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=20.0))
         _sync_and_check(llm, ranks, 120)
         before = ray.get(llm.greedy.remote())
@@ -384,13 +364,15 @@ MALFORMED_UPDATES = {
 }
 
 
-def test_malformed_updates_after_start_are_refused_and_a_full_sync_recovers(engine):
+def test_malformed_updates_after_start_are_refused_and_a_full_sync_recovers(
+    engine, trainer_pool
+):
     """Each malformed update is refused with its cause, on one trainer: the
     engine serves what it served, closed and unfenced, after every one; then
     one full sync serves the trainer's weights."""
     _dense_tp1_only(engine)
     llm, model_dir, tp = engine
-    with _trainers(model_dir, 1) as ranks:
+    with trainer_pool.lend(model_dir, 1) as ranks:
         ray.get(
             ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=SHORT_STALL_S)
         )
@@ -422,7 +404,7 @@ def test_malformed_updates_after_start_are_refused_and_a_full_sync_recovers(engi
 
 
 def test_a_refused_update_naming_the_next_sync_fails_it_and_the_one_after_recovers(
-    engine,
+    engine, trainer_pool
 ):
     """A worker that refuses a message of sync N tells the producers, so the
     trainer's sync N fails at once with the worker's reason (rather than
@@ -431,7 +413,7 @@ def test_a_refused_update_naming_the_next_sync_fails_it_and_the_one_after_recove
     fails that sync: loudly, with the cause, and the next sync recovers."""
     _dense_tp1_only(engine)
     llm, model_dir, tp = engine
-    with _trainers(model_dir, 1) as ranks:
+    with trainer_pool.lend(model_dir, 1) as ranks:
         ray.get(
             ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=SHORT_STALL_S)
         )
@@ -461,10 +443,12 @@ def test_a_refused_update_naming_the_next_sync_fails_it_and_the_one_after_recove
         assert_serves_trainer(llm, ranks[0])
 
 
-def test_an_init_declaring_a_float_tensor_int32_is_refused_and_init_recovers(engine):
+def test_an_init_declaring_a_float_tensor_int32_is_refused_and_init_recovers(
+    engine, trainer_pool
+):
     _dense_tp1_only(engine)
     llm, model_dir, tp = engine
-    with _trainers(model_dir, 1) as ranks:
+    with trainer_pool.lend(model_dir, 1) as ranks:
         payload = ray.get(
             ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=20.0)
         )
@@ -541,9 +525,11 @@ def staged_engine(request, ray_cluster):
     stop_llm_host(llm)
 
 
-def test_a_staged_sync_serves_the_old_weights_while_it_pulls(staged_engine, request):
+def test_a_staged_sync_serves_the_old_weights_while_it_pulls(
+    staged_engine, request, trainer_pool
+):
     llm, model_dir, tp = staged_engine
-    with _trainers(model_dir, 1) as ranks:
+    with trainer_pool.lend(model_dir, 1) as ranks:
         ray.get(ranks[0].init.remote(llm, num_consumers=tp, stall_timeout_s=20.0))
         _sync_and_check(llm, ranks, 201)
         before = ray.get(llm.greedy.remote())
@@ -583,9 +569,11 @@ def test_a_staged_sync_serves_the_old_weights_while_it_pulls(staged_engine, requ
             assert receipt["modules_processed"] == len(state["reloaded"])
 
 
-def test_a_staged_pull_that_fails_keeps_the_old_weights_and_version(staged_engine):
+def test_a_staged_pull_that_fails_keeps_the_old_weights_and_version(
+    staged_engine, trainer_pool
+):
     llm, model_dir, tp = staged_engine
-    with _trainers(model_dir, 1) as ranks:
+    with trainer_pool.lend(model_dir, 1) as ranks:
         ray.get(
             ranks[0].init.remote(
                 llm, num_consumers=tp, verify_checksums=True, stall_timeout_s=20.0
