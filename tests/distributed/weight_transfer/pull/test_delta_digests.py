@@ -237,3 +237,21 @@ def test_word_changes_agree_on_numpy_arrays_and_tensors(unit):
     assert torch.equal(torch.from_numpy(words_np), words_t)
     assert torch.equal(torch.from_numpy(changes_np), changes_t)
     assert positions.tolist() == list(range(0, 640, 10))  # not changed in place
+
+
+@pytest.mark.parametrize("unit", [1, 2, 4, 8])
+def test_the_array_path_without_the_compiled_kernel_gives_the_same(unit, monkeypatch):
+    from vllm.distributed.weight_transfer.pull import delta as codec
+
+    monkeypatch.setattr(codec, "_HOST_APPLY", [None])
+    g = torch.Generator().manual_seed(unit + 40)
+    base = torch.randint(
+        0, 256, (4096 + 2 * (unit < 4),), dtype=torch.uint8, generator=g
+    )
+    new = _changed(base, unit, 11, seed=unit)
+    delta = encode_delta(base, new, unit=unit, base_version=1)
+    assert delta is not None
+    target = base.clone()
+    after = apply_delta(target, delta, held_version=1)
+    assert torch.equal(target, new)
+    assert after == payload_checksum(new)

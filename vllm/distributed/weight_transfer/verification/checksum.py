@@ -248,9 +248,16 @@ def checksum_after_change(
         weight = _fold(_fold(pos + 1))  # below 2**31 + 2
         add_a = int(diff.sum())
         add_b = int(_fold(diff * weight).sum())  # the product: below 2**63
-    a = (a + add_a) % _P
-    b = (b + add_b) % _P
-    return f"{algorithm}:{n}:{a:08x}{b:08x}"
+    return checksum_plus(checksum, add_a, add_b)
+
+
+def checksum_plus(checksum: str, add_a: int, add_b: int) -> str:
+    """The ``ws1`` checksum whose sums exceed those of ``checksum`` by
+    ``add_a`` and ``add_b`` (mod ``P``): for a caller that summed a change of
+    the words itself (``add_a``: the sum of the changes, ``add_b``: of
+    ``(j + 1) * change``, each congruent mod ``P``)."""
+    algorithm, n, a, b = _parse_checksum(checksum)
+    return f"{algorithm}:{n}:{(a + add_a) % _P:08x}{(b + add_b) % _P:08x}"
 
 
 def _fold(x: Any) -> Any:
