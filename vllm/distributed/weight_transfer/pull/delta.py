@@ -580,7 +580,7 @@ def _host_apply_kernel() -> Any:
 
 def _apply_and_sum_changes(
     elements: Any, positions: Any, values: Any, unit: int
-) -> tuple[int, int]:
+) -> tuple[Any, Any]:
     """Write ``values`` at ``positions`` of ``elements`` (numpy arrays; the
     unit's integer dtype) and return the two sums `checksum_plus` takes:
     the changes of the ``ws1`` words the writes touch, and those changes
@@ -588,8 +588,8 @@ def _apply_and_sum_changes(
     shares are those of `_word_changes`; a chunk below ``2**31`` words keeps
     every product within int64. Compiled by numba (the loop is plain
     Python otherwise, and far too slow to call)."""
-    add_a = 0
-    add_b = 0
+    add_a: Any = 0
+    add_b: Any = 0
     lanes = 4 // unit if unit < 8 else 1
     top = lanes - 1
     shift = 2 if unit == 1 else (1 if unit == 2 else 0)
