@@ -19,9 +19,7 @@ def ray_cluster() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def trainer_pool(ray_cluster):
     """Trainer-rank actors kept for the whole module (`TrainerPool`)."""
-    from vllm.distributed.weight_transfer.testing.sharded_rdt_actors import (
-        TrainerPool,
-    )
+    from vllm.distributed.weight_transfer.testing.trainer_pool import TrainerPool
 
     pool = TrainerPool()
     yield pool
