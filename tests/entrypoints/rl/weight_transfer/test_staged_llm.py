@@ -80,6 +80,9 @@ def rig(tiny_model_dir: Path) -> Iterator[Rig]:
         llm = tiny_llm(
             tiny_model_dir,
             weight_transfer_config=WeightTransferConfig(backend="ipc", staging="host"),
+            # In this process, unlike the MoE engines below: a second engine
+            # here would find the first one's parallel groups (no experts').
+            in_process=True,
         )
         try:
             yield Rig(llm, load_hf_model(tiny_model_dir, "float32"))

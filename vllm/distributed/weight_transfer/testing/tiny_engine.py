@@ -77,7 +77,14 @@ def tiny_llm(
     if not in_process:
         return LLM(**kwargs)
     with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
-        return LLM(**kwargs)
+        llm = LLM(**kwargs)
+    # The engine core froze vLLM's environment settings in this process when
+    # it started (``envs.enable_envs_cache``); a later engine here must read
+    # its own (a TP 2 engine's thread binding, the multiprocessing switch).
+    from vllm import envs
+
+    envs.disable_envs_cache()
+    return llm
 
 
 @contextmanager
