@@ -3,6 +3,7 @@
 """Process-wide settings for running real vLLM engines on small CPU machines."""
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -20,3 +21,23 @@ def tiny_model_dir():
     from vllm.distributed.weight_transfer.testing import build_tiny_model
 
     return build_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """A Ray session for the module's actors (the Ray-driven sharded_rdt engine
+    tests)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def trainer_pool(ray_cluster):
+    """Trainer-rank actors kept for the whole module (`TrainerPool`)."""
+    from vllm.distributed.weight_transfer.testing.trainer_pool import TrainerPool
+
+    pool = TrainerPool()
+    yield pool
+    pool.close()
