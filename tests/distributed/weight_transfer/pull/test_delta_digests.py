@@ -12,16 +12,17 @@ import threading
 import pytest
 import torch
 
-from tests.distributed.weight_transfer.pull.test_delta_bases import (
+from vllm.distributed.weight_transfer.pull.delta import apply_delta, encode_delta
+from vllm.distributed.weight_transfer.pull.delta_bases import HeldBases
+from vllm.distributed.weight_transfer.verification import payload_checksum
+
+from .test_delta_bases import (
     NAMES,
     Pair,
     _same,
     _step,
     _weights,
 )
-from vllm.distributed.weight_transfer.pull.delta import apply_delta, encode_delta
-from vllm.distributed.weight_transfer.pull.delta_bases import HeldBases
-from vllm.distributed.weight_transfer.verification import payload_checksum
 
 
 def _changed(base: torch.Tensor, unit: int, every: int, seed: int) -> torch.Tensor:
@@ -124,7 +125,9 @@ def test_kept_and_held_checksums_follow_the_bytes_over_many_syncs(checksums):
         assert _same(landed, weights)
         _kept_digests_are_exact(pair)
     # After the first delta every digest is known on both sides.
-    assert all(e.digest for e in pair.producer.bases._entries.values())
+    bases = pair.producer.bases
+    assert bases is not None
+    assert all(e.digest for e in bases._entries.values())
     assert all(e.digest for e in pair.held._entries.values())
 
 
@@ -211,6 +214,7 @@ def test_record_copies_a_buffer_other_than_the_one_rebuilt():
     held.record(0, data, 1)
     held.commit()
     entry = held.base(0)
+    assert entry is not None
     entry.copied_to = (torch.device("cpu"), data.data_ptr() + 1, data.numel())
     other = torch.flip(data, [0]).contiguous()
     held.record(0, other, 2)
@@ -222,7 +226,8 @@ def test_record_copies_a_buffer_other_than_the_one_rebuilt():
 def test_word_changes_agree_on_numpy_arrays_and_tensors(unit):
     """The apply's checksum step runs on numpy arrays on CPU and on tensors
     elsewhere: both give the same words and changes."""
-    from vllm.distributed.weight_transfer.pull.delta import VALUE_DTYPES, _word_changes
+    from vllm.distributed.weight_transfer.pull.delta import VALUE_DTYPES
+    from vllm.distributed.weight_transfer.pull.delta_write import _word_changes
 
     g = torch.Generator().manual_seed(unit)
     dtype = VALUE_DTYPES[unit]
@@ -241,9 +246,9 @@ def test_word_changes_agree_on_numpy_arrays_and_tensors(unit):
 
 @pytest.mark.parametrize("unit", [1, 2, 4, 8])
 def test_the_array_path_without_the_compiled_kernel_gives_the_same(unit, monkeypatch):
-    from vllm.distributed.weight_transfer.pull import delta as codec
+    from vllm.distributed.weight_transfer.pull import delta_write
 
-    monkeypatch.setattr(codec, "_HOST_APPLY", [None])
+    monkeypatch.setattr(delta_write, "_HOST_APPLY", [None])
     g = torch.Generator().manual_seed(unit + 40)
     base = torch.randint(
         0, 256, (4096 + 2 * (unit < 4),), dtype=torch.uint8, generator=g
