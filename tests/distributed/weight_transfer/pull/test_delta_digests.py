@@ -6,9 +6,6 @@ producer's kept copies and the worker's held copies carry it from sync to
 sync, and a held copy whose stored checksum is unknown or stale still ends
 exact (through the whole chunk when it is not the delta's base)."""
 
-import dataclasses
-import threading
-
 import pytest
 import torch
 
@@ -17,7 +14,6 @@ from vllm.distributed.weight_transfer.pull.delta_bases import HeldBases
 from vllm.distributed.weight_transfer.verification import payload_checksum
 
 from .test_delta_bases import (
-    NAMES,
     Pair,
     _same,
     _step,
@@ -75,47 +71,9 @@ def _kept_digests_are_exact(pair: Pair) -> None:
         assert entry.digest is None or entry.digest == payload_checksum(entry.data)
 
 
-class UncheckedPair(Pair):
-    """A `Pair` whose producer has payload checksums off: the worker's
-    stored checksums are all that checks a delta's base."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.producer.settings = dataclasses.replace(
-            self.producer.settings, checksums=False
-        )
-
-    def sync_once(self, weights, corrupt=None, commit: bool = True):
-        self.sync += 1
-        self.link.sync_id = self.sync
-        results, landed = [], []
-
-        def trainer():
-            self.producer.begin_sync([0], self.sync)
-            for group, name in enumerate(NAMES):
-                self.producer.wait_credit()
-                self.producer.publish(group, {name: weights[name]})
-            self.producer.end_sync()
-
-        thread = threading.Thread(target=trainer)
-        thread.start()
-        for i, chunk in enumerate(self.chunks):
-            if corrupt is not None:
-                corrupt(i, self.held)
-            into = torch.empty(chunk.nbytes, dtype=torch.uint8)
-            result = self.link.pull(chunk, into, None, self.held.base(i))
-            assert result.checksum is None
-            self.held.record(i, into, self.sync)
-            results.append(result)
-            landed.append(into.clone())
-        thread.join(10)
-        self.held.commit()
-        return results, landed
-
-
 @pytest.mark.parametrize("checksums", [True, False])
 def test_kept_and_held_checksums_follow_the_bytes_over_many_syncs(checksums):
-    pair = Pair() if checksums else UncheckedPair()
+    pair = Pair(checksums=checksums)
     weights = _weights(0)
     pair.sync_once(weights)
     for step in range(1, 6):
@@ -135,7 +93,7 @@ def test_kept_and_held_checksums_follow_the_bytes_over_many_syncs(checksums):
 def test_a_stale_stored_checksum_refuses_the_delta_and_reads_the_whole_chunk(
     checksums,
 ):
-    pair = Pair() if checksums else UncheckedPair()
+    pair = Pair(checksums=checksums)
     w1 = _weights(0)
     pair.sync_once(w1)
     w2 = _step(w1, 3)
@@ -158,7 +116,7 @@ def test_a_stale_stored_checksum_refuses_the_delta_and_reads_the_whole_chunk(
 
 @pytest.mark.parametrize("checksums", [True, False])
 def test_an_unknown_stored_checksum_is_computed_from_the_held_bytes(checksums):
-    pair = Pair() if checksums else UncheckedPair()
+    pair = Pair(checksums=checksums)
     w1 = _weights(0)
     pair.sync_once(w1)
     pair.sync_once(_step(w1, 3))
