@@ -57,6 +57,19 @@ def _step(weights: dict[str, torch.Tensor], changed: int) -> dict[str, torch.Ten
     return out
 
 
+# Every `Pair` a test made, closed after it (`_close_pairs`): the in-process
+# registry would keep each producer, and its serve buffers' reserved memory,
+# for the rest of the pytest process, where later forks then fail (ENOMEM).
+_OPEN_PAIRS: list["Pair"] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_pairs():
+    yield
+    while _OPEN_PAIRS:
+        _OPEN_PAIRS.pop().close()
+
+
 class Pair:
     """A producer with deltas on and one consumer holding bases; with
     ``checksums`` off the worker's stored checksums are all that checks a
@@ -86,6 +99,12 @@ class Pair:
         self.link.register(0, self.chunks, _digest(self.chunks))
         self.held = HeldBases(held_limit)
         self.sync = 0
+        _OPEN_PAIRS.append(self)
+
+    def close(self) -> None:
+        self.link.close()
+        self.server.close()
+        self.producer.close()
 
     def sync_once(self, weights, corrupt=None, commit: bool = True):
         """One sync of ``weights``; returns (what each pull brought, the

@@ -13,8 +13,9 @@ from vllm.distributed.weight_transfer.pull.delta import apply_delta, encode_delt
 from vllm.distributed.weight_transfer.pull.delta_bases import HeldBases
 from vllm.distributed.weight_transfer.verification import payload_checksum
 
-from .test_delta_bases import (
+from .test_delta_bases import (  # _close_pairs: the autouse fixture, active here too
     Pair,
+    _close_pairs,  # noqa: F401
     _same,
     _step,
     _weights,
