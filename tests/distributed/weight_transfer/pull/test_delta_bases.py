@@ -193,8 +193,10 @@ def test_serve_and_receive_buffers_on_a_gpu_apply_deltas_exactly():
     assert all(e.data.is_cuda for e in pair.producer.bases._entries.values())
     assert all(not e.data.is_cuda for e in pair.held._entries.values())
 
+    # A byte past the elements the step moves: the delta does not overwrite
+    # it, so the rebuilt chunk is not the producer's and is read whole.
     def flip(index, held):
-        held.base(index).data[3] ^= 0x04
+        held.base(index).data[40] ^= 0x04
 
     w3 = _step(w2, 2)
     results, landed = pair.sync_once({k: v.cuda() for k, v in w3.items()}, flip)

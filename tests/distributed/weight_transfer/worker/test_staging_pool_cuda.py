@@ -9,6 +9,7 @@ vLLM's layerwise reload and is tested on vLLM CPU)."""
 
 from __future__ import annotations
 
+import gc
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +32,18 @@ pytestmark = [
 ]
 
 GPU = torch.device("cuda", 0)
+
+
+@pytest.fixture(autouse=True)
+def _settled_gpu_memory():
+    """These tests read the GPU's allocated and free memory: tensors an
+    earlier test in the process left for the garbage collector, and blocks
+    the caching allocator still holds, are released first, so none is freed
+    between a reading and the check that uses it."""
+    gc.collect()
+    torch.cuda.synchronize(GPU)
+    torch.cuda.empty_cache()
+    yield
 
 
 def staged(model: torch.nn.Module, where: str, pool: StagingPool) -> StagedUpdate:
