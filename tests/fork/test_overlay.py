@@ -81,20 +81,40 @@ def test_modelexpress_stays_registered_on_the_worker_side():
     assert "modelexpress" in WeightTransferEngineFactory.available_backends()
 
 
-def _vllm_cli(*args: str) -> subprocess.CompletedProcess:
-    exe = Path(sys.executable).with_name("vllm")
-    return subprocess.run(
-        [str(exe), *args], capture_output=True, text=True, timeout=180
-    )
+# Each run of the CLI imports vLLM afresh (about 17 s on 2 cores); the runs the
+# tests below read start together, at the first test that needs one.
+_CLI_RUNS = {"version": ("--version",), "serve_help": ("serve", "--help=all")}
 
 
-def test_vllm_cli_reports_the_release_version():
-    out = _vllm_cli("--version")
+@pytest.fixture(scope="module")
+def vllm_cli() -> dict[str, subprocess.CompletedProcess]:
+    exe = str(Path(sys.executable).with_name("vllm"))
+    started = {
+        name: subprocess.Popen(
+            [exe, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for name, args in _CLI_RUNS.items()
+    }
+    finished = {}
+    for name, process in started.items():
+        try:
+            out, err = process.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+        finished[name] = subprocess.CompletedProcess(
+            process.args, process.returncode, out, err
+        )
+    return finished
+
+
+def test_vllm_cli_reports_the_release_version(vllm_cli):
+    out = vllm_cli["version"]
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1].startswith("0.32.0")
 
 
-def test_vllm_serve_help_lists_weight_transfer_config():
-    out = _vllm_cli("serve", "--help=all")
+def test_vllm_serve_help_lists_weight_transfer_config(vllm_cli):
+    out = vllm_cli["serve_help"]
     assert out.returncode == 0, out.stderr
     assert "--weight-transfer-config" in out.stdout
