@@ -19,9 +19,18 @@ Timed, each as the best of ``--reps`` after one warm-up:
 Rates are the chunk's bytes over the time (GB/s); ratios are the time over
 the copy's. Prints a JSON document; ``--out`` writes it too (not by default).
 
+``--models 8b,30b`` times the same on the chunks a ``sharded_rdt`` producer
+serves a TP 1 worker of Qwen3-8B or Qwen3-30B-A3B (``--moe-layers`` of its
+48, all by default) in bf16: one chunk per gather group
+(``layerwise_groups``: the embedding, each decoder layer, the final norm with
+``lm_head``), each tensor at a 16-byte aligned offset, shapes from
+``bench_ipc_cuda.py``. Each distinct chunk size is measured (the layers of a
+model are all one size); a model's encode, apply and copy times are the sums
+over its chunks.
+
     .venv/bin/python benchmarks/weight_transfer/bench_delta_codec.py \\
         [--device cpu|cuda] [--mib 256] [--rates 0.005 0.01 0.03 0.1 0.3] \\
-        [--threads N]
+        [--threads N] [--models 8b,30b [--moe-layers N]]
 """
 
 from __future__ import annotations
@@ -67,43 +76,22 @@ def changed_copy(base: torch.Tensor, rate: float, seed: int) -> torch.Tensor:
     return words.view(torch.uint8)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--mib", type=int, default=256)
-    ap.add_argument("--rates", type=float, nargs="+", default=list(RATES))
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads")
-    ap.add_argument("--out", default=None, help="also write the JSON here")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    nbytes = args.mib * 1024 * 1024
+def time_chunk(nbytes: int, rates: list[float], reps: int, device) -> dict:
+    """Copy, digest, and per change rate encode and apply times of one bf16
+    chunk of ``nbytes`` random bytes (see the module docstring)."""
     g = torch.Generator().manual_seed(0)
     base = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
     base = base.to(device)
     digest = payload_checksum(base)
     target = base.clone()
     scratch = torch.empty_like(base)
-    copy_s = best_s(lambda: scratch.copy_(base), args.reps)
-    digest_s = best_s(lambda: payload_checksum(base), args.reps)
-
-    def gbps(seconds: float) -> float:
-        return nbytes / seconds / 1e9
-
-    print(
-        f"device={device} threads={torch.get_num_threads()} chunk={args.mib} MiB "
-        f"bf16\n  copy    {copy_s * 1e3:8.1f} ms {gbps(copy_s):7.2f} GB/s\n"
-        f"  digest  {digest_s * 1e3:8.1f} ms {gbps(digest_s):7.2f} GB/s "
-        f"({digest_s / copy_s:.2f}x copy)"
-    )
-    rows = []
-    for i, rate in enumerate(args.rates):
+    copy_s = best_s(lambda: scratch.copy_(base), reps)
+    digest_s = best_s(lambda: payload_checksum(base), reps)
+    rows: list[dict[str, Any]] = []
+    for i, rate in enumerate(rates):
         new = changed_copy(base, rate, seed=i + 1)
         delta = encode_delta(base, new, unit=2, base_version=0, base_digest=digest)
         if delta is None:
-            print(f"  {rate:6.1%} changed: the whole chunk is smaller; no delta")
             rows.append({"rate": rate, "delta": None})
             continue
 
@@ -113,42 +101,182 @@ def main() -> None:
         def apply(delta: Any = delta) -> None:
             apply_delta(target, delta, held_version=0, held_digest=digest)
 
-        encode_s = best_s(encode, args.reps)
-        apply_s = best_s(apply, args.reps)
+        encode_s = best_s(encode, reps)
+        apply_s = best_s(apply, reps)
         assert torch.equal(target, new), "apply_delta did not produce the new bytes"
         target.copy_(base)
-        row = {
-            "rate": rate,
-            "changed_fraction": delta.count / (nbytes // 2),
-            "delta_bytes_fraction": delta.encoded_nbytes / nbytes,
-            "encode_s": encode_s,
-            "apply_s": apply_s,
-            "encode_gbps": gbps(encode_s),
-            "apply_gbps": gbps(apply_s),
-            "encode_over_copy": encode_s / copy_s,
-            "apply_over_copy": apply_s / copy_s,
-        }
-        rows.append(row)
-        print(
-            f"  {rate:6.1%} changed ({row['delta_bytes_fraction']:6.2%} of the "
-            f"bytes): encode {encode_s * 1e3:7.1f} ms {row['encode_gbps']:6.2f} "
-            f"GB/s ({row['encode_over_copy']:5.2f}x copy), apply "
-            f"{apply_s * 1e3:7.1f} ms {row['apply_gbps']:6.2f} GB/s "
-            f"({row['apply_over_copy']:5.2f}x copy)"
+        rows.append(
+            {
+                "rate": rate,
+                "changed_fraction": delta.count / (nbytes // 2),
+                "delta_bytes_fraction": delta.encoded_nbytes / nbytes,
+                "encode_s": encode_s,
+                "apply_s": apply_s,
+            }
         )
         del new, delta
-    doc = {
+    return {"copy_s": copy_s, "digest_s": digest_s, "rows": rows}
+
+
+def with_rates(nbytes: int, timed: dict) -> dict:
+    """``timed`` (times summed over ``nbytes``) with GB/s and copy ratios."""
+
+    def gbps(seconds: float) -> float:
+        return nbytes / seconds / 1e9
+
+    copy_s = timed["copy_s"]
+    rows = []
+    for row in timed["rows"]:
+        if row.get("delta", 1) is not None:
+            row = dict(
+                row,
+                encode_gbps=gbps(row["encode_s"]),
+                apply_gbps=gbps(row["apply_s"]),
+                encode_over_copy=row["encode_s"] / copy_s,
+                apply_over_copy=row["apply_s"] / copy_s,
+            )
+        rows.append(row)
+    return dict(
+        timed,
+        copy_gbps=gbps(copy_s),
+        digest_over_copy=timed["digest_s"] / copy_s,
+        rows=rows,
+    )
+
+
+def print_table(title: str, nbytes: int, doc: dict) -> None:
+    print(
+        f"{title}: {nbytes / 1e9:.3f} GB bf16\n"
+        f"  copy    {doc['copy_s'] * 1e3:8.1f} ms {doc['copy_gbps']:7.2f} GB/s\n"
+        f"  digest  {doc['digest_s'] * 1e3:8.1f} ms "
+        f"({doc['digest_over_copy']:.2f}x copy)"
+    )
+    for row in doc["rows"]:
+        if row.get("delta", 1) is None:
+            print(f"  {row['rate']:6.1%} changed: the whole chunk is smaller; no delta")
+            continue
+        print(
+            f"  {row['rate']:6.1%} changed ({row['delta_bytes_fraction']:6.2%} of "
+            f"the bytes): encode {row['encode_s'] * 1e3:7.1f} ms "
+            f"{row['encode_gbps']:6.2f} GB/s ({row['encode_over_copy']:5.2f}x "
+            f"copy), apply {row['apply_s'] * 1e3:7.1f} ms {row['apply_gbps']:6.2f} "
+            f"GB/s ({row['apply_over_copy']:5.2f}x copy)"
+        )
+
+
+def model_chunks(models: str, moe_layers: int | None) -> list[tuple[str, list[int]]]:
+    """(model name, the byte size of each chunk a TP 1 worker pulls), one
+    chunk per gather group, tensors 16-byte aligned within it."""
+    from bench_ipc_cuda import DTYPE, model_runs, param_list
+
+    from vllm.distributed.weight_transfer.base import layerwise_groups
+
+    out = []
+    for shape, layers, _ in model_runs(models, moe_layers or 0):
+        params = dict(param_list(shape, layers or None))
+        sizes = []
+        for group in layerwise_groups(list(params)):
+            total = 0
+            for name in group:
+                n = DTYPE.itemsize
+                for d in params[name]:
+                    n *= d
+                total += -(-n // 16) * 16
+            sizes.append(total)
+        label = shape.name if not layers else f"{shape.name} ({layers} layers)"
+        out.append((label, sizes))
+    return out
+
+
+def model_doc(
+    label: str, sizes: list[int], rates: list[float], reps: int, device
+) -> dict:
+    """Each distinct chunk size timed once; times summed over every chunk."""
+    counts: dict[int, int] = {}
+    for n in sizes:
+        counts[n] = counts.get(n, 0) + 1
+    total = {"copy_s": 0.0, "digest_s": 0.0}
+    rows: dict[float, dict[str, Any]] = {}
+    for nbytes, count in counts.items():
+        timed = time_chunk(nbytes, rates, reps, device)
+        total["copy_s"] += count * timed["copy_s"]
+        total["digest_s"] += count * timed["digest_s"]
+        for row in timed["rows"]:
+            acc = rows.setdefault(
+                row["rate"],
+                {
+                    "rate": row["rate"],
+                    "encode_s": 0.0,
+                    "apply_s": 0.0,
+                    "changed": 0.0,
+                    "delta_bytes": 0.0,
+                    "whole_chunks": 0,
+                },
+            )
+            if row.get("delta", 1) is None:
+                acc["whole_chunks"] += count
+                continue
+            acc["encode_s"] += count * row["encode_s"]
+            acc["apply_s"] += count * row["apply_s"]
+            acc["changed"] += count * row["changed_fraction"] * nbytes / 2
+            acc["delta_bytes"] += count * row["delta_bytes_fraction"] * nbytes
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    nbytes = sum(sizes)
+    summed = []
+    for acc in rows.values():
+        changed, delta_bytes = acc.pop("changed"), acc.pop("delta_bytes")
+        if acc["whole_chunks"] == len(sizes):
+            summed.append({"rate": acc["rate"], "delta": None})
+            continue
+        summed.append(
+            dict(
+                acc,
+                changed_fraction=changed / (nbytes / 2),
+                delta_bytes_fraction=delta_bytes / nbytes,
+            )
+        )
+    doc = with_rates(nbytes, dict(total, rows=summed))
+    return dict(
+        {"model": label, "bytes": nbytes, "chunks": len(sizes)},
+        chunk_bytes=sorted(counts),
+        **doc,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--rates", type=float, nargs="+", default=list(RATES))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads")
+    ap.add_argument(
+        "--models", default="", help="8b, 30b or 8b,30b: time model chunks instead"
+    )
+    ap.add_argument("--moe-layers", type=int, default=0, help="0: all 48")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    doc: dict[str, Any] = {
         "benchmark": "delta_codec",
-        "chunk_bytes": nbytes,
         "dtype": "bfloat16",
         "reps": args.reps,
         "machine": machine_info(),
-        "copy_s": copy_s,
-        "copy_gbps": gbps(copy_s),
-        "digest_s": digest_s,
-        "digest_over_copy": digest_s / copy_s,
-        "rows": rows,
     }
+    if args.models:
+        doc["models"] = []
+        for label, sizes in model_chunks(args.models, args.moe_layers):
+            one = model_doc(label, sizes, args.rates, args.reps, device)
+            print_table(f"{label}, {len(sizes)} chunks", one["bytes"], one)
+            doc["models"].append(one)
+    else:
+        nbytes = args.mib * 1024 * 1024
+        one = with_rates(nbytes, time_chunk(nbytes, args.rates, args.reps, device))
+        print_table(f"one chunk of {args.mib} MiB on {device}", nbytes, one)
+        doc.update(chunk_bytes=nbytes, **one)
     emit_json(rounded(doc, 6), args.out)
 
 
