@@ -422,6 +422,32 @@ def test_encode_refuses_mismatched_inputs():
     assert encode_delta(a[:0], a[:0], unit=2, base_version=0) is None
 
 
+def test_the_probe_compares_only_the_leading_bytes_and_the_slabs_still_decide(
+    monkeypatch,
+):
+    """A chunk larger than a slab is probed over its first ``PROBE_BYTES``
+    only (a whole 1 GiB device slab cost as much as the encode): changes past
+    the probe are still found by the slabs, which send a chunk changed all
+    over whole, and a sparse delta comes out exact."""
+    from vllm.distributed.weight_transfer.pull import delta as codec
+
+    monkeypatch.setattr(codec, "PROBE_BYTES", 64 * 1024)
+    nbytes = 4 * codec.CPU_SLAB_BYTES
+    base = torch.zeros(nbytes, dtype=torch.uint8)
+    behind = base.clone()
+    behind[codec.PROBE_BYTES :] = 1  # unchanged where the probe looks
+    assert encode_delta(base, behind, unit=2, base_version=0) is None
+    sparse = base.clone()
+    sparse[codec.PROBE_BYTES :: 4096] = 7
+    delta = encode_delta(base, sparse, unit=2, base_version=0)
+    assert delta is not None and delta.count == len(
+        range(codec.PROBE_BYTES, nbytes, 4096)
+    )
+    target = base.clone()
+    apply_delta(target, delta, held_version=0)
+    assert torch.equal(target, sparse)
+
+
 def test_a_chunk_changed_all_over_stops_after_its_first_slab(monkeypatch):
     """Sending whole is always exact, so the encoder stops comparing once
     the slabs seen so far project a delta larger than the chunk; a chunk

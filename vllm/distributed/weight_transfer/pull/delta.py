@@ -82,6 +82,12 @@ _NUMPY_DTYPES: dict[torch.dtype, Any] = {
     torch.int64: np.int64,
 }
 DEVICE_SLAB_BYTES = 1024 * 1024 * 1024
+# A chunk larger than one slab first has its leading bytes compared element by
+# element, up to this many: a chunk changed all over is sent whole after that
+# short pass. Probing a whole device slab cost as much as the encode itself
+# (Qwen3-30B-A3B's 1.25 GB layer chunks encoded at 0.21 TB/s on an H100,
+# against 0.69 TB/s for a 1 GiB chunk, which needs no probe).
+PROBE_BYTES = 64 * 1024 * 1024
 _INT32_ELEMENTS = 2**31
 # A slab with more than 1 in this many words changed is compared element by
 # element (for bf16: above about 3% of the elements changed).
@@ -281,13 +287,13 @@ def encode_delta(
     count = 0
     total_words = len(old_words)
     if slab < total_words:
-        # Probe: the first slab's changed elements, counted without listing
-        # them; a chunk changed all over is sent whole after this one pass.
-        probe = slab * lanes
-        old_elems = ops.view(old_words[:slab], value_dtype)[:probe]
-        new_elems = ops.view(new_words[:slab], value_dtype)[:probe]
+        # Probe: the leading words' changed elements, counted without listing
+        # them; a chunk changed all over is sent whole after this short pass.
+        probed = min(slab, max(1, PROBE_BYTES // word_dtype.itemsize))
+        old_elems = ops.view(old_words[:probed], value_dtype)
+        new_elems = ops.view(new_words[:probed], value_dtype)
         changed_there = ops.count(old_elems != new_elems)
-        if _outgrows(changed_there * cost, nbytes, slab, total_words):
+        if _outgrows(changed_there * cost, nbytes, probed, total_words):
             return None
     mask = ops.mask(min(slab, total_words), base.device)
     for start in range(0, total_words, slab):
