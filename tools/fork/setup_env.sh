@@ -35,8 +35,7 @@ if [ "$(cat "$stamp_file" 2>/dev/null)" = "$stamp" ] \
     exit 0
 fi
 
-# uv installs the same packages as pip several times faster (a fresh setup on
-# a 2-core machine: 27 s against 190 s). It is given pip's own configuration
+# uv installs the same packages as pip several times faster. It is given pip's own configuration
 # (indexes, find-links, constraints, certificate: `pip config list`, which
 # includes PIP_* variables), with local paths that do not exist left out (pip
 # warns about those, uv stops), and pip's choice of the best version across
@@ -44,7 +43,11 @@ fi
 # uses pip throughout.
 uv=()
 if [ "${FORK_SETUP_PIP_ONLY:-0}" != 1 ] && "${pip[@]}" install -q uv 2>/dev/null; then
-    uv=("$venv/bin/uv" pip install --python "$venv/bin/python" --index-strategy unsafe-best-match)
+    # --compile-bytecode: as pip does. Where PYTHONDONTWRITEBYTECODE is set
+    # (as on CI), nothing else ever writes the .pyc files, and every process
+    # the tests start would compile torch and transformers again.
+    uv=("$venv/bin/uv" pip install --python "$venv/bin/python" --compile-bytecode
+        --index-strategy unsafe-best-match)
     while IFS= read -r arg; do
         case $arg in
             SSL_CERT_FILE=*) [ -n "${SSL_CERT_FILE:-}" ] || export "${arg?}" ;;
