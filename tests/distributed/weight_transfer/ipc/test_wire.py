@@ -632,6 +632,7 @@ def test_cpu_keys_must_end_in_ascii_digits(rank):
         select_cpu_key([f"cpu:h:{rank}"], 0, hostname="h")
 
 
+@pytest.mark.serial
 def test_a_duplicate_among_many_names_is_found_in_linear_time():
     n = 48_000
     names = [f"layers.{i}.weight" for i in range(n)] + ["layers.7.weight"]

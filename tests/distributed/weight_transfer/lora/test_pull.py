@@ -103,6 +103,7 @@ def test_a_receipt_goes_back_through_the_producer(server, pullers):
     assert "refused" in (next(iter(got.values())).error or "")
 
 
+@pytest.mark.serial
 def test_a_trainer_that_gives_up_wakes_waiting_workers_at_once(server, pullers):
     pull = server.open_push(1024)
     errors = []
@@ -128,6 +129,7 @@ def test_a_trainer_that_gives_up_wakes_waiting_workers_at_once(server, pullers):
     assert all(torch.equal(read, payload) for read in got)
 
 
+@pytest.mark.serial
 def test_a_worker_failing_mid_pull_fails_the_push_everywhere_at_once(
     server, pullers, monkeypatch
 ):

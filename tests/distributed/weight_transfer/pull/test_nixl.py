@@ -23,6 +23,9 @@ from vllm.distributed.weight_transfer.pull.control import (
     connect,
 )
 
+# Their handshake and connect deadlines are a second or a few: measured alone.
+pytestmark = pytest.mark.serial
+
 KEY = secrets.token_bytes(16)
 
 

@@ -23,7 +23,8 @@ from vllm.distributed.weight_transfer.testing.sharded_rdt_procs import (
     toy_tensors,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.nixl]
+# Deadlines of seconds measured against spawned processes: run alone.
+pytestmark = [pytest.mark.slow, pytest.mark.nixl, pytest.mark.serial]
 pytest.importorskip("nixl")
 
 LAYERS, ROWS, COLS, KEEP = 4, 64, 32, 16

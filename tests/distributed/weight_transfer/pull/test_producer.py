@@ -183,6 +183,7 @@ def test_misrouted_and_unknown_names_are_refused_at_registration():
         producer.register(0, pulls.chunks, pulls.digest(0))
 
 
+@pytest.mark.serial
 def test_a_stalled_consumer_fails_the_sync_within_the_timeout():
     producer = _producer(stall_timeout_s=1.0)
     _, links, pulls = _consumers(producer, [_plan((0, 3))])
@@ -238,6 +239,7 @@ def test_only_live_consumers_are_waited_for():
             producer.fail("test over")
 
 
+@pytest.mark.serial
 def test_a_sync_that_failed_before_the_first_pull_is_reported_at_once():
     producer = _producer(stall_timeout_s=30.0)
     _, links, pulls = _consumers(producer, [_plan((0, 3))])
@@ -254,6 +256,7 @@ def test_a_sync_that_failed_before_the_first_pull_is_reported_at_once():
     assert not errors and len(results[0]) == len(NAMES)
 
 
+@pytest.mark.serial
 def test_an_abort_for_a_sync_not_yet_begun_fails_it_when_it_begins():
     # A worker refuses the update (say, its manifest check) before this
     # trainer rank calls begin_sync: the abort must not be lost.
@@ -279,6 +282,7 @@ def test_an_abort_for_a_sync_not_yet_begun_fails_it_when_it_begins():
     assert not errors and len(results[0]) == len(NAMES)
 
 
+@pytest.mark.serial
 def test_a_stall_waiting_for_the_next_sync_names_the_stall_not_an_old_abort():
     # A worker refuses a malformed update after sync 1 ended, naming sync 1
     # (its link's last sync id); its next update waits for a sync that never

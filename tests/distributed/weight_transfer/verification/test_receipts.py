@@ -83,6 +83,7 @@ def test_workers_in_other_processes_deliver_and_trainer_verifies(tmp_path):
     assert not box.path.exists()
 
 
+@pytest.mark.serial
 def test_collect_times_out_naming_missing_workers(tmp_path):
     h = header()
     with ShmReceiptBox(h.publication_id, root=tmp_path) as box:

@@ -83,6 +83,7 @@ from vllm.distributed.weight_transfer.testing.server import (
     metric_value,
     serve,
 )
+from vllm.distributed.weight_transfer.testing.shm_census import own_fork_entries
 from vllm.distributed.weight_transfer.verification import (
     Manifest,
     PublicationHeader,
@@ -452,7 +453,8 @@ def test_a_trainer_killed_between_chunks_does_not_block_the_next_sync(
     from vllm.distributed.weight_transfer.testing.ipc_faults import push_then_die
 
     def receipt_dirs() -> set[str]:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("vllm-wt-receipts-")}
+        # Not those the parallel run's other worker holds.
+        return own_fork_entries(prefix="vllm-wt-receipts-")
 
     receipts_before = receipt_dirs()
     process = multiprocessing.get_context("spawn").Process(

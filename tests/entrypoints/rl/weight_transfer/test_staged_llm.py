@@ -35,7 +35,6 @@ Each test first pushes the state it starts from.
 from __future__ import annotations
 
 import contextlib
-import glob
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -66,6 +65,7 @@ from vllm.distributed.weight_transfer.testing.oracle import DEFAULT_PROMPTS
 from vllm.distributed.weight_transfer.testing.served_layers import (
     planned_landing_state,
 )
+from vllm.distributed.weight_transfer.testing.shm_census import own_fork_entries
 from vllm.distributed.weight_transfer.testing.tiny_engine import tiny_llm
 from vllm.distributed.weight_transfer.trainer.sources import CheckpointNamesSource
 
@@ -284,7 +284,8 @@ def test_a_failure_before_the_commit_keeps_the_old_weights_serving(
 def test_twenty_failed_syncs_leave_nothing_behind(rig: Rig):
     rig.push(seed=8, version="s8")
     before = vllm_greedy(rig.llm)
-    segments = set(glob.glob("/dev/shm/vllm-wt-*"))
+    # Only this process's: the parallel run's other worker makes its own.
+    segments = own_fork_entries()
     (start,) = rig.llm.collective_rpc(worker_staging)
     randomize_weights_(rig.model, seed=9)
     for _ in range(20):
@@ -293,7 +294,7 @@ def test_twenty_failed_syncs_leave_nothing_behind(rig: Rig):
             rig.trainer().send_weights(weight_version="never")
     (end,) = rig.llm.collective_rpc(worker_staging)
     assert end["staged_bytes"] == 0 and not end["open"], end
-    assert set(glob.glob("/dev/shm/vllm-wt-*")) <= segments
+    assert own_fork_entries() <= segments
     # Each failed sync staged about 2 MB: twenty leaks would be 40 MB.
     grown = end["rss"] - start["rss"]
     assert grown < 16 * 2**20, f"worker RSS grew by {grown / 2**20:.1f} MiB"
