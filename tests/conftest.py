@@ -11,6 +11,11 @@ import pytest
 # TINY_ENGINE_ARGS). TP=2 tests override the thread binding ("0|1") because
 # "auto" needs one NUMA node per worker.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# OpenMP threads sleep when a parallel region ends instead of spinning: `make
+# test` runs two test processes on two cores, and a spinning thread takes the
+# core the other process's engine needs (test_ipc_llm + test_quantized_llm in
+# two workers: 243 s against 268 and 285 s spinning).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
