@@ -89,6 +89,7 @@ from vllm.distributed.weight_transfer.verification import (
     PublicationHeader,
     attach_publication,
 )
+from vllm.distributed.weight_transfer.verification.receipts import RECEIPT_DIR_PREFIX
 
 pytestmark = pytest.mark.slow
 
@@ -454,7 +455,7 @@ def test_a_trainer_killed_between_chunks_does_not_block_the_next_sync(
 
     def receipt_dirs() -> set[str]:
         # Not those the parallel run's other worker holds.
-        return own_fork_entries(prefix="vllm-wt-receipts-")
+        return own_fork_entries(prefix=RECEIPT_DIR_PREFIX)
 
     receipts_before = receipt_dirs()
     process = multiprocessing.get_context("spawn").Process(

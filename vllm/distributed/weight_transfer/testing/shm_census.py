@@ -19,9 +19,11 @@ import os
 import re
 from pathlib import Path
 
+from vllm.distributed.weight_transfer.buffers.handles import SHM_NAME_PREFIX
+
 SHM_ROOT = Path("/dev/shm")
-FORK_PREFIX = "vllm-wt-"
-_SEGMENT_PID = re.compile(r"vllm-wt-([0-9]+)-")
+# Segments are named <prefix><creator pid>-<random hex> (buffers/shm.py).
+_SEGMENT_PID = re.compile(re.escape(SHM_NAME_PREFIX) + r"([0-9]+)-")
 
 
 def _process_tree(root_pid: int) -> set[int]:
@@ -59,7 +61,7 @@ def _flock_holders() -> dict[tuple[int, int, int], int]:
 
 
 def own_fork_entries(
-    root: Path = SHM_ROOT, prefix: str = FORK_PREFIX, tree_root: int | None = None
+    root: Path = SHM_ROOT, prefix: str = SHM_NAME_PREFIX, tree_root: int | None = None
 ) -> set[str]:
     """Names of ``root``'s entries starting with ``prefix`` that are not
     another process tree's (see the module docstring); the tree is
