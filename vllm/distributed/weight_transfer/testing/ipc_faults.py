@@ -23,6 +23,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 from typing import Any
 
 import torch
@@ -109,19 +111,22 @@ def _land_then_fail(session_cls: Any, call: int, what: str) -> None:
 
 def worker_staging(worker: Any) -> dict[str, Any]:
     """For ``llm.collective_rpc``: the bytes the worker engine holds in
-    staging, whether an update is open, the process's resident bytes, and
-    what the last staged commit did (``StagedUpdate.committed``: layers
-    swapped in from their shadows, tensors landed through the reload), and
-    the staging pool's state (``staging_pool.StagingPool``)."""
+    staging, whether an update is open, the process's resident bytes (after
+    `_return_free_heap`: what is held, not what the allocator keeps for
+    reuse), what the last staged commit did (``StagedUpdate.committed``:
+    layers swapped in from their shadows, tensors landed through the
+    reload), and the staging pool's state (``staging_pool.StagingPool``)."""
     import psutil
 
     engine = worker.weight_transfer_engine
     session = engine._session
     pool = engine.staging_pool
+    _return_free_heap()
+    rss = psutil.Process().memory_info().rss
     return {
         "staged_bytes": getattr(session, "staged_bytes", 0) if session else 0,
         "open": bool(session is not None and session.is_open),
-        "rss": psutil.Process().memory_info().rss,
+        "rss": rss,
         "committed": dict(getattr(engine, "last_staged_commit", {})),
         "pool": {
             "reserved_bytes": pool.reserved_bytes,
@@ -129,6 +134,17 @@ def worker_staging(worker: Any) -> dict[str, Any]:
             "held_back": pool.held_back,
         },
     }
+
+
+def _return_free_heap() -> None:
+    """Ask glibc to give the heap's free pages back to the system
+    (``malloc_trim``; nothing elsewhere). Freed buffers otherwise stay
+    resident for reuse, by an amount that depends on what the process ran
+    before: 20 failed staged syncs grew the resident size by 13.7-19.6 MiB
+    without trimming and by less than 1 MiB with it, with no tensor or
+    Python object left behind."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def worker_fence_status(worker: Any) -> dict[str, Any]:
