@@ -33,8 +33,8 @@ at lr 1e-6 and 3e-6.
 
 Run: ``python benchmarks/weight_transfer/bench_sharded_pull.py [--tp 2]
 [--num-layers 8] [--dtype bfloat16] [--arch qwen3_moe] [--rounds 3]
-[--deltas]``; the result goes to
-``benchmarks/results/sharded_pull/<device>-tp<N>.json``.
+[--deltas] [--landing planned]``; the result goes to
+``benchmarks/results/sharded_pull/<device>-tp<N>[-planned].json``.
 """
 
 from __future__ import annotations
@@ -208,10 +208,13 @@ def time_producer_delta_path() -> Seconds:
 def time_worker_delta_path(worker: Any) -> bool:
     """Time, in a vLLM worker (run through ``collective_rpc``): each delta's
     landing (read it, check and apply it to the held copy, copy that to the
-    receive buffer), the held copy's digest inside it (a pass only where
-    the stored one is unknown), the apply (``held_apply_s``), and keeping
-    each landed chunk as the next base."""
+    receive buffer; or read the served bytes back into the receive buffer,
+    ``read_back_s``, and apply it there), the base's digest inside it (a
+    pass only where the stored one is unknown, and always for served
+    bytes), the apply (``held_apply_s``), and keeping each landed chunk as
+    the next base."""
     from vllm.distributed.weight_transfer.pull import delta, delta_bases, transport
+    from vllm.distributed.weight_transfer.sharded_rdt import lander
 
     if getattr(worker, "_bench_delta_seconds", None) is not None:
         return False
@@ -220,6 +223,7 @@ def time_worker_delta_path(worker: Any) -> bool:
     seconds.time(delta, "payload_checksum", "held_digest_s")
     seconds.time(delta_bases, "apply_delta", "held_apply_s")
     seconds.time(delta_bases.HeldBases, "record", "keep_landed_s")
+    seconds.time(lander.ChunkLander, "read_back", "read_back_s")
     worker._bench_delta_seconds = seconds
     return True
 
@@ -397,6 +401,7 @@ RECEIPT_KEYS = (
     "delta_refused",
     "delta_first_refusal",
     "delta_bases_bytes",
+    "delta_served_bases",
     "seconds",
     "pull_seconds",
     "land_seconds",
@@ -474,6 +479,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="measured syncs per set")
     p.add_argument("--deltas", action="store_true", help="also run delta syncs")
     p.add_argument(
+        "--landing",
+        choices=["reload", "planned"],
+        default="reload",
+        help="the engine's landing; planned (with plain CPU linear layers) "
+        "lands most chunks straight in served tensors, where a worker reads "
+        "its delta bases back instead of keeping copies",
+    )
+    p.add_argument(
         "--delta-bases-gb",
         type=float,
         default=0.0,
@@ -499,8 +512,16 @@ def main() -> None:
         {"label": f"{100 * f:g}% changed", "fraction": f} for f in FIXED_RATES
     ]
 
+    from vllm.config import WeightTransferConfig
+
+    landing = {"landing": "planned", "cpu_linear": "plain"}
     llm = tiny_llm(
-        model_dir, dtype=args.dtype, tensor_parallel_size=args.tp, backend="sharded_rdt"
+        model_dir,
+        dtype=args.dtype,
+        tensor_parallel_size=args.tp,
+        weight_transfer_config=WeightTransferConfig(
+            backend="sharded_rdt", **(landing if args.landing == "planned" else {})
+        ),
     )
     try:
         b = Bench(llm, bench, args.tp)
@@ -531,6 +552,7 @@ def main() -> None:
             "tensor_parallel_size": args.tp,
             "dtype": args.dtype,
             "transport": "nixl (direct agents)",
+            "landing": args.landing,
         },
         "trainer_init_s": before["trainer_init_s"],
         "warmup_sync_s": before["warmup"]["sync_s"],
@@ -571,13 +593,18 @@ def main() -> None:
                 "delta_bases_bytes": [
                     r["delta_bases_bytes"] for r in deltas["seed_sync"]["receipts"]
                 ],
+                "delta_served_bases": [
+                    r.get("delta_served_bases", 0)
+                    for r in deltas["seed_sync"]["receipts"]
+                ],
             },
             "warmup_delta_sync_s": deltas["warmup"]["sync_s"],
             "trainer_init_s": deltas["trainer_init_s"],
             "rates": summaries,
             "goals": goals(summaries),
         }
-    out = result_path(__file__, f"tp{args.tp}")
+    suffix = "" if args.landing == "reload" else f"-{args.landing}"
+    out = result_path(__file__, f"tp{args.tp}{suffix}")
     write_json(rounded(result, 6), out)
     update = [round(w["update_weights_gib_s"], 3) for w in per_worker]
     pulls_only = [round(w["pull_only_gib_s"], 3) for w in per_worker]

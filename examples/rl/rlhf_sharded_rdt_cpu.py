@@ -237,6 +237,7 @@ def main() -> int:
                 f"chunks as deltas, {r['delta_refused']} refused"
                 + (f" ({r['delta_first_refusal']})" if r["delta_refused"] else "")
                 + f", {r['delta_bases_bytes']} B kept as bases"
+                + f", {r['delta_served_bases']} read back from served tensors"
                 if args.deltas
                 else ""
             )

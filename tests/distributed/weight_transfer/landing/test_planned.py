@@ -341,3 +341,30 @@ def test_direct_copies_land_batched_from_reused_receive_buffers(
         # (every time with bind_fresh_buffers).
         fresh_binds = 0 if step < 2 else (step - 1 if bind_fresh else 1)
         assert lander.binds == len(with_direct) * (1 + fresh_binds)
+
+
+def test_chunks_that_land_straight_are_read_back_byte_for_byte():
+    """A chunk every slice of which lands by a direct copy is packed again
+    from the served tensors (the base a delta applies to when the worker
+    keeps no copy): equal to the producer's packing, alignment gaps zero,
+    whatever the buffer held. A chunk with a reloaded slice cannot be."""
+    checkpoint = {n: t for n, t in MIXED.items() if n.startswith("toy.")}
+    checkpoint["kept.weight"] = MIXED["kept.weight"]
+    model = Mixed()
+    lander, _, pulls = _land_pulled(model, checkpoint, _bake(model, checkpoint), [])
+    assert len(pulls.chunks) == 1 and lander.can_read_back(0)
+    packed = torch.empty(pulls.chunks[0].nbytes, dtype=torch.uint8)
+    pack_chunk(pulls.chunks[0], checkpoint, packed)
+    into = torch.full_like(packed, 0xA5)
+    lander.read_back(0, into)
+    assert torch.equal(into, packed)
+    # A served byte changed out of band is what the read-back returns.
+    model.kept.weight.data[0] += 1
+    lander.read_back(0, into)
+    assert not torch.equal(into, packed)
+    # With slices that reload (processing changes their bytes) it cannot.
+    model = Mixed()
+    lander, _, pulls = _land_pulled(model, MIXED, _bake(model, MIXED), [])
+    assert not lander.can_read_back(0)
+    with pytest.raises(ValueError, match="cannot be read back"):
+        lander.read_back(0, torch.empty(pulls.chunks[0].nbytes, dtype=torch.uint8))

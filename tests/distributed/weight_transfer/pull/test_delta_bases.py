@@ -70,10 +70,28 @@ def _close_pairs():
         _OPEN_PAIRS.pop().close()
 
 
+class ServedChunks:
+    """`ReadBack` over a stand-in for the served tensors: each chunk's
+    bytes as last landed, in tensors of their own."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[int, torch.Tensor] = {}
+
+    def land(self, index: int, data: torch.Tensor) -> None:
+        self.tensors[index] = data.clone()
+
+    def can_read_back(self, index: int) -> bool:
+        return True
+
+    def read_back(self, index: int, into: torch.Tensor) -> None:
+        into.copy_(self.tensors[index])
+
+
 class Pair:
     """A producer with deltas on and one consumer holding bases; with
     ``checksums`` off the worker's stored checksums are all that checks a
-    delta's base."""
+    delta's base. ``served``: the consumer keeps no copies but reads each
+    chunk back from what it landed (`ServedChunks`)."""
 
     def __init__(
         self,
@@ -81,6 +99,7 @@ class Pair:
         held_limit: int = 1 << 20,
         device: str = "cpu",
         checksums: bool = True,
+        served: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.producer = Producer(
@@ -97,7 +116,8 @@ class Pair:
         self.server = InProcessServer(self.producer)
         self.link = InProcessTransport().connect(0, self.server.endpoint())
         self.link.register(0, self.chunks, _digest(self.chunks))
-        self.held = HeldBases(held_limit)
+        self.served = ServedChunks() if served else None
+        self.held = HeldBases(held_limit, served=self.served)
         self.sync = 0
         _OPEN_PAIRS.append(self)
 
@@ -131,6 +151,8 @@ class Pair:
             want = payload_checksum(into) if self.producer.settings.checksums else None
             assert result.checksum == want
             self.held.record(i, into, self.sync)
+            if self.served is not None:
+                self.served.land(i, into)
             results.append(result)
             landed.append(into.cpu())
         thread.join(10)
@@ -388,3 +410,61 @@ def test_a_refused_delta_over_the_link_reads_the_whole_chunk(monkeypatch):
     results, landed = pair.sync_once(_step(w1, 3))
     assert all("checksum" in r.delta for r in results), results
     assert _same(landed, _step(w1, 3))
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_deltas_rebuilt_from_the_served_bytes_keep_no_copy_and_end_exact(checksums):
+    """A worker that reads its bases back from the served tensors keeps no
+    bytes; its deltas apply there, exactly. A served byte changed out of band
+    is refused (by the base's checksum, or with payload checksums by the
+    rebuilt chunk's), the chunk read whole, and the next sync deltas again."""
+    pair = Pair(served=True, checksums=checksums)
+    w1 = _weights(0)
+    results, landed = pair.sync_once(w1)
+    assert [r.delta for r in results] == [None, None]
+    w2 = _step(w1, 3)
+    results, landed = pair.sync_once(w2)
+    assert [r.delta for r in results] == ["applied", "applied"]
+    assert _same(landed, w2)
+    assert pair.held.used_bytes == 0 and pair.held.served_chunks == 2
+    assert all(
+        r.read_bytes < c.nbytes for r, c in zip(results, pair.chunks, strict=True)
+    )
+
+    def flip(index, _held):
+        if index == 0:
+            pair.served.tensors[0][5] ^= 0x10
+
+    w3 = _step(w2, 4)
+    results, landed = pair.sync_once(w3, corrupt=flip)
+    assert results[1].delta == "applied"
+    assert results[0].delta and "checksum" in results[0].delta, results
+    assert results[0].read_bytes == pair.chunks[0].nbytes
+    assert _same(landed, w3)
+    again, landed = pair.sync_once(_step(w3, 2))
+    assert [r.delta for r in again] == ["applied", "applied"]
+    assert _same(landed, _step(w3, 2))
+
+
+def test_served_bases_follow_commits_and_failed_updates():
+    """A served chunk becomes a base only when its update commits; a failed
+    update leaves no base (its bytes may be half landed), and a chunk that
+    can no longer be read back (the lander changed) is refused, not
+    guessed."""
+    pair = Pair(served=True)
+    w1 = _weights(0)
+    pair.sync_once(w1)
+    w2 = _step(w1, 3)
+    pair.sync_once(w2, commit=False)
+    assert pair.held.base(0) is None and pair.held.base(1) is None
+    results, landed = pair.sync_once(_step(w2, 4))
+    assert [r.delta for r in results] == [None, None]
+    assert _same(landed, _step(w2, 4))
+
+    def unreadable(_index, _into):
+        raise ValueError("chunk 0 cannot be read back from served tensors")
+
+    pair.served.read_back = unreadable  # type: ignore[method-assign]
+    results, landed = pair.sync_once(_step(w2, 5))
+    assert all("cannot be read back" in r.delta for r in results), results
+    assert _same(landed, _step(w2, 5))

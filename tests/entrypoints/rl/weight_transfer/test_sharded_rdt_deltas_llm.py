@@ -7,9 +7,12 @@ delta against what the worker landed, and after every sync vLLM serves bit
 for bit what a fresh vLLM load of the trainer's weights serves.
 
 Two engines, shared by every test here (each start costs tens of seconds):
-dense Qwen3 TP=1 landing through the layerwise reload, staging off; and
-Qwen3-MoE TP=2 landing planned (plain CPU linear) with host staging, whose
-deltas land in staging and reach the served tensors at the commit.
+dense Qwen3 TP=1 landing planned (plain CPU linear), staging off, whose
+worker keeps no copy of what it landed: every chunk lands straight in
+served tensors, and a delta's base is read back from there; and
+Qwen3-MoE TP=2 landing planned with host staging, whose chunks hold experts
+(reloaded, so kept as copies) and whose deltas land in staging and reach the
+served tensors at the commit.
 
 What a worker holds is checked, never trusted: one re-initialized (its held
 bytes gone), one that missed a sync, one whose served byte was flipped out of
@@ -48,7 +51,7 @@ NORM = "model.layers.0.input_layernorm.weight"
 
 # (arch, TP, WeightTransferConfig options): the engines every test here shares.
 ENGINES: dict[str, tuple[Architecture, int, dict[str, Any]]] = {
-    "dense-tp1-reload": ("qwen3", 1, {}),
+    "dense-tp1-planned": ("qwen3", 1, {"landing": "planned", "cpu_linear": "plain"}),
     "moe-tp2-planned-staged": (
         "qwen3_moe",
         2,
@@ -137,7 +140,15 @@ def test_delta_syncs_move_only_changed_bytes_and_serve_the_trainers_weights(
         assert len(_first_sync(llm, rank)) == tp
         for step in range(2):
             ray.get(rank.nudge.remote(step, CHANGED))
-            _assert_deltas(_synced(llm, rank))
+            receipts = _synced(llm, rank)
+            _assert_deltas(receipts)
+        if tp == 1:
+            # Every module of the dense engine lands straight in its served
+            # tensors: each chunk's base is read back from there, and the
+            # worker keeps no copy at all.
+            (r,) = receipts
+            assert r["delta_served_bases"] == r["chunks"], r
+            assert r["delta_bases_bytes"] == 0, r
 
 
 def test_a_reinitialized_worker_reads_whole_chunks_then_deltas_again(
@@ -180,10 +191,14 @@ def test_a_worker_that_missed_a_sync_ends_exact(engine, trainer_pool):
 def test_a_served_byte_flipped_out_of_band_is_overwritten_by_the_next_sync(
     engine, trainer_pool
 ):
-    """Deltas apply to the worker's own copy of what it landed, never to the
-    served tensors, and every chunk lands whole: a served byte changed out of
-    band is overwritten by the next delta sync."""
-    llm, _, _ = engine
+    """Every chunk lands whole, whatever it was rebuilt from, so a served byte
+    changed out of band is overwritten by the next delta sync. Where the
+    worker keeps a copy of the chunk (the MoE engine: the norm shares its
+    chunk with reloaded experts) the delta applies to the copy; where it
+    reads the chunk back from the served tensors (the dense engine), the
+    flipped byte fails the delta's base checksum and the chunk is read
+    whole."""
+    llm, _, tp = engine
     with _trainer(engine, trainer_pool) as rank:
         _first_sync(llm, rank)
         before = ray.get(llm.served_bytes.remote(NORM))
@@ -192,7 +207,13 @@ def test_a_served_byte_flipped_out_of_band_is_overwritten_by_the_next_sync(
         for old, new in zip(before, flipped, strict=True):
             assert int((old != new).sum()) == 1
         ray.get(rank.nudge.remote(6, CHANGED))
-        _assert_deltas(_synced(llm, rank))
+        receipts = _synced(llm, rank)
+        if tp == 1:
+            (r,) = receipts
+            assert r["delta_refused"] == 1 and r["delta_chunks"] > 0, r
+            assert "delta.base_digest" in r["delta_first_refusal"], r
+        else:
+            _assert_deltas(receipts)
         trainer = ray.get(rank.param_bytes.remote(NORM))
         for served in ray.get(llm.served_bytes.remote(NORM)):
             assert served.equal(trainer)

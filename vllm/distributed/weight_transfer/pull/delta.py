@@ -38,6 +38,7 @@ Plain data and torch only: nothing here knows who serves or lands a chunk.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -157,6 +158,18 @@ class ChunkDelta:
     @property
     def device(self) -> torch.device:
         return self.positions.device
+
+    def on(self, device: torch.device, *, copy: bool = False) -> ChunkDelta:
+        """This delta with its positions and values on ``device``; ``copy``:
+        in memory of their own even there (a delta parsed in place from a
+        buffer about to be overwritten)."""
+        if device == self.device and not copy:
+            return self
+        return dataclasses.replace(
+            self,
+            positions=self.positions.to(device, copy=copy),
+            values=self.values.to(device, copy=copy),
+        )
 
     def to_wire(self) -> tuple[dict[str, Any], torch.Tensor]:
         """A JSON-safe header and one flat uint8 buffer on the delta's device:

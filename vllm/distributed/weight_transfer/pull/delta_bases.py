@@ -9,17 +9,22 @@ checksum. ``offer`` encodes the delta from those bytes to the ones just
 packed into the slot's delta buffer, keeps the new bytes, and returns the
 delta's header (None: the chunk is served whole only).
 
-Worker side, `HeldBases`: per chunk of the worker's pull plan, the bytes it
-last landed and the sync they came from. A chunk landed during a sync
-replaces its entry at once but is *pending* (not a base) until the update
-commits; an update that fails drops its pending entries, so the next sync
-pulls those chunks whole.
+Worker side, `HeldBases`: per chunk of the worker's pull plan, the sync it
+last landed and, unless the served tensors hold its bytes, a copy of them. A
+chunk whose every slice lands by a copy that keeps its bytes (the planned
+landing's direct copies, trainer-side codes) can be read back from the
+served tensors (`ReadBack`): the worker keeps no bytes for it
+(`ServedBytes`). A chunk landed during a sync replaces its entry at once but
+is *pending* (not a base) until the update commits; an update that fails
+drops its pending entries, so the next sync pulls those chunks whole.
 
 ``land_delta`` is the consumer's step: check the offered delta's base
-version against the held entry, read the delta's bytes, apply them to the
-held bytes in place (after checking the held bytes' checksum against the
-delta's base) and copy the result to the receive buffer. Any refusal leaves
-the caller to read the whole chunk, which the producer still holds.
+version against the held entry, read the delta's bytes, and rebuild the new
+bytes in the receive buffer: from a kept copy, by applying the delta to it
+in place (after checking its checksum against the delta's base) and copying
+the result; from the served tensors, by reading them back into the buffer,
+checking their checksum there and applying the delta to it. Any refusal
+leaves the caller to read the whole chunk, which the producer still holds.
 
 Both sides keep each copy's ``ws1`` checksum up to date from the changed
 elements alone (``apply_delta`` returns it): the producer never checksums a
@@ -28,8 +33,9 @@ delta's base is a comparison of two strings (see ``land_delta`` for why the
 worker's stored checksum can be trusted).
 
 Both stores are bounded: a chunk that would take a store past its limit is
-not kept, and travels whole every sync. The producer keeps its copies where
-its serve buffers are (host memory by default, the GPU's with
+not kept, and travels whole every sync (a chunk read back from the served
+tensors costs the store nothing). The producer keeps its copies where its
+serve buffers are (host memory by default, the GPU's with
 ``serve_device="cuda"``); the worker keeps its copies in host memory. Nothing
 here knows a transport or a model.
 """
@@ -39,7 +45,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -66,6 +72,32 @@ class KeptBytes:
     copied_to: tuple[torch.device, int, int] | None = None
 
 
+@dataclass
+class ServedBytes:
+    """A chunk whose bytes a worker does not keep: the served tensors hold
+    them since the sync ``version`` landed it, and ``read_back`` (into a
+    buffer of the chunk's size) packs them again."""
+
+    version: int
+    read_back: Callable[[torch.Tensor], None]
+    pending: bool = False
+    digest: None = None  # (never known without a pass over the served bytes)
+    copied_to: None = None
+
+
+class ReadBack(Protocol):
+    """Which chunks the served tensors hold byte for byte, and how to pack
+    one of them from there (the lander that landed them)."""
+
+    def can_read_back(self, index: int) -> bool: ...
+
+    def read_back(self, index: int, into: torch.Tensor) -> None: ...
+
+
+def _nbytes(entry: KeptBytes | ServedBytes) -> int:
+    return entry.data.numel() if isinstance(entry, KeptBytes) else 0
+
+
 class _BoundedStore:
     """Copies of chunk bytes by key, at most ``limit_bytes`` in all, in host
     memory or (``next_to_data``) on the device of the bytes they copy."""
@@ -77,10 +109,10 @@ class _BoundedStore:
             raise ValueError(f"delta base limit is {limit_bytes} bytes; need >= 0")
         self.limit_bytes = limit_bytes
         self.used_bytes = 0
-        self._entries: dict[Hashable, KeptBytes] = {}
+        self._entries: dict[Hashable, Any] = {}
         self._lock = threading.Lock()
 
-    def _get(self, key: Hashable) -> KeptBytes | None:
+    def _get(self, key: Hashable) -> Any:
         with self._lock:
             return self._entries.get(key)
 
@@ -92,8 +124,10 @@ class _BoundedStore:
         nbytes = data.numel()
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None and entry.data.numel() != nbytes:
-                self.used_bytes -= entry.data.numel()
+            if entry is not None and (
+                not isinstance(entry, KeptBytes) or entry.data.numel() != nbytes
+            ):
+                self.used_bytes -= _nbytes(entry)
                 del self._entries[key]
                 entry = None
             if entry is None:
@@ -112,10 +146,10 @@ class _BoundedStore:
         copy_bytes(entry.data, data)
         return entry
 
-    def _drop(self, keep: Callable[[Hashable, KeptBytes], bool]) -> None:
+    def _drop(self, keep: Callable[[Hashable, Any], bool]) -> None:
         with self._lock:
             for key in [k for k, e in self._entries.items() if not keep(k, e)]:
-                self.used_bytes -= self._entries.pop(key).data.numel()
+                self.used_bytes -= _nbytes(self._entries.pop(key))
 
     def clear(self) -> None:
         self._drop(lambda _k, _e: False)
@@ -199,28 +233,48 @@ class PublishedBases(_BoundedStore):
 
 class HeldBases(_BoundedStore):
     """A worker's last landed bytes per chunk index; see the module
-    docstring."""
+    docstring. ``served``: the chunks to read back from the served tensors
+    instead of keeping a copy (None: keep a copy of every chunk)."""
 
-    def base(self, index: int) -> KeptBytes | None:
+    def __init__(self, limit_bytes: int, served: ReadBack | None = None) -> None:
+        super().__init__(limit_bytes)
+        self.served = served
+
+    def base(self, index: int) -> KeptBytes | ServedBytes | None:
         """Chunk ``index``'s committed bytes, or None."""
         entry = self._get(index)
         return None if entry is None or entry.pending else entry
+
+    @property
+    def served_chunks(self) -> int:
+        """Chunks whose base is read back from the served tensors."""
+        with self._lock:
+            return sum(isinstance(e, ServedBytes) for e in self._entries.values())
 
     def record(self, index: int, data: torch.Tensor, version: int | None) -> None:
         """Chunk ``index`` landed ``data`` (its whole bytes) in the sync
         ``version``; a base once the update commits. Without a version the
         entry is dropped: nothing could name it as a base. A chunk that
         ``land_delta`` rebuilt in the held copy and copied to ``data`` is
-        not copied back (call this before anything writes ``data``)."""
+        not copied back (call this before anything writes ``data``); a chunk
+        the served tensors hold keeps no copy at all."""
         if version is None:
             self._drop(lambda k, _e: k != index)
             return
+        served = self.served
+        if served is not None and served.can_read_back(index):
+            self._drop(lambda k, _e: k != index)
+            with self._lock:
+                self._entries[index] = ServedBytes(
+                    version, lambda into: served.read_back(index, into), pending=True
+                )
+            return
         with self._lock:
-            entry = self._entries.get(index)
-            if entry is not None and entry.copied_to == _address(data):
-                entry.version = version
-                entry.pending = True
-                entry.copied_to = None
+            kept = self._entries.get(index)
+            if isinstance(kept, KeptBytes) and kept.copied_to == _address(data):
+                kept.version = version
+                kept.pending = True
+                kept.copied_to = None
                 return
         if self._store(index, data, version, pending=True) is None:
             self._drop(lambda k, _e: k != index)
@@ -249,14 +303,25 @@ class OfferedDelta:
     read_into: Callable[[torch.Tensor], object]
 
 
-def land_delta(offered: OfferedDelta, into: torch.Tensor, held: KeptBytes) -> None:
+def land_delta(
+    offered: OfferedDelta,
+    into: torch.Tensor,
+    held: KeptBytes | ServedBytes,
+) -> None:
     """Make ``into`` (the chunk's receive buffer) hold the chunk's new bytes
     from ``held`` and the ``offered`` delta; ``ValueError`` (a
     ``DeltaBaseMismatch`` when ``held`` is not the delta's base) when it
     cannot, after which ``into`` holds nothing useful and the caller reads
     the whole chunk.
 
-    The delta is read into ``into`` (as scratch), applied to ``held.data``
+    From `ServedBytes`: the delta is read into ``into`` and copied out, the
+    served bytes are read back into ``into``, their checksum is checked
+    against the delta's base (a served byte changed out of band is refused
+    here: one pass over the chunk, the price of keeping no copy), and the
+    delta is applied there.
+
+    From `KeptBytes`:
+    the delta is read into ``into`` (as scratch), applied to ``held.data``
     in place (its changed elements only), and ``held.data`` copied to
     ``into``: one pass over the chunk. From the apply on, ``held`` is
     pending (not a base until ``HeldBases.record`` names its sync and the
@@ -286,15 +351,14 @@ def land_delta(offered: OfferedDelta, into: torch.Tensor, held: KeptBytes) -> No
     if offered.nbytes:  # (nothing changed: an empty delta)
         offered.read_into(into[: offered.nbytes])
     delta = ChunkDelta.from_wire(header, into[: offered.nbytes])
-    if delta.device != held.data.device:
-        delta = ChunkDelta(
-            base_version=delta.base_version,
-            base_digest=delta.base_digest,
-            nbytes=delta.nbytes,
-            unit=delta.unit,
-            positions=delta.positions.to(held.data.device),
-            values=delta.values.to(held.data.device),
-        )
+    if isinstance(held, ServedBytes):
+        # The delta is copied out of ``into`` before the served bytes are
+        # read back over it.
+        delta = delta.on(into.device, copy=True)
+        held.read_back(into)
+        apply_delta(into, delta, held_version=held.version)
+        return
+    delta = delta.on(held.data.device)
     held.copied_to = None
     digest = apply_delta(
         held.data, delta, held_version=held.version, held_digest=held.digest
@@ -305,11 +369,13 @@ def land_delta(offered: OfferedDelta, into: torch.Tensor, held: KeptBytes) -> No
     held.copied_to = _address(into)
 
 
-def forget_rebuilt(held: KeptBytes) -> None:
+def forget_rebuilt(held: KeptBytes | ServedBytes) -> None:
     """``land_delta`` rebuilt ``held`` but the result was refused (its
     checksum is not the producer's): its bytes and digest are not to be
     trusted, and the whole chunk ``HeldBases.record`` copies in next
-    replaces them."""
+    replaces them. (Nothing to forget of served bytes: nothing was kept.)"""
+    if isinstance(held, ServedBytes):
+        return
     held.copied_to = None
     held.digest = None
     held.pending = True

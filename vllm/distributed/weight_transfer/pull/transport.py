@@ -47,6 +47,7 @@ from vllm.distributed.weight_transfer.pull.delta import DeltaBaseMismatch
 from vllm.distributed.weight_transfer.pull.delta_bases import (
     KeptBytes,
     OfferedDelta,
+    ServedBytes,
     forget_rebuilt,
     land_delta,
 )
@@ -111,13 +112,14 @@ class ProducerLink(ABC):
         chunk: PullChunk,
         into: torch.Tensor,
         next_chunk: PullChunk | None = None,
-        held: KeptBytes | None = None,
+        held: KeptBytes | ServedBytes | None = None,
     ) -> Pulled:
         """Land ``chunk``'s packed bytes in ``into`` (uint8, ``chunk.nbytes``)
         and return what the pull brought (`Pulled`). ``next_chunk``, the
         consumer's next pull from this producer, may be requested early so
         that it is packed while this one is read. ``held``: the chunk's bytes
-        as this worker last landed them, which an offered delta applies to;
+        as this worker last landed them (a copy, or the served tensors that
+        hold them), which an offered delta applies to;
         a delta that does not apply (another base, a malformed one, or, when
         the producer gives a checksum, a rebuilt chunk that does not match
         it) is refused and the whole chunk read instead."""

@@ -229,6 +229,7 @@ class ChunkLander:
         # direct copies the bound programs moved in this sync.
         self.binds = 0
         self.batched = 0
+        self._readable: dict[int, bool] = {}
         self._materialized: set[str] = set()
         self._before_first_module: Callable[[], None] | None = None
         self.processed: list[str] = []
@@ -383,6 +384,51 @@ class ChunkLander:
             method=self.batch_method,
         )
         return _DirectBatch(program, one_by_one)
+
+    def can_read_back(self, index: int) -> bool:
+        """Whether chunk ``index``'s packed bytes can be read back from the
+        served tensors: every slice of it lands by a direct copy that keeps
+        its bytes (same dtype and shape: no cast, no processing after)."""
+        known = self._readable.get(index)
+        if known is None:
+            known = self._readable[index] = self._read_back_sources(index) is not None
+        return known
+
+    def _read_back_sources(
+        self, index: int
+    ) -> list[tuple[_Landing, torch.Tensor]] | None:
+        """One direct copy per slice of chunk ``index`` with the served view
+        it wrote, or None when some slice has none that keeps its bytes."""
+        by_offset: dict[int, tuple[_Landing, torch.Tensor]] = {}
+        for landing in self._direct[index]:
+            view = self.direct[landing.copy]
+            spec = landing.copy.slice
+            if dtype_name(view.dtype) == spec.dtype and tuple(view.shape) == tuple(
+                spec.shape
+            ):
+                by_offset.setdefault(landing.offset, (landing, view))
+        slices = [p for p in self.pulls.chunks[index].slices if p.spec.nbytes]
+        if not slices or any(p.offset not in by_offset for p in slices):
+            return None
+        return [by_offset[p.offset] for p in slices]
+
+    @torch.no_grad()
+    def read_back(self, index: int, into: torch.Tensor) -> None:
+        """Fill ``into`` (uint8, the chunk's size) with chunk ``index``'s
+        packed bytes as the served tensors hold them: each slice from the
+        view its direct copy wrote, the alignment gaps zero, as a producer
+        packs them. Only for a chunk that `can_read_back`."""
+        sources = self._read_back_sources(index)
+        if sources is None:
+            raise ValueError(f"chunk {index} cannot be read back from served tensors")
+        end = 0
+        for landing, view in sources:
+            if landing.offset > end:
+                into[end : landing.offset].zero_()
+            self._value(landing, into).copy_(view)
+            end = landing.offset + landing.copy.slice.nbytes
+        if end < into.numel():
+            into[end:].zero_()
 
     def has_direct(self, index: int) -> bool:
         """Whether chunk ``index`` holds a direct copy."""

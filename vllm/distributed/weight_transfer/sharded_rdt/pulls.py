@@ -3,8 +3,8 @@
 """A sharded_rdt worker's pull loop: a background thread pulls every chunk in
 order, at most one per receive buffer ahead, while the calling thread lands
 each one as it arrives. With deltas on, each pull is handed the chunk's bytes
-as the worker last landed them (``held``), which a delta the producer offers
-applies to."""
+as the worker last landed them (``held``: a copy, or the served tensors that
+hold them), which a delta the producer offers applies to."""
 
 from __future__ import annotations
 
@@ -18,7 +18,11 @@ from typing import Any
 import torch
 
 from vllm.distributed.weight_transfer.pull.chunks import PullChunk
-from vllm.distributed.weight_transfer.pull.delta_bases import HeldBases, KeptBytes
+from vllm.distributed.weight_transfer.pull.delta_bases import (
+    HeldBases,
+    KeptBytes,
+    ServedBytes,
+)
 from vllm.distributed.weight_transfer.pull.transport import ProducerLink, Pulled
 from vllm.logger import init_logger
 
@@ -60,6 +64,7 @@ class DeltaCounts:
             "delta_refused": self.refused,
             "delta_first_refusal": self.first_refusal,
             "delta_bases_bytes": held.used_bytes if held is not None else 0,
+            "delta_served_bases": held.served_chunks if held is not None else 0,
         }
 
 
@@ -77,7 +82,7 @@ def run_pulls(
     consumer_id: int | None,
     stall_timeout_s: float,
     cancel: threading.Event | None = None,
-    held: Callable[[int], KeptBytes | None] | None = None,
+    held: Callable[[int], KeptBytes | ServedBytes | None] | None = None,
     keep: Callable[[int, torch.Tensor], None] | None = None,
 ) -> tuple[dict[int, int], dict[str, float]]:
     """Pull every chunk in order on a background thread, at most one per

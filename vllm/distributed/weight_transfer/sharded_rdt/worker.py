@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -189,7 +190,9 @@ class ShardedRDTWeightTransferEngine(
         # the plan pulls; set at init.
         self.manifest: Manifest | None = None
         self.expected: dict[str, int] = {}
-        # With deltas on: each chunk's bytes as last landed (a delta's base).
+        # With deltas on: each chunk's bytes as last landed (a delta's base):
+        # a copy, or, for a chunk every slice of which lands by a direct copy,
+        # the served tensors themselves.
         self._held: HeldBases | None = None
         self._sync_id: int | None = None
 
@@ -265,7 +268,11 @@ class ShardedRDTWeightTransferEngine(
         self.transport_name = transport_name
         self.stall_timeout_s = init_info.stall_timeout_s
         bases_bytes = int(init_info.delta_bases_gb * (1 << 30))
-        self._held = HeldBases(bases_bytes) if bases_bytes else None
+        self._held = (
+            HeldBases(bases_bytes, served=_ServedChunks(lambda: self._lander))
+            if bases_bytes
+            else None
+        )
         self._baked = baked
         self._pulled = pulled
         self.landing_plan = landing
@@ -624,3 +631,22 @@ class ShardedRDTWeightTransferEngine(
         self._pulled = None
         self.landing_plan = None
         self.pulls = None
+
+
+class _ServedChunks:
+    """`ReadBack` through whichever lander the worker holds when a delta
+    comes (binding the served tensors again makes a new one): the chunks
+    whose every slice lands by a direct copy that keeps its bytes."""
+
+    def __init__(self, lander: Callable[[], ChunkLander | None]) -> None:
+        self._lander = lander
+
+    def can_read_back(self, index: int) -> bool:
+        lander = self._lander()
+        return lander is not None and lander.can_read_back(index)
+
+    def read_back(self, index: int, into: torch.Tensor) -> None:
+        lander = self._lander()
+        if lander is None:
+            raise ValueError("no lander: init_weight_transfer_engine was released")
+        lander.read_back(index, into)
