@@ -514,14 +514,16 @@ def main() -> None:
 
     from vllm.config import WeightTransferConfig
 
-    landing = {"landing": "planned", "cpu_linear": "plain"}
+    config = WeightTransferConfig(backend="sharded_rdt")
+    if args.landing == "planned":
+        config = WeightTransferConfig(
+            backend="sharded_rdt", landing="planned", cpu_linear="plain"
+        )
     llm = tiny_llm(
         model_dir,
         dtype=args.dtype,
         tensor_parallel_size=args.tp,
-        weight_transfer_config=WeightTransferConfig(
-            backend="sharded_rdt", **(landing if args.landing == "planned" else {})
-        ),
+        weight_transfer_config=config,
     )
     try:
         b = Bench(llm, bench, args.tp)

@@ -325,7 +325,7 @@ def _committed(data: torch.Tensor) -> KeptBytes:
     held.record(0, data, 1)
     held.commit()
     base = held.base(0)
-    assert base is not None
+    assert isinstance(base, KeptBytes)
     return base
 
 
@@ -431,9 +431,12 @@ def test_deltas_rebuilt_from_the_served_bytes_keep_no_copy_and_end_exact(checksu
         r.read_bytes < c.nbytes for r, c in zip(results, pair.chunks, strict=True)
     )
 
+    served = pair.served
+    assert served is not None
+
     def flip(index, _held):
         if index == 0:
-            pair.served.tensors[0][5] ^= 0x10
+            served.tensors[0][5] ^= 0x10
 
     w3 = _step(w2, 4)
     results, landed = pair.sync_once(w3, corrupt=flip)
@@ -464,6 +467,7 @@ def test_served_bases_follow_commits_and_failed_updates():
     def unreadable(_index, _into):
         raise ValueError("chunk 0 cannot be read back from served tensors")
 
+    assert pair.served is not None
     pair.served.read_back = unreadable  # type: ignore[method-assign]
     results, landed = pair.sync_once(_step(w2, 5))
     assert all("cannot be read back" in r.delta for r in results), results

@@ -10,9 +10,10 @@ Two engines, shared by every test here (each start costs tens of seconds):
 dense Qwen3 TP=1 landing planned (plain CPU linear), staging off, whose
 worker keeps no copy of what it landed: every chunk lands straight in
 served tensors, and a delta's base is read back from there; and
-Qwen3-MoE TP=2 landing planned with host staging, whose chunks hold experts
-(reloaded, so kept as copies) and whose deltas land in staging and reach the
-served tensors at the commit.
+Qwen3-MoE TP=2 landing planned with host staging, whose layer chunks hold
+experts (reloaded, so kept as copies) while the others are read back from
+the served tensors (the committed bytes, during a staged pull), and whose
+deltas land in staging and reach the served tensors at the commit.
 
 What a worker holds is checked, never trusted: one re-initialized (its held
 bytes gone), one that missed a sync, one whose served byte was flipped out of
@@ -142,13 +143,18 @@ def test_delta_syncs_move_only_changed_bytes_and_serve_the_trainers_weights(
             ray.get(rank.nudge.remote(step, CHANGED))
             receipts = _synced(llm, rank)
             _assert_deltas(receipts)
-        if tp == 1:
-            # Every module of the dense engine lands straight in its served
-            # tensors: each chunk's base is read back from there, and the
-            # worker keeps no copy at all.
-            (r,) = receipts
-            assert r["delta_served_bases"] == r["chunks"], r
-            assert r["delta_bases_bytes"] == 0, r
+        for r in receipts:
+            if tp == 1:
+                # Every module of the dense engine lands straight in its
+                # served tensors: each chunk's base is read back from there,
+                # and the worker keeps no copy at all.
+                assert r["delta_served_bases"] == r["chunks"], r
+                assert r["delta_bases_bytes"] == 0, r
+            else:
+                # The MoE engine (staged): the chunks with reloaded experts
+                # are kept as copies, the others read back.
+                assert 0 < r["delta_served_bases"] < r["chunks"], r
+                assert 0 < r["delta_bases_bytes"] < r["planned_bytes"], r
 
 
 def test_a_reinitialized_worker_reads_whole_chunks_then_deltas_again(

@@ -134,7 +134,8 @@ class ShardedRDTTrainerInitInfo(TrainerInitInfo, VerifiedSyncSettings):
     serve_device: str | None = None
     # GiB of last-synced chunk bytes each producer (next to its serve
     # buffers) and each worker (host memory) keep for delta syncs (0: off;
-    # chunks past the limit travel whole).
+    # chunks past the limit travel whole). A worker keeps nothing for the
+    # chunks that land straight in served tensors: it reads those back.
     delta_bases_gb: float = 0.0
     process_group: Any = field(default=None, repr=False, compare=False)
 
