@@ -87,6 +87,33 @@ def test_only_non_finite_kv_values_are_zeroed():
     assert zero_non_finite(kv) == 0
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64]
+)
+@pytest.mark.parametrize("bad", ["nan", "-nan", "inf", "-inf", None])
+def test_the_bit_scan_finds_exactly_the_non_finite_values(monkeypatch, dtype, bad):
+    """Chunks are flagged from the values' bits: a NaN of either sign or an
+    infinity is found, the largest finite values and negative zero are not,
+    and only the chunk that holds the bad value is rewritten."""
+    from vllm.distributed.weight_transfer.worker import kv_scrub
+
+    monkeypatch.setattr(kv_scrub, "_CHUNK", 64)
+    info = torch.finfo(dtype)
+    kv = torch.randn(4, 64, dtype=torch.float64).to(dtype)
+    kv[0, :4] = torch.tensor([info.max, -info.max, info.tiny, -0.0], dtype=dtype)
+    kept = kv.clone()
+    if bad is not None:
+        value = float(bad.lstrip("-"))
+        kv[2, 7] = -value if bad.startswith("-") else value
+    assert zero_non_finite(kv) == (0 if bad is None else 1)
+    expected = kept.clone()
+    if bad is not None:
+        expected[2, 7] = 0
+    assert torch.equal(
+        kv.view(-1).view(torch.uint8), expected.view(-1).view(torch.uint8)
+    )
+
+
 def test_every_kv_cache_of_the_forward_context_is_scrubbed_once():
     shared = torch.full((4, 8), float("nan"))
     byte_cache = torch.full((4, 8), 255, dtype=torch.uint8)
