@@ -132,6 +132,8 @@ class Pair:
         pull."""
         self.sync += 1
         self.link.sync_id = self.sync
+        # As the worker does from the publication header.
+        self.link.checksums = self.producer.settings.checksums
         results, landed = [], []
 
         def trainer():
@@ -413,11 +415,24 @@ def test_a_refused_delta_over_the_link_reads_the_whole_chunk(monkeypatch):
 
 
 @pytest.mark.parametrize("checksums", [True, False])
-def test_deltas_rebuilt_from_the_served_bytes_keep_no_copy_and_end_exact(checksums):
+def test_deltas_rebuilt_from_the_served_bytes_keep_no_copy_and_end_exact(
+    monkeypatch, checksums
+):
     """A worker that reads its bases back from the served tensors keeps no
     bytes; its deltas apply there, exactly. A served byte changed out of band
-    is refused (by the base's checksum, or with payload checksums by the
-    rebuilt chunk's), the chunk read whole, and the next sync deltas again."""
+    is refused by the base's checksum, the chunk read whole, and the next
+    sync deltas again. With payload checksums the rebuilt chunk's checksum
+    follows from the base's (taken from the bytes read back) and the changed
+    elements: no second pass over the chunk."""
+    from vllm.distributed.weight_transfer.pull import transport
+
+    passes = []
+    counted = transport.payload_checksum
+    monkeypatch.setattr(
+        transport,
+        "payload_checksum",
+        lambda buf: passes.append(buf.numel()) or counted(buf),
+    )
     pair = Pair(served=True, checksums=checksums)
     w1 = _weights(0)
     results, landed = pair.sync_once(w1)
@@ -425,6 +440,7 @@ def test_deltas_rebuilt_from_the_served_bytes_keep_no_copy_and_end_exact(checksu
     w2 = _step(w1, 3)
     results, landed = pair.sync_once(w2)
     assert [r.delta for r in results] == ["applied", "applied"]
+    assert passes == []
     assert _same(landed, w2)
     assert pair.held.used_bytes == 0 and pair.held.served_chunks == 2
     assert all(

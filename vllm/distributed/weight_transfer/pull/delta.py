@@ -479,7 +479,8 @@ def apply_delta(
     *,
     held_version: int,
     held_digest: str | None = None,
-) -> str:
+    checksum_after: bool = True,
+) -> str | None:
     """Write ``delta`` into ``target`` (the chunk's bytes: a 1-D contiguous
     uint8 tensor on the delta's device) in place, after ``check_delta``, and
     return the ``ws1`` checksum of ``target`` after the write.
@@ -488,7 +489,9 @@ def apply_delta(
     chunk, which also catches bytes changed out of band). The checksum
     returned follows from the base's and the changed words alone
     (`checksum_after_change`): it is exact when ``target`` held the bytes
-    ``held_digest`` names. On any refusal the target is unchanged."""
+    ``held_digest`` names. ``checksum_after=False``: the caller has no use
+    for it; only the values are written, and None is returned. On any
+    refusal the target is unchanged."""
     if target.dtype != torch.uint8 or target.dim() != 1 or not target.is_contiguous():
         raise ValueError(
             f"apply_delta: target must be a 1-D contiguous uint8 tensor, got dtype "
@@ -512,13 +515,13 @@ def apply_delta(
     if held_digest is None:
         _check_base(delta, held_version, payload_checksum(target))
     if not delta.count:
-        return delta.base_digest
+        return delta.base_digest if checksum_after else None
     return write_changes(
         words,
         delta.positions,
         delta.values,
         unit=delta.unit,
-        base_digest=delta.base_digest,
+        base_digest=delta.base_digest if checksum_after else None,
     )
 
 

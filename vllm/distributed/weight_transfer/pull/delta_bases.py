@@ -307,18 +307,23 @@ def land_delta(
     offered: OfferedDelta,
     into: torch.Tensor,
     held: KeptBytes | ServedBytes,
-) -> None:
+    *,
+    checksum: bool = False,
+) -> str | None:
     """Make ``into`` (the chunk's receive buffer) hold the chunk's new bytes
     from ``held`` and the ``offered`` delta; ``ValueError`` (a
     ``DeltaBaseMismatch`` when ``held`` is not the delta's base) when it
     cannot, after which ``into`` holds nothing useful and the caller reads
-    the whole chunk.
+    the whole chunk. Returns the ``ws1`` checksum of the new bytes when it
+    is proven without a pass over them (``checksum`` asked for it, and the
+    base's checksum was taken from its bytes: served bytes), else None.
 
     From `ServedBytes`: the delta is read into ``into`` and copied out, the
     served bytes are read back into ``into``, their checksum is checked
     against the delta's base (a served byte changed out of band is refused
     here: one pass over the chunk, the price of keeping no copy), and the
-    delta is applied there.
+    delta is applied there; the new bytes' checksum follows from that
+    checksum and the changed elements, when ``checksum``.
 
     From `KeptBytes`:
     the delta is read into ``into`` (as scratch), applied to ``held.data``
@@ -356,8 +361,9 @@ def land_delta(
         # read back over it.
         delta = delta.on(into.device, copy=True)
         held.read_back(into)
-        apply_delta(into, delta, held_version=held.version)
-        return
+        return apply_delta(
+            into, delta, held_version=held.version, checksum_after=checksum
+        )
     delta = delta.on(held.data.device)
     held.copied_to = None
     digest = apply_delta(
@@ -367,6 +373,8 @@ def land_delta(
     held.digest = digest
     copy_bytes(into, held.data)
     held.copied_to = _address(into)
+    # (The checksum carried here stands on the stored one: not a proof.)
+    return None
 
 
 def forget_rebuilt(held: KeptBytes | ServedBytes) -> None:

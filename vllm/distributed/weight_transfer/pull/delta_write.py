@@ -34,26 +34,30 @@ def write_changes(
     delta_values: torch.Tensor,
     *,
     unit: int,
-    base_digest: str,
-) -> str:
+    base_digest: str | None,
+) -> str | None:
     """Write ``delta_values`` at ``delta_positions`` of ``words`` (the chunk
     viewed as elements of the unit's integer dtype; positions checked by the
     caller) and return the chunk's ``ws1`` checksum after the write, given
-    ``base_digest``, the checksum before it."""
+    ``base_digest``, the checksum before it (None: write only, return
+    None)."""
+    want = base_digest is not None
     if words.device.type == "cpu":
         elements: Any = words.numpy()
         positions: Any = delta_positions.numpy()
         values: Any = delta_values.numpy()
         # numpy's one-thread gather and scatter: torch's thread pool stalls
         # on a loaded host.
-        old = elements[positions]
+        old = elements[positions] if want else None
         elements[positions] = values
     else:
         positions = delta_positions.long()
         values = delta_values
-        old = words[positions]
+        old = words[positions] if want else None
         # int64 indices: the index write takes a much slower path with int32.
         words.index_put_((positions,), values)
+    if base_digest is None:
+        return None
     word_positions, changes = _word_changes(old, values, positions, unit)
     return checksum_after_change(
         base_digest, _as_tensor(word_positions), _as_tensor(changes)

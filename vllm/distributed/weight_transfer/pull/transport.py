@@ -131,9 +131,10 @@ class ProducerLink(ABC):
             )
         into = into[: chunk.nbytes]
         delta = None
+        proven = None  # the rebuilt bytes' checksum, when land_delta proves it
         if offered.delta is not None and held is not None:
             try:
-                land_delta(offered.delta, into, held)
+                proven = land_delta(offered.delta, into, held, checksum=self.checksums)
                 delta = "applied"
             except ValueError as e:
                 delta = describe_error(e)
@@ -142,7 +143,7 @@ class ProducerLink(ABC):
             # The producer's checksum covers the chunk's new bytes: a held
             # copy that was not the delta's base (whatever its stored
             # checksum said) does not rebuild them.
-            rebuilt = payload_checksum(into)
+            rebuilt = proven if proven is not None else payload_checksum(into)
             if rebuilt != checksum:
                 assert held is not None
                 forget_rebuilt(held)
