@@ -426,13 +426,14 @@ def test_deltas_rebuilt_from_the_served_bytes_keep_no_copy_and_end_exact(
     elements: no second pass over the chunk."""
     from vllm.distributed.weight_transfer.pull import transport
 
-    passes = []
+    passes: list[int] = []
     counted = transport.payload_checksum
-    monkeypatch.setattr(
-        transport,
-        "payload_checksum",
-        lambda buf: passes.append(buf.numel()) or counted(buf),
-    )
+
+    def counting(buf: torch.Tensor) -> str:
+        passes.append(buf.numel())
+        return counted(buf)
+
+    monkeypatch.setattr(transport, "payload_checksum", counting)
     pair = Pair(served=True, checksums=checksums)
     w1 = _weights(0)
     results, landed = pair.sync_once(w1)
