@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vllm.distributed.weight_transfer.pull.delta import apply_delta, encode_delta
-from vllm.distributed.weight_transfer.pull.delta_bases import HeldBases
+from vllm.distributed.weight_transfer.pull.delta_bases import HeldBases, KeptBytes
 from vllm.distributed.weight_transfer.verification import payload_checksum
 
 from .test_delta_bases import (  # _close_pairs: the autouse fixture, active here too
@@ -158,7 +158,7 @@ def test_a_rebuilt_chunk_is_recorded_without_a_copy_and_an_unrecorded_one_droppe
     results, _ = pair.sync_once(_step(w1, 3))
     assert [r.delta for r in results] == ["applied", "applied"]
     entry = pair.held.base(0)
-    assert entry is not None and entry.copied_to is None
+    assert isinstance(entry, KeptBytes) and entry.copied_to is None
     assert entry.version == pair.sync
     # A rebuild whose pull failed before ``record``: not a base after commit.
     entry.copied_to = (torch.device("cpu"), 1, 1)
@@ -173,7 +173,7 @@ def test_record_copies_a_buffer_other_than_the_one_rebuilt():
     held.record(0, data, 1)
     held.commit()
     entry = held.base(0)
-    assert entry is not None
+    assert isinstance(entry, KeptBytes)
     entry.copied_to = (torch.device("cpu"), data.data_ptr() + 1, data.numel())
     other = torch.flip(data, [0]).contiguous()
     held.record(0, other, 2)

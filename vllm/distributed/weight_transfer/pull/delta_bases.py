@@ -81,8 +81,6 @@ class ServedBytes:
     version: int
     read_back: Callable[[torch.Tensor], None]
     pending: bool = False
-    digest: None = None  # (never known without a pass over the served bytes)
-    copied_to: None = None
 
 
 class ReadBack(Protocol):
@@ -109,6 +107,7 @@ class _BoundedStore:
             raise ValueError(f"delta base limit is {limit_bytes} bytes; need >= 0")
         self.limit_bytes = limit_bytes
         self.used_bytes = 0
+        # `KeptBytes`; a `HeldBases` also keeps `ServedBytes`.
         self._entries: dict[Hashable, Any] = {}
         self._lock = threading.Lock()
 
@@ -185,7 +184,7 @@ class PublishedBases(_BoundedStore):
         the chunk. ``digest`` is ``packed``'s ``ws1`` checksum, if known."""
         entry = self._get(key)
         if (
-            entry is not None
+            isinstance(entry, KeptBytes)
             and entry.data.numel() == packed.numel()
             and entry.data.device == packed.device
         ):
@@ -283,7 +282,7 @@ class HeldBases(_BoundedStore):
         """The update committed: its pending entries become bases. An entry
         rebuilt by ``land_delta`` but never recorded (its pull failed after
         the apply) names no sync and is dropped."""
-        self._drop(lambda _k, e: e.copied_to is None)
+        self._drop(lambda _k, e: not isinstance(e, KeptBytes) or e.copied_to is None)
         with self._lock:
             for entry in self._entries.values():
                 entry.pending = False
@@ -325,10 +324,9 @@ def land_delta(
     delta is applied there; the new bytes' checksum follows from that
     checksum and the changed elements, when ``checksum``.
 
-    From `KeptBytes`:
-    the delta is read into ``into`` (as scratch), applied to ``held.data``
-    in place (its changed elements only), and ``held.data`` copied to
-    ``into``: one pass over the chunk. From the apply on, ``held`` is
+    From `KeptBytes`: the delta is read into ``into`` (as scratch), applied
+    to ``held.data`` in place (its changed elements only), and ``held.data``
+    copied to ``into``: one pass over the chunk. From the apply on, ``held`` is
     pending (not a base until ``HeldBases.record`` names its sync and the
     update commits; ``discard_pending`` drops it when the update fails).
 
