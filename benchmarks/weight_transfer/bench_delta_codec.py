@@ -19,6 +19,15 @@ Timed, each as the best of ``--reps`` after one warm-up:
 Rates are the chunk's bytes over the time (GB/s); ratios are the time over
 the copy's. Prints a JSON document; ``--out`` writes it too (not by default).
 
+``--rebuild`` (with ``--device cuda``) also times, per change rate, the two
+ways a worker rebuilds a chunk from a delta (``pull/delta_bases.land_delta``,
+the delta already read): from the served tensors (the chunk gathered from 8
+device tensors into its receive buffer, the ``ws1`` checksum of what was
+gathered checked against the delta's base, the values written; no copy kept)
+and from a kept copy in host memory (the delta applied to the host copy with
+its carried checksum, then the chunk copied host to device, as a GPU worker
+whose chunk vLLM processes after loading does).
+
 ``--models 8b,30b`` times the same on the chunks a ``sharded_rdt`` producer
 serves a TP 1 worker of Qwen3-8B or Qwen3-30B-A3B (``--moe-layers`` of its
 48, all by default) in bf16: one chunk per gather group
@@ -30,7 +39,7 @@ over its chunks.
 
     .venv/bin/python benchmarks/weight_transfer/bench_delta_codec.py \\
         [--device cpu|cuda] [--mib 256] [--rates 0.005 0.01 0.03 0.1 0.3] \\
-        [--threads N] [--models 8b,30b [--moe-layers N]]
+        [--threads N] [--models 8b,30b [--moe-layers N]] [--rebuild]
 """
 
 from __future__ import annotations
@@ -116,6 +125,63 @@ def time_chunk(nbytes: int, rates: list[float], reps: int, device) -> dict:
         )
         del new, delta
     return {"copy_s": copy_s, "digest_s": digest_s, "rows": rows}
+
+
+def time_rebuild(nbytes: int, rates: list[float], reps: int, device) -> list[dict]:
+    """Per change rate, the seconds of a worker's two rebuilds of one bf16
+    chunk of ``nbytes`` from a delta (see the module docstring)."""
+    from vllm.distributed.weight_transfer.pull.delta_bases import (
+        OfferedDelta,
+        ServedBytes,
+        land_delta,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    host_base = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    base = host_base.to(device)
+    digest = payload_checksum(base)
+    served = [piece.clone() for piece in base.chunk(8)]
+    into = torch.empty_like(base)
+    host_copy = host_base.clone()
+
+    def gather(buf: torch.Tensor) -> None:
+        offset = 0
+        for piece in served:
+            buf[offset : offset + piece.numel()].copy_(piece)
+            offset += piece.numel()
+
+    rows = []
+    for i, rate in enumerate(rates):
+        new = changed_copy(base, rate, seed=i + 1)
+        delta = encode_delta(base, new, unit=2, base_version=0, base_digest=digest)
+        if delta is None:
+            continue
+        header, wire = delta.to_wire()
+
+        def read_into(buf: torch.Tensor, wire: torch.Tensor = wire) -> None:
+            buf.copy_(wire)
+
+        offered = OfferedDelta(header, wire.numel(), read_into)
+
+        def from_served(offered: OfferedDelta = offered) -> None:
+            land_delta(offered, into, ServedBytes(0, gather))
+
+        host_delta = delta.on(torch.device("cpu"))
+
+        def from_host(host_delta: Any = host_delta) -> None:
+            apply_delta(host_copy, host_delta, held_version=0, held_digest=digest)
+            into.copy_(host_copy)
+
+        served_s = best_s(from_served, reps)
+        assert torch.equal(into, new), "the rebuild from served bytes is not exact"
+        host_s = best_s(from_host, reps)
+        assert torch.equal(into, new), "the rebuild from a host copy is not exact"
+        host_copy.copy_(host_base)
+        rows.append(
+            {"rate": rate, "rebuild_served_s": served_s, "rebuild_host_s": host_s}
+        )
+        del new, delta
+    return rows
 
 
 def with_rates(nbytes: int, timed: dict) -> dict:
@@ -256,6 +322,9 @@ def main() -> None:
     )
     ap.add_argument("--moe-layers", type=int, default=0, help="0: all 48")
     ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument(
+        "--rebuild", action="store_true", help="also time a worker's two rebuilds"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -277,6 +346,16 @@ def main() -> None:
         one = with_rates(nbytes, time_chunk(nbytes, args.rates, args.reps, device))
         print_table(f"one chunk of {args.mib} MiB on {device}", nbytes, one)
         doc.update(chunk_bytes=nbytes, **one)
+        if args.rebuild:
+            doc["rebuild"] = time_rebuild(nbytes, args.rates, args.reps, device)
+            for row in doc["rebuild"]:
+                print(
+                    f"  rebuild at {row['rate']:6.1%}: from served bytes "
+                    f"{row['rebuild_served_s'] * 1e3:7.2f} ms "
+                    f"({row['rebuild_served_s'] / one['copy_s']:5.2f}x copy), from a "
+                    f"host copy {row['rebuild_host_s'] * 1e3:7.2f} ms "
+                    f"({row['rebuild_host_s'] / one['copy_s']:5.2f}x copy)"
+                )
     emit_json(rounded(doc, 6), args.out)
 
 
