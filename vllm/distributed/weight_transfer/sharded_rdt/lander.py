@@ -229,7 +229,8 @@ class ChunkLander:
         # direct copies the bound programs moved in this sync.
         self.binds = 0
         self.batched = 0
-        self._readable: dict[int, bool] = {}
+        # Per chunk asked about: its read-back sources, or None (unreadable).
+        self._read_back: dict[int, list[tuple[_Landing, torch.Tensor]] | None] = {}
         self._materialized: set[str] = set()
         self._before_first_module: Callable[[], None] | None = None
         self.processed: list[str] = []
@@ -389,16 +390,17 @@ class ChunkLander:
         """Whether chunk ``index``'s packed bytes can be read back from the
         served tensors: every slice of it lands by a direct copy that keeps
         its bytes (same dtype and shape: no cast, no processing after)."""
-        known = self._readable.get(index)
-        if known is None:
-            known = self._readable[index] = self._read_back_sources(index) is not None
-        return known
+        return self._read_back_sources(index) is not None
 
     def _read_back_sources(
         self, index: int
     ) -> list[tuple[_Landing, torch.Tensor]] | None:
         """One direct copy per slice of chunk ``index`` with the served view
-        it wrote, or None when some slice has none that keeps its bytes."""
+        it wrote, or None when some slice has none that keeps its bytes
+        (found once per chunk: the served views are fixed for the lander's
+        life)."""
+        if index in self._read_back:
+            return self._read_back[index]
         by_offset: dict[int, tuple[_Landing, torch.Tensor]] = {}
         for landing in self._direct[index]:
             view = self.direct[landing.copy]
@@ -408,9 +410,13 @@ class ChunkLander:
             ):
                 by_offset.setdefault(landing.offset, (landing, view))
         slices = [p for p in self.pulls.chunks[index].slices if p.spec.nbytes]
-        if not slices or any(p.offset not in by_offset for p in slices):
-            return None
-        return [by_offset[p.offset] for p in slices]
+        sources = (
+            None
+            if not slices or any(p.offset not in by_offset for p in slices)
+            else [by_offset[p.offset] for p in slices]
+        )
+        self._read_back[index] = sources
+        return sources
 
     @torch.no_grad()
     def read_back(self, index: int, into: torch.Tensor) -> None:

@@ -108,7 +108,7 @@ def _non_finite_by_bits(
 ) -> list[bool]:
     """Per chunk (host tensors): whether it holds a NaN or an infinity, from
     the bits of its values (see ``_NON_FINITE_BITS``)."""
-    scratch = np.empty(min(_CHUNK, chunks[0].numel()), dtype=_NUMPY[int_dtype])
+    scratch = torch.empty(min(_CHUNK, chunks[0].numel()), dtype=int_dtype).numpy()
     flags = []
     for chunk in chunks:
         words = chunk.view(int_dtype).numpy()
@@ -116,9 +116,6 @@ def _non_finite_by_bits(
         np.bitwise_and(words, mask, out=masked)
         flags.append(bool(masked.max() >= inf))
     return flags
-
-
-_NUMPY = {torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
 
 
 def zero_non_finite_kv(vllm_config: Any) -> int:
