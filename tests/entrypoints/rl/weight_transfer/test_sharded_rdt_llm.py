@@ -12,6 +12,8 @@ Verified publication on the dense TP=1 engine: a byte flipped in transit is
 caught with checksums on, a manifest that contradicts the served model is
 refused before any weight changes, a worker failing mid-update is fenced until
 a full resync, and the served version changes only once every receipt verified.
+It also takes delta syncs, whose bases are the host copies its worker keeps
+(the reload lands nothing straight in served tensors).
 
 The MoE TP=2 engine lands planned (``landing="planned"`` with plain CPU
 linear layers): every pulled byte of a layer whose processing keeps it goes
@@ -135,6 +137,38 @@ def test_a_trainer_failure_mid_sync_fails_both_sides_and_the_next_sync_recovers(
         assert "injected trainer failure" in error
         ray.get(llm.greedy.remote())  # the engine keeps serving
         _sync_and_check(llm, ranks, 105)
+
+
+def test_deltas_through_the_layerwise_reload_apply_to_kept_copies(engine, trainer_pool):
+    """Deltas (``delta_bases_gb``) on the reload engine, staging off: no
+    chunk lands straight in served tensors, so the worker keeps a copy of
+    every chunk it landed; from the second sync each chunk travels as a delta
+    against that copy, is rebuilt there and reloaded whole, and the engine
+    serves the fresh-load oracle after every sync.
+    (test_sharded_rdt_deltas_llm.py covers deltas on planned and staged
+    engines, where the bases are read back from served tensors.)"""
+    llm, model_dir, tp = engine
+    if tp != 1 or "moe" in model_dir:
+        pytest.skip("the reload engine (dense, TP=1) is the one keeping copies")
+    with trainer_pool.lend(model_dir, 1) as ranks:
+        ray.get(
+            ranks[0].init.remote(
+                llm, num_consumers=tp, stall_timeout_s=20.0, delta_bases_gb=1.0
+            )
+        )
+        (whole,) = _sync_and_check(llm, ranks, 107)
+        assert whole["delta_chunks"] == 0, whole
+        assert whole["delta_bases_bytes"] >= whole["planned_bytes"], whole
+        for step in (1, 2):
+            ray.get(ranks[0].nudge.remote(step, 0.01))
+            ray.get(ranks[0].send.remote())
+            assert_serves_trainer(llm, ranks[0])
+            (r,) = ray.get(llm.receipts.remote())
+            assert r["delta_chunks"] > 0 and r["delta_refused"] == 0, r
+            assert r["delta_served_bases"] == 0, r
+            assert r["delta_bases_bytes"] >= r["planned_bytes"], r
+            # 1% of fp32 elements changed: 8 bytes each against 4 whole.
+            assert r["read_bytes"] < 0.1 * r["planned_bytes"], r
 
 
 def test_planned_landing_pulls_straight_into_the_served_tensors(
