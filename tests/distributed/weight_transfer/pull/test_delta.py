@@ -470,3 +470,98 @@ def test_a_chunk_changed_all_over_stops_after_its_first_slab(monkeypatch):
     front[: nbytes // 64] = 1  # 1/64 of the chunk, all in the first slab
     delta = encode_delta(base, front, unit=2, base_version=0)
     assert delta is not None and delta.count == nbytes // 128
+
+
+# -- a chunk held in pieces (the served tensors a chunk's slices landed in) --
+
+# (byte offset, length) of each piece in a 4096-byte chunk; the rest is the
+# chunk's zero padding. Lengths of whole bf16 elements, some not whole words.
+PIECES = [(0, 1000), (1008, 6), (1024, 2048), (3088, 1000)]
+
+
+def _in_pieces(dtype, rate, device="cpu"):
+    """A packed base and new chunk whose padding is zero (as a producer
+    packs), and the base's pieces as separate tensors."""
+    base, new, _ = _pair(dtype, rate, n=4096 // dtype.itemsize, device=device)
+    padding = torch.ones_like(base, dtype=torch.bool)
+    for offset, size in PIECES:
+        padding[offset : offset + size] = False
+    base[padding] = 0
+    new[padding] = 0
+    pieces = [(o, base[o : o + n].clone()) for o, n in PIECES]
+    return base, new, pieces
+
+
+def _laid_out(pieces, nbytes=4096):
+    out = torch.zeros(nbytes, dtype=torch.uint8, device=pieces[0][1].device)
+    for offset, piece in pieces:
+        out[offset : offset + piece.numel()] = piece
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rate", [0.0, 0.01, 0.2])
+def test_a_delta_written_into_pieces_equals_one_applied_to_the_whole_chunk(
+    rate, device
+):
+    base, new, pieces = _in_pieces(torch.bfloat16, rate, device)
+    assert delta_mod.pieces_checksum(4096, pieces) == payload_checksum(base)
+    delta = encode_delta(base, new, unit=2, base_version=5)
+    assert delta is not None
+    unproven = delta_mod.delta_for_pieces(
+        [(o, p.clone()) for o, p in pieces],
+        delta,
+        held_version=5,
+        checksum_after=False,
+    )
+    assert unproven.checksum is None
+    plan = delta_mod.delta_for_pieces(pieces, delta, held_version=5)
+    # Checked and split, nothing written yet; the checksum is the new bytes'.
+    assert torch.equal(_laid_out(pieces), base)
+    assert plan.checksum == payload_checksum(new)
+    plan.write()
+    assert torch.equal(_laid_out(pieces), new)
+
+
+def test_pieces_that_are_not_the_base_or_a_position_in_the_padding_are_refused():
+    base, new, pieces = _in_pieces(torch.bfloat16, 0.05)
+    delta = encode_delta(base, new, unit=2, base_version=5)
+    assert delta is not None
+    laid_out = _laid_out(pieces)
+    # A byte of a piece changed out of band: its checksum is not the base's.
+    pieces[2][1][7] ^= 4
+    with pytest.raises(DeltaBaseMismatch, match="delta.base_digest"):
+        delta_mod.delta_for_pieces(pieces, delta, held_version=5)
+    pieces[2][1][7] ^= 4
+    with pytest.raises(DeltaBaseMismatch, match="delta.base_version"):
+        delta_mod.delta_for_pieces(pieces, delta, held_version=4)
+    # A position in the padding between pieces (bytes 1006-1007 are padding:
+    # element 503), with a digest that matches: refused, naming it.
+    bad = ChunkDelta(
+        base_version=5,
+        base_digest=delta.base_digest,
+        nbytes=4096,
+        unit=2,
+        positions=torch.tensor([10, 503], dtype=torch.int32),
+        values=torch.tensor([1, 1], dtype=torch.int16),
+    )
+    with pytest.raises(
+        ValueError, match=r"delta.positions holds position 503 .*padding"
+    ):
+        delta_mod.delta_for_pieces(pieces, bad, held_version=5)
+    assert torch.equal(_laid_out(pieces), laid_out)
+
+
+def test_pieces_must_start_words_and_lie_in_order():
+    piece = torch.zeros(8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="does not start a word"):
+        delta_mod.pieces_checksum(64, [(2, piece)])
+    with pytest.raises(ValueError, match="does not start a word"):
+        delta_mod.pieces_checksum(64, [(16, piece), (8, piece)])
+    with pytest.raises(ValueError, match="does not start a word"):
+        delta_mod.pieces_checksum(64, [(60, piece)])
+    delta = _delta(
+        [1], [7], nbytes=64, digest=payload_checksum(torch.zeros(64, dtype=torch.uint8))
+    )
+    with pytest.raises(ValueError, match="not a contiguous"):
+        delta_mod.delta_for_pieces([(2, piece)], delta, held_version=3)

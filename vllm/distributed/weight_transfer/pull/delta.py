@@ -52,10 +52,15 @@ from vllm.distributed.weight_transfer.common.wire_fields import (
     dtype_from_name,
     dtype_name,
 )
-from vllm.distributed.weight_transfer.pull.delta_write import write_changes
+from vllm.distributed.weight_transfer.pull.delta_write import (
+    PiecesWrite,
+    plan_pieces_write,
+    write_changes,
+)
 from vllm.distributed.weight_transfer.verification.checksum import (
     ALGORITHM,
     payload_checksum,
+    pieces_checksum,
 )
 
 WIRE_FORMAT = 1
@@ -525,6 +530,54 @@ def apply_delta(
     )
 
 
+def delta_for_pieces(
+    pieces: list[tuple[int, torch.Tensor]],
+    delta: ChunkDelta,
+    *,
+    held_version: int,
+    checksum_after: bool = True,
+) -> PiecesWrite:
+    """``delta`` checked against a chunk whose bytes are not in one buffer
+    but in ``pieces`` (``(byte offset in the chunk, 1-D contiguous uint8
+    tensor)``, in offset order; the bytes between and after them are the
+    chunk's zero padding), and split over them, ready to write
+    (`PiecesWrite.write`). Everything ``apply_delta`` checks is checked
+    here, the base's checksum taken from the pieces themselves; a position
+    in the padding is refused too (a producer packs zeros there). Nothing is
+    written. ``checksum_after``: the result's ``checksum`` is the chunk's
+    ``ws1`` after the write, from the base's and the changed elements."""
+    _check_structure(delta)
+    unit = delta.unit
+    for offset, piece in pieces:
+        if (
+            piece.dtype != torch.uint8
+            or piece.dim() != 1
+            or not piece.is_contiguous()
+            or piece.device != delta.device
+            or offset % max(unit, 4)
+            or piece.numel() % unit
+            or piece.data_ptr() % unit
+        ):
+            raise ValueError(
+                f"delta_for_pieces: the piece at offset {offset} ({piece.numel()} "
+                f"bytes of {piece.dtype} on {piece.device}) is not a contiguous, "
+                f"{unit}-byte aligned uint8 run on the delta's device"
+            )
+    _check_positions(delta)
+    _check_base(delta, held_version, None)
+    _check_base(delta, held_version, pieces_checksum(delta.nbytes, pieces))
+    elements = VALUE_DTYPES[unit]
+    runs = [(offset // unit, piece.view(elements)) for offset, piece in pieces]
+    _check_in_pieces(delta, runs)
+    return plan_pieces_write(
+        runs,
+        delta.positions,
+        delta.values,
+        unit=unit,
+        base_digest=delta.base_digest if checksum_after else None,
+    )
+
+
 # ---------------------------------------------------------------------------
 # checks
 
@@ -616,6 +669,23 @@ def _check_positions(delta: ChunkDelta) -> None:
         raise ValueError(
             "delta.positions holds a duplicate: index "
             f"{_first(later == earlier) + 1} repeats the one before it"
+        )
+
+
+def _check_in_pieces(delta: ChunkDelta, runs: list[tuple[int, torch.Tensor]]) -> None:
+    """Every position (sorted, checked) within one of ``runs`` (element
+    offset, elements); else the first one outside, named."""
+    p = delta.positions
+    if not p.numel():
+        return
+    inside = torch.zeros(p.numel(), dtype=torch.bool, device=p.device)
+    for first, run in runs:
+        inside |= (p >= first) & (p < first + run.numel())
+    if not bool(inside.all()):
+        at = _first(~inside)
+        raise ValueError(
+            f"delta.positions holds position {int(p[at])} at index {at}, in the "
+            "chunk's padding between its slices, which a producer packs as zeros"
         )
 
 

@@ -3,7 +3,9 @@
 """Writing a delta's new values into a chunk, and the chunk's ``ws1``
 checksum after the write, from the base's checksum and the changed words
 alone (``verification.checksum.checksum_after_change``): no pass over the
-chunk. `pull.delta.apply_delta` checks a delta, then calls `write_changes`.
+chunk. `pull.delta.apply_delta` checks a delta, then calls `write_changes`;
+`pull.delta.delta_for_pieces` checks one against a chunk held in pieces
+elsewhere, then calls `plan_pieces_write`, whose result writes later.
 
 On a GPU the write is one index write and the words' changes are tensor
 arithmetic. On the host numpy's one-thread gather and scatter do the same
@@ -41,23 +43,107 @@ def write_changes(
     caller) and return the chunk's ``ws1`` checksum after the write, given
     ``base_digest``, the checksum before it (None: write only, return
     None)."""
-    want = base_digest is not None
-    if words.device.type == "cpu":
-        elements: Any = words.numpy()
-        positions: Any = delta_positions.numpy()
-        values: Any = delta_values.numpy()
-        # numpy's one-thread gather and scatter: torch's thread pool stalls
-        # on a loaded host.
-        old = elements[positions] if want else None
-        elements[positions] = values
-    else:
-        positions = delta_positions.long()
-        values = delta_values
-        old = words[positions] if want else None
-        # int64 indices: the index write takes a much slower path with int32.
-        words.index_put_((positions,), values)
+    elements = _elements(words)
+    positions, values = _index(words.device, delta_positions, delta_values)
+    old = elements[positions] if base_digest is not None else None
+    _scatter(elements, positions, values)
     if base_digest is None:
         return None
+    return _checksum_after(base_digest, old, values, positions, unit)
+
+
+class PiecesWrite:
+    """A delta's new values for a chunk whose bytes lie in separate pieces
+    (the served tensors its slices landed in), split per piece and ready to
+    write; ``checksum``: the chunk's ``ws1`` after the write (None when not
+    asked for), known before anything is written."""
+
+    def __init__(self, writes: list[tuple[Any, Any, Any]], checksum: str | None):
+        self._writes = writes
+        self.checksum = checksum
+
+    def write(self) -> None:
+        """Write the new values into the pieces."""
+        for elements, positions, values in self._writes:
+            _scatter(elements, positions, values)
+
+
+def plan_pieces_write(
+    pieces: list[tuple[int, torch.Tensor]],
+    delta_positions: torch.Tensor,
+    delta_values: torch.Tensor,
+    *,
+    unit: int,
+    base_digest: str | None,
+) -> PiecesWrite:
+    """Split a delta over ``pieces`` (``(element offset in the chunk, the
+    piece's elements in the unit's integer dtype)``, in offset order, on the
+    delta's device) and take the chunk's checksum after the change from
+    ``base_digest`` (None: none), reading the old values but writing
+    nothing. Every position must lie in a piece (checked by the caller)."""
+    positions, values = _index(delta_positions.device, delta_positions, delta_values)
+    writes = []
+    olds = []
+    for first, piece in pieces:
+        lo, hi = _searchsorted(positions, first, first + piece.numel())
+        if lo == hi:
+            continue
+        elements = _elements(piece)
+        local = positions[lo:hi] - first
+        if base_digest is not None:
+            olds.append(elements[local])
+        writes.append((elements, local, values[lo:hi]))
+    checksum = None
+    if base_digest is not None:
+        old = _joined(olds) if olds else values[:0]
+        checksum = _checksum_after(base_digest, old, values, positions, unit)
+    return PiecesWrite(writes, checksum)
+
+
+def _elements(words: torch.Tensor) -> Any:
+    """``words`` to index into: a numpy view on the host (numpy's one-thread
+    gather and scatter: torch's thread pool stalls on a loaded host), the
+    tensor elsewhere."""
+    return words.numpy() if words.device.type == "cpu" else words
+
+
+def _index(
+    device: torch.device, positions: torch.Tensor, values: torch.Tensor
+) -> tuple[Any, Any]:
+    """Positions and values as ``_elements`` indexes with them on ``device``:
+    numpy arrays on the host, int64 positions elsewhere (the index write takes
+    a much slower path with int32)."""
+    if device.type == "cpu":
+        return positions.numpy(), values.numpy()
+    return positions.long(), values
+
+
+def _scatter(elements: Any, positions: Any, values: Any) -> None:
+    if isinstance(elements, np.ndarray):
+        elements[positions] = values
+    else:
+        elements.index_put_((positions,), values)
+
+
+def _searchsorted(positions: Any, lo: int, hi: int) -> tuple[int, int]:
+    """The range of the sorted ``positions`` within ``[lo, hi)``."""
+    if isinstance(positions, np.ndarray):
+        found = np.searchsorted(positions, [lo, hi])
+        return int(found[0]), int(found[1])
+    bounds = torch.tensor([lo, hi], dtype=positions.dtype, device=positions.device)
+    start, end = torch.searchsorted(positions, bounds).tolist()
+    return start, end
+
+
+def _joined(parts: list[Any]) -> Any:
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts)
+    return torch.cat(parts)
+
+
+def _checksum_after(
+    base_digest: str, old: Any, values: Any, positions: Any, unit: int
+) -> str:
     word_positions, changes = _word_changes(old, values, positions, unit)
     return checksum_after_change(
         base_digest, _as_tensor(word_positions), _as_tensor(changes)

@@ -54,6 +54,7 @@ a ``copy_`` of the same buffer on the same device:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -258,6 +259,33 @@ def checksum_plus(checksum: str, add_a: int, add_b: int) -> str:
     ``(j + 1) * change``, each congruent mod ``P``)."""
     algorithm, n, a, b = _parse_checksum(checksum)
     return f"{algorithm}:{n}:{(a + add_a) % _P:08x}{(b + add_b) % _P:08x}"
+
+
+def pieces_checksum(nbytes: int, pieces: Sequence[tuple[int, torch.Tensor]]) -> str:
+    """The ``ws1`` checksum of an ``nbytes`` buffer holding each of
+    ``pieces`` (``(byte offset, 1-D contiguous uint8 tensor)``, in offset
+    order, not overlapping) at its offset and zeros everywhere else, without
+    assembling it: each piece is checksummed where it lies and the sums
+    shifted to its place (a piece starting at word ``k`` adds its ``A`` to
+    ``A`` and its ``B + k * A`` to ``B``). Every offset must be a multiple of
+    four, so that each piece starts a word; a piece whose length is not
+    ends in its last word's zero padding, which must be the buffer's zeros
+    too: the next piece starts past that word."""
+    total_a = total_b = 0
+    end = 0
+    for offset, piece in pieces:
+        size = piece.numel()
+        if offset % 4 or offset < end or offset + size > nbytes:
+            raise ValueError(
+                f"pieces_checksum: a piece of {size} bytes at offset {offset} "
+                f"(the previous one ends at {end}) does not start a word of "
+                f"the {nbytes}-byte buffer after the pieces before it"
+            )
+        _, _, a, b = _parse_checksum(payload_checksum(piece))
+        total_a += a
+        total_b += b + (offset // 4) * a
+        end = offset + -(-size // 4) * 4
+    return f"{ALGORITHM}:{nbytes}:{total_a % _P:08x}{total_b % _P:08x}"
 
 
 def _fold(x: Any) -> Any:
