@@ -212,8 +212,16 @@ def time_worker_delta_path(worker: Any) -> bool:
     ``read_back_s``, and apply it there), the base's digest inside it (a
     pass only where the stored one is unknown, and always for served
     bytes), the apply (``held_apply_s``), and keeping each landed chunk as
-    the next base."""
-    from vllm.distributed.weight_transfer.pull import delta, delta_bases, transport
+    the next base. A delta written into the served tensors instead: its
+    check there on the pulling thread (``in_place_check_s``: of it, the
+    served bytes' checksum, ``served_digest_s``), and its write in the
+    landing step (``in_place_write_s``)."""
+    from vllm.distributed.weight_transfer.pull import (
+        delta,
+        delta_bases,
+        delta_write,
+        transport,
+    )
     from vllm.distributed.weight_transfer.sharded_rdt import lander
 
     if getattr(worker, "_bench_delta_seconds", None) is not None:
@@ -224,6 +232,9 @@ def time_worker_delta_path(worker: Any) -> bool:
     seconds.time(delta_bases, "apply_delta", "held_apply_s")
     seconds.time(delta_bases.HeldBases, "record", "keep_landed_s")
     seconds.time(lander.ChunkLander, "read_back", "read_back_s")
+    seconds.time(transport, "delta_in_place", "in_place_check_s")
+    seconds.time(delta, "pieces_checksum", "served_digest_s")
+    seconds.time(delta_write.PiecesWrite, "write", "in_place_write_s")
     worker._bench_delta_seconds = seconds
     return True
 
@@ -398,6 +409,7 @@ RECEIPT_KEYS = (
     "read_bytes",
     "chunks",
     "delta_chunks",
+    "delta_in_place",
     "delta_refused",
     "delta_first_refusal",
     "delta_bases_bytes",

@@ -368,3 +368,40 @@ def test_chunks_that_land_straight_are_read_back_byte_for_byte():
     assert not lander.can_read_back(0)
     with pytest.raises(ValueError, match="cannot be read back"):
         lander.read_back(0, torch.empty(pulls.chunks[0].nbytes, dtype=torch.uint8))
+
+
+def test_a_chunk_that_lands_straight_lies_in_pieces_of_the_served_tensors():
+    """The pieces a delta may be written into are the served tensors' own
+    memory, at the chunk offsets the producer packs them at: written there,
+    the served tensor changes; laid out over zeros, they are the packed
+    chunk. A chunk with a reloaded slice has none, and landing one in place
+    refuses."""
+    checkpoint = {n: t for n, t in MIXED.items() if n.startswith("toy.")}
+    checkpoint["kept.weight"] = MIXED["kept.weight"]
+    model = Mixed()
+    lander, _, pulls = _land_pulled(model, checkpoint, _bake(model, checkpoint), [])
+    pieces = lander.pieces(0)
+    assert pieces is not None and lander.pieces(0) is pieces  # found once
+    packed = torch.empty(pulls.chunks[0].nbytes, dtype=torch.uint8)
+    pack_chunk(pulls.chunks[0], checkpoint, packed)
+    laid_out = torch.zeros_like(packed)
+    for offset, piece in pieces:
+        laid_out[offset : offset + piece.numel()] = piece
+    assert torch.equal(laid_out, packed)
+    served = [
+        p
+        for p in model.parameters()
+        if p.data_ptr() in {piece.data_ptr() for _, piece in pieces}
+    ]
+    assert served, "the pieces are views of the served parameters"
+    before = served[0].detach().clone()
+    next(piece for _, piece in pieces if piece.data_ptr() == served[0].data_ptr())[
+        0
+    ] ^= 1
+    assert not torch.equal(served[0].detach(), before)
+    lander.land_in_place(0)  # nothing reloads; processing as landing would
+    model = Mixed()
+    lander, _, _ = _land_pulled(model, MIXED, _bake(model, MIXED), [])
+    assert lander.pieces(0) is None
+    with pytest.raises(ValueError, match="no pieces"):
+        lander.land_in_place(0)

@@ -86,12 +86,16 @@ class ServedChunks:
     def read_back(self, index: int, into: torch.Tensor) -> None:
         into.copy_(self.tensors[index])
 
+    def pieces(self, index: int) -> list[tuple[int, torch.Tensor]] | None:
+        return [(0, self.tensors[index])]
+
 
 class Pair:
     """A producer with deltas on and one consumer holding bases; with
     ``checksums`` off the worker's stored checksums are all that checks a
     delta's base. ``served``: the consumer keeps no copies but reads each
-    chunk back from what it landed (`ServedChunks`)."""
+    chunk back from what it landed (`ServedChunks`); ``in_place``: and
+    writes deltas there."""
 
     def __init__(
         self,
@@ -100,6 +104,7 @@ class Pair:
         device: str = "cpu",
         checksums: bool = True,
         served: bool = False,
+        in_place: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.producer = Producer(
@@ -118,6 +123,7 @@ class Pair:
         self.link.register(0, self.chunks, _digest(self.chunks))
         self.served = ServedChunks() if served else None
         self.held = HeldBases(held_limit, served=self.served)
+        self.held.write_served = in_place
         self.sync = 0
         _OPEN_PAIRS.append(self)
 
@@ -150,11 +156,16 @@ class Pair:
                 corrupt(i, self.held)
             into = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self.device)
             result = self.link.pull(chunk, into, None, self.held.base(i))
+            self.held.record(i, into, self.sync)
+            if result.in_place is not None:
+                # The served bytes were checked; written now, as a landing.
+                assert self.served is not None
+                result.in_place.write()
+                into = self.served.tensors[i]
+            elif self.served is not None:
+                self.served.land(i, into)
             want = payload_checksum(into) if self.producer.settings.checksums else None
             assert result.checksum == want
-            self.held.record(i, into, self.sync)
-            if self.served is not None:
-                self.served.land(i, into)
             results.append(result)
             landed.append(into.cpu())
         thread.join(10)
@@ -414,15 +425,18 @@ def test_a_refused_delta_over_the_link_reads_the_whole_chunk(monkeypatch):
     assert _same(landed, _step(w1, 3))
 
 
+@pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("checksums", [True, False])
 def test_deltas_rebuilt_from_the_served_bytes_keep_no_copy_and_end_exact(
-    monkeypatch, checksums
+    monkeypatch, checksums, in_place
 ):
     """A worker that reads its bases back from the served tensors keeps no
-    bytes; its deltas apply there, exactly. A served byte changed out of band
-    is refused by the base's checksum, the chunk read whole, and the next
+    bytes; its deltas apply there, exactly: rebuilt in the receive buffer
+    from the bytes read back, or (``in_place``) checked where the served
+    bytes lie and written there. A served byte changed out of band is
+    refused by the base's checksum, the chunk read whole, and the next
     sync deltas again. With payload checksums the rebuilt chunk's checksum
-    follows from the base's (taken from the bytes read back) and the changed
+    follows from the base's (taken from the served bytes) and the changed
     elements: no second pass over the chunk."""
     from vllm.distributed.weight_transfer.pull import transport
 
@@ -434,13 +448,14 @@ def test_deltas_rebuilt_from_the_served_bytes_keep_no_copy_and_end_exact(
         return counted(buf)
 
     monkeypatch.setattr(transport, "payload_checksum", counting)
-    pair = Pair(served=True, checksums=checksums)
+    pair = Pair(served=True, checksums=checksums, in_place=in_place)
     w1 = _weights(0)
     results, landed = pair.sync_once(w1)
     assert [r.delta for r in results] == [None, None]
     w2 = _step(w1, 3)
     results, landed = pair.sync_once(w2)
     assert [r.delta for r in results] == ["applied", "applied"]
+    assert [r.in_place is not None for r in results] == [in_place] * 2
     assert passes == []
     assert _same(landed, w2)
     assert pair.held.used_bytes == 0 and pair.held.served_chunks == 2

@@ -146,15 +146,18 @@ def test_delta_syncs_move_only_changed_bytes_and_serve_the_trainers_weights(
         for r in receipts:
             if tp == 1:
                 # Every module of the dense engine lands straight in its
-                # served tensors: each chunk's base is read back from there,
-                # and the worker keeps no copy at all.
+                # served tensors: each chunk's base is checked there, the
+                # delta written there, and the worker keeps no copy at all.
                 assert r["delta_served_bases"] == r["chunks"], r
+                assert r["delta_in_place"] == r["delta_chunks"] == r["chunks"], r
                 assert r["delta_bases_bytes"] == 0, r
             else:
                 # The MoE engine (staged): the chunks with reloaded experts
-                # are kept as copies, the others read back.
+                # are kept as copies, the others read back, and every delta
+                # is rebuilt in the receive buffer and staged.
                 assert 0 < r["delta_served_bases"] < r["chunks"], r
                 assert 0 < r["delta_bases_bytes"] < r["planned_bytes"], r
+                assert r["delta_in_place"] == 0, r
 
 
 def test_a_reinitialized_worker_reads_whole_chunks_then_deltas_again(
@@ -259,6 +262,35 @@ def test_every_spoiled_delta_field_is_refused_unfenced_and_the_sync_ends_exact(
             assert r["read_bytes"] >= r["planned_bytes"], (field, r)
         ray.get(rank.nudge.remote(99, CHANGED))
         _assert_deltas(_synced(llm, rank))
+
+
+def test_a_worker_failing_after_deltas_were_written_in_place_is_fenced(
+    engine, trainer_pool
+):
+    """The dense engine writes each delta straight into its served tensors:
+    a worker that fails landing chunk 1, after chunk 0's delta was written
+    there, is fenced (its served weights are neither the old nor the new
+    ones) and keeps serving; the chunks the failed sync pulled are no bases,
+    so the next sync reads them whole and commits exact, and the one after
+    writes deltas in place again."""
+    _dense_only(engine)
+    llm, _, _ = engine
+    with _trainer(engine, trainer_pool) as rank:
+        _first_sync(llm, rank)
+        ray.get(rank.nudge.remote(9, CHANGED))
+        ray.get(llm.fail_on_chunk.remote(1))
+        error = ray.get(rank.send_expecting_failure.remote(), timeout=180)
+        assert "injected worker failure at chunk 1" in error
+        assert [s["state"] for s in ray.get(llm.fence_status.remote())] == ["fenced"]
+        ray.get(llm.greedy.remote())  # the engine keeps serving
+        ray.get(rank.nudge.remote(10, CHANGED))
+        (r,) = _synced(llm, rank)
+        # (Here every chunk was pulled before the failure stopped the pulls:
+        # all are read whole.)
+        assert r["delta_in_place"] == r["delta_chunks"] < r["chunks"], r
+        ray.get(rank.nudge.remote(11, CHANGED))
+        (r,) = _synced(llm, rank)
+        assert r["delta_in_place"] == r["delta_chunks"] == r["chunks"], r
 
 
 def test_a_trainer_failing_mid_delta_sync_is_followed_by_an_exact_one(

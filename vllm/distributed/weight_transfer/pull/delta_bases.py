@@ -23,7 +23,10 @@ version against the held entry, read the delta's bytes, and rebuild the new
 bytes in the receive buffer: from a kept copy, by applying the delta to it
 in place (after checking its checksum against the delta's base) and copying
 the result; from the served tensors, by reading them back into the buffer,
-checking their checksum there and applying the delta to it. Any refusal
+checking their checksum there and applying the delta to it. For served bytes
+that carry their pieces (a sync landing in the served tensors),
+``delta_in_place`` instead checks the delta against the pieces where they
+lie and returns it unwritten, for the landing to write there. Any refusal
 leaves the caller to read the whole chunk, which the producer still holds.
 
 Both sides keep each copy's ``ws1`` checksum up to date from the changed
@@ -42,6 +45,7 @@ here knows a transport or a model.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -54,8 +58,10 @@ from vllm.distributed.weight_transfer.pull.delta import (
     ChunkDelta,
     DeltaBaseMismatch,
     apply_delta,
+    delta_for_pieces,
     encode_delta,
 )
+from vllm.distributed.weight_transfer.pull.delta_write import PiecesWrite
 
 
 @dataclass
@@ -76,11 +82,15 @@ class KeptBytes:
 class ServedBytes:
     """A chunk whose bytes a worker does not keep: the served tensors hold
     them since the sync ``version`` landed it, and ``read_back`` (into a
-    buffer of the chunk's size) packs them again."""
+    buffer of the chunk's size) packs them again. ``pieces``, when a delta
+    may be written straight into the served tensors (`HeldBases.base` sets
+    it for a sync that lands there): the chunk's slices as they lie in them,
+    ``(byte offset in the chunk, uint8 view)``."""
 
     version: int
     read_back: Callable[[torch.Tensor], None]
     pending: bool = False
+    pieces: list[tuple[int, torch.Tensor]] | None = None
 
 
 class ReadBack(Protocol):
@@ -90,6 +100,13 @@ class ReadBack(Protocol):
     def can_read_back(self, index: int) -> bool: ...
 
     def read_back(self, index: int, into: torch.Tensor) -> None: ...
+
+    def pieces(self, index: int) -> list[tuple[int, torch.Tensor]] | None:
+        """The chunk's slices in the served tensors, ``(byte offset in the
+        chunk, uint8 view)``, when a delta may be written into them there
+        (each slice lands in one place, by a copy that keeps its bytes, and
+        nothing else of the chunk lands); else None."""
+        ...
 
 
 def _nbytes(entry: KeptBytes | ServedBytes) -> int:
@@ -238,11 +255,19 @@ class HeldBases(_BoundedStore):
     def __init__(self, limit_bytes: int, served: ReadBack | None = None) -> None:
         super().__init__(limit_bytes)
         self.served = served
+        # Whether this sync lands in the served tensors (not in staging), so
+        # that a delta to bytes read from there may be written there too.
+        self.write_served = False
 
     def base(self, index: int) -> KeptBytes | ServedBytes | None:
-        """Chunk ``index``'s committed bytes, or None."""
+        """Chunk ``index``'s committed bytes, or None; served bytes carry
+        their pieces when ``write_served`` and the chunk allows it."""
         entry = self._get(index)
-        return None if entry is None or entry.pending else entry
+        if entry is None or entry.pending:
+            return None
+        if isinstance(entry, ServedBytes) and self.write_served and self.served:
+            return dataclasses.replace(entry, pieces=self.served.pieces(index))
+        return entry
 
     @property
     def served_chunks(self) -> int:
@@ -339,21 +364,7 @@ def land_delta(
     of band does not touch the held copy, and the whole rebuilt chunk lands
     over the served bytes anyway; with payload checksums on, the caller
     also checks the rebuilt chunk against the producer's checksum."""
-    header = offered.header
-    base_version = header.get("base_version") if isinstance(header, dict) else None
-    if base_version != held.version:
-        raise DeltaBaseMismatch(
-            f"delta.base_version is {base_version!r} but this worker holds the "
-            f"chunk of sync {held.version}"
-        )
-    if not 0 <= offered.nbytes < into.numel():
-        raise ValueError(
-            f"the producer offered a delta of {offered.nbytes} bytes for a chunk "
-            f"of {into.numel()}: a delta must be smaller than its chunk"
-        )
-    if offered.nbytes:  # (nothing changed: an empty delta)
-        offered.read_into(into[: offered.nbytes])
-    delta = ChunkDelta.from_wire(header, into[: offered.nbytes])
+    delta = _read_delta(offered, into, held.version)
     if isinstance(held, ServedBytes):
         # The delta is copied out of ``into`` before the served bytes are
         # read back over it.
@@ -373,6 +384,51 @@ def land_delta(
     held.copied_to = _address(into)
     # (The checksum carried here stands on the stored one: not a proof.)
     return None
+
+
+def delta_in_place(
+    offered: OfferedDelta,
+    scratch: torch.Tensor,
+    held: ServedBytes,
+    *,
+    checksum: bool = False,
+) -> PiecesWrite:
+    """The ``offered`` delta checked against the served bytes it applies to
+    (``held.pieces``: their checksum taken where they lie, every position
+    inside a slice) and ready to write into them (`PiecesWrite.write`), which
+    the landing does after its own checks; nothing is written here. The
+    delta's bytes are read into ``scratch`` (the chunk's receive buffer),
+    which must stay untouched until the write. ``checksum``: the result
+    carries the chunk's ``ws1`` after the write (from the base's and the
+    changed elements: proven). ``ValueError`` (a ``DeltaBaseMismatch`` when
+    the served bytes are not the delta's base) leaves the caller to read
+    the whole chunk, as `land_delta` does."""
+    if held.pieces is None:
+        raise ValueError("delta_in_place: the served bytes have no pieces")
+    delta = _read_delta(offered, scratch, held.version)
+    return delta_for_pieces(
+        held.pieces, delta, held_version=held.version, checksum_after=checksum
+    )
+
+
+def _read_delta(offered: OfferedDelta, into: torch.Tensor, version: int) -> ChunkDelta:
+    """The offered delta, its version checked against the held ``version``
+    and its size against the chunk's (``into``, where its bytes are read)."""
+    header = offered.header
+    base_version = header.get("base_version") if isinstance(header, dict) else None
+    if base_version != version:
+        raise DeltaBaseMismatch(
+            f"delta.base_version is {base_version!r} but this worker holds the "
+            f"chunk of sync {version}"
+        )
+    if not 0 <= offered.nbytes < into.numel():
+        raise ValueError(
+            f"the producer offered a delta of {offered.nbytes} bytes for a chunk "
+            f"of {into.numel()}: a delta must be smaller than its chunk"
+        )
+    if offered.nbytes:  # (nothing changed: an empty delta)
+        offered.read_into(into[: offered.nbytes])
+    return ChunkDelta.from_wire(header, into[: offered.nbytes])
 
 
 def forget_rebuilt(held: KeptBytes | ServedBytes) -> None:

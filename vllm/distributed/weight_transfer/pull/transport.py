@@ -48,9 +48,11 @@ from vllm.distributed.weight_transfer.pull.delta_bases import (
     KeptBytes,
     OfferedDelta,
     ServedBytes,
+    delta_in_place,
     forget_rebuilt,
     land_delta,
 )
+from vllm.distributed.weight_transfer.pull.delta_write import PiecesWrite
 from vllm.distributed.weight_transfer.pull.producer import Packed, Producer
 from vllm.distributed.weight_transfer.verification import (
     ReceiptInbox,
@@ -82,11 +84,15 @@ class Pulled(NamedTuple):
     """What one pull brought: the producer's checksum of the chunk's bytes
     (None when off), the bytes read from the producer, and the offered
     delta's fate: None (none offered, or no bytes held to apply it to),
-    "applied", or why it was refused (the whole chunk was read instead)."""
+    "applied", or why it was refused (the whole chunk was read instead).
+    ``in_place``: an applied delta still to be written into the served
+    tensors its base was read from (`delta_in_place`); the receive buffer
+    then does not hold the chunk, and the landing writes this instead."""
 
     checksum: str | None
     read_bytes: int
     delta: str | None = None
+    in_place: PiecesWrite | None = None
 
 
 class ProducerLink(ABC):
@@ -119,10 +125,12 @@ class ProducerLink(ABC):
         consumer's next pull from this producer, may be requested early so
         that it is packed while this one is read. ``held``: the chunk's bytes
         as this worker last landed them (a copy, or the served tensors that
-        hold them), which an offered delta applies to;
-        a delta that does not apply (another base, a malformed one, or, when
-        the producer gives a checksum, a rebuilt chunk that does not match
-        it) is refused and the whole chunk read instead."""
+        hold them), which an offered delta applies to (to served bytes that
+        carry their pieces: checked there and returned unwritten,
+        ``Pulled.in_place``); a delta that does not apply (another base, a
+        malformed one, or, when the producer gives a checksum, a rebuilt
+        chunk that does not match it) is refused and the whole chunk read
+        instead."""
         offered = self._request_pull(chunk, next_chunk)
         if offered.nbytes != chunk.nbytes:
             raise RuntimeError(
@@ -131,10 +139,19 @@ class ProducerLink(ABC):
             )
         into = into[: chunk.nbytes]
         delta = None
-        proven = None  # the rebuilt bytes' checksum, when land_delta proves it
+        proven = None  # the rebuilt bytes' checksum, when it is proven
+        in_place = None
         if offered.delta is not None and held is not None:
             try:
-                proven = land_delta(offered.delta, into, held, checksum=self.checksums)
+                if isinstance(held, ServedBytes) and held.pieces is not None:
+                    in_place = delta_in_place(
+                        offered.delta, into, held, checksum=self.checksums
+                    )
+                    proven = in_place.checksum
+                else:
+                    proven = land_delta(
+                        offered.delta, into, held, checksum=self.checksums
+                    )
                 delta = "applied"
             except ValueError as e:
                 delta = describe_error(e)
@@ -142,8 +159,11 @@ class ProducerLink(ABC):
         if delta == "applied" and checksum is not None:
             # The producer's checksum covers the chunk's new bytes: a held
             # copy that was not the delta's base (whatever its stored
-            # checksum said) does not rebuild them.
-            rebuilt = proven if proven is not None else payload_checksum(into)
+            # checksum said) does not rebuild them. (A delta for the served
+            # tensors is unwritten yet: its checksum is proven or nothing.)
+            rebuilt = proven
+            if rebuilt is None and in_place is None:
+                rebuilt = payload_checksum(into)
             if rebuilt != checksum:
                 assert held is not None
                 forget_rebuilt(held)
@@ -158,10 +178,11 @@ class ProducerLink(ABC):
             assert offered.delta is not None
             read = offered.delta.nbytes
         else:
+            in_place = None
             offered.read_into(into)
             read = chunk.nbytes
         self._read_done(chunk.seq)
-        return Pulled(checksum, read, delta)
+        return Pulled(checksum, read, delta, in_place)
 
     @abstractmethod
     def _request_pull(self, chunk: PullChunk, next_chunk: PullChunk | None) -> Offered:

@@ -79,6 +79,7 @@ from vllm.distributed.weight_transfer.plan.worker_plan import (
     WorkerPlan,
 )
 from vllm.distributed.weight_transfer.pull.chunks import PullPlan
+from vllm.distributed.weight_transfer.quant.values import is_checked
 
 
 class ModuleSteps(Protocol):
@@ -231,6 +232,8 @@ class ChunkLander:
         self.batched = 0
         # Per chunk asked about: its read-back sources, or None (unreadable).
         self._read_back: dict[int, list[tuple[_Landing, torch.Tensor]] | None] = {}
+        # Per chunk asked about: its served pieces, or None (not writable there).
+        self._pieces: dict[int, list[tuple[int, torch.Tensor]] | None] = {}
         self._materialized: set[str] = set()
         self._before_first_module: Callable[[], None] | None = None
         self.processed: list[str] = []
@@ -435,6 +438,42 @@ class ChunkLander:
             end = landing.offset + landing.copy.slice.nbytes
         if end < into.numel():
             into[end:].zero_()
+
+    def pieces(self, index: int) -> list[tuple[int, torch.Tensor]] | None:
+        """Chunk ``index``'s slices as they lie in the served tensors,
+        ``(byte offset in the chunk, flat uint8 view)`` in offset order, when
+        a change to the chunk's bytes may be written there instead of landing
+        the chunk: it can be read back, each slice lands in exactly one
+        place, by a copy that keeps its bytes, into a contiguous view, nothing
+        of the chunk is reloaded, and no slice holds values the landing
+        checks (scales, codes). Else None. Found once per chunk."""
+        if index in self._pieces:
+            return self._pieces[index]
+        sources = self._read_back_sources(index)
+        pieces = None
+        if sources is not None and not self._reloaded[index]:
+            offsets = [x.offset for x in self._direct[index]]
+            if len(offsets) == len(set(offsets)) and not any(
+                is_checked(landing.copy.slice.source, view.dtype)
+                or not view.is_contiguous()
+                for landing, view in sources
+            ):
+                pieces = [
+                    (landing.offset, view.reshape(-1).view(torch.uint8))
+                    for landing, view in sources
+                ]
+        self._pieces[index] = pieces
+        return pieces
+
+    def land_in_place(self, index: int) -> None:
+        """Chunk ``index`` was written straight into its `pieces`: run what
+        landing it would run besides its copies (the processing of the
+        modules its group completes)."""
+        if self.pieces(index) is None:
+            raise ValueError(f"chunk {index} has no pieces to have been written in")
+        for module_name in self._completes_after.get(index, ()):
+            self.steps.process(module_name)
+            self.processed.append(module_name)
 
     def has_direct(self, index: int) -> bool:
         """Whether chunk ``index`` holds a direct copy."""

@@ -35,11 +35,13 @@ LandChunk = Callable[[int, torch.Tensor, Pulled, dict[str, float]], None]
 @dataclass
 class DeltaCounts:
     """One sync's pulls seen as deltas: bytes read from the producers, the
-    chunks that arrived as deltas, and those whose offered delta was refused
+    chunks that arrived as deltas (and of those, the ones written straight
+    into the served tensors), and those whose offered delta was refused
     (the whole chunk was read instead; the first reason is kept and logged)."""
 
     read_bytes: int = 0
     applied: int = 0
+    in_place: int = 0
     refused: int = 0
     first_refusal: str | None = None
 
@@ -47,6 +49,7 @@ class DeltaCounts:
         self.read_bytes += result.read_bytes
         if result.delta == "applied":
             self.applied += 1
+            self.in_place += result.in_place is not None
         elif result.delta is not None:
             self.refused += 1
             if self.first_refusal is None:
@@ -61,6 +64,7 @@ class DeltaCounts:
         return {
             "read_bytes": self.read_bytes,
             "delta_chunks": self.applied,
+            "delta_in_place": self.in_place,
             "delta_refused": self.refused,
             "delta_first_refusal": self.first_refusal,
             "delta_bases_bytes": held.used_bytes if held is not None else 0,

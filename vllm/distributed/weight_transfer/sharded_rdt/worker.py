@@ -68,6 +68,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -472,6 +473,10 @@ class ShardedRDTWeightTransferEngine(
         assert self.pulls is not None
         header = self.pub.header
         deltas = DeltaCounts()
+        if self._held is not None:
+            # A delta to bytes read back from the served tensors is written
+            # there too, unless this sync lands in staging.
+            self._held.write_served = not isinstance(session, StagedUpdate)
         try:
             pulled, timing = run_pulls(
                 self.pulls.chunks,
@@ -542,33 +547,51 @@ class ShardedRDTWeightTransferEngine(
         chunk = self.pulls.chunks[index]
         pub = self.pub
         checksum = result.checksum
+        # A delta checked against the served bytes and still to be written
+        # there: ``data`` holds only the delta, and the checksum of the
+        # chunk's new bytes is proven (`delta_in_place`).
+        in_place = result.in_place
         deltas.count(result, f"chunk seq {chunk.seq} from producer {chunk.producer}")
         pub.check_payload(
             f"chunk seq {chunk.seq} (group {chunk.group}) from producer "
             f"{chunk.producer}",
             checksum,
             data,
+            proven=in_place.checksum if in_place is not None else None,
         )
         slices = [p.spec for p in chunk.slices if p.spec.nbytes]
         for spec in slices:
             pub.admit_slice(spec.source, None, spec.nbytes)
-        # Scales and float8 codes hold what a quantizer gives, or nothing lands.
-        refuse_bad_values(packed_values(chunk.slices, data), f"chunk seq {chunk.seq}")
+        # Scales and float8 codes hold what a quantizer gives, or nothing
+        # lands. (A chunk written in place holds none: `ChunkLander.pieces`.)
+        if in_place is None:
+            refuse_bad_values(
+                packed_values(chunk.slices, data), f"chunk seq {chunk.seq}"
+            )
         if not isinstance(session, StagedUpdate):
             # (The engine's own session may already be detached by a finish
             # that waits for this background pull: decide by this one.)
             self._mark_landed()
         t0 = time.perf_counter()
         if isinstance(session, StagedUpdate):
+            if in_place is not None:
+                raise RuntimeError(
+                    f"chunk seq {chunk.seq}: a delta for the served tensors "
+                    "arrived in a staged sync"
+                )
             staged = session.stage(data, f"chunk seq {chunk.seq}")
             session.defer(lambda _landing: lander.land(index, staged))
-        elif pub.record is not None:
-            with pub.record.phase("load"):
-                lander.land(index, data, reused=True)
         else:
-            lander.land(index, data, reused=True)
+            record = pub.record
+            with record.phase("load") if record is not None else nullcontext():
+                if in_place is not None:
+                    in_place.write()
+                    lander.land_in_place(index)
+                else:
+                    lander.land(index, data, reused=True)
         if (
             checksum is not None
+            and in_place is None
             and not isinstance(session, StagedUpdate)
             and lander.has_direct(index)
             and bool(lander.direct_differs(index, data))
@@ -650,3 +673,7 @@ class _ServedChunks:
         if lander is None:
             raise ValueError("no lander: init_weight_transfer_engine was released")
         lander.read_back(index, into)
+
+    def pieces(self, index: int) -> list[tuple[int, torch.Tensor]] | None:
+        lander = self._lander()
+        return lander.pieces(index) if lander is not None else None

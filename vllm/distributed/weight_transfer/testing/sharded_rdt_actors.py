@@ -278,16 +278,23 @@ def _fence_status(worker: Any) -> dict[str, Any]:
 
 
 def _fail_on_chunk(worker: Any, index: int) -> None:
+    """Landing chunk ``index`` raises once, whether it lands from the receive
+    buffer or was written straight into the served tensors (a delta)."""
     lander = worker.weight_transfer_engine._lander
-    land = lander.land
+    originals = {name: getattr(lander, name) for name in ("land", "land_in_place")}
 
-    def failing_land(i: int, data: torch.Tensor, **kwargs: Any) -> None:
-        if i == index:
-            lander.land = land  # one failure only
-            raise RuntimeError(f"injected worker failure at chunk {i}")
-        land(i, data, **kwargs)
+    def failing(name: str) -> Any:
+        def call(i: int, *args: Any, **kwargs: Any) -> None:
+            if i == index:
+                for original, method in originals.items():  # one failure only
+                    setattr(lander, original, method)
+                raise RuntimeError(f"injected worker failure at chunk {i}")
+            originals[name](i, *args, **kwargs)
 
-    lander.land = failing_land
+        return call
+
+    for name in originals:
+        setattr(lander, name, failing(name))
 
 
 def _engine_finish_error(worker: Any) -> str | None:
