@@ -100,52 +100,76 @@ def payload_checksum(buf: torch.Tensor, *, chunk_bytes: int | None = None) -> st
             f"{_ROW_BYTES}"
         )
     n = buf.numel()
-    device = buf.device
-    # Column 0 sums a row, column 1 weights each word by its position in it.
-    weights = torch.stack(
-        [
-            torch.ones(_ROW_WORDS, dtype=torch.float64, device=device),
-            torch.arange(1, _ROW_WORDS + 1, dtype=torch.float64, device=device),
-        ],
-        dim=1,
+    sums = _RowSums(buf.device, min(chunk_bytes, _round_up(n)))
+    rows = sums.of(buf, chunk_bytes)
+    a, b = _reduce(rows, _row_starts(rows.shape[0], 0, buf.device))
+    return f"{ALGORITHM}:{n}:{a:08x}{b:08x}"
+
+
+class _RowSums:
+    """Per 4 KiB row of a buffer, ``[sum, position-weighted sum]`` of its
+    words (float64, exact), through one float64 scratch of ``scratch_bytes``
+    of words, reused for every chunk of every buffer it is given: fresh
+    allocations per chunk would pay page faults on every pass."""
+
+    def __init__(self, device: torch.device, scratch_bytes: int) -> None:
+        # Column 0 sums a row, column 1 weights each word by its position in it.
+        self.weights = torch.stack(
+            [
+                torch.ones(_ROW_WORDS, dtype=torch.float64, device=device),
+                torch.arange(1, _ROW_WORDS + 1, dtype=torch.float64, device=device),
+            ],
+            dim=1,
+        )
+        self.fused = _FUSED_ROW_SUMS.get(device.type, True)
+        self.scratch = torch.empty(
+            (max(scratch_bytes, _ROW_BYTES) // _ROW_BYTES, _ROW_WORDS),
+            dtype=torch.float64,
+            device=device,
+        )
+
+    def of(self, buf: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
+        """``[rows of buf, 2]``, ``chunk_bytes`` (at most the scratch's size)
+        at a time: one or two kernels per chunk."""
+        n = buf.numel()
+        row_sums = torch.empty(
+            (_round_up(n) // _ROW_BYTES, 2), dtype=torch.float64, device=buf.device
+        )
+        for start in range(0, n, chunk_bytes):
+            words = _as_word_rows(buf[start : start + chunk_bytes])
+            first = start // _ROW_BYTES
+            rows = self.scratch[: words.shape[0]]
+            rows.copy_(words)
+            out = row_sums[first : first + rows.shape[0]]
+            if self.fused:
+                torch.mm(rows, self.weights, out=out)
+            else:
+                out[:, 0] = rows.sum(dim=1)
+                out[:, 1] = torch.mv(rows, self.weights[:, 1])
+        return row_sums
+
+
+def _row_starts(rows: int, first_word: int, device: torch.device) -> torch.Tensor:
+    """The word index each of ``rows`` consecutive rows starts at, the first
+    at ``first_word`` (int64)."""
+    return (
+        torch.arange(rows, dtype=torch.int64, device=device) * _ROW_WORDS + first_word
     )
-    fused = _FUSED_ROW_SUMS.get(device.type, True)
-    # One float64 scratch, reused for every chunk: fresh allocations per chunk
-    # would pay page faults on every pass.
-    scratch = torch.empty(
-        (min(chunk_bytes, _round_up(n)) // _ROW_BYTES, _ROW_WORDS),
-        dtype=torch.float64,
-        device=device,
-    )
-    # Per-row [sum, position-weighted sum]: 16 bytes per 4 KiB row. Filling it
-    # takes one or two kernels per chunk; the modular reduction runs once.
-    row_sums = torch.empty(
-        (_round_up(n) // _ROW_BYTES, 2), dtype=torch.float64, device=device
-    )
-    for start in range(0, n, chunk_bytes):
-        words = _as_word_rows(buf[start : start + chunk_bytes])
-        first = start // _ROW_BYTES
-        rows = scratch[: words.shape[0]]
-        rows.copy_(words)
-        out = row_sums[first : first + rows.shape[0]]
-        if fused:
-            torch.mm(rows, weights, out=out)
-        else:
-            out[:, 0] = rows.sum(dim=1)
-            out[:, 1] = torch.mv(rows, weights[:, 1])
-    del scratch
+
+
+def _reduce(row_sums: torch.Tensor, row_starts: torch.Tensor) -> tuple[int, int]:
+    """``A`` and ``B`` of the rows whose ``[sum, weighted sum]`` are
+    ``row_sums`` and which start at words ``row_starts``: a row starting at
+    word ``k`` contributes its sum to ``A`` and its weighted sum plus ``k``
+    times its sum to ``B``. One synchronization."""
     sums = row_sums.to(torch.int64)  # exact: every value is below 2**51
     row_a = torch.remainder(sums[:, 0], _P)
-    # Row r starts at word r * _ROW_WORDS, so its words contribute
-    # row_b + r * _ROW_WORDS * row_a to B.
-    offset = torch.remainder(
-        torch.arange(sums.shape[0], dtype=torch.int64, device=device) * _ROW_WORDS, _P
-    )
+    offset = torch.remainder(row_starts, _P)
     term_b = torch.remainder(sums[:, 1], _P) + torch.remainder(offset * row_a, _P)
     acc_a = torch.remainder(row_a.sum(), _P)
     acc_b = torch.remainder(term_b.sum(), _P)
     a, b = torch.stack([acc_a, acc_b]).tolist()
-    return f"{ALGORITHM}:{n}:{a:08x}{b:08x}"
+    return a, b
 
 
 def tensor_checksum(t: torch.Tensor, *, chunk_bytes: int | None = None) -> str:
@@ -271,21 +295,37 @@ def pieces_checksum(nbytes: int, pieces: Sequence[tuple[int, torch.Tensor]]) -> 
     four, so that each piece starts a word; a piece whose length is not
     ends in its last word's zero padding, which must be the buffer's zeros
     too: the next piece starts past that word."""
-    total_a = total_b = 0
     end = 0
     for offset, piece in pieces:
         size = piece.numel()
-        if offset % 4 or offset < end or offset + size > nbytes:
+        if (
+            offset % 4
+            or offset < end
+            or offset + size > nbytes
+            or piece.dtype != torch.uint8
+            or piece.dim() != 1
+            or not piece.is_contiguous()
+        ):
             raise ValueError(
-                f"pieces_checksum: a piece of {size} bytes at offset {offset} "
-                f"(the previous one ends at {end}) does not start a word of "
-                f"the {nbytes}-byte buffer after the pieces before it"
+                f"pieces_checksum: a piece of {size} bytes ({piece.dtype}) at "
+                f"offset {offset} (the previous one ends at {end}) does not start "
+                f"a word of the {nbytes}-byte buffer after the pieces before it, "
+                "as a 1-D contiguous uint8 tensor"
             )
-        _, _, a, b = _parse_checksum(payload_checksum(piece))
-        total_a += a
-        total_b += b + (offset // 4) * a
         end = offset + -(-size // 4) * 4
-    return f"{ALGORITHM}:{nbytes}:{total_a % _P:08x}{total_b % _P:08x}"
+    if not any(piece.numel() for _, piece in pieces):
+        return f"{ALGORITHM}:{nbytes}:{0:016x}"
+    device = pieces[0][1].device
+    chunk_bytes = CPU_CHUNK_BYTES if device.type == "cpu" else DEVICE_CHUNK_BYTES
+    largest = max(piece.numel() for _, piece in pieces)
+    sums = _RowSums(device, min(chunk_bytes, _round_up(largest)))
+    rows, starts = [], []
+    for offset, piece in pieces:
+        if piece.numel():
+            rows.append(sums.of(piece, chunk_bytes))
+            starts.append(_row_starts(rows[-1].shape[0], offset // 4, device))
+    a, b = _reduce(torch.cat(rows), torch.cat(starts))
+    return f"{ALGORITHM}:{nbytes}:{a:08x}{b:08x}"
 
 
 def _fold(x: Any) -> Any:
