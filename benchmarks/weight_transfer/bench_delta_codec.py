@@ -19,14 +19,18 @@ Timed, each as the best of ``--reps`` after one warm-up:
 Rates are the chunk's bytes over the time (GB/s); ratios are the time over
 the copy's. Prints a JSON document; ``--out`` writes it too (not by default).
 
-``--rebuild`` (with ``--device cuda``) also times, per change rate, the two
-ways a worker rebuilds a chunk from a delta (``pull/delta_bases.land_delta``,
-the delta already read): from the served tensors (the chunk gathered from 8
-device tensors into its receive buffer, the ``ws1`` checksum of what was
-gathered checked against the delta's base, the values written; no copy kept)
-and from a kept copy in host memory (the delta applied to the host copy with
-its carried checksum, then the chunk copied host to device, as a GPU worker
-whose chunk vLLM processes after loading does).
+``--rebuild`` (with ``--device cuda``) also times, per change rate, the
+three ways a worker uses a delta (``pull/delta_bases``, the delta already
+read): written in place into the served tensors (``delta_in_place``: the
+``ws1`` checksum of the chunk's 8 device tensors taken where they lie and
+checked against the delta's base, the positions split over them, the new
+checksum from the changed values, then the write; no copy kept, no gather,
+no landing copy); rebuilt from the served tensors (``land_delta``: the
+chunk gathered from them into its receive buffer, checksummed there and
+written; no copy kept); and from a kept copy in host memory (the delta
+applied to the host copy with its carried checksum, then the chunk copied
+host to device, as a GPU worker whose chunk vLLM processes after loading
+does).
 
 ``--models 8b,30b`` times the same on the chunks a ``sharded_rdt`` producer
 serves a TP 1 worker of Qwen3-8B or Qwen3-30B-A3B (``--moe-layers`` of its
@@ -133,6 +137,7 @@ def time_rebuild(nbytes: int, rates: list[float], reps: int, device) -> list[dic
     from vllm.distributed.weight_transfer.pull.delta_bases import (
         OfferedDelta,
         ServedBytes,
+        delta_in_place,
         land_delta,
     )
 
@@ -141,6 +146,11 @@ def time_rebuild(nbytes: int, rates: list[float], reps: int, device) -> list[dic
     base = host_base.to(device)
     digest = payload_checksum(base)
     served = [piece.clone() for piece in base.chunk(8)]
+    pieces = []
+    offset = 0
+    for piece in served:
+        pieces.append((offset, piece))
+        offset += piece.numel()
     into = torch.empty_like(base)
     host_copy = host_base.clone()
 
@@ -177,8 +187,27 @@ def time_rebuild(nbytes: int, rates: list[float], reps: int, device) -> list[dic
         host_s = best_s(from_host, reps)
         assert torch.equal(into, new), "the rebuild from a host copy is not exact"
         host_copy.copy_(host_base)
+        held = ServedBytes(0, gather, pieces=pieces)
+
+        def check(offered: OfferedDelta = offered, held: Any = held) -> Any:
+            # (As the other two: no checksum of the new bytes asked for.)
+            return delta_in_place(offered, into, held, checksum=False)
+
+        check_s = best_s(check, reps)
+        plan = check()
+        write_s = best_s(plan.write, reps)  # (the same values again: idempotent)
+        assert torch.equal(torch.cat(served), new), "the in-place write is not exact"
+        for piece, original in zip(served, base.chunk(8), strict=True):
+            piece.copy_(original)
         rows.append(
-            {"rate": rate, "rebuild_served_s": served_s, "rebuild_host_s": host_s}
+            {
+                "rate": rate,
+                "rebuild_served_s": served_s,
+                "rebuild_host_s": host_s,
+                "in_place_s": check_s + write_s,
+                "in_place_check_s": check_s,
+                "in_place_write_s": write_s,
+            }
         )
         del new, delta
     return rows
@@ -323,7 +352,9 @@ def main() -> None:
     ap.add_argument("--moe-layers", type=int, default=0, help="0: all 48")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument(
-        "--rebuild", action="store_true", help="also time a worker's two rebuilds"
+        "--rebuild",
+        action="store_true",
+        help="also time a worker's three uses of a delta",
     )
     args = ap.parse_args()
     if args.threads:
@@ -354,7 +385,9 @@ def main() -> None:
                     f"{row['rebuild_served_s'] * 1e3:7.2f} ms "
                     f"({row['rebuild_served_s'] / one['copy_s']:5.2f}x copy), from a "
                     f"host copy {row['rebuild_host_s'] * 1e3:7.2f} ms "
-                    f"({row['rebuild_host_s'] / one['copy_s']:5.2f}x copy)"
+                    f"({row['rebuild_host_s'] / one['copy_s']:5.2f}x copy), in "
+                    f"place {row['in_place_s'] * 1e3:7.2f} ms "
+                    f"({row['in_place_s'] / one['copy_s']:5.2f}x copy)"
                 )
     emit_json(rounded(doc, 6), args.out)
 
