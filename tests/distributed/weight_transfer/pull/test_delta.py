@@ -3,6 +3,8 @@
 """The chunk delta codec: exact round trips, the whole-or-delta rule, and every
 refusal leaving the target byte for byte unchanged."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -511,11 +513,12 @@ def test_a_delta_written_into_pieces_equals_one_applied_to_the_whole_chunk(
     unproven = delta_mod.delta_for_pieces(
         [(o, p.clone()) for o, p in pieces],
         delta,
+        nbytes=4096,
         held_version=5,
         checksum_after=False,
     )
     assert unproven.checksum is None
-    plan = delta_mod.delta_for_pieces(pieces, delta, held_version=5)
+    plan = delta_mod.delta_for_pieces(pieces, delta, nbytes=4096, held_version=5)
     # Checked and split, nothing written yet; the checksum is the new bytes'.
     assert torch.equal(_laid_out(pieces), base)
     assert plan.checksum == payload_checksum(new)
@@ -531,10 +534,10 @@ def test_pieces_that_are_not_the_base_or_a_position_in_the_padding_are_refused()
     # A byte of a piece changed out of band: its checksum is not the base's.
     pieces[2][1][7] ^= 4
     with pytest.raises(DeltaBaseMismatch, match="delta.base_digest"):
-        delta_mod.delta_for_pieces(pieces, delta, held_version=5)
+        delta_mod.delta_for_pieces(pieces, delta, nbytes=4096, held_version=5)
     pieces[2][1][7] ^= 4
     with pytest.raises(DeltaBaseMismatch, match="delta.base_version"):
-        delta_mod.delta_for_pieces(pieces, delta, held_version=4)
+        delta_mod.delta_for_pieces(pieces, delta, nbytes=4096, held_version=4)
     # A position in the padding between pieces (bytes 1006-1007 are padding:
     # element 503), with a digest that matches: refused, naming it.
     bad = ChunkDelta(
@@ -548,7 +551,15 @@ def test_pieces_that_are_not_the_base_or_a_position_in_the_padding_are_refused()
     with pytest.raises(
         ValueError, match=r"delta.positions holds position 503 .*padding"
     ):
-        delta_mod.delta_for_pieces(pieces, bad, held_version=5)
+        delta_mod.delta_for_pieces(pieces, bad, nbytes=4096, held_version=5)
+    # A size other than the chunk's, its digest made to agree: refused, named.
+    longer = dataclasses.replace(
+        delta,
+        nbytes=4112,
+        base_digest=delta.base_digest.replace("ws1:4096:", "ws1:4112:"),
+    )
+    with pytest.raises(ValueError, match="delta.nbytes is 4112"):
+        delta_mod.delta_for_pieces(pieces, longer, nbytes=4096, held_version=5)
     assert torch.equal(_laid_out(pieces), laid_out)
 
 
@@ -564,4 +575,4 @@ def test_pieces_must_start_words_and_lie_in_order():
         [1], [7], nbytes=64, digest=payload_checksum(torch.zeros(64, dtype=torch.uint8))
     )
     with pytest.raises(ValueError, match="not a contiguous"):
-        delta_mod.delta_for_pieces([(2, piece)], delta, held_version=3)
+        delta_mod.delta_for_pieces([(2, piece)], delta, nbytes=64, held_version=3)

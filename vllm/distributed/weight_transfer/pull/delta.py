@@ -534,19 +534,24 @@ def delta_for_pieces(
     pieces: list[tuple[int, torch.Tensor]],
     delta: ChunkDelta,
     *,
+    nbytes: int,
     held_version: int,
     checksum_after: bool = True,
 ) -> PiecesWrite:
-    """``delta`` checked against a chunk whose bytes are not in one buffer
-    but in ``pieces`` (``(byte offset in the chunk, 1-D contiguous uint8
-    tensor)``, in offset order; the bytes between and after them are the
-    chunk's zero padding), and split over them, ready to write
+    """``delta`` checked against a chunk of ``nbytes`` bytes which are not in
+    one buffer but in ``pieces`` (``(byte offset in the chunk, 1-D
+    contiguous uint8 tensor)``, in offset order; the bytes between and after
+    them are the chunk's zero padding), and split over them, ready to write
     (`PiecesWrite.write`). Everything ``apply_delta`` checks is checked
     here, the base's checksum taken from the pieces themselves; a position
     in the padding is refused too (a producer packs zeros there). Nothing is
     written. ``checksum_after``: the result's ``checksum`` is the chunk's
     ``ws1`` after the write, from the base's and the changed elements."""
     _check_structure(delta)
+    if delta.nbytes != nbytes:
+        raise ValueError(
+            f"delta.nbytes is {delta.nbytes} but the target chunk has {nbytes} bytes"
+        )
     unit = delta.unit
     for offset, piece in pieces:
         if (

@@ -397,8 +397,9 @@ def delta_in_place(
     (``held.pieces``: their checksum taken where they lie, every position
     inside a slice) and ready to write into them (`PiecesWrite.write`), which
     the landing does after its own checks; nothing is written here. The
-    delta's bytes are read into ``scratch`` (the chunk's receive buffer),
-    which must stay untouched until the write. ``checksum``: the result
+    delta's bytes are read into ``scratch`` (the chunk's receive buffer, of
+    the chunk's size), which must stay untouched until the write; a delta
+    for a chunk of another size is refused. ``checksum``: the result
     carries the chunk's ``ws1`` after the write (from the base's and the
     changed elements: proven). ``ValueError`` (a ``DeltaBaseMismatch`` when
     the served bytes are not the delta's base) leaves the caller to read
@@ -407,7 +408,11 @@ def delta_in_place(
         raise ValueError("delta_in_place: the served bytes have no pieces")
     delta = _read_delta(offered, scratch, held.version)
     return delta_for_pieces(
-        held.pieces, delta, held_version=held.version, checksum_after=checksum
+        held.pieces,
+        delta,
+        nbytes=scratch.numel(),
+        held_version=held.version,
+        checksum_after=checksum,
     )
 
 
